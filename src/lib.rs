@@ -1,0 +1,1 @@
+//! Keyed debounce, throttle, rate limiting and idempotency.

@@ -1,0 +1,1 @@
+//! OTP-style machinery for short-lived per-key processes.
