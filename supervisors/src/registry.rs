@@ -1,0 +1,299 @@
+//! A keyed registry of per-key slots with generation stamps.
+//!
+//! The registry owns each key's state; a per-key process only owns time and
+//! work. Every operation is synchronous and runs under one shard lock, so it
+//! can never be held across an `.await`.
+
+use std::borrow::Borrow;
+use std::hash::Hash;
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use dashmap::DashMap;
+use dashmap::mapref::entry::Entry;
+
+use crate::stats::Counters;
+use crate::sweeper::Sweeper;
+
+/// Identifies one incarnation of a key's slot.
+///
+/// A slot removed and created again for the same key gets a new generation,
+/// so a process of the old incarnation can never remove its successor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Generation(u64);
+
+impl Generation {
+    /// The raw number, unique within one registry.
+    #[must_use]
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// The cap on tracked keys was reached; nothing was inserted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("registry is full: {cap} keys tracked")]
+pub struct CapacityError {
+    /// The cap in force.
+    pub cap: usize,
+}
+
+/// One key's slot: its generation and the state the registry owns for it.
+#[derive(Debug)]
+pub struct Slot<S> {
+    generation: Generation,
+    /// The key's state.
+    pub state: S,
+}
+
+impl<S> Slot<S> {
+    /// The incarnation this slot belongs to.
+    #[must_use]
+    pub fn generation(&self) -> Generation {
+        self.generation
+    }
+}
+
+/// A key's slot as found by [`Registry::update`].
+#[derive(Debug)]
+pub enum SlotEntry<'a, K, S> {
+    /// The key is tracked.
+    Occupied(&'a mut Slot<S>),
+    /// The key is not tracked; [`VacantSlot::insert`] starts tracking it.
+    Vacant(VacantSlot<'a, K, S>),
+}
+
+/// A key that is not tracked, locked until this value drops.
+pub struct VacantSlot<'a, K, S> {
+    entry: dashmap::mapref::entry::VacantEntry<'a, K, Slot<S>>,
+    shared: &'a Shared,
+}
+
+/// A slot held under its shard lock.
+pub struct SlotGuard<'a, K, S> {
+    inner: dashmap::mapref::one::RefMut<'a, K, Slot<S>>,
+}
+
+impl<K: Eq + Hash, S> Deref for SlotGuard<'_, K, S> {
+    type Target = Slot<S>;
+    fn deref(&self) -> &Slot<S> {
+        &self.inner
+    }
+}
+
+impl<K: Eq + Hash, S> DerefMut for SlotGuard<'_, K, S> {
+    fn deref_mut(&mut self) -> &mut Slot<S> {
+        &mut self.inner
+    }
+}
+
+impl<'a, K: Eq + Hash + Clone, S> VacantSlot<'a, K, S> {
+    /// Starts tracking the key with `state`, stamping a fresh generation.
+    ///
+    /// # Errors
+    ///
+    /// [`CapacityError`] when the runtime already tracks its cap of keys.
+    pub fn insert(self, state: S) -> Result<SlotGuard<'a, K, S>, CapacityError> {
+        if !self.shared.counters.key_added(self.shared.cap) {
+            return Err(CapacityError {
+                cap: self.shared.cap,
+            });
+        }
+        if self.shared.len.fetch_add(1, Ordering::AcqRel) == 0 {
+            if let Some(sweeper) = &self.shared.sweeper {
+                sweeper.kick();
+            }
+        }
+        let generation = Generation(self.shared.next_generation.fetch_add(1, Ordering::Relaxed));
+        let inner = self.entry.insert(Slot { generation, state });
+        Ok(SlotGuard { inner })
+    }
+
+    /// The key that would be inserted.
+    pub fn key(&self) -> &K {
+        self.entry.key()
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    counters: Arc<Counters>,
+    sweeper: Option<Sweeper>,
+    cap: usize,
+    len: AtomicUsize,
+    next_generation: AtomicU64,
+}
+
+/// A concurrent map from key to [`Slot`], one per runtime instance.
+///
+/// Never a process-global name table: two registries never see each other's
+/// keys. Keys count against a cap shared through [`Counters`].
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use throttlebeam_supervisors::{Counters, Registry, SlotEntry};
+///
+/// let counters = Arc::new(Counters::new());
+/// let registry: Registry<String, u32> = Registry::new(counters.clone(), usize::MAX);
+/// let generation = registry
+///     .update("a", |slot| match slot {
+///         SlotEntry::Occupied(slot) => slot.generation(),
+///         SlotEntry::Vacant(vacant) => vacant.insert(1).unwrap().generation(),
+///     });
+/// assert_eq!(registry.len(), 1);
+/// // Only the incarnation that owns the slot may remove it.
+/// assert!(registry.remove_if("a", generation, |n| *n == 1).is_some());
+/// assert_eq!(counters.keys(), 0);
+/// ```
+pub struct Registry<K, S> {
+    map: DashMap<K, Slot<S>, ahash::RandomState>,
+    shared: Shared,
+}
+
+impl<K: Eq + Hash + Clone, S> Registry<K, S> {
+    /// Creates an empty registry counting its keys in `counters`, refusing
+    /// new keys once `counters` holds `cap` keys.
+    #[must_use]
+    pub fn new(counters: Arc<Counters>, cap: usize) -> Self {
+        Self {
+            map: DashMap::with_hasher(ahash::RandomState::new()),
+            shared: Shared {
+                counters,
+                cap,
+                len: AtomicUsize::new(0),
+                next_generation: AtomicU64::new(1),
+                sweeper: None,
+            },
+        }
+    }
+
+    /// Like [`Registry::new`], and kicks `sweeper` whenever the registry goes
+    /// from empty to holding a key, for registries whose slots expire.
+    #[must_use]
+    pub fn with_sweeper(counters: Arc<Counters>, cap: usize, sweeper: &Sweeper) -> Self {
+        let mut registry = Self::new(counters, cap);
+        registry.shared.sweeper = Some(sweeper.clone());
+        registry
+    }
+
+    /// Keys tracked by this registry.
+    pub fn len(&self) -> usize {
+        self.shared.len.load(Ordering::Acquire)
+    }
+
+    /// Whether no key is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Runs `f` on the key's slot under its shard lock, race-free: either the
+    /// live slot or a vacancy that `f` may fill.
+    ///
+    /// The owned key is built from `key` only when the key is missing.
+    pub fn update<Q, R>(&self, key: &Q, f: impl FnOnce(SlotEntry<'_, K, S>) -> R) -> R
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized + ToOwned,
+        Q::Owned: Into<K>,
+    {
+        if let Some(mut slot) = self.map.get_mut(key) {
+            return f(SlotEntry::Occupied(&mut slot));
+        }
+        match self.map.entry(key.to_owned().into()) {
+            Entry::Occupied(mut occupied) => f(SlotEntry::Occupied(occupied.get_mut())),
+            Entry::Vacant(entry) => f(SlotEntry::Vacant(VacantSlot {
+                entry,
+                shared: &self.shared,
+            })),
+        }
+    }
+
+    /// Runs `f` on the key's live slot, if any, without creating one.
+    pub fn with_slot<Q, R>(&self, key: &Q, f: impl FnOnce(&mut Slot<S>) -> R) -> Option<R>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.map.get_mut(key).map(|mut slot| f(&mut slot))
+    }
+
+    /// Compare-and-remove: removes the slot only if it is still incarnation
+    /// `generation` and `pred` holds, returning its state.
+    ///
+    /// A process exiting on idle calls this; if it fails, a caller arrived
+    /// and the process must stay.
+    pub fn remove_if<Q>(
+        &self,
+        key: &Q,
+        generation: Generation,
+        pred: impl FnOnce(&S) -> bool,
+    ) -> Option<S>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let (_, slot) = self
+            .map
+            .remove_if(key, |_, slot| slot.generation == generation && pred(&slot.state))?;
+        self.forget(1);
+        Some(slot.state)
+    }
+
+    /// Keeps only the slots for which `keep` returns true.
+    pub fn retain(&self, mut keep: impl FnMut(&K, &mut S) -> bool) -> usize {
+        let mut removed = 0;
+        self.map.retain(|key, slot| {
+            let kept = keep(key, &mut slot.state);
+            removed += usize::from(!kept);
+            kept
+        });
+        self.forget(removed);
+        self.len()
+    }
+
+    /// Removes every slot, returning their states.
+    pub fn drain(&self) -> Vec<(K, S)> {
+        let keys: Vec<K> = self.map.iter().map(|e| e.key().clone()).collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            if let Some((key, slot)) = self.map.remove(&key) {
+                self.forget(1);
+                out.push((key, slot.state));
+            }
+        }
+        out
+    }
+
+    fn forget(&self, n: usize) {
+        if n > 0 {
+            self.shared.len.fetch_sub(n, Ordering::AcqRel);
+            self.shared.counters.keys_removed(n);
+        }
+    }
+}
+
+impl<K, S> std::fmt::Debug for VacantSlot<'_, K, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VacantSlot").finish_non_exhaustive()
+    }
+}
+
+impl<K: Eq + Hash, S> std::fmt::Debug for SlotGuard<'_, K, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotGuard")
+            .field("generation", &self.inner.generation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K, S> std::fmt::Debug for Registry<K, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("len", &self.shared.len.load(Ordering::Relaxed))
+            .field("cap", &self.shared.cap)
+            .finish_non_exhaustive()
+    }
+}

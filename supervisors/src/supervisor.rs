@@ -1,0 +1,189 @@
+//! Partitioned dynamic supervision of temporary per-key processes.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+
+use ractor::ActorRef;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::panic::{Panic, catch_panic};
+
+/// Why a process could not be started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The supervisor is shutting down and accepts no new processes.
+    #[error("supervisor is shut down")]
+    ShutDown,
+    /// The caller is not inside a tokio runtime.
+    #[error("no tokio runtime: call from inside a tokio runtime")]
+    NoRuntime,
+}
+
+/// Messages a partition's ractor actor receives about its children.
+#[derive(Debug)]
+pub(crate) enum PartitionMsg {
+    /// A child process panicked outside the code that guards user functions.
+    ChildPanicked(Panic),
+}
+
+#[derive(Debug, Default)]
+struct Partition {
+    live: AtomicUsize,
+    idle: Notify,
+    actor: RwLock<Option<ActorRef<PartitionMsg>>>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    partitions: Box<[Partition]>,
+    closed: AtomicBool,
+}
+
+/// A dynamic supervisor split into partitions, so starting a process never
+/// funnels through one mailbox.
+///
+/// Children are temporary: each is one tokio task that runs until its key is
+/// idle and is never restarted; the next call for the key starts a new one.
+/// A child's panic is caught and reported to its partition's actor; it never
+/// reaches the caller or the host.
+///
+/// # Examples
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+/// use throttlebeam_supervisors::Supervisor;
+///
+/// let supervisor = Supervisor::new(2);
+/// let (tx, rx) = tokio::sync::oneshot::channel();
+/// supervisor.start_child(7, async move { tx.send(42).unwrap() }).unwrap();
+/// assert_eq!(rx.await.unwrap(), 42);
+/// let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
+/// assert_eq!(supervisor.shutdown(deadline).await, 0);
+/// # });
+/// ```
+#[derive(Debug, Clone)]
+pub struct Supervisor {
+    inner: Arc<Inner>,
+}
+
+struct ChildGuard {
+    inner: Arc<Inner>,
+    index: usize,
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let partition = &self.inner.partitions[self.index];
+        if partition.live.fetch_sub(1, Ordering::SeqCst) == 1 {
+            partition.idle.notify_waiters();
+        }
+    }
+}
+
+impl Supervisor {
+    /// Creates a supervisor with `partitions` partitions (at least one).
+    #[must_use]
+    pub fn new(partitions: usize) -> Self {
+        let partitions = (0..partitions.max(1)).map(|_| Partition::default()).collect();
+        Self {
+            inner: Arc::new(Inner {
+                partitions,
+                closed: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Number of partitions.
+    #[must_use]
+    pub fn partitions(&self) -> usize {
+        self.inner.partitions.len()
+    }
+
+    /// Starts `process` as a temporary child in the partition chosen by
+    /// `route` (a hash of its key).
+    ///
+    /// # Errors
+    ///
+    /// [`StartError::ShutDown`] once [`Supervisor::shutdown`] began, and
+    /// [`StartError::NoRuntime`] outside a tokio runtime. `process` is dropped
+    /// unpolled in both cases.
+    pub fn start_child<F>(&self, route: u64, process: F) -> Result<(), StartError>
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| StartError::NoRuntime)?;
+        let index = (route % self.inner.partitions.len() as u64) as usize;
+        let partition = &self.inner.partitions[index];
+        // Count first, then check: shutdown closes first, then waits for zero.
+        partition.live.fetch_add(1, Ordering::SeqCst);
+        let guard = ChildGuard {
+            inner: Arc::clone(&self.inner),
+            index,
+        };
+        if self.inner.closed.load(Ordering::SeqCst) {
+            return Err(StartError::ShutDown);
+        }
+        handle.spawn(async move {
+            let guard = guard;
+            if let Err(panic) = catch_panic(process).await {
+                let partition = &guard.inner.partitions[guard.index];
+                let actor = partition.actor.read().ok().and_then(|a| a.clone());
+                match actor {
+                    Some(actor) => {
+                        let _ = actor.cast(PartitionMsg::ChildPanicked(panic));
+                    }
+                    None => tracing::error!(%panic, "per-key process panicked"),
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Processes alive now, over all partitions.
+    #[must_use]
+    pub fn live(&self) -> usize {
+        self.inner
+            .partitions
+            .iter()
+            .map(|p| p.live.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Whether [`Supervisor::shutdown`] has begun.
+    #[must_use]
+    pub fn is_shut_down(&self) -> bool {
+        self.inner.closed.load(Ordering::SeqCst)
+    }
+
+    /// Stops accepting children and waits until every child has exited or
+    /// `deadline` passes. Children are never cancelled; returns how many were
+    /// still running at the deadline. Calling it again is harmless.
+    pub async fn shutdown(&self, deadline: Instant) -> usize {
+        self.inner.closed.store(true, Ordering::SeqCst);
+        for partition in self.inner.partitions.iter() {
+            loop {
+                let notified = partition.idle.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if partition.live.load(Ordering::SeqCst) == 0 {
+                    break;
+                }
+                if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                    break;
+                }
+            }
+        }
+        self.live()
+    }
+
+    pub(crate) fn attach(&self, index: usize, actor: Option<ActorRef<PartitionMsg>>) {
+        if let Some(partition) = self.inner.partitions.get(index) {
+            if let Ok(mut slot) = partition.actor.write() {
+                *slot = actor;
+            }
+        }
+    }
+}

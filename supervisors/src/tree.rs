@@ -1,0 +1,345 @@
+//! The supervision tree: a ractor root with partition actors and a sweeper.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
+use tokio::time::Instant;
+
+use crate::stats::{Counters, Snapshot};
+use crate::supervisor::{PartitionMsg, Supervisor};
+use crate::sweeper::{SweepMsg, Sweeper};
+
+/// How a [`Tree`] is built.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct TreeConfig {
+    /// Partitions of the per-key supervisor (default: tokio worker threads).
+    pub partitions: usize,
+    /// Sweep interval of the TTL sweeper (default 60 s).
+    pub sweep_interval: Duration,
+    /// Restarts of infrastructure children tolerated within
+    /// `restart_window` before the root itself fails (default 3).
+    pub max_restarts: usize,
+    /// The window for `max_restarts` (default 5 s).
+    pub restart_window: Duration,
+}
+
+impl Default for TreeConfig {
+    fn default() -> Self {
+        let partitions = tokio::runtime::Handle::try_current()
+            .map(|h| h.metrics().num_workers())
+            .unwrap_or(1);
+        Self {
+            partitions,
+            sweep_interval: Duration::from_secs(60),
+            max_restarts: 3,
+            restart_window: Duration::from_secs(5),
+        }
+    }
+}
+
+impl TreeConfig {
+    /// Sets the sweep interval.
+    #[must_use]
+    pub fn with_sweep_interval(mut self, interval: Duration) -> Self {
+        self.sweep_interval = interval;
+        self
+    }
+
+    /// Sets the number of supervisor partitions.
+    #[must_use]
+    pub fn with_partitions(mut self, partitions: usize) -> Self {
+        self.partitions = partitions.max(1);
+        self
+    }
+
+    /// Sets the restart intensity of infrastructure children.
+    #[must_use]
+    pub fn with_restart_intensity(mut self, max_restarts: usize, window: Duration) -> Self {
+        self.max_restarts = max_restarts;
+        self.restart_window = window;
+        self
+    }
+}
+
+/// The tree could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("supervision tree failed to start")]
+pub struct StartTreeError(#[source] ractor::SpawnErr);
+
+/// A running supervision tree: root actor, one actor per supervisor
+/// partition, and the sweeper, all linked under the root.
+///
+/// Infrastructure children (partitions, sweeper) are restarted by the root
+/// within a restart intensity; past it the root fails, and a host that
+/// started the tree with [`Tree::start_linked`] receives that failure as a
+/// supervision event. Per-key processes are not ractor actors: they are
+/// temporary tasks of the [`Supervisor`], so their crashes never reach the
+/// root or the host.
+#[derive(Debug, Clone)]
+pub struct Tree {
+    root: ActorRef<RootMsg>,
+    supervisor: Supervisor,
+    sweeper: Sweeper,
+    counters: Arc<Counters>,
+}
+
+impl Tree {
+    /// Starts an unlinked tree.
+    ///
+    /// # Errors
+    ///
+    /// [`StartTreeError`] when an actor fails to start.
+    pub async fn start(config: TreeConfig, counters: Arc<Counters>) -> Result<Self, StartTreeError> {
+        Self::spawn(config, counters, None).await
+    }
+
+    /// Starts the tree linked under a host's supervisor actor.
+    ///
+    /// # Errors
+    ///
+    /// [`StartTreeError`] when an actor fails to start.
+    pub async fn start_linked(
+        config: TreeConfig,
+        counters: Arc<Counters>,
+        host: ActorCell,
+    ) -> Result<Self, StartTreeError> {
+        Self::spawn(config, counters, Some(host)).await
+    }
+
+    async fn spawn(
+        config: TreeConfig,
+        counters: Arc<Counters>,
+        host: Option<ActorCell>,
+    ) -> Result<Self, StartTreeError> {
+        let supervisor = Supervisor::new(config.partitions);
+        let sweeper = Sweeper::new(config.sweep_interval, Arc::clone(&counters));
+        let root = Root {
+            supervisor: supervisor.clone(),
+            sweeper: sweeper.clone(),
+            config,
+        };
+        let (root, _join) = match host {
+            Some(host) => Actor::spawn_linked(None, root, (), host).await,
+            None => Actor::spawn(None, root, ()).await,
+        }
+        .map_err(StartTreeError)?;
+        Ok(Self {
+            root,
+            supervisor,
+            sweeper,
+            counters,
+        })
+    }
+
+    /// The per-key supervisor.
+    #[must_use]
+    pub fn supervisor(&self) -> &Supervisor {
+        &self.supervisor
+    }
+
+    /// The sweeper.
+    #[must_use]
+    pub fn sweeper(&self) -> &Sweeper {
+        &self.sweeper
+    }
+
+    /// The counters shared by everything in this tree.
+    #[must_use]
+    pub fn counters(&self) -> &Arc<Counters> {
+        &self.counters
+    }
+
+    /// A snapshot of the counters and live processes.
+    #[must_use]
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            keys: self.counters.keys(),
+            processes: self.supervisor.live(),
+            timers: self.counters.timers(),
+            ttl_entries: self.counters.ttl_entries(),
+        }
+    }
+
+    /// The root actor's cell, as a host's supervisor sees it.
+    #[must_use]
+    pub fn root(&self) -> ActorCell {
+        self.root.get_cell()
+    }
+
+    /// Shuts down: stops accepting per-key processes, waits for them until
+    /// `deadline`, then stops the root and its children. Returns the number
+    /// of per-key processes still running at the deadline (never cancelled).
+    /// Calling it twice is harmless.
+    pub async fn shutdown(&self, deadline: Instant) -> usize {
+        let left = self.supervisor.shutdown(deadline).await;
+        let _ = self.root.stop_and_wait(Some("shutdown".to_owned()), None).await;
+        left
+    }
+}
+
+#[derive(Debug)]
+pub(crate) enum RootMsg {}
+
+struct Root {
+    supervisor: Supervisor,
+    sweeper: Sweeper,
+    config: TreeConfig,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Sweeper,
+    Partition(usize),
+}
+
+struct RootState {
+    children: Vec<(ractor::ActorId, Role)>,
+    restarts: VecDeque<Instant>,
+}
+
+impl Root {
+    async fn start_child(
+        &self,
+        myself: &ActorRef<RootMsg>,
+        role: Role,
+    ) -> Result<ractor::ActorId, ActorProcessingErr> {
+        let cell = myself.get_cell();
+        let id = match role {
+            Role::Sweeper => {
+                let (actor, _) =
+                    Actor::spawn_linked(None, self.sweeper.actor(), (), cell).await?;
+                let id = actor.get_id();
+                self.sweeper.attach(Some(actor));
+                id
+            }
+            Role::Partition(index) => {
+                let (actor, _) = Actor::spawn_linked(None, PartitionActor { index }, (), cell).await?;
+                let id = actor.get_id();
+                self.supervisor.attach(index, Some(actor));
+                id
+            }
+        };
+        Ok(id)
+    }
+}
+
+impl Actor for Root {
+    type Msg = RootMsg;
+    type State = RootState;
+    type Arguments = ();
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<RootMsg>,
+        (): (),
+    ) -> Result<RootState, ActorProcessingErr> {
+        let mut children = Vec::new();
+        let id = self.start_child(&myself, Role::Sweeper).await?;
+        children.push((id, Role::Sweeper));
+        for index in 0..self.supervisor.partitions() {
+            let role = Role::Partition(index);
+            let id = self.start_child(&myself, role).await?;
+            children.push((id, role));
+        }
+        Ok(RootState {
+            children,
+            restarts: VecDeque::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<RootMsg>,
+        message: RootMsg,
+        _state: &mut RootState,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {}
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<RootMsg>,
+        event: SupervisionEvent,
+        state: &mut RootState,
+    ) -> Result<(), ActorProcessingErr> {
+        let (cell, why) = match event {
+            SupervisionEvent::ActorFailed(cell, err) => (cell, err.to_string()),
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                (cell, reason.unwrap_or_else(|| "terminated".to_owned()))
+            }
+            _ => return Ok(()),
+        };
+        let Some(pos) = state.children.iter().position(|(id, _)| *id == cell.get_id()) else {
+            return Ok(());
+        };
+        let (_, role) = state.children.remove(pos);
+        match role {
+            Role::Sweeper => self.sweeper.attach(None),
+            Role::Partition(index) => self.supervisor.attach(index, None),
+        }
+        let now = Instant::now();
+        while state
+            .restarts
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > self.config.restart_window)
+        {
+            state.restarts.pop_front();
+        }
+        if state.restarts.len() >= self.config.max_restarts {
+            return Err(format!("restart intensity exceeded; last child exit: {why}").into());
+        }
+        state.restarts.push_back(now);
+        tracing::warn!(reason = %why, "restarting infrastructure child");
+        let id = self.start_child(&myself, role).await?;
+        state.children.push((id, role));
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        myself: ActorRef<RootMsg>,
+        _state: &mut RootState,
+    ) -> Result<(), ActorProcessingErr> {
+        self.sweeper.attach(None);
+        for index in 0..self.supervisor.partitions() {
+            self.supervisor.attach(index, None);
+        }
+        myself.stop_children_and_wait(None, None).await;
+        Ok(())
+    }
+}
+
+struct PartitionActor {
+    index: usize,
+}
+
+impl Actor for PartitionActor {
+    type Msg = PartitionMsg;
+    type State = u64;
+    type Arguments = ();
+
+    async fn pre_start(&self, _myself: ActorRef<PartitionMsg>, (): ()) -> Result<u64, ActorProcessingErr> {
+        Ok(0)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<PartitionMsg>,
+        message: PartitionMsg,
+        panics: &mut u64,
+    ) -> Result<(), ActorProcessingErr> {
+        match message {
+            PartitionMsg::ChildPanicked(panic) => {
+                *panics += 1;
+                tracing::error!(partition = self.index, %panic, "per-key process panicked");
+            }
+        }
+        Ok(())
+    }
+}
+
+// Silence the unused-variant lint for the sweeper message type re-exported to the tree.
+const _: fn(SweepMsg) = |_| {};

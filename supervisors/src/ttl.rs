@@ -1,0 +1,183 @@
+//! A concurrent table whose entries expire, checked on every read.
+
+use std::borrow::Borrow;
+use std::hash::Hash;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use tokio::time::Instant;
+
+use crate::stats::Counters;
+use crate::sweeper::{Sweep, Sweeper};
+
+#[derive(Debug)]
+struct TtlEntry<V> {
+    value: V,
+    expires_at: Instant,
+}
+
+/// A map whose entries live for a TTL.
+///
+/// Expiry is checked on every read, so an expired entry is never returned,
+/// even before the sweeper removes it. Register the table with a [`Sweeper`]
+/// (see [`TtlTable::with_sweeper`]) to have expired entries removed
+/// periodically; the sweeper runs only while the table holds entries.
+///
+/// # Examples
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap().block_on(async {
+/// use std::{sync::Arc, time::Duration};
+/// use throttlebeam_supervisors::{Counters, TtlTable};
+///
+/// let table: TtlTable<String, u32> = TtlTable::new(Arc::new(Counters::new()));
+/// table.insert("k".to_owned(), 1, Duration::from_secs(10));
+/// assert_eq!(table.get("k"), Some(1));
+/// tokio::time::advance(Duration::from_secs(10)).await;
+/// assert_eq!(table.get("k"), None);
+/// # });
+/// ```
+pub struct TtlTable<K, V> {
+    map: DashMap<K, TtlEntry<V>, ahash::RandomState>,
+    len: AtomicUsize,
+    counters: Arc<Counters>,
+    sweeper: Option<Sweeper>,
+}
+
+impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> TtlTable<K, V> {
+    /// Creates an empty table without a sweeper.
+    #[must_use]
+    pub fn new(counters: Arc<Counters>) -> Self {
+        Self {
+            map: DashMap::with_hasher(ahash::RandomState::new()),
+            len: AtomicUsize::new(0),
+            counters,
+            sweeper: None,
+        }
+    }
+
+    /// Creates an empty table registered with `sweeper`.
+    #[must_use]
+    pub fn with_sweeper(counters: Arc<Counters>, sweeper: &Sweeper) -> Arc<Self> {
+        let table = Arc::new(Self {
+            sweeper: Some(sweeper.clone()),
+            ..Self::new(counters)
+        });
+        let weak = Arc::downgrade(&table);
+        sweeper.register(weak);
+        table
+    }
+
+    /// Entries held, including expired ones not yet swept.
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire)
+    }
+
+    /// Whether the table holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The live value for `key`; an expired entry is removed and not returned.
+    pub fn get<Q>(&self, key: &Q) -> Option<V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.get_at(key, Instant::now())
+    }
+
+    /// [`TtlTable::get`] as of `now`.
+    pub fn get_at<Q>(&self, key: &Q, now: Instant) -> Option<V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        {
+            let entry = self.map.get(key)?;
+            if entry.expires_at > now {
+                return Some(entry.value.clone());
+            }
+        }
+        if self
+            .map
+            .remove_if(key, |_, e| e.expires_at <= now)
+            .is_some()
+        {
+            self.forget(1);
+        }
+        None
+    }
+
+    /// Stores `value` for `ttl`, replacing any entry for `key`.
+    pub fn insert(&self, key: K, value: V, ttl: Duration) {
+        let expires_at = Instant::now() + ttl;
+        if self
+            .map
+            .insert(key, TtlEntry { value, expires_at })
+            .is_none()
+        {
+            self.counters.ttl_added();
+            if self.len.fetch_add(1, Ordering::AcqRel) == 0 {
+                if let Some(sweeper) = &self.sweeper {
+                    sweeper.kick();
+                }
+            }
+        }
+    }
+
+    /// Removes `key`, returning its value if it was live.
+    pub fn remove<Q>(&self, key: &Q) -> Option<V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let (_, entry) = self.map.remove(key)?;
+        self.forget(1);
+        (entry.expires_at > Instant::now()).then_some(entry.value)
+    }
+
+    /// Removes every entry.
+    pub fn clear(&self) {
+        let mut removed = 0;
+        self.map.retain(|_, _| {
+            removed += 1;
+            false
+        });
+        self.forget(removed);
+    }
+
+    fn forget(&self, n: usize) {
+        if n > 0 {
+            self.len.fetch_sub(n, Ordering::AcqRel);
+            self.counters.ttl_removed(n);
+        }
+    }
+}
+
+impl<K, V> Sweep for TtlTable<K, V>
+where
+    K: Eq + Hash + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+    fn sweep(&self, now: Instant) -> usize {
+        let mut removed = 0;
+        self.map.retain(|_, e| {
+            let keep = e.expires_at > now;
+            removed += usize::from(!keep);
+            keep
+        });
+        self.forget(removed);
+        self.len()
+    }
+}
+
+impl<K, V> std::fmt::Debug for TtlTable<K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TtlTable")
+            .field("len", &self.len.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
