@@ -235,9 +235,9 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let (_, slot) = self
-            .map
-            .remove_if(key, |_, slot| slot.generation == generation && pred(&slot.state))?;
+        let (_, slot) = self.map.remove_if(key, |_, slot| {
+            slot.generation == generation && pred(&slot.state)
+        })?;
         self.forget(1);
         Some(slot.state)
     }

@@ -87,7 +87,9 @@ impl Supervisor {
     /// Creates a supervisor with `partitions` partitions (at least one).
     #[must_use]
     pub fn new(partitions: usize) -> Self {
-        let partitions = (0..partitions.max(1)).map(|_| Partition::default()).collect();
+        let partitions = (0..partitions.max(1))
+            .map(|_| Partition::default())
+            .collect();
         Self {
             inner: Arc::new(Inner {
                 partitions,

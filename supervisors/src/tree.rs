@@ -92,7 +92,10 @@ impl Tree {
     /// # Errors
     ///
     /// [`StartTreeError`] when an actor fails to start.
-    pub async fn start(config: TreeConfig, counters: Arc<Counters>) -> Result<Self, StartTreeError> {
+    pub async fn start(
+        config: TreeConfig,
+        counters: Arc<Counters>,
+    ) -> Result<Self, StartTreeError> {
         Self::spawn(config, counters, None).await
     }
 
@@ -175,7 +178,10 @@ impl Tree {
     /// Calling it twice is harmless.
     pub async fn shutdown(&self, deadline: Instant) -> usize {
         let left = self.supervisor.shutdown(deadline).await;
-        let _ = self.root.stop_and_wait(Some("shutdown".to_owned()), None).await;
+        let _ = self
+            .root
+            .stop_and_wait(Some("shutdown".to_owned()), None)
+            .await;
         left
     }
 }
@@ -209,14 +215,14 @@ impl Root {
         let cell = myself.get_cell();
         let id = match role {
             Role::Sweeper => {
-                let (actor, _) =
-                    Actor::spawn_linked(None, self.sweeper.actor(), (), cell).await?;
+                let (actor, _) = Actor::spawn_linked(None, self.sweeper.actor(), (), cell).await?;
                 let id = actor.get_id();
                 self.sweeper.attach(Some(actor));
                 id
             }
             Role::Partition(index) => {
-                let (actor, _) = Actor::spawn_linked(None, PartitionActor { index }, (), cell).await?;
+                let (actor, _) =
+                    Actor::spawn_linked(None, PartitionActor { index }, (), cell).await?;
                 let id = actor.get_id();
                 self.supervisor.attach(index, Some(actor));
                 id
@@ -272,7 +278,11 @@ impl Actor for Root {
             }
             _ => return Ok(()),
         };
-        let Some(pos) = state.children.iter().position(|(id, _)| *id == cell.get_id()) else {
+        let Some(pos) = state
+            .children
+            .iter()
+            .position(|(id, _)| *id == cell.get_id())
+        else {
             return Ok(());
         };
         let (_, role) = state.children.remove(pos);
@@ -321,7 +331,11 @@ impl Actor for PartitionActor {
     type State = u64;
     type Arguments = ();
 
-    async fn pre_start(&self, _myself: ActorRef<PartitionMsg>, (): ()) -> Result<u64, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<PartitionMsg>,
+        (): (),
+    ) -> Result<u64, ActorProcessingErr> {
         Ok(0)
     }
 

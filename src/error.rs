@@ -1,0 +1,158 @@
+//! The error type of the keyed runtime: debounce, throttle, idempotency.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A boxed, shareable error from a user function or a store.
+pub type BoxError = Arc<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Everything that can go wrong with a call on the keyed runtime.
+///
+/// Being throttled is not an error (see [`crate::Throttled`]); this type
+/// covers bad input, a stopped runtime, and a user function that failed,
+/// panicked or took too long. Messages name the key; causes are kept as
+/// [`source`](std::error::Error::source).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The key is empty or too long.
+    #[error("invalid key {key:?}: {reason}")]
+    InvalidKey {
+        /// The key (truncated to 64 bytes).
+        key: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A duration, cap or other argument is out of range.
+    #[error("invalid {what} for key {key:?}: {reason}")]
+    InvalidArgument {
+        /// The key the call was for.
+        key: String,
+        /// Which argument.
+        what: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// Runtime configuration is out of range.
+    #[error("invalid runtime configuration: {what} {reason}")]
+    InvalidConfig {
+        /// Which setting.
+        what: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The runtime already tracks its cap of keys.
+    #[error("too many keys tracked (cap {cap}); key {key:?} was not accepted")]
+    TooManyKeys {
+        /// The key that was refused.
+        key: String,
+        /// The cap in force.
+        cap: usize,
+    },
+    /// The runtime (or throttle) is shut down; the call was not accepted.
+    #[error("shut down; call for key {key:?} was not accepted")]
+    ShutDown {
+        /// The key the call was for.
+        key: String,
+    },
+    /// Accepted work was discarded before it ran: cancelled, or dropped by
+    /// a shutdown or a destroyed throttle.
+    #[error("pending call for key {key:?} was discarded: {reason}")]
+    Discarded {
+        /// The key the call was for.
+        key: String,
+        /// Why (`"cancelled"`, `"destroyed"`, `"dropped at shutdown"`).
+        reason: &'static str,
+    },
+    /// The user function returned an error.
+    #[error("function for key {key:?} failed")]
+    Failed {
+        /// The key.
+        key: String,
+        /// The function's error.
+        #[source]
+        source: BoxError,
+    },
+    /// The user function panicked.
+    #[error("function for key {key:?} panicked: {message}")]
+    Panicked {
+        /// The key.
+        key: String,
+        /// The panic message.
+        message: String,
+    },
+    /// Waiting for the run covering this call took longer than allowed.
+    #[error("timed out after {after:?} waiting on key {key:?}")]
+    Timeout {
+        /// The key.
+        key: String,
+        /// The timeout that elapsed.
+        after: Duration,
+    },
+    /// An idempotency key was reused with a different fingerprint.
+    #[error("idempotency key {key:?} was reused with a different fingerprint")]
+    FingerprintMismatch {
+        /// The key.
+        key: String,
+    },
+    /// The key is busy with work of another result type.
+    #[error("key {key:?} is busy with work of another result type")]
+    TypeMismatch {
+        /// The key.
+        key: String,
+    },
+    /// An idempotency lease lapsed before completion; another caller may
+    /// have taken the key over, so this result was not stored.
+    #[error("lease on idempotency key {key:?} lapsed before completion")]
+    LeaseLost {
+        /// The key.
+        key: String,
+    },
+    /// The call was made outside a tokio runtime.
+    #[error("no tokio runtime: throttlebeam must be called from inside a tokio runtime")]
+    NoTokio,
+    /// The runtime could not start its supervision tree.
+    #[error("runtime failed to start")]
+    Start(#[source] BoxError),
+    /// A store could not be reached.
+    #[error("store unavailable for key {key:?}")]
+    StoreUnavailable {
+        /// The key.
+        key: String,
+        /// The store's error.
+        #[source]
+        source: BoxError,
+    },
+}
+
+impl Error {
+    /// The key this error is about, when it has one.
+    #[must_use]
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Self::InvalidKey { key, .. }
+            | Self::InvalidArgument { key, .. }
+            | Self::TooManyKeys { key, .. }
+            | Self::ShutDown { key }
+            | Self::Discarded { key, .. }
+            | Self::Failed { key, .. }
+            | Self::Panicked { key, .. }
+            | Self::Timeout { key, .. }
+            | Self::FingerprintMismatch { key }
+            | Self::TypeMismatch { key }
+            | Self::LeaseLost { key }
+            | Self::StoreUnavailable { key, .. } => Some(key),
+            Self::InvalidConfig { .. } | Self::NoTokio | Self::Start(_) => None,
+        }
+    }
+
+    pub(crate) fn failed<E>(key: &str, source: E) -> Self
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    {
+        Self::Failed {
+            key: key.to_owned(),
+            source: Arc::from(source.into()),
+        }
+    }
+}

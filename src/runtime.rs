@@ -1,0 +1,404 @@
+//! The runtime: registries, supervision tree, sweeper, shutdown and stats.
+
+use std::future::Future;
+use std::num::NonZeroUsize;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use ractor::ActorCell;
+use throttlebeam_supervisors::{Counters, StartError, Tree, TreeConfig};
+use tokio::time::Instant;
+
+use crate::error::Error;
+use crate::key::shown;
+use crate::{debounce, idempotency, throttle};
+
+/// What [`Runtime::shutdown`] does with debounced calls still waiting for
+/// their delay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ShutdownPolicy {
+    /// Run every pending debounced function now (the default: nothing
+    /// accepted is lost).
+    #[default]
+    Flush,
+    /// Discard pending debounced functions; their waiters get
+    /// [`Error::Discarded`].
+    Drop,
+}
+
+/// Configures and starts a [`Runtime`].
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+/// use std::time::Duration;
+/// use throttlebeam::{Runtime, ShutdownPolicy};
+///
+/// let runtime = Runtime::builder()
+///     .with_sweep_interval(Duration::from_secs(10))
+///     .with_max_keys(100_000)
+///     .with_shutdown_policy(ShutdownPolicy::Flush)
+///     .start()
+///     .await?;
+/// runtime.shutdown(Duration::from_secs(5)).await;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct RuntimeBuilder {
+    sweep_interval: Duration,
+    max_keys: Option<usize>,
+    policy: ShutdownPolicy,
+    partitions: Option<usize>,
+}
+
+impl Default for RuntimeBuilder {
+    fn default() -> Self {
+        Self {
+            sweep_interval: Duration::from_secs(60),
+            max_keys: None,
+            policy: ShutdownPolicy::Flush,
+            partitions: None,
+        }
+    }
+}
+
+impl RuntimeBuilder {
+    /// How often expired idempotency results and throttle windows are swept
+    /// (default 60 s). The sweeper runs only while there is something to sweep.
+    pub fn with_sweep_interval(mut self, interval: Duration) -> Self {
+        self.sweep_interval = interval;
+        self
+    }
+
+    /// Caps the keys tracked at once; a call that would track one more fails
+    /// with [`Error::TooManyKeys`]. Unlimited by default.
+    pub fn with_max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = Some(max_keys);
+        self
+    }
+
+    /// What shutdown does with pending debounced work (default flush).
+    pub fn with_shutdown_policy(mut self, policy: ShutdownPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Supervisor partitions (default: tokio worker threads).
+    pub fn with_partitions(mut self, partitions: NonZeroUsize) -> Self {
+        self.partitions = Some(partitions.get());
+        self
+    }
+
+    /// Starts a standalone runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] for a zero sweep interval or a zero key cap,
+    /// [`Error::Start`] if the supervision tree fails to start.
+    pub async fn start(self) -> Result<Runtime, Error> {
+        self.spawn(None).await
+    }
+
+    /// Starts the runtime linked under a host's ractor supervisor.
+    ///
+    /// The host receives the runtime's own failure as a supervision event
+    /// ([`ractor::SupervisionEvent::ActorFailed`] for [`Runtime::root_actor`]);
+    /// a failure inside one key never reaches it.
+    ///
+    /// # Errors
+    ///
+    /// As [`RuntimeBuilder::start`].
+    pub async fn start_linked(self, host: ActorCell) -> Result<Runtime, Error> {
+        self.spawn(Some(host)).await
+    }
+
+    async fn spawn(self, host: Option<ActorCell>) -> Result<Runtime, Error> {
+        if self.sweep_interval.is_zero() || self.sweep_interval > crate::key::MAX_TIMER {
+            return Err(Error::InvalidConfig {
+                what: "sweep interval",
+                reason: "must be between 1 ns and 2^36 - 1 ms",
+            });
+        }
+        if self.max_keys == Some(0) {
+            return Err(Error::InvalidConfig {
+                what: "max keys",
+                reason: "must be greater than zero",
+            });
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(Error::NoTokio);
+        }
+        let mut config = TreeConfig::default().with_sweep_interval(self.sweep_interval);
+        if let Some(partitions) = self.partitions {
+            config = config.with_partitions(partitions);
+        }
+        let counters = Arc::new(Counters::new());
+        let tree = match host {
+            Some(host) => Tree::start_linked(config, counters.clone(), host).await,
+            None => Tree::start(config, counters.clone()).await,
+        }
+        .map_err(|e| Error::Start(Arc::new(e)))?;
+        let cap = self.max_keys.unwrap_or(usize::MAX);
+        let sweeper = tree.sweeper().clone();
+        let core = Arc::new(Core {
+            debounce: debounce::State::new(counters.clone(), cap),
+            throttle: throttle::State::new(counters.clone(), cap, &sweeper),
+            idempotency: idempotency::State::new(counters.clone(), cap, &sweeper),
+            tree,
+            counters,
+            cap,
+            policy: self.policy,
+            closed: AtomicBool::new(false),
+            hooks: Mutex::new(Vec::new()),
+        });
+        core.throttle.register(&sweeper);
+        Ok(Runtime { core })
+    }
+}
+
+/// Something that must be told when its runtime shuts down.
+pub(crate) trait ShutdownHook: Send + Sync + 'static {
+    fn shutdown(
+        &self,
+        deadline: Instant,
+        graceful: bool,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+}
+
+pub(crate) struct Core {
+    pub(crate) tree: Tree,
+    pub(crate) counters: Arc<Counters>,
+    pub(crate) cap: usize,
+    pub(crate) policy: ShutdownPolicy,
+    closed: AtomicBool,
+    hooks: Mutex<Vec<Weak<dyn ShutdownHook>>>,
+    pub(crate) debounce: debounce::State,
+    pub(crate) throttle: throttle::State,
+    pub(crate) idempotency: idempotency::State,
+}
+
+impl Core {
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Fails with [`Error::ShutDown`] once shutdown began.
+    pub(crate) fn check_open(&self, key: &str) -> Result<(), Error> {
+        if self.is_closed() {
+            return Err(Error::ShutDown { key: shown(key) });
+        }
+        Ok(())
+    }
+
+    /// Starts a per-key process under the partitioned supervisor.
+    pub(crate) fn start_process<F>(&self, key: &str, route: u64, process: F) -> Result<(), Error>
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.tree
+            .supervisor()
+            .start_child(route, process)
+            .map_err(|e| match e {
+                StartError::NoRuntime => Error::NoTokio,
+                _ => Error::ShutDown { key: shown(key) },
+            })
+    }
+
+    pub(crate) fn add_hook(&self, hook: Weak<dyn ShutdownHook>) {
+        if let Ok(mut hooks) = self.hooks.lock() {
+            hooks.retain(|h| h.strong_count() > 0);
+            hooks.push(hook);
+        }
+    }
+}
+
+/// Live figures of a runtime, from [`Runtime::stats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Keys tracked (debounce, throttle, idempotency in flight).
+    pub keys: usize,
+    /// Per-key processes alive now.
+    pub processes: usize,
+    /// Timers scheduled now (per-key timers and the sweeper tick).
+    pub timers: usize,
+    /// Completed idempotency results held, expired ones not yet swept included.
+    pub ttl_entries: usize,
+}
+
+/// What [`Runtime::shutdown`] left behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// Per-key processes still running at the deadline. They are never
+    /// cancelled; their callers still get their results.
+    pub still_running: usize,
+}
+
+/// An actor-per-key runtime: the home of debounce timers, throttle windows and
+/// idempotency leases.
+///
+/// `Runtime` is a cheap handle (`Clone`). Most programs use the default
+/// runtime through [`crate::Debounce`], [`crate::Throttle`] and
+/// [`crate::Idempotency`]; tests and hosts that want no globals build their
+/// own with [`Runtime::builder`] and use [`Runtime::debouncer`],
+/// [`Runtime::throttler`] and [`Runtime::idempotency`].
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+/// use std::time::Duration;
+/// use throttlebeam::Runtime;
+///
+/// let runtime = Runtime::start().await?;
+/// let outcome = runtime
+///     .throttler()
+///     .call("report:7", Duration::from_secs(1), || async { Ok::<_, std::io::Error>(42) })
+///     .await?;
+/// assert_eq!(outcome.executed(), Some(42));
+/// runtime.shutdown(Duration::from_secs(1)).await;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Runtime {
+    pub(crate) core: Arc<Core>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("stats", &self.stats())
+            .field("closed", &self.core.is_closed())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Runtime {
+    /// A builder with the defaults.
+    pub fn builder() -> RuntimeBuilder {
+        RuntimeBuilder::default()
+    }
+
+    /// Starts a runtime with the defaults.
+    ///
+    /// # Errors
+    ///
+    /// As [`RuntimeBuilder::start`].
+    pub async fn start() -> Result<Self, Error> {
+        Self::builder().start().await
+    }
+
+    /// The process-wide default runtime, started on first use.
+    ///
+    /// Its supervision tree and sweeper live on a small background thread of
+    /// their own, so it outlives whichever tokio runtime touched it first;
+    /// per-key processes run on the caller's tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Start`] if it could not start (reported to every caller).
+    pub fn global() -> Result<Self, Error> {
+        static GLOBAL: OnceLock<Result<Runtime, Error>> = OnceLock::new();
+        GLOBAL.get_or_init(start_global).clone()
+    }
+
+    /// Live counters.
+    #[must_use]
+    pub fn stats(&self) -> Stats {
+        let snapshot = self.core.tree.snapshot();
+        Stats {
+            keys: snapshot.keys,
+            processes: snapshot.processes,
+            timers: snapshot.timers,
+            ttl_entries: snapshot.ttl_entries,
+        }
+    }
+
+    /// The cap on tracked keys, if one was set.
+    #[must_use]
+    pub fn max_keys(&self) -> Option<usize> {
+        (self.core.cap != usize::MAX).then_some(self.core.cap)
+    }
+
+    /// The root actor of the runtime's supervision tree, as a host's
+    /// supervisor sees it in supervision events.
+    #[must_use]
+    pub fn root_actor(&self) -> ActorCell {
+        self.core.tree.root()
+    }
+
+    /// Whether [`Runtime::shutdown`] has begun.
+    #[must_use]
+    pub fn is_shut_down(&self) -> bool {
+        self.core.is_closed()
+    }
+
+    /// Sweeps expired idempotency results and throttle windows now, instead
+    /// of waiting for the next periodic sweep. Returns the entries left.
+    pub fn sweep_now(&self) -> usize {
+        self.core.tree.sweeper().sweep_now()
+    }
+
+    /// Shuts down gracefully within `grace`.
+    ///
+    /// Stops accepting calls ([`Error::ShutDown`]), runs or discards pending
+    /// debounced work according to the [`ShutdownPolicy`], lets coalescing
+    /// throttles drain, waits for running functions until the deadline
+    /// (never cancelling them), then stops the supervision tree. Calling it
+    /// again is harmless.
+    pub async fn shutdown(&self, grace: Duration) -> ShutdownReport {
+        let deadline = Instant::now()
+            .checked_add(grace)
+            .unwrap_or_else(|| Instant::now() + crate::key::MAX_TIMER);
+        self.core.closed.store(true, Ordering::Release);
+        self.core.debounce.shutdown(self.core.policy);
+        let hooks: Vec<Arc<dyn ShutdownHook>> = match self.core.hooks.lock() {
+            Ok(hooks) => hooks.iter().filter_map(Weak::upgrade).collect(),
+            Err(_) => Vec::new(),
+        };
+        let graceful = self.core.policy == ShutdownPolicy::Flush;
+        for hook in hooks {
+            hook.shutdown(deadline, graceful).await;
+        }
+        let still_running = self.core.tree.shutdown(deadline).await;
+        self.core.idempotency.shutdown();
+        ShutdownReport { still_running }
+    }
+}
+
+fn start_global() -> Result<Runtime, Error> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("throttlebeam-runtime".to_owned())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = tx.send(Err(Error::Start(Arc::new(e))));
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let partitions = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
+                let started = Runtime::builder().with_partitions(partitions).start().await;
+                let ok = started.is_ok();
+                let _ = tx.send(started);
+                if ok {
+                    std::future::pending::<()>().await;
+                }
+            });
+        });
+    if let Err(e) = spawned {
+        return Err(Error::Start(Arc::new(e)));
+    }
+    rx.recv().unwrap_or_else(|e| Err(Error::Start(Arc::new(e))))
+}
