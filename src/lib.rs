@@ -8,6 +8,7 @@ mod key;
 mod runtime;
 mod throttle;
 
+pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
 pub use error::{BoxError, Error};
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
 pub use runtime::{Runtime, RuntimeBuilder, ShutdownPolicy, ShutdownReport, Stats};
