@@ -88,6 +88,7 @@ struct Pending {
 
 /// A key's debounce state, owned by the registry.
 struct Slot {
+    key: Arc<str>,
     type_id: TypeId,
     /// When the burst's trailing run is due (last call + delay).
     deadline: Instant,
@@ -434,7 +435,7 @@ impl Debouncer {
                 if s.armed.is_none_or(|armed| s.due() < armed) {
                     s.wake.notify_one();
                 }
-                Ok((cell, None))
+                Ok((cell, Arc::clone(&s.key), None))
             }
             SlotEntry::Vacant(vacant) => {
                 let cell = RunCell::new();
@@ -447,7 +448,9 @@ impl Debouncer {
                 } else {
                     (Some(run), None)
                 };
+                let owned: Arc<str> = Arc::from(key);
                 let slot = Slot {
+                    key: Arc::clone(&owned),
                     type_id,
                     deadline: now + delay,
                     max_deadline: options.max_wait.map(|w| now + w),
@@ -463,11 +466,10 @@ impl Debouncer {
                     key: shown(key),
                     cap: e.cap,
                 })?;
-                Ok((cell, Some((guard.generation(), leading))))
+                Ok((cell, owned, Some((guard.generation(), leading))))
             }
         })?;
-        let (cell, spawn) = started;
-        let key: Arc<str> = Arc::from(key);
+        let (cell, key, spawn) = started;
         if let Some((generation, leading)) = spawn {
             let process = process(Arc::clone(core), Arc::clone(&key), generation, leading);
             if let Err(e) = core.start_process(&key, state.route(&key), process) {
