@@ -211,6 +211,16 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         }
     }
 
+    /// Reads the key's live slot under a shared lock, if any. The cheapest
+    /// lookup: concurrent readers of one shard do not exclude each other.
+    pub fn read<Q, R>(&self, key: &Q, f: impl FnOnce(&Slot<S>) -> R) -> Option<R>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.map.get(key).map(|slot| f(&slot))
+    }
+
     /// Runs `f` on the key's live slot, if any, without creating one.
     pub fn with_slot<Q, R>(&self, key: &Q, f: impl FnOnce(&mut Slot<S>) -> R) -> Option<R>
     where
