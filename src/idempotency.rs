@@ -1,17 +1,394 @@
-//! Idempotency: run an operation at most once per key.
+//! Idempotency: run an operation at most once per key, and hand its result
+//! to every retry.
 //!
-//! (Being implemented; see issue 2 item 6.)
+//! A key in flight is a slot in the ledger's registry, claimed under one
+//! shard lock; its function runs in a per-key process, so the first caller
+//! going away does not cancel it. Completed results live in a store for
+//! their TTL (in memory: a TTL table swept by the runtime's sweeper), and a
+//! replay is a lookup and a clone: no process, no message.
 
+mod claim;
+mod options;
+mod reservation;
+mod store;
+
+use std::future::Future;
 use std::sync::Arc;
 
-use throttlebeam_supervisors::{Counters, Sweeper};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use throttlebeam_supervisors::{Counters, Sweeper, catch_panic};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
 
-pub(crate) struct State {}
+use self::claim::{Ledger, Settled, Step, Ticket, replay};
+pub use self::options::IdempotencyOptions;
+pub use self::reservation::{Reservation, Reserved};
+use self::store::MemoryStore;
+use crate::error::Error;
+use crate::key::{check_key, shown};
+use crate::runtime::{Core, Runtime};
 
-impl State {
-    pub(crate) fn new(_counters: Arc<Counters>, _cap: usize, _sweeper: &Sweeper) -> Self {
-        Self {}
+/// Whether an idempotent call ran its function or replayed a stored result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[must_use]
+pub enum Outcome<T> {
+    /// This call ran the function; the value is also stored for replays.
+    Fresh(T),
+    /// Another call already ran it (or was running it); this is its value.
+    Replay(T),
+}
+
+impl<T> Outcome<T> {
+    /// The value, fresh or replayed.
+    pub fn into_inner(self) -> T {
+        match self {
+            Self::Fresh(value) | Self::Replay(value) => value,
+        }
     }
 
-    pub(crate) fn shutdown(&self) {}
+    /// The value, by reference.
+    #[must_use]
+    pub fn value(&self) -> &T {
+        match self {
+            Self::Fresh(value) | Self::Replay(value) => value,
+        }
+    }
+
+    /// Whether this call ran the function.
+    #[must_use]
+    pub fn is_fresh(&self) -> bool {
+        matches!(self, Self::Fresh(_))
+    }
+
+    /// Whether the value is another call's stored result.
+    #[must_use]
+    pub fn is_replay(&self) -> bool {
+        matches!(self, Self::Replay(_))
+    }
+}
+
+/// The idempotency part of a runtime: its ledger of keys in flight and its
+/// results store.
+pub(crate) struct State {
+    ledger: Arc<Ledger>,
+}
+
+impl State {
+    pub(crate) fn new(counters: Arc<Counters>, cap: usize, sweeper: &Sweeper) -> Self {
+        let store = MemoryStore::new(Arc::clone(&counters), sweeper);
+        Self {
+            ledger: Arc::new(Ledger::new(counters, cap, Box::new(store))),
+        }
+    }
+
+    pub(crate) fn shutdown(&self) {
+        self.ledger.shutdown();
+    }
+}
+
+/// Idempotent calls on an explicit [`Runtime`]; from [`Runtime::idempotency`].
+///
+/// A cheap handle (`Clone`). See [`Deduplicator::run`] for the behaviour and
+/// [`Idempotency`] for the same calls on the default runtime.
+#[derive(Debug, Clone)]
+pub struct Deduplicator {
+    runtime: Runtime,
+}
+
+impl Runtime {
+    /// Idempotent calls on this runtime.
+    #[must_use]
+    pub fn idempotency(&self) -> Deduplicator {
+        Deduplicator {
+            runtime: self.clone(),
+        }
+    }
+}
+
+impl Deduplicator {
+    /// Runs `f` at most once per key (within `options`' scope) and returns
+    /// its value to this call and to every duplicate for the TTL.
+    ///
+    /// - No result and nobody holding the key: this call claims it, runs `f`
+    ///   and gets [`Outcome::Fresh`]; the value is stored for the TTL.
+    /// - A stored result: [`Outcome::Replay`] at once; `f` does not run.
+    /// - Another call holds the key: this one waits, up to the wait timeout,
+    ///   and gets that call's value as [`Outcome::Replay`]. If that call
+    ///   fails, panics or lets its lease lapse, one waiting duplicate takes
+    ///   over and runs its own `f`.
+    ///
+    /// `f` runs in the key's own process: dropping this future does not
+    /// cancel it; it runs to the end and its result is stored and replayed.
+    /// If it fails or panics, nothing is stored and the key is released, so
+    /// a retry runs `f` again. The key is held for the lease only; a caller
+    /// arriving after it lapses takes the key over, and a late completion of
+    /// the old run is rejected.
+    ///
+    /// # Errors
+    ///
+    /// - [`Error::InvalidKey`], [`Error::InvalidArgument`] (zero or over
+    ///   [`MAX_TIMER`](crate::MAX_TIMER) TTL, lease or wait timeout; empty or
+    ///   over-long scope): nothing runs.
+    /// - [`Error::FingerprintMismatch`]: the key completed or is in flight
+    ///   with another fingerprint; `f` does not run.
+    /// - [`Error::Timeout`]: this duplicate waited its wait timeout while the
+    ///   first call was still running (which carries on and stores its result).
+    /// - [`Error::Failed`], [`Error::Panicked`]: `f` ran here and failed.
+    /// - [`Error::LeaseLost`]: `f` ran here but finished after its lease
+    ///   lapsed and another call took the key over; its value was not stored.
+    /// - [`Error::TypeMismatch`]: the key's stored result is of another type.
+    /// - [`Error::TooManyKeys`], [`Error::ShutDown`],
+    ///   [`Error::StoreUnavailable`].
+    ///
+    /// After shutdown began, a run whose `f` still finishes gets its value
+    /// as [`Outcome::Fresh`], but nothing is stored.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use throttlebeam::{IdempotencyOptions, Outcome, Runtime};
+    ///
+    /// let dedup = Runtime::start().await?.idempotency();
+    /// let options = IdempotencyOptions::new().with_scope("tenant-1").with_fingerprint("order-9");
+    /// let charge = || async { Ok::<_, std::io::Error>(String::from("ch_1")) };
+    ///
+    /// let first = dedup.run("pay:9", charge, options.clone()).await?;
+    /// assert_eq!(first, Outcome::Fresh("ch_1".to_owned()));
+    /// let retry = dedup.run("pay:9", charge, options).await?;
+    /// assert_eq!(retry, Outcome::Replay("ch_1".to_owned()));
+    /// # Ok(()) }
+    /// ```
+    pub async fn run<F, Fut, T, E>(
+        &self,
+        key: &str,
+        f: F,
+        options: IdempotencyOptions,
+    ) -> Result<Outcome<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        let core = &self.runtime.core;
+        run_in(core, &core.idempotency.ledger, key, f, options).await
+    }
+
+    /// Claims `key` by hand, for a result produced somewhere other than one
+    /// function call: returns the stored result as [`Reserved::Replay`], or
+    /// a [`Reservation`] to [`complete`](Reservation::complete) or
+    /// [`release`](Reservation::release).
+    ///
+    /// A key in flight (another run or reservation) is waited for exactly as
+    /// [`Deduplicator::run`] waits: its result is replayed, or this call
+    /// takes the key over if the holder releases it, fails or lets its lease
+    /// lapse, or fails with [`Error::Timeout`] after the wait timeout.
+    ///
+    /// # Errors
+    ///
+    /// As [`Deduplicator::run`], except the ones about running a function.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use throttlebeam::{IdempotencyOptions, Reserved, Runtime};
+    ///
+    /// let dedup = Runtime::start().await?.idempotency();
+    /// let Reserved::Fresh(reservation) = dedup.reserve::<String>("job:4", IdempotencyOptions::new()).await? else {
+    ///     unreachable!("nobody else used job:4");
+    /// };
+    /// reservation.complete("done".to_owned()).await?;
+    /// let again = dedup.reserve::<String>("job:4", IdempotencyOptions::new()).await?;
+    /// assert!(matches!(again, Reserved::Replay(s) if s == "done"));
+    /// # Ok(()) }
+    /// ```
+    pub async fn reserve<T>(
+        &self,
+        key: &str,
+        options: IdempotencyOptions,
+    ) -> Result<Reserved<T>, Error>
+    where
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    {
+        let core = &self.runtime.core;
+        reserve_in(core, &core.idempotency.ledger, key, options).await
+    }
+}
+
+/// Idempotent calls on the default runtime.
+///
+/// A client that retries a request sends the same key and gets the first
+/// request's result back instead of running the operation again, including
+/// while the first request is still running: duplicates wait for it and
+/// share its result. See [`Deduplicator::run`] for the details and
+/// [`IdempotencyOptions`] for scope, fingerprint, TTL, lease and wait
+/// timeout.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+/// use throttlebeam::{Error, Idempotency, IdempotencyOptions, Outcome};
+///
+/// let options = IdempotencyOptions::new().with_scope("tenant-42").with_fingerprint("order-17");
+/// match Idempotency::run("key-from-client", || async { Ok::<_, std::io::Error>(1700_u64) }, options).await {
+///     Ok(Outcome::Fresh(charge)) => assert_eq!(charge, 1700), // ran in this call
+///     Ok(Outcome::Replay(charge)) => assert_eq!(charge, 1700), // another call ran it
+///     Err(Error::FingerprintMismatch { .. }) => {}            // key reused for another request
+///     Err(Error::Timeout { .. }) => {}                        // the first call is still running
+///     Err(e) => return Err(e),
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Idempotency;
+
+impl Idempotency {
+    /// [`Deduplicator::run`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// As [`Deduplicator::run`], plus [`Error::Start`] if the default runtime
+    /// could not start.
+    pub async fn run<F, Fut, T, E>(
+        key: &str,
+        f: F,
+        options: IdempotencyOptions,
+    ) -> Result<Outcome<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        Runtime::global()?.idempotency().run(key, f, options).await
+    }
+
+    /// [`Deduplicator::reserve`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// As [`Deduplicator::reserve`], plus [`Error::Start`] if the default
+    /// runtime could not start.
+    pub async fn reserve<T>(key: &str, options: IdempotencyOptions) -> Result<Reserved<T>, Error>
+    where
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    {
+        Runtime::global()?.idempotency().reserve(key, options).await
+    }
+}
+
+/// What [`acquire`] ended with.
+enum Acquired<T> {
+    Replay(T),
+    Owner(Ticket),
+}
+
+/// Looks at the key until it replays, is held by this caller, or the wait
+/// timeout passes.
+async fn acquire<T>(
+    core: &Core,
+    ledger: &Arc<Ledger>,
+    key: &str,
+    options: &IdempotencyOptions,
+) -> Result<Acquired<T>, Error>
+where
+    T: DeserializeOwned + Clone + 'static,
+{
+    check_key(key)?;
+    options.check(key)?;
+    let deadline = Instant::now() + options.wait_timeout();
+    loop {
+        core.check_open(key)?;
+        let (cell, lease_until) = match ledger.attempt(key, options).await? {
+            Step::Replay(value) => return Ok(Acquired::Replay(value)),
+            Step::Owner(ticket) => return Ok(Acquired::Owner(ticket)),
+            Step::Wait { cell, lease_until } => (cell, lease_until),
+        };
+        let until = lease_until.map_or(deadline, |lease| lease.min(deadline));
+        match tokio::time::timeout_at(until, cell.wait()).await {
+            Ok(Ok(Settled::Done(record))) => {
+                return replay(&record, key, options.fingerprint()).map(Acquired::Replay);
+            }
+            // Released, failed, taken over or shut down: look again.
+            Ok(_) => {}
+            Err(_) if Instant::now() >= deadline => {
+                return Err(Error::Timeout {
+                    key: shown(key),
+                    after: options.wait_timeout(),
+                });
+            }
+            // The holder's lease lapsed: look again, and take the key over.
+            Err(_) => {}
+        }
+    }
+}
+
+async fn run_in<F, Fut, T, E>(
+    core: &Core,
+    ledger: &Arc<Ledger>,
+    key: &str,
+    f: F,
+    options: IdempotencyOptions,
+) -> Result<Outcome<T>, Error>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+{
+    let ticket = match acquire(core, ledger, key, &options).await? {
+        Acquired::Replay(value) => return Ok(Outcome::Replay(value)),
+        Acquired::Owner(ticket) => ticket,
+    };
+    let (tx, rx) = oneshot::channel();
+    let route = ticket.route();
+    // If the process never starts, dropping it drops the ticket: released.
+    core.start_process(key, route, async move {
+        let result = match catch_panic(async move { f().await }).await {
+            Ok(Ok(value)) => match ticket.complete(value.clone()).await {
+                Ok(()) | Err(Error::ShutDown { .. }) => Ok(value),
+                Err(e) => Err(e),
+            },
+            Ok(Err(e)) => {
+                let e = Error::failed(ticket.key(), e);
+                ticket.release();
+                Err(e)
+            }
+            Err(panic) => {
+                let e = Error::Panicked {
+                    key: ticket.key().to_owned(),
+                    message: panic.message().to_owned(),
+                };
+                ticket.release();
+                Err(e)
+            }
+        };
+        let _ = tx.send(result);
+    })?;
+    match rx.await {
+        Ok(result) => result.map(Outcome::Fresh),
+        Err(_) => Err(Error::Panicked {
+            key: shown(key),
+            message: "per-key process exited without a result".to_owned(),
+        }),
+    }
+}
+
+async fn reserve_in<T>(
+    core: &Core,
+    ledger: &Arc<Ledger>,
+    key: &str,
+    options: IdempotencyOptions,
+) -> Result<Reserved<T>, Error>
+where
+    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+{
+    Ok(match acquire(core, ledger, key, &options).await? {
+        Acquired::Replay(value) => Reserved::Replay(value),
+        Acquired::Owner(ticket) => Reserved::Fresh(Reservation::new(ticket)),
+    })
 }

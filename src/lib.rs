@@ -9,6 +9,9 @@ mod runtime;
 mod throttle;
 
 pub use error::{BoxError, Error};
+pub use idempotency::{
+    Deduplicator, Idempotency, IdempotencyOptions, Outcome, Reservation, Reserved,
+};
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
 pub use runtime::{Runtime, RuntimeBuilder, ShutdownPolicy, ShutdownReport, Stats};
 pub use throttle::{Throttle, Throttled, Throttler};
