@@ -392,3 +392,210 @@ where
         Acquired::Owner(ticket) => Reserved::Fresh(Reservation::new(ticket)),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::store::{Form, Pending, Record, ResultStore};
+    use super::*;
+    use crate::error::BoxError;
+
+    /// Behaves like a store shared across processes: takes encoded values
+    /// and answers after a round trip.
+    #[derive(Default)]
+    struct RemoteLike {
+        records: Mutex<HashMap<String, (Arc<Record>, Instant)>>,
+        fail_puts: AtomicBool,
+    }
+
+    impl ResultStore for RemoteLike {
+        fn form(&self) -> Form {
+            Form::Encoded
+        }
+
+        fn get(
+            &self,
+            key: &str,
+            now: Instant,
+        ) -> Pending<'_, Result<Option<Arc<Record>>, BoxError>> {
+            let key = key.to_owned();
+            Pending::Later(Box::pin(async move {
+                tokio::task::yield_now().await;
+                let records = self.records.lock().unwrap();
+                Ok(records
+                    .get(&key)
+                    .filter(|(_, expires_at)| *expires_at > now)
+                    .map(|(record, _)| Arc::clone(record)))
+            }))
+        }
+
+        fn put(
+            &self,
+            key: &str,
+            record: Arc<Record>,
+            ttl: Duration,
+        ) -> Pending<'_, Result<(), BoxError>> {
+            let key = key.to_owned();
+            Pending::Later(Box::pin(async move {
+                tokio::task::yield_now().await;
+                if self.fail_puts.load(Ordering::SeqCst) {
+                    return Err(Arc::new(std::io::Error::other("connection refused")) as BoxError);
+                }
+                let expires_at = Instant::now() + ttl;
+                self.records
+                    .lock()
+                    .unwrap()
+                    .insert(key, (record, expires_at));
+                Ok(())
+            }))
+        }
+
+        fn close(&self) {}
+    }
+
+    #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Charge {
+        id: u64,
+        note: String,
+    }
+
+    fn counted(
+        runs: &Arc<AtomicUsize>,
+        id: u64,
+    ) -> impl FnOnce() -> std::pin::Pin<
+        Box<dyn Future<Output = Result<Charge, std::io::Error>> + Send>,
+    > + Send
+    + 'static {
+        let runs = Arc::clone(runs);
+        move || {
+            Box::pin(async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                Ok(Charge {
+                    id,
+                    note: "paid".to_owned(),
+                })
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_encoded_store_on_round_trips_runs_once_and_replays() {
+        let runtime = Runtime::builder().start().await.unwrap();
+        let core = &runtime.core;
+        let store = Arc::new(RemoteLike::default());
+        let ledger = Arc::new(Ledger::new(
+            Arc::new(Counters::new()),
+            usize::MAX,
+            Box::new(Shared(Arc::clone(&store))),
+        ));
+        let runs = Arc::new(AtomicUsize::new(0));
+        let options = IdempotencyOptions::new().with_fingerprint("fp");
+
+        let (a, b) = tokio::join!(
+            run_in(core, &ledger, "k", counted(&runs, 1), options.clone()),
+            run_in(core, &ledger, "k", counted(&runs, 2), options.clone()),
+        );
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert_eq!(a.is_fresh(), !b.is_fresh());
+        assert_eq!(a.value(), b.value());
+
+        let again = run_in(core, &ledger, "k", counted(&runs, 3), options.clone())
+            .await
+            .unwrap();
+        assert_eq!(again, Outcome::Replay(a.into_inner()));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+        let other_type = run_in(
+            core,
+            &ledger,
+            "k",
+            || async { Ok::<_, std::io::Error>(String::new()) },
+            options.clone(),
+        )
+        .await;
+        assert!(matches!(other_type, Err(Error::TypeMismatch { .. })));
+
+        let mismatch = run_in(
+            core,
+            &ledger,
+            "k",
+            counted(&runs, 4),
+            options.with_fingerprint("other"),
+        )
+        .await;
+        assert!(matches!(mismatch, Err(Error::FingerprintMismatch { .. })));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_that_refuses_the_result_fails_closed_and_releases_the_key() {
+        let runtime = Runtime::builder().start().await.unwrap();
+        let core = &runtime.core;
+        let store = Arc::new(RemoteLike::default());
+        store.fail_puts.store(true, Ordering::SeqCst);
+        let counters = Arc::new(Counters::new());
+        let ledger = Arc::new(Ledger::new(
+            Arc::clone(&counters),
+            usize::MAX,
+            Box::new(Shared(Arc::clone(&store))),
+        ));
+        let runs = Arc::new(AtomicUsize::new(0));
+
+        let refused = run_in(
+            core,
+            &ledger,
+            "k",
+            counted(&runs, 1),
+            IdempotencyOptions::new(),
+        )
+        .await;
+        assert!(matches!(refused, Err(Error::StoreUnavailable { .. })));
+        assert_eq!(counters.keys(), 0, "the key is released");
+
+        store.fail_puts.store(false, Ordering::SeqCst);
+        let retry = run_in(
+            core,
+            &ledger,
+            "k",
+            counted(&runs, 2),
+            IdempotencyOptions::new(),
+        )
+        .await
+        .unwrap();
+        assert!(retry.is_fresh());
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+    }
+
+    /// Lets a test keep a handle on the store it gives the ledger.
+    struct Shared(Arc<RemoteLike>);
+
+    impl ResultStore for Shared {
+        fn form(&self) -> Form {
+            self.0.form()
+        }
+        fn get(
+            &self,
+            key: &str,
+            now: Instant,
+        ) -> Pending<'_, Result<Option<Arc<Record>>, BoxError>> {
+            self.0.get(key, now)
+        }
+        fn put(
+            &self,
+            key: &str,
+            record: Arc<Record>,
+            ttl: Duration,
+        ) -> Pending<'_, Result<(), BoxError>> {
+            self.0.put(key, record, ttl)
+        }
+        fn close(&self) {
+            self.0.close();
+        }
+    }
+}
