@@ -300,10 +300,12 @@ where
 {
     check_key(key)?;
     options.check(key)?;
-    let deadline = Instant::now() + options.wait_timeout();
+    // One clock read per look: the replay path is a lookup, not a timer.
+    let mut now = Instant::now();
+    let deadline = now + options.wait_timeout();
     loop {
         core.check_open(key)?;
-        let (cell, lease_until) = match ledger.attempt(key, options).await? {
+        let (cell, lease_until) = match ledger.attempt(key, options, now).await? {
             Step::Replay(value) => return Ok(Acquired::Replay(value)),
             Step::Owner(ticket) => return Ok(Acquired::Owner(ticket)),
             Step::Wait { cell, lease_until } => (cell, lease_until),
@@ -314,15 +316,17 @@ where
                 return replay(&record, key, options.fingerprint()).map(Acquired::Replay);
             }
             // Released, failed, taken over or shut down: look again.
-            Ok(_) => {}
-            Err(_) if Instant::now() >= deadline => {
-                return Err(Error::Timeout {
-                    key: shown(key),
-                    after: options.wait_timeout(),
-                });
+            Ok(_) => now = Instant::now(),
+            Err(_) => {
+                now = Instant::now();
+                if now >= deadline {
+                    return Err(Error::Timeout {
+                        key: shown(key),
+                        after: options.wait_timeout(),
+                    });
+                }
+                // Only the holder's lease lapsed: look again and take the key over.
             }
-            // The holder's lease lapsed: look again, and take the key over.
-            Err(_) => {}
         }
     }
 }
@@ -410,6 +414,8 @@ mod tests {
     struct RemoteLike {
         records: Mutex<HashMap<String, (Arc<Record>, Instant)>>,
         fail_puts: AtomicBool,
+        /// Holds the next lookup's answer (read at call time) until fired.
+        stall_next_get: Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
     }
 
     impl ResultStore for RemoteLike {
@@ -422,14 +428,20 @@ mod tests {
             key: &str,
             now: Instant,
         ) -> Pending<'_, Result<Option<Arc<Record>>, BoxError>> {
-            let key = key.to_owned();
+            let found = self
+                .records
+                .lock()
+                .unwrap()
+                .get(key)
+                .filter(|(_, expires_at)| *expires_at > now)
+                .map(|(record, _)| Arc::clone(record));
+            let stall = self.stall_next_get.lock().unwrap().take();
             Pending::Later(Box::pin(async move {
+                if let Some(stall) = stall {
+                    let _ = stall.await;
+                }
                 tokio::task::yield_now().await;
-                let records = self.records.lock().unwrap();
-                Ok(records
-                    .get(&key)
-                    .filter(|(_, expires_at)| *expires_at > now)
-                    .map(|(record, _)| Arc::clone(record)))
+                Ok(found)
             }))
         }
 
@@ -570,6 +582,45 @@ mod tests {
         .unwrap();
         assert!(retry.is_fresh());
         assert_eq!(runs.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_between_lookup_and_claim_is_replayed_not_run_again() {
+        let runtime = Runtime::builder().start().await.unwrap();
+        let store = Arc::new(RemoteLike::default());
+        let ledger = Arc::new(Ledger::new(
+            Arc::new(Counters::new()),
+            usize::MAX,
+            Box::new(Shared(Arc::clone(&store))),
+        ));
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (fire, stalled) = tokio::sync::oneshot::channel();
+        *store.stall_next_get.lock().unwrap() = Some(stalled);
+
+        // Late looks first (and sees nothing), then stalls before claiming.
+        let late = {
+            let (runtime, ledger, f) = (runtime.clone(), Arc::clone(&ledger), counted(&runs, 2));
+            tokio::spawn(async move {
+                run_in(&runtime.core, &ledger, "k", f, IdempotencyOptions::new()).await
+            })
+        };
+        tokio::task::yield_now().await;
+        // Meanwhile another caller claims, runs, stores and frees the key.
+        let first = run_in(
+            &runtime.core,
+            &ledger,
+            "k",
+            counted(&runs, 1),
+            IdempotencyOptions::new(),
+        )
+        .await
+        .unwrap();
+        fire.send(()).unwrap();
+
+        assert!(first.is_fresh());
+        let late = late.await.unwrap().unwrap();
+        assert_eq!(late, Outcome::Replay(first.into_inner()));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 
     /// Lets a test keep a handle on the store it gives the ledger.

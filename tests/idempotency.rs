@@ -323,6 +323,34 @@ async fn i6_a_lapsed_lease_lets_the_next_caller_take_over_and_the_stale_completi
 }
 
 #[tokio::test(start_paused = true)]
+async fn i6_a_stale_completion_while_the_new_holder_runs_is_fenced_off() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    let start = Instant::now();
+    let old = spawn_run(
+        &dedup,
+        "pay:16",
+        op(&runs, 5 * SEC, 1_u32),
+        opts().with_lease(SEC),
+    );
+    sleep(2 * SEC).await;
+    let new = spawn_run(&dedup, "pay:16", op(&runs, 10 * SEC, 2_u32), opts());
+    sleep(SEC).await;
+    let waiter = spawn_run(&dedup, "pay:16", op(&runs, MS, 3_u32), opts());
+
+    // The old holder finishes at 5 s, while the new one still runs.
+    let stale = old.await.unwrap();
+    assert!(matches!(stale, Err(Error::LeaseLost { .. })), "{stale:?}");
+    assert_eq!(start.elapsed(), 5 * SEC);
+    assert!(!waiter.is_finished(), "the stale value was not handed out");
+
+    assert_eq!(new.await.unwrap().unwrap(), Outcome::Fresh(2));
+    assert_eq!(waiter.await.unwrap().unwrap(), Outcome::Replay(2));
+    assert_eq!(start.elapsed(), 12 * SEC);
+    assert_eq!(count(&runs), 2);
+}
+
+#[tokio::test(start_paused = true)]
 async fn i6_a_waiting_duplicate_takes_over_when_the_lease_lapses() {
     let (_rt, dedup) = dedup().await;
     let runs = runs();
@@ -802,6 +830,52 @@ async fn keys_and_processes_return_to_zero_once_idle() {
     assert_eq!(
         (stats.keys, stats.processes, stats.ttl_entries, stats.timers),
         (0, 0, 0, 0),
+        "{stats:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_callers_on_two_threads_run_each_key_exactly_once() {
+    let (rt, dedup) = dedup().await;
+    const KEYS: u32 = 1_000;
+    const CALLERS: u32 = 8;
+    let runs: Vec<Arc<AtomicUsize>> = (0..KEYS).map(|_| runs()).collect();
+    let mut calls = Vec::new();
+    // Callers of one key spawned side by side, so they meet mid-completion.
+    for key in 0..KEYS {
+        for caller in 0..CALLERS {
+            let dedup = dedup.clone();
+            let runs = Arc::clone(&runs[key as usize]);
+            calls.push(tokio::spawn(async move {
+                let f = move || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    Ok::<_, io::Error>(key * 10 + caller)
+                };
+                dedup.run(&format!("race:{key}"), f, opts()).await
+            }));
+        }
+    }
+    let mut fresh = vec![0_u32; KEYS as usize];
+    let mut values = vec![None; KEYS as usize];
+    for (i, call) in calls.into_iter().enumerate() {
+        let key = i / CALLERS as usize;
+        let outcome = call.await.unwrap().unwrap();
+        fresh[key] += u32::from(outcome.is_fresh());
+        let value = outcome.into_inner();
+        assert_eq!(value / 10, key as u32);
+        assert_eq!(
+            *values[key].get_or_insert(value),
+            value,
+            "key {key}: one value for all"
+        );
+    }
+    assert!(fresh.iter().all(|&n| n == 1), "{fresh:?}");
+    assert!(runs.iter().all(|r| count(r) == 1));
+    let stats = rt.stats();
+    assert_eq!(
+        (stats.keys, stats.ttl_entries),
+        (0, KEYS as usize),
         "{stats:?}"
     );
 }

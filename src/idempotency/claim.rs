@@ -12,7 +12,6 @@
 
 use std::cell::RefCell;
 use std::fmt::Write as _;
-use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -89,11 +88,11 @@ impl Ledger {
         self: &Arc<Self>,
         key: &str,
         options: &IdempotencyOptions,
+        now: Instant,
     ) -> Result<Step<T>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        let now = Instant::now();
         let found = with_full_key(options.scope(), key, |full| self.store.get(full, now))
             .resolve()
             .await
@@ -229,9 +228,7 @@ impl Ticket {
 
     /// Which supervisor partition runs this key's process.
     pub(crate) fn route(&self) -> u64 {
-        let mut hasher = self.ledger.hasher.build_hasher();
-        self.full.hash(&mut hasher);
-        hasher.finish()
+        self.ledger.hasher.hash_one(&*self.full)
     }
 
     /// Stores `value` as the key's result and wakes the waiters.
