@@ -22,7 +22,7 @@ use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry};
 use tokio::time::Instant;
 
 use super::options::IdempotencyOptions;
-use super::store::{Record, ResultStore};
+use super::store::{Pending, Record, ResultStore};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
 use crate::key::shown;
@@ -61,6 +61,13 @@ pub(crate) enum Step<T> {
     },
 }
 
+/// What the registry update decided: claimed (taking over a lapsed holder,
+/// whose waiters must be woken) or wait.
+enum Joined<T> {
+    Claimed(Generation, Option<Arc<RunCell<Settled>>>),
+    Wait(Step<T>),
+}
+
 /// Keys in flight plus the store of completed results.
 pub(crate) struct Ledger {
     claims: Registry<Box<str>, Claim>,
@@ -93,13 +100,14 @@ impl Ledger {
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        let found = with_full_key(options.scope(), key, |full| self.store.get(full, now))
-            .resolve()
-            .await
-            .map_err(|e| unavailable(key, e))?;
+        let lookup = with_full_key(options.scope(), key, |full| self.store.get(full, now));
+        let round_trip = matches!(lookup, Pending::Later(_));
+        let found = lookup.resolve().await.map_err(|e| unavailable(key, e))?;
         if let Some(record) = found {
             return replay(&record, key, options.fingerprint()).map(Step::Replay);
         }
+        // A round trip took time: claim with a fresh clock.
+        let now = if round_trip { Instant::now() } else { now };
         let ticket = match with_full_key(options.scope(), key, |full| {
             self.join(full, key, options, now)
         })? {
@@ -137,7 +145,7 @@ impl Ledger {
             completing: false,
             cell: Arc::clone(&cell),
         };
-        let claimed = self.claims.update(full, |slot| match slot {
+        let joined = self.claims.update(full, |slot| match slot {
             SlotEntry::Occupied(slot) => {
                 let generation = slot.generation();
                 let claim = &mut slot.state;
@@ -145,28 +153,29 @@ impl Ledger {
                     if claim.fingerprint != fingerprint {
                         return Err(Error::FingerprintMismatch { key: shown(key) });
                     }
-                    return Ok(Err(Step::Wait {
+                    return Ok(Joined::Wait(Step::Wait {
                         cell: Arc::clone(&claim.cell),
                         lease_until: (!claim.completing).then_some(claim.lease_until),
                     }));
                 }
                 // The lease lapsed: its holder is presumed gone, whatever it was doing.
                 let old = std::mem::replace(claim, fresh);
-                Ok(Ok((generation, Some(old.cell))))
+                Ok(Joined::Claimed(generation, Some(old.cell)))
             }
             SlotEntry::Vacant(vacant) => match vacant.insert(fresh) {
-                Ok(slot) => Ok(Ok((slot.generation(), None))),
+                Ok(slot) => Ok(Joined::Claimed(slot.generation(), None)),
                 Err(_) => Err(Error::TooManyKeys {
                     key: shown(key),
                     cap: self.cap,
                 }),
             },
         })?;
-        let (generation, superseded) = match claimed {
-            Ok(claimed) => claimed,
-            Err(wait) => return Ok(wait),
+        let (generation, superseded) = match joined {
+            Joined::Claimed(generation, superseded) => (generation, superseded),
+            Joined::Wait(wait) => return Ok(wait),
         };
         if let Some(old) = superseded {
+            tracing::debug!(key = %shown(key), "idempotency lease lapsed; key taken over");
             // Wakes the old holder's waiters; they will find the new claim.
             old.set(Ok(Settled::Released));
         }
@@ -256,6 +265,7 @@ impl Ticket {
         if !ours {
             // Not ours to release either: the slot belongs to the new holder.
             self.held = false;
+            tracing::debug!(key = %self.key, "idempotency completion rejected: lease lost");
             return Err(Error::LeaseLost {
                 key: self.key.to_string(),
             });
