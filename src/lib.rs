@@ -58,6 +58,9 @@ mod throttle;
 
 pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
 pub use error::{BoxError, Error};
+pub use idempotency::{
+    Deduplicator, Idempotency, IdempotencyOptions, Outcome, Reservation, Reserved,
+};
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
 pub use runtime::{Runtime, RuntimeBuilder, ShutdownPolicy, ShutdownReport, Stats};
 pub use throttle::{Throttle, Throttled, Throttler};
