@@ -2,7 +2,6 @@
 
 use std::any::{Any, TypeId};
 use std::future::{Future, IntoFuture};
-use std::hash::{BuildHasher, Hash, Hasher};
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -161,9 +160,7 @@ impl State {
     }
 
     fn route(&self, key: &str) -> u64 {
-        let mut h = self.hasher.build_hasher();
-        key.hash(&mut h);
-        h.finish()
+        self.hasher.hash_one(key)
     }
 }
 

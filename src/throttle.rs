@@ -2,7 +2,6 @@
 //! turned away at once.
 
 use std::future::Future;
-use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -117,9 +116,7 @@ impl State {
     }
 
     fn route(&self, key: &str) -> u64 {
-        let mut h = self.windows.hasher.build_hasher();
-        key.hash(&mut h);
-        h.finish()
+        self.windows.hasher.hash_one(key)
     }
 }
 
