@@ -242,15 +242,20 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         Some(slot.state)
     }
 
-    /// Keeps only the slots for which `keep` returns true.
+    /// Keeps only the slots for which `keep` returns true; returns the keys
+    /// left.
     pub fn retain(&self, mut keep: impl FnMut(&K, &mut S) -> bool) -> usize {
-        let mut removed = 0;
+        // Counts what was removed even if `keep` panics halfway.
+        let mut removed = Forget {
+            registry: self,
+            n: 0,
+        };
         self.map.retain(|key, slot| {
             let kept = keep(key, &mut slot.state);
-            removed += usize::from(!kept);
+            removed.n += usize::from(!kept);
             kept
         });
-        self.forget(removed);
+        drop(removed);
         self.len()
     }
 
@@ -266,12 +271,36 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         }
         out
     }
+}
 
+impl<K, S> Registry<K, S> {
     fn forget(&self, n: usize) {
         if n > 0 {
             self.shared.len.fetch_sub(n, Ordering::AcqRel);
             self.shared.counters.keys_removed(n);
         }
+    }
+}
+
+impl<K, S> Drop for Registry<K, S> {
+    fn drop(&mut self) {
+        // Keys of a dropped registry must not keep holding the shared cap.
+        let n = *self.shared.len.get_mut();
+        if n > 0 {
+            self.shared.counters.keys_removed(n);
+        }
+    }
+}
+
+/// Forgets `n` removed slots when dropped, on every exit path.
+struct Forget<'a, K, S> {
+    registry: &'a Registry<K, S>,
+    n: usize,
+}
+
+impl<K, S> Drop for Forget<'_, K, S> {
+    fn drop(&mut self) {
+        self.registry.forget(self.n);
     }
 }
 

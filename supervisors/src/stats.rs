@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// Live counters of one runtime instance.
 ///
 /// Registries, supervisors, timers and TTL tables of one instance share one
-/// `Counters` (behind an `Arc`), so a host reads a consistent picture with
-/// [`Counters::snapshot`].
+/// `Counters` (behind an `Arc`), so a host reads one picture of the whole
+/// instance (see [`crate::Tree::snapshot`]).
 #[derive(Debug, Default)]
 pub struct Counters {
     keys: AtomicUsize,

@@ -2,9 +2,9 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 
-use ractor::ActorRef;
+use ractor::{ActorRef, MessagingErr};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -74,6 +74,31 @@ struct ChildGuard {
     index: usize,
 }
 
+impl ChildGuard {
+    /// Hands a child's panic to its partition actor, or logs it when the
+    /// actor is down, so no panic goes unreported.
+    fn report(&self, panic: Panic) {
+        let partition = &self.inner.partitions[self.index];
+        let actor = partition
+            .actor
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let unsent = match actor {
+            Some(actor) => match actor.cast(PartitionMsg::ChildPanicked(panic)) {
+                Ok(()) => return,
+                Err(MessagingErr::SendErr(PartitionMsg::ChildPanicked(panic))) => Some(panic),
+                Err(_) => None,
+            },
+            None => Some(panic),
+        };
+        match unsent {
+            Some(panic) => tracing::error!(%panic, "per-key process panicked"),
+            None => tracing::error!("per-key process panicked"),
+        }
+    }
+}
+
 impl Drop for ChildGuard {
     fn drop(&mut self) {
         let partition = &self.inner.partitions[self.index];
@@ -131,14 +156,7 @@ impl Supervisor {
         handle.spawn(async move {
             let guard = guard;
             if let Err(panic) = catch_panic(process).await {
-                let partition = &guard.inner.partitions[guard.index];
-                let actor = partition.actor.read().ok().and_then(|a| a.clone());
-                match actor {
-                    Some(actor) => {
-                        let _ = actor.cast(PartitionMsg::ChildPanicked(panic));
-                    }
-                    None => tracing::error!(%panic, "per-key process panicked"),
-                }
+                guard.report(panic);
             }
         });
         Ok(())
@@ -183,9 +201,10 @@ impl Supervisor {
 
     pub(crate) fn attach(&self, index: usize, actor: Option<ActorRef<PartitionMsg>>) {
         if let Some(partition) = self.inner.partitions.get(index) {
-            if let Ok(mut slot) = partition.actor.write() {
-                *slot = actor;
-            }
+            *partition
+                .actor
+                .write()
+                .unwrap_or_else(PoisonError::into_inner) = actor;
         }
     }
 }

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 
 use crate::stats::{Counters, Snapshot};
 use crate::supervisor::{PartitionMsg, Supervisor};
-use crate::sweeper::{SweepMsg, Sweeper};
+use crate::sweeper::Sweeper;
 
 /// How a [`Tree`] is built.
 #[derive(Debug, Clone)]
@@ -354,6 +354,3 @@ impl Actor for PartitionActor {
         Ok(())
     }
 }
-
-// Silence the unused-variant lint for the sweeper message type re-exported to the tree.
-const _: fn(SweepMsg) = |_| {};
