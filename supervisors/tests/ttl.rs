@@ -116,7 +116,7 @@ async fn dropping_a_table_releases_its_count() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_insert_and_remove_never_miscount() {
-    const KEYS: u32 = 1;
+    const KEYS: u32 = 2;
     const TASKS: u32 = 4;
     let counters = Arc::new(Counters::new());
     let table = Arc::new(TtlTable::<u32, u32>::new(counters.clone()));
@@ -125,7 +125,7 @@ async fn concurrent_insert_and_remove_never_miscount() {
             let table = table.clone();
             tokio::spawn(async move {
                 for i in 0..50_000u32 {
-                    let key = (task + i) % KEYS;
+                    let key = ((task + i) / 2) % KEYS;
                     if (task + i) % 2 == 0 {
                         table.insert(key, i, Duration::from_secs(60));
                     } else {
