@@ -110,6 +110,9 @@ impl Drop for ChildGuard {
 
 impl Supervisor {
     /// Creates a supervisor with `partitions` partitions (at least one).
+    ///
+    /// Without a [`crate::Tree`] no partition actor is attached, and a
+    /// child's panic is only logged.
     #[must_use]
     pub fn new(partitions: usize) -> Self {
         let partitions = (0..partitions.max(1))
@@ -130,7 +133,11 @@ impl Supervisor {
     }
 
     /// Starts `process` as a temporary child in the partition chosen by
-    /// `route` (a hash of its key).
+    /// `route` (a hash of its key), on the current tokio runtime.
+    ///
+    /// The child is counted in [`Supervisor::live`] from this call until it
+    /// returns, panics or is dropped. A panic is caught, reported to the
+    /// partition and goes no further.
     ///
     /// # Errors
     ///
@@ -162,7 +169,7 @@ impl Supervisor {
         Ok(())
     }
 
-    /// Processes alive now, over all partitions.
+    /// Children alive now, over all partitions.
     #[must_use]
     pub fn live(&self) -> usize {
         self.inner
@@ -181,6 +188,11 @@ impl Supervisor {
     /// Stops accepting children and waits until every child has exited or
     /// `deadline` passes. Children are never cancelled; returns how many were
     /// still running at the deadline. Calling it again is harmless.
+    ///
+    /// # Panics
+    ///
+    /// Like any tokio timer, if children are still running and the current
+    /// runtime has no time driver (build it with `enable_time`).
     pub async fn shutdown(&self, deadline: Instant) -> usize {
         self.inner.closed.store(true, Ordering::SeqCst);
         for partition in self.inner.partitions.iter() {

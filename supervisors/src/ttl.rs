@@ -112,8 +112,8 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
     }
 
     /// Stores `value` for `ttl`, replacing any entry for `key` (a replaced
-    /// entry still counts once). A `ttl` too large to represent is capped at
-    /// about thirty years.
+    /// entry still counts once). A `ttl` too large to represent means about
+    /// thirty years.
     pub fn insert(&self, key: K, value: V, ttl: Duration) {
         let expires_at = expiry(Instant::now(), ttl);
         let entry = TtlEntry { value, expires_at };
@@ -178,7 +178,7 @@ impl<K, V> Drop for TtlTable<K, V> {
 /// `now + ttl`, capped instead of overflowing on huge TTLs.
 fn expiry(now: Instant, ttl: Duration) -> Instant {
     const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
-    now.checked_add(ttl.min(FAR))
+    now.checked_add(ttl)
         .or_else(|| now.checked_add(FAR))
         .unwrap_or(now)
 }
