@@ -299,6 +299,13 @@ struct RootState {
 }
 
 impl Root {
+    fn detach_all(&self) {
+        self.sweeper.attach(None);
+        for index in 0..self.supervisor.partitions() {
+            self.supervisor.attach(index, None);
+        }
+    }
+
     async fn start_child(
         &self,
         myself: &ActorRef<RootMsg>,
@@ -391,6 +398,9 @@ impl Actor for Root {
             state.restarts.pop_front();
         }
         if state.restarts.len() >= self.config.max_restarts {
+            // A failing actor gets no post_stop: detach here, so handles stop
+            // sending to actors that ractor is about to kill.
+            self.detach_all();
             return Err(format!("restart intensity exceeded; last child exit: {why}").into());
         }
         state.restarts.push_back(now);
@@ -405,10 +415,7 @@ impl Actor for Root {
         myself: ActorRef<RootMsg>,
         _state: &mut RootState,
     ) -> Result<(), ActorProcessingErr> {
-        self.sweeper.attach(None);
-        for index in 0..self.supervisor.partitions() {
-            self.supervisor.attach(index, None);
-        }
+        self.detach_all();
         myself.stop_children_and_wait(None, None).await;
         Ok(())
     }

@@ -239,6 +239,56 @@ async fn a_failing_sweeper_is_restarted_within_the_intensity() {
     hosted.stop().await;
 }
 
+/// Fails its first sweep, after filling `table` (whose kick goes to the
+/// dying sweeper and is lost with it).
+struct FailsWhileFilling {
+    table: Arc<TtlTable<u8, u8>>,
+    calls: AtomicUsize,
+}
+
+impl Sweep for FailsWhileFilling {
+    fn sweep(&self, _now: Instant) -> usize {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.table.insert(1, 1, Duration::from_secs(1));
+            panic!("sweep target failed");
+        }
+        0
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn kicks_lost_while_the_sweeper_restarts_are_recovered() {
+    let tree = Tree::start(config(), Arc::new(Counters::new()))
+        .await
+        .unwrap();
+    support::settle().await;
+    let counters = tree.counters().clone();
+    let table: Arc<TtlTable<u8, u8>> = TtlTable::with_sweeper(counters.clone(), tree.sweeper());
+    let target = Arc::new(FailsWhileFilling {
+        table: table.clone(),
+        calls: AtomicUsize::new(0),
+    });
+    let weak = Arc::downgrade(&target);
+    tree.sweeper().register(weak);
+    tree.sweeper().kick();
+    support::settle().await;
+
+    tokio::time::advance(INTERVAL).await;
+    support::settle().await;
+    assert_eq!(
+        target.calls.load(Ordering::SeqCst),
+        2,
+        "failed, restarted, swept"
+    );
+    assert_eq!(counters.ttl_entries(), 1);
+    assert_eq!(counters.timers(), 1, "the restarted sweeper saw the entry");
+
+    tokio::time::advance(INTERVAL).await;
+    support::settle().await;
+    assert_eq!((counters.ttl_entries(), counters.timers()), (0, 0));
+    tree.shutdown(Instant::now()).await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn past_the_intensity_the_root_fails_to_the_host() {
     let mut hosted = Hosted::start(config()).await;
