@@ -19,7 +19,7 @@ use criterion::Criterion;
 use dashmap::DashMap;
 use governor::{Quota, RateLimiter};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use throttlebeam::{Runtime, Throttled};
+use throttlebeam::{IdempotencyOptions, Outcome, Runtime, Throttled};
 
 const KEYS: usize = 100_000;
 const HOUR: Duration = Duration::from_secs(3600);
@@ -105,7 +105,9 @@ fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
         black_box(governor.check_key(key).is_err());
     };
     let mut g = c.benchmark_group("throttle_reject");
-    g.bench_function("ours_2_threads", |b| b.iter_custom(|n| parallel(2, n.max(2), &ours)));
+    g.bench_function("ours_2_threads", |b| {
+        b.iter_custom(|n| parallel(2, n.max(2), &ours))
+    });
     g.bench_function("governor_check_key_2_threads", |b| {
         b.iter_custom(|n| parallel(2, n.max(2), &anchor))
     });
@@ -130,7 +132,11 @@ fn debounce_burst(c: &mut Criterion, lines: &mut Vec<Line>) {
     let map: DashMap<String, (Instant, u64)> = DashMap::new();
     map.insert("burst".to_owned(), (Instant::now(), 0));
     let ours = |i: u64| {
-        let call = debounce.call("burst", HOUR, move || async move { Ok::<u64, Infallible>(i) });
+        let call = debounce.call(
+            "burst",
+            HOUR,
+            move || async move { Ok::<u64, Infallible>(i) },
+        );
         black_box(call.is_ok());
     };
     let anchor = |i: u64| {
@@ -140,7 +146,9 @@ fn debounce_burst(c: &mut Criterion, lines: &mut Vec<Line>) {
     };
     let mut g = c.benchmark_group("debounce_burst");
     g.bench_function("ours", |b| b.iter_custom(|n| parallel(1, n, &ours)));
-    g.bench_function("dashmap_get_mut", |b| b.iter_custom(|n| parallel(1, n, &anchor)));
+    g.bench_function("dashmap_get_mut", |b| {
+        b.iter_custom(|n| parallel(1, n, &anchor))
+    });
     g.finish();
     let wakeups_during_bench = debounce.timer_wakeups();
 
@@ -153,7 +161,9 @@ fn debounce_burst(c: &mut Criterion, lines: &mut Vec<Line>) {
             for i in 0..1000u64 {
                 last = Some(
                     debounce
-                        .call(&key, Duration::from_millis(2), move || async move { Ok::<u64, Infallible>(i) })
+                        .call(&key, Duration::from_millis(2), move || async move {
+                            Ok::<u64, Infallible>(i)
+                        })
                         .expect("call"),
                 );
             }
@@ -168,6 +178,56 @@ fn debounce_burst(c: &mut Criterion, lines: &mut Vec<Line>) {
         extra: format!(
             " (timer wakeups per 1,000-call burst: {per_burst:.2}; during the bench: {wakeups_during_bench})"
         ),
+    });
+}
+
+fn idempotency_replay(c: &mut Criterion, lines: &mut Vec<Line>) {
+    let rt = tokio_rt();
+    let runtime = rt.block_on(Runtime::start()).expect("runtime");
+    let dedup = runtime.idempotency();
+    let keys = keys();
+    rt.block_on(async {
+        for (i, key) in keys.iter().enumerate() {
+            let first = dedup
+                .run(
+                    key,
+                    move || async move { Ok::<_, Infallible>(i as u64) },
+                    IdempotencyOptions::new(),
+                )
+                .await
+                .expect("run");
+            assert!(first.is_fresh());
+        }
+    });
+    let map: DashMap<String, std::sync::Arc<u64>> = DashMap::new();
+    for (i, key) in keys.iter().enumerate() {
+        map.insert(key.clone(), std::sync::Arc::new(i as u64));
+    }
+    let ours = |i: u64| {
+        let key = &keys[i as usize % KEYS];
+        let outcome = poll_once(dedup.run(
+            key,
+            || async { Ok::<u64, Infallible>(u64::MAX) },
+            IdempotencyOptions::new(),
+        ));
+        debug_assert!(matches!(outcome, Some(Ok(Outcome::Replay(_)))));
+        black_box(outcome);
+    };
+    let anchor = |i: u64| {
+        let key = &keys[i as usize % KEYS];
+        black_box(map.get(key.as_str()).map(|v| std::sync::Arc::clone(&v)));
+    };
+    let mut g = c.benchmark_group("idempotency_replay");
+    g.bench_function("ours", |b| b.iter_custom(|n| parallel(1, n, &ours)));
+    g.bench_function("dashmap_get_arc_clone", |b| {
+        b.iter_custom(|n| parallel(1, n, &anchor))
+    });
+    g.finish();
+    lines.push(Line {
+        name: "idempotency_replay",
+        ours: ns_per_op(2_000_000, |n| parallel(1, n, &ours)),
+        anchor: ns_per_op(2_000_000, |n| parallel(1, n, &anchor)),
+        extra: String::new(),
     });
 }
 
@@ -196,7 +256,11 @@ impl Actor for Echo {
 fn fresh_key(c: &mut Criterion, lines: &mut Vec<Line>) {
     let rt = tokio_rt();
     let runtime = rt
-        .block_on(Runtime::builder().with_sweep_interval(Duration::from_millis(100)).start())
+        .block_on(
+            Runtime::builder()
+                .with_sweep_interval(Duration::from_millis(100))
+                .start(),
+        )
         .expect("runtime");
     let throttle = runtime.throttler();
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -211,7 +275,9 @@ fn fresh_key(c: &mut Criterion, lines: &mut Vec<Line>) {
                         for _ in 0..n / 2 {
                             let key = format!("fresh:{}", NEXT.fetch_add(1, Ordering::Relaxed));
                             let outcome = throttle
-                                .call(&key, Duration::from_millis(1), || async { Ok::<_, Infallible>(1u8) })
+                                .call(&key, Duration::from_millis(1), || async {
+                                    Ok::<_, Infallible>(1u8)
+                                })
                                 .await
                                 .expect("call");
                             let _ = black_box(outcome);
@@ -249,7 +315,9 @@ fn fresh_key(c: &mut Criterion, lines: &mut Vec<Line>) {
     };
     let mut g = c.benchmark_group("fresh_key");
     g.bench_function("ours_2_tasks", |b| b.iter_custom(|n| ours(n.max(2))));
-    g.bench_function("ractor_spawn_call_exit_2_tasks", |b| b.iter_custom(|n| anchor(n.max(2))));
+    g.bench_function("ractor_spawn_call_exit_2_tasks", |b| {
+        b.iter_custom(|n| anchor(n.max(2)))
+    });
     g.finish();
     let ours_ns = ns_per_op(400_000, ours);
     let stats = runtime.stats();
@@ -257,13 +325,21 @@ fn fresh_key(c: &mut Criterion, lines: &mut Vec<Line>) {
         name: "fresh_key",
         ours: ours_ns,
         anchor: ns_per_op(200_000, anchor),
-        extra: format!(" ({:.0} keys/s; live processes after: {})", 1e9 / ours_ns, stats.processes),
+        extra: format!(
+            " ({:.0} keys/s; live processes after: {})",
+            1e9 / ours_ns,
+            stats.processes
+        ),
     });
 }
 
 fn rss_bytes() -> usize {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: usize = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+    let pages: usize = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
     pages * 4096
 }
 
@@ -280,7 +356,11 @@ fn memory() -> String {
 
     let before = rss_bytes();
     for key in &keys {
-        drop(debounce.call(key, HOUR, || async { Ok::<u8, Infallible>(0) }).expect("call"));
+        drop(
+            debounce
+                .call(key, HOUR, || async { Ok::<u8, Infallible>(0) })
+                .expect("call"),
+        );
     }
     // Let every process start and arm its timer.
     rt.block_on(async {
@@ -318,6 +398,7 @@ fn main() {
         .configure_from_args();
     let mut lines = Vec::new();
     throttle_reject(&mut c, &mut lines);
+    idempotency_replay(&mut c, &mut lines);
     debounce_burst(&mut c, &mut lines);
     fresh_key(&mut c, &mut lines);
     c.final_summary();

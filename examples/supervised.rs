@@ -28,12 +28,21 @@ impl Actor for HostSupervisor {
         (): &mut (),
     ) -> Result<(), ActorProcessingErr> {
         match event {
-            SupervisionEvent::ActorStarted(cell) => println!("host: child {} started", cell.get_id()),
+            SupervisionEvent::ActorStarted(cell) => {
+                println!("host: child {} started", cell.get_id())
+            }
             SupervisionEvent::ActorFailed(cell, err) => {
-                println!("host: child {} failed: {err}; a real host would restart it", cell.get_id());
+                println!(
+                    "host: child {} failed: {err}; a real host would restart it",
+                    cell.get_id()
+                );
             }
             SupervisionEvent::ActorTerminated(cell, _, reason) => {
-                println!("host: child {} stopped ({})", cell.get_id(), reason.unwrap_or_default());
+                println!(
+                    "host: child {} stopped ({})",
+                    cell.get_id(),
+                    reason.unwrap_or_default()
+                );
             }
             _ => {}
         }
@@ -71,17 +80,24 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         })?
         .await;
     match outcome {
-        Err(Error::Panicked { key, message }) => println!("key {key} panicked ({message}); runtime still serving"),
+        Err(Error::Panicked { key, message }) => {
+            println!("key {key} panicked ({message}); runtime still serving")
+        }
         other => println!("unexpected: {other:?}"),
     }
     let ok = runtime
         .debouncer()
-        .call("job:2", Duration::from_millis(10), || async { Ok::<_, Never>(2) })?
+        .call("job:2", Duration::from_millis(10), || async {
+            Ok::<_, Never>(2)
+        })?
         .await?;
     println!("key job:2 ran and returned {ok}");
 
     let report = runtime.shutdown(Duration::from_secs(1)).await;
-    println!("runtime shut down, {} function(s) still running", report.still_running);
+    println!(
+        "runtime shut down, {} function(s) still running",
+        report.still_running
+    );
     tokio::time::sleep(Duration::from_millis(50)).await;
     host.stop(None);
     host_done.await?;

@@ -87,11 +87,9 @@ impl State {
     ) -> Result<Option<Duration>, Error> {
         let now = Instant::now();
         // Inside a window nothing changes: a shared lock is enough.
-        if let Some(Some(left)) = self
-            .windows
-            .registry
-            .read(key, |slot| (slot.state.until > now).then(|| slot.state.until - now))
-        {
+        if let Some(Some(left)) = self.windows.registry.read(key, |slot| {
+            (slot.state.until > now).then(|| slot.state.until - now)
+        }) {
             return Ok(Some(left));
         }
         self.windows.registry.update(key, |slot| match slot {
