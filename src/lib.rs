@@ -64,3 +64,7 @@ pub use idempotency::{
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
 pub use runtime::{Runtime, RuntimeBuilder, ShutdownPolicy, ShutdownReport, Stats};
 pub use throttle::{Throttle, Throttled, Throttler};
+
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
