@@ -233,8 +233,16 @@ fn idempotency_replay(c: &mut Criterion, lines: &mut Vec<Line>) {
 
 struct Echo;
 
+/// The anchor actor's one message: reply with a number.
+struct Ping(RpcReplyPort<u64>);
+
+#[cfg(feature = "cluster")]
+impl ractor::Message for Ping {}
+
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
+
 impl Actor for Echo {
-    type Msg = RpcReplyPort<u64>;
+    type Msg = Ping;
     type State = ();
     type Arguments = ();
 
@@ -245,7 +253,7 @@ impl Actor for Echo {
     async fn handle(
         &self,
         _: ActorRef<Self::Msg>,
-        reply: Self::Msg,
+        Ping(reply): Ping,
         (): &mut (),
     ) -> Result<(), ActorProcessingErr> {
         let _ = reply.send(1);
@@ -299,7 +307,7 @@ fn fresh_key(c: &mut Criterion, lines: &mut Vec<Line>) {
                     tokio::spawn(async move {
                         for _ in 0..n / 2 {
                             let (actor, join) = Actor::spawn(None, Echo, ()).await.expect("spawn");
-                            let reply = actor.call(|port| port, None).await.expect("call");
+                            let reply = actor.call(Ping, None).await.expect("call");
                             black_box(reply);
                             actor.stop(None);
                             join.await.expect("exit");

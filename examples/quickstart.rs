@@ -1,8 +1,8 @@
-// Run: cargo run --example quickstart
-//
-// The three primitives on the default in-memory runtime, with no set-up:
-// a debounced autosave, a throttled email, and an idempotent payment.
-// It prints what each primitive did.
+//! Run: cargo run --example quickstart
+//!
+//! The three primitives on the default in-memory runtime, with no set-up:
+//! a debounced autosave, a throttled email, and an idempotent payment.
+//! It prints what each primitive did.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

@@ -1,8 +1,8 @@
-// Run: cargo run --example supervised
-//
-// Embedding: a host application with its own ractor supervision tree starts
-// the throttlebeam runtime linked under its supervisor. A crash inside one
-// key stays inside that key; the runtime's own exit is reported to the host.
+//! Run: cargo run --example supervised
+//!
+//! Embedding: a host application with its own ractor supervision tree starts
+//! the throttlebeam runtime linked under its supervisor. A crash inside one
+//! key stays inside that key; the runtime's own exit is reported to the host.
 
 use std::time::Duration;
 
@@ -11,6 +11,8 @@ use throttlebeam::{Error, Runtime};
 
 /// The host's supervisor: logs what its children report.
 struct HostSupervisor;
+
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
 
 impl Actor for HostSupervisor {
     type Msg = ();

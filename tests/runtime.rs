@@ -203,6 +203,8 @@ struct Host {
     events: mpsc::UnboundedSender<String>,
 }
 
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
+
 impl Actor for Host {
     type Msg = ();
     type State = ();

@@ -211,9 +211,11 @@ async fn open_windows_are_swept_and_cost_no_process() {
     let t = rt.throttler();
     for i in 0..100 {
         let key = format!("k{i}");
-        t.call(&key, ms(500), || async { Ok::<_, Oops>(()) })
+        let outcome = t
+            .call(&key, ms(500), || async { Ok::<_, Oops>(()) })
             .await
             .unwrap();
+        assert!(!outcome.is_throttled());
     }
     let stats = rt.stats();
     assert_eq!(stats.keys, 100);
@@ -236,8 +238,8 @@ async fn key_cap_is_enforced_with_a_clear_error() {
         .unwrap();
     let t = rt.throttler();
     let ok = || async { Ok::<_, Oops>(()) };
-    t.call("a", ms(100), ok).await.unwrap();
-    t.call("b", ms(100), ok).await.unwrap();
+    assert!(!t.call("a", ms(100), ok).await.unwrap().is_throttled());
+    assert!(!t.call("b", ms(100), ok).await.unwrap().is_throttled());
     let err = t.call("c", ms(100), ok).await.unwrap_err();
     assert!(matches!(&err, Error::TooManyKeys { key, cap: 2 } if key == "c"));
     assert!(err.to_string().contains("cap 2"));

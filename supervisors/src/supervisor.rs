@@ -220,3 +220,6 @@ impl Supervisor {
         }
     }
 }
+
+#[cfg(feature = "cluster")]
+impl ractor::Message for PartitionMsg {}

@@ -262,6 +262,8 @@ impl SweeperActor {
     }
 }
 
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
+
 impl Actor for SweeperActor {
     type Msg = SweepMsg;
     type State = SweeperState;
@@ -315,3 +317,6 @@ impl Actor for SweeperActor {
         Ok(())
     }
 }
+
+#[cfg(feature = "cluster")]
+impl ractor::Message for SweepMsg {}

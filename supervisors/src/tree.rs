@@ -158,6 +158,7 @@ impl Tree {
     /// /// The host application's own supervisor.
     /// struct Host;
     ///
+    /// #[cfg_attr(feature = "async-trait", ractor::async_trait)]
     /// impl Actor for Host {
     ///     type Msg = ();
     ///     type State = ();
@@ -331,6 +332,8 @@ impl Root {
     }
 }
 
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
+
 impl Actor for Root {
     type Msg = RootMsg;
     type State = RootState;
@@ -425,6 +428,8 @@ struct PartitionActor {
     index: usize,
 }
 
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
+
 impl Actor for PartitionActor {
     type Msg = PartitionMsg;
     type State = u64;
@@ -453,3 +458,6 @@ impl Actor for PartitionActor {
         Ok(())
     }
 }
+
+#[cfg(feature = "cluster")]
+impl ractor::Message for RootMsg {}

@@ -24,6 +24,8 @@ enum Seen {
 /// A host application's supervisor: records every supervision event.
 struct Host;
 
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
+
 impl Actor for Host {
     type Msg = ();
     type State = mpsc::UnboundedSender<Seen>;
