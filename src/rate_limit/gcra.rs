@@ -184,7 +184,7 @@ mod tests {
     fn earliest_is_never_before_now() {
         let gcra = Gcra::new(2, Duration::from_secs(1)).unwrap();
         assert_eq!(gcra.earliest(&70, 70, 2), Some(70));
-        assert_eq!(gcra.earliest(&1_500, 0, 1), Some(500));
+        assert_eq!(gcra.earliest(&1_000, 0, 1), Some(500));
         assert_eq!(gcra.earliest(&0, 0, 3), None);
     }
 
