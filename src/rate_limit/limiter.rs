@@ -194,12 +194,6 @@ impl<S: Strategy> Limiter<S> {
             }
         })
     }
-
-    /// The in-memory store, e.g. to read its size.
-    #[must_use]
-    pub fn store(&self) -> &MemoryStore<S::State> {
-        &self.inner.store
-    }
 }
 
 impl<S: Strategy, St> Limiter<S, St> {
@@ -207,6 +201,12 @@ impl<S: Strategy, St> Limiter<S, St> {
     #[must_use]
     pub fn strategy(&self) -> &S {
         &self.inner.strategy
+    }
+
+    /// The store, e.g. to read a [`MemoryStore`]'s size.
+    #[must_use]
+    pub fn store(&self) -> &St {
+        &self.inner.store
     }
 
     /// The strategy that applies to `key`: its override, or the default.

@@ -1,0 +1,165 @@
+//! Rate-limit checks against governor's keyed limiter, same keys, same quota, same run.
+//!
+//! Run: `cargo bench --bench rate_limit`. After criterion's report it prints one line per
+//! comparison: `compare <name>: ours <ns/op> ns, anchor <ns/op> ns, ratio <ours/anchor>`,
+//! from interleaved timed loops (median of several rounds).
+
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use throttlebeam::rate_limit::{Gcra, Limiter, Strategy, TokenBucket};
+
+const KEYS: usize = 100_000;
+const RATE: u32 = 50;
+
+struct Fixture {
+    keys: Vec<String>,
+    gcra: Limiter<Gcra>,
+    bucket: Limiter<TokenBucket>,
+    governor: DefaultKeyedRateLimiter<String>,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let rate = NonZeroU32::new(RATE).expect("non-zero");
+        let keys: Vec<String> = (0..KEYS).map(|i| format!("client:{i:06}")).collect();
+        let fixture = Self {
+            gcra: Limiter::new(Gcra::per_second(rate)),
+            bucket: Limiter::new(TokenBucket::per_second(rate, rate)),
+            governor: RateLimiter::keyed(Quota::per_second(rate)),
+            keys,
+        };
+        // Every key exists before timing: we measure checks, not inserts.
+        for key in &fixture.keys {
+            let _ = fixture.gcra.check(key);
+            let _ = fixture.bucket.check(key);
+            let _ = fixture.governor.check_key(key);
+        }
+        fixture
+    }
+}
+
+/// One side of a comparison: checks `ops` keys starting at `offset`, striding through all.
+trait Side: Sync {
+    fn run(&self, f: &Fixture, offset: usize, ops: u64);
+}
+
+struct Ours<S: Strategy>(fn(&Fixture) -> &Limiter<S>);
+struct Governor;
+
+impl<S: Strategy> Side for Ours<S> {
+    fn run(&self, f: &Fixture, offset: usize, ops: u64) {
+        let limiter = (self.0)(f);
+        let mut i = offset;
+        for _ in 0..ops {
+            black_box(
+                limiter
+                    .check(&f.keys[i])
+                    .map(|d| d.allowed)
+                    .unwrap_or(false),
+            );
+            i = (i + 7) % KEYS;
+        }
+    }
+}
+
+impl Side for Governor {
+    fn run(&self, f: &Fixture, offset: usize, ops: u64) {
+        let mut i = offset;
+        for _ in 0..ops {
+            black_box(f.governor.check_key(&f.keys[i]).is_ok());
+            i = (i + 7) % KEYS;
+        }
+    }
+}
+
+/// Wall time for `ops` checks spread over `threads` threads.
+fn timed(side: &dyn Side, f: &Fixture, threads: usize, ops: u64) -> Duration {
+    let per_thread = ops / threads as u64;
+    let start = Instant::now();
+    if threads == 1 {
+        side.run(f, 0, ops);
+    } else {
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                s.spawn(move || side.run(f, t * KEYS / threads, per_thread));
+            }
+        });
+    }
+    start.elapsed()
+}
+
+struct Comparison {
+    name: &'static str,
+    ours: &'static dyn Side,
+    threads: usize,
+}
+
+static GCRA: Ours<Gcra> = Ours(|f| &f.gcra);
+static BUCKET: Ours<TokenBucket> = Ours(|f| &f.bucket);
+static GOVERNOR: Governor = Governor;
+
+const COMPARISONS: [Comparison; 3] = [
+    Comparison {
+        name: "gcra_check_1t",
+        ours: &GCRA,
+        threads: 1,
+    },
+    Comparison {
+        name: "gcra_check_2t",
+        ours: &GCRA,
+        threads: 2,
+    },
+    Comparison {
+        name: "token_bucket_check",
+        ours: &BUCKET,
+        threads: 1,
+    },
+];
+
+fn criterion_benches(c: &mut Criterion, f: &Fixture) {
+    for cmp in &COMPARISONS {
+        let mut group = c.benchmark_group(cmp.name);
+        group.bench_function("ours", |b| {
+            b.iter_custom(|iters| timed(cmp.ours, f, cmp.threads, iters))
+        });
+        group.bench_function("governor", |b| {
+            b.iter_custom(|iters| timed(&GOVERNOR, f, cmp.threads, iters))
+        });
+        group.finish();
+    }
+}
+
+fn median_ns_per_op(samples: &mut [f64]) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--test");
+    let f = Fixture::new();
+    let mut c = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    criterion_benches(&mut c, &f);
+    c.final_summary();
+
+    let (rounds, ops) = if quick { (1, 10_000) } else { (9, 2_000_000) };
+    for cmp in &COMPARISONS {
+        let (mut ours, mut anchor) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            ours.push(timed(cmp.ours, &f, cmp.threads, ops).as_nanos() as f64 / ops as f64);
+            anchor.push(timed(&GOVERNOR, &f, cmp.threads, ops).as_nanos() as f64 / ops as f64);
+        }
+        let (ours, anchor) = (median_ns_per_op(&mut ours), median_ns_per_op(&mut anchor));
+        println!(
+            "compare {}: ours {ours:.1} ns, anchor {anchor:.1} ns, ratio {:.2}",
+            cmp.name,
+            ours / anchor
+        );
+    }
+}
