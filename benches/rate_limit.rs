@@ -2,7 +2,8 @@
 //!
 //! Run: `cargo bench --bench rate_limit`. After criterion's report it prints one line per
 //! comparison: `compare <name>: ours <ns/op> ns, anchor <ns/op> ns, ratio <ours/anchor>`,
-//! from interleaved timed loops (median of several rounds).
+//! from short timed rounds alternating between the sides (medians; the ratio is the median
+//! of adjacent pairs, which share the machine's load).
 //!
 //! Both sides read the same clock source once per check: governor's default clock is quanta,
 //! so ours runs with [`QuantaClock`]. An extra line shows ours with the default
@@ -151,9 +152,30 @@ fn criterion_benches(c: &mut Criterion, f: &Fixture) {
     }
 }
 
-fn median_ns_per_op(samples: &mut [f64]) -> f64 {
+fn median(samples: &mut [f64]) -> f64 {
     samples.sort_by(f64::total_cmp);
     samples[samples.len() / 2]
+}
+
+/// ns/op of each side and their ratio, from short rounds that alternate between the sides,
+/// so that both see the same machine load; the ratio is the median of adjacent pairs.
+fn compare(cmp: &Comparison, f: &Fixture, rounds: usize, ops: u64) -> (f64, f64, f64) {
+    let (mut ours, mut anchor, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let per_op = |side: &dyn Side| timed(side, f, cmp.threads, ops).as_nanos() as f64 / ops as f64;
+        // Alternate which side goes first.
+        let (o, a) = if round % 2 == 0 {
+            let o = per_op(cmp.ours);
+            (o, per_op(&GOVERNOR))
+        } else {
+            let a = per_op(&GOVERNOR);
+            (per_op(cmp.ours), a)
+        };
+        ours.push(o);
+        anchor.push(a);
+        ratios.push(o / a);
+    }
+    (median(&mut ours), median(&mut anchor), median(&mut ratios))
 }
 
 fn main() {
@@ -166,18 +188,12 @@ fn main() {
     criterion_benches(&mut c, &f);
     c.final_summary();
 
-    let (rounds, ops) = if quick { (1, 10_000) } else { (15, 500_000) };
+    let (rounds, ops) = if quick { (1, 10_000) } else { (41, 200_000) };
     for cmp in &COMPARISONS {
-        let (mut ours, mut anchor) = (Vec::new(), Vec::new());
-        for _ in 0..rounds {
-            ours.push(timed(cmp.ours, &f, cmp.threads, ops).as_nanos() as f64 / ops as f64);
-            anchor.push(timed(&GOVERNOR, &f, cmp.threads, ops).as_nanos() as f64 / ops as f64);
-        }
-        let (ours, anchor) = (median_ns_per_op(&mut ours), median_ns_per_op(&mut anchor));
+        let (ours, anchor, ratio) = compare(cmp, &f, rounds, ops);
         println!(
-            "compare {}: ours {ours:.1} ns, anchor {anchor:.1} ns, ratio {:.2}",
-            cmp.name,
-            ours / anchor
+            "compare {}: ours {ours:.1} ns, anchor {anchor:.1} ns, ratio {ratio:.2}",
+            cmp.name
         );
     }
 }

@@ -98,7 +98,7 @@ impl Clock for TokioClock {
 #[derive(Debug, Clone)]
 pub struct QuantaClock {
     epoch_ms: u64,
-    anchor: quanta::Instant,
+    anchor: u64,
     clock: quanta::Clock,
 }
 
@@ -109,7 +109,7 @@ impl QuantaClock {
         let clock = quanta::Clock::new();
         Self {
             epoch_ms: wall_clock_ms(),
-            anchor: clock.now(),
+            anchor: clock.raw(),
             clock,
         }
     }
@@ -124,8 +124,9 @@ impl Default for QuantaClock {
 impl Clock for QuantaClock {
     #[inline]
     fn now_ms(&self) -> u64 {
-        let elapsed = self.clock.now().duration_since(self.anchor);
-        self.epoch_ms.saturating_add(duration_ms(elapsed))
+        // Raw counter deltas skip quanta's `Instant` and `Duration` conversions.
+        let elapsed_ns = self.clock.delta_as_nanos(self.anchor, self.clock.raw());
+        self.epoch_ms.saturating_add(elapsed_ns / 1_000_000)
     }
 }
 

@@ -17,8 +17,8 @@ pub(crate) const MAX_EXACT: u64 = 1 << 53;
 pub enum Update<S> {
     /// Leave the stored state as it was (denials and reads never write).
     Keep,
-    /// Store `state`; it stops mattering after `ttl_ms` (the strategy is then full again, so a
-    /// store may forget it).
+    /// Store `state`. From `ttl_ms` after now on, the strategy must treat `state` exactly like
+    /// no state (it is full again), so a store may forget it any time after that.
     Set {
         /// The next state.
         state: S,

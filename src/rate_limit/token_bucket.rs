@@ -110,8 +110,9 @@ impl Model for TokenBucket {
             Some(s) => {
                 let missing = full.saturating_sub(s.level);
                 let elapsed = now - s.updated_at;
-                // Compare before multiplying so the product stays exact.
-                let level = if elapsed >= missing.div_ceil(self.refill) {
+                // `elapsed * refill >= missing`, i.e. enough time to fill up; saturating keeps
+                // the comparison right for very old states.
+                let level = if elapsed.saturating_mul(self.refill) >= missing {
                     full
                 } else {
                     s.level + elapsed * self.refill
