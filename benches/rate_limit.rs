@@ -162,7 +162,8 @@ fn median(samples: &mut [f64]) -> f64 {
 fn compare(cmp: &Comparison, f: &Fixture, rounds: usize, ops: u64) -> (f64, f64, f64) {
     let (mut ours, mut anchor, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
-        let per_op = |side: &dyn Side| timed(side, f, cmp.threads, ops).as_nanos() as f64 / ops as f64;
+        let per_op =
+            |side: &dyn Side| timed(side, f, cmp.threads, ops).as_nanos() as f64 / ops as f64;
         // Alternate which side goes first.
         let (o, a) = if round % 2 == 0 {
             let o = per_op(cmp.ours);
@@ -188,7 +189,7 @@ fn main() {
     criterion_benches(&mut c, &f);
     c.final_summary();
 
-    let (rounds, ops) = if quick { (1, 10_000) } else { (41, 200_000) };
+    let (rounds, ops) = if quick { (1, 10_000) } else { (21, 1_000_000) };
     for cmp in &COMPARISONS {
         let (ours, anchor, ratio) = compare(cmp, &f, rounds, ops);
         println!(

@@ -22,7 +22,7 @@ use super::{Decision, Forecast, RateLimitError};
 ///
 /// let w = SlidingWindow::new(10, Duration::from_secs(1))?;
 /// // 10 spent last window; a quarter into this one, 3/4 of them still count.
-/// let state = SlidingWindowState { start: 0, previous: 10, current: 0 };
+/// let state = SlidingWindowState { start: 1_000, previous: 10, current: 0 };
 /// assert_eq!(w.peek(Some(state), 1_250).remaining, 2);
 /// # Ok::<(), throttlebeam::rate_limit::RateLimitError>(())
 /// ```
