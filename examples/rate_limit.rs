@@ -27,7 +27,10 @@ async fn main() -> Result<(), RateLimitError> {
 
     let peer: IpAddr = "10.0.0.7".parse().expect("valid address");
     let mut request_headers = HeaderMap::new();
-    request_headers.insert("x-forwarded-for", "203.0.113.50".parse().expect("valid header"));
+    request_headers.insert(
+        "x-forwarded-for",
+        "203.0.113.50".parse().expect("valid header"),
+    );
     let key = client_ip.key_from_headers(peer, &request_headers);
     println!("client key: {key}");
     for i in 1..=7 {
@@ -56,7 +59,11 @@ async fn main() -> Result<(), RateLimitError> {
     }
 
     // 3. Pace outbound calls at 20 per second, queueing at most 100 ms.
-    let shaper = Limiter::new(LeakyBucket::new(20, Duration::from_secs(1), Duration::from_millis(100))?);
+    let shaper = Limiter::new(LeakyBucket::new(
+        20,
+        Duration::from_secs(1),
+        Duration::from_millis(100),
+    )?);
     for i in 1..=4 {
         match shaper.reserve("upstream", 1).await {
             Ok(waited) => println!("outbound {i}: sent after {} ms", waited.as_millis()),

@@ -39,20 +39,31 @@ fn clock_now(clock: &ManualClock) -> u64 {
 }
 
 /// Units admitted in every span `[t_i, t_j]` stay within `bound(t_j - t_i)`.
-fn assert_span_bound(admitted: &[(u64, u64)], bound: impl Fn(u64) -> u64) -> Result<(), TestCaseError> {
+fn assert_span_bound(
+    admitted: &[(u64, u64)],
+    bound: impl Fn(u64) -> u64,
+) -> Result<(), TestCaseError> {
     for i in 0..admitted.len() {
         let mut units = 0;
         for &(t, cost) in &admitted[i..] {
             units += cost;
             let span = t - admitted[i].0;
-            prop_assert!(units <= bound(span), "{units} units in {span} ms (bound {})", bound(span));
+            prop_assert!(
+                units <= bound(span),
+                "{units} units in {span} ms (bound {})",
+                bound(span)
+            );
         }
     }
     Ok(())
 }
 
 /// Units admitted in every aligned window stay within `limit`.
-fn assert_window_bound(admitted: &[(u64, u64)], window: u64, limit: u64) -> Result<(), TestCaseError> {
+fn assert_window_bound(
+    admitted: &[(u64, u64)],
+    window: u64,
+    limit: u64,
+) -> Result<(), TestCaseError> {
     let mut per_window = std::collections::BTreeMap::new();
     for &(t, cost) in admitted {
         *per_window.entry(t / window).or_insert(0) += cost;
@@ -65,7 +76,11 @@ fn assert_window_bound(admitted: &[(u64, u64)], window: u64, limit: u64) -> Resu
 
 /// The pure functions agree with each other at every step of `calls`, and waiting exactly the
 /// reported times is both necessary and sufficient.
-fn assert_consistent<S: Strategy>(strategy: &S, start: u64, calls: &[(u64, u32)]) -> Result<(), TestCaseError> {
+fn assert_consistent<S: Strategy>(
+    strategy: &S,
+    start: u64,
+    calls: &[(u64, u32)],
+) -> Result<(), TestCaseError> {
     let mut state = None;
     let mut now = start;
     for &(dt, cost) in calls {
@@ -86,9 +101,15 @@ fn assert_consistent<S: Strategy>(strategy: &S, start: u64, calls: &[(u64, u32)]
             prop_assert!(strategy.peek(state, next).remaining > peek.remaining);
             prop_assert_eq!(strategy.peek(state, next - 1).remaining, peek.remaining);
         }
-        prop_assert_eq!(strategy.peek(state, forecast.full_at_ms).remaining, peek.limit);
+        prop_assert_eq!(
+            strategy.peek(state, forecast.full_at_ms).remaining,
+            peek.limit
+        );
         if !d.allowed {
-            prop_assert!(matches!(outcome.update, Update::Keep), "a denial never consumes");
+            prop_assert!(
+                matches!(outcome.update, Update::Keep),
+                "a denial never consumes"
+            );
             if d.is_admissible() {
                 let at = now + d.retry_after_ms;
                 prop_assert!(strategy.check(state, at, nz(cost)).result.allowed);
@@ -130,10 +151,17 @@ fn assert_backwards_grants_nothing<S: Strategy>(
 }
 
 /// `peek` and `forecast` through a limiter never change what later checks decide.
-fn assert_reads_are_pure<S: Strategy>(strategy: S, calls: &[(u64, u32)]) -> Result<(), TestCaseError> {
+fn assert_reads_are_pure<S: Strategy>(
+    strategy: S,
+    calls: &[(u64, u32)],
+) -> Result<(), TestCaseError> {
     let (plain_clock, read_clock) = (ManualClock::new(0), ManualClock::new(0));
-    let plain = Limiter::builder(strategy.clone()).with_clock(plain_clock.clone()).build();
-    let reading = Limiter::builder(strategy).with_clock(read_clock.clone()).build();
+    let plain = Limiter::builder(strategy.clone())
+        .with_clock(plain_clock.clone())
+        .build();
+    let reading = Limiter::builder(strategy)
+        .with_clock(read_clock.clone())
+        .build();
     for &(dt, cost) in calls {
         plain_clock.advance_ms(dt);
         read_clock.advance_ms(dt);
@@ -141,14 +169,19 @@ fn assert_reads_are_pure<S: Strategy>(strategy: S, calls: &[(u64, u32)]) -> Resu
             reading.peek("k").unwrap();
             reading.forecast("k", cost).unwrap();
         }
-        prop_assert_eq!(plain.check_n("k", cost).unwrap(), reading.check_n("k", cost).unwrap());
+        prop_assert_eq!(
+            plain.check_n("k", cost).unwrap(),
+            reading.check_n("k", cost).unwrap()
+        );
     }
     Ok(())
 }
 
 fn gcra() -> impl proptest::strategy::Strategy<Value = Gcra> {
     (1..20u32, 1..5_000u64, 1..25u32).prop_map(|(limit, period, burst)| {
-        Gcra::new(limit, Duration::from_millis(period)).unwrap().with_burst(nz(burst))
+        Gcra::new(limit, Duration::from_millis(period))
+            .unwrap()
+            .with_burst(nz(burst))
     })
 }
 
@@ -165,21 +198,32 @@ fn windows() -> impl proptest::strategy::Strategy<Value = (u32, u64)> {
 
 fn leaky() -> impl proptest::strategy::Strategy<Value = (LeakyBucket, u64)> {
     (1..20u32, 1..5_000u64, 0..3_000u64).prop_map(|(rate, per, queue)| {
-        let shaper = LeakyBucket::new(rate, Duration::from_millis(per), Duration::from_millis(queue));
+        let shaper = LeakyBucket::new(
+            rate,
+            Duration::from_millis(per),
+            Duration::from_millis(queue),
+        );
         (shaper.unwrap(), queue)
     })
 }
 
 fn decision() -> impl proptest::strategy::Strategy<Value = Decision> {
-    (any::<bool>(), any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
-        |(allowed, limit, remaining, reset_at_ms, retry_after_ms)| Decision {
-            allowed,
-            limit,
-            remaining,
-            reset_at_ms,
-            retry_after_ms,
-        },
+    (
+        any::<bool>(),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
     )
+        .prop_map(
+            |(allowed, limit, remaining, reset_at_ms, retry_after_ms)| Decision {
+                allowed,
+                limit,
+                remaining,
+                reset_at_ms,
+                retry_after_ms,
+            },
+        )
 }
 
 proptest! {
