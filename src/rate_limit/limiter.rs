@@ -302,25 +302,10 @@ impl<S: Strategy, St: Store<S::State>> Limiter<S, St> {
 
     #[inline]
     fn decide(&self, key: &str, cost: NonZeroU32, now_ms: u64) -> Result<Decision, RateLimitError> {
-        let store_key = self.store_key(key);
-        match self.override_for(key) {
-            None => self.inner.store.apply(
-                &store_key,
-                now_ms,
-                &Check {
-                    strategy: &self.inner.strategy,
-                    cost,
-                },
-            ),
-            Some(strategy) => self.inner.store.apply(
-                &store_key,
-                now_ms,
-                &Check {
-                    strategy: &strategy,
-                    cost,
-                },
-            ),
-        }
+        let overridden = self.override_for(key);
+        let strategy = overridden.as_ref().unwrap_or(&self.inner.strategy);
+        let check = Check { strategy, cost };
+        self.inner.store.apply(&self.store_key(key), now_ms, &check)
     }
 
     /// Spends `cost` units for each of `keys`, all at one timestamp.
@@ -451,31 +436,26 @@ impl<S: Strategy, St: Store<S::State>> Limiter<S, St> {
 struct Ticket<'a> {
     queues: &'a DashMap<Box<str>, Gate, ahash::RandomState>,
     key: &'a str,
-    gate: Option<Gate>,
+    gate: Gate,
 }
 
 impl<'a> Ticket<'a> {
     fn join(queues: &'a DashMap<Box<str>, Gate, ahash::RandomState>, key: &'a str) -> Self {
         let gate = Arc::clone(&queues.entry(Box::from(key)).or_default());
-        Self {
-            queues,
-            key,
-            gate: Some(gate),
-        }
+        Self { queues, key, gate }
     }
 
     fn gate(&self) -> &Gate {
-        // Only `drop` takes it.
-        self.gate.as_ref().unwrap_or_else(|| unreachable!())
+        &self.gate
     }
 }
 
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
-        drop(self.gate.take());
-        // Clones are only made under this shard's lock, so a count of one is final.
+        // The map's handle and ours, and no other: nobody else waits. Clones are only made
+        // under this shard's lock, so the count cannot grow meanwhile.
         self.queues
-            .remove_if(self.key, |_, gate| Arc::strong_count(gate) == 1);
+            .remove_if(self.key, |_, gate| Arc::strong_count(gate) == 2);
     }
 }
 
@@ -565,5 +545,25 @@ impl Transition<LeakyState> for Reserve {
     type Output = Reservation;
     fn run(&self, state: Option<LeakyState>, now_ms: u64) -> Outcome<LeakyState, Reservation> {
         self.shaper.reserve(state, now_ms, self.cost)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rate_limit::Gcra;
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_queues_are_removed_when_the_last_waiter_leaves() {
+        let limiter = Limiter::new(Gcra::new(1, Duration::from_secs(1)).unwrap());
+        limiter.check("k").unwrap();
+        let (a, b) = tokio::join!(limiter.until_ready("k"), limiter.until_ready("k"));
+        assert!(a.unwrap().allowed && b.unwrap().allowed);
+        assert!(limiter.inner.queues.is_empty());
+        // A cancelled waiter leaves too.
+        let cancelled =
+            tokio::time::timeout(Duration::from_millis(10), limiter.until_ready("k")).await;
+        assert!(cancelled.is_err());
+        assert!(limiter.inner.queues.is_empty());
     }
 }
