@@ -438,11 +438,31 @@ fn r11_structured_headers() {
         header(&h, "ratelimit-policy").as_deref(),
         Some(r#""name";q=999999999999999;w=60"#)
     );
-    // Quotes in a policy name are escaped.
-    let quoted = options.with_policy(PolicyName::new(r#"a"b"#).unwrap());
+    // Quotes and backslashes in a policy name are escaped.
+    let quoted = options
+        .clone()
+        .with_policy(PolicyName::new(r#"a"b"#).unwrap());
     assert_eq!(
         header(&quoted.headers(&d, 0), "ratelimit").as_deref(),
         Some(r#""a\"b";r=50;t=30"#)
+    );
+    let escaped = options.with_policy(PolicyName::new(r#"a\"b\c"#).unwrap());
+    let h = escaped.headers(&d, 0);
+    assert_eq!(
+        header(&h, "ratelimit").as_deref(),
+        Some(r#""a\\\"b\\c";r=50;t=30"#)
+    );
+    assert_eq!(
+        header(&h, "ratelimit-policy").as_deref(),
+        Some(r#""a\\\"b\\c";q=100;w=60"#)
+    );
+    // Without a window, `w` is left out.
+    let no_window = HeaderOptions::none()
+        .with_structured(true)
+        .with_policy(PolicyName::new("name").unwrap());
+    assert_eq!(
+        header(&no_window.headers(&d, 0), "ratelimit-policy").as_deref(),
+        Some(r#""name";q=100"#)
     );
 }
 

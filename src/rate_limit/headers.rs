@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use http::header::RETRY_AFTER;
 use http::{HeaderMap, HeaderName, HeaderValue};
+use sfv::FieldType as _;
 
 use super::{Decision, RateLimitError};
 
@@ -27,9 +28,12 @@ pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelim
 /// `X-RateLimit-Reset` (legacy): epoch seconds when full, rounded up.
 pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
-/// The largest integer a structured field may carry (RFC 9651: 15 digits).
-const SF_INTEGER_MAX: u64 = 999_999_999_999_999;
 const POLICY_NAME_MAX_LEN: usize = 64;
+const DEFAULT_POLICY_NAME: &sfv::StringRef = sfv::StringRef::constant("default");
+const KEY_REMAINING: &sfv::KeyRef = sfv::KeyRef::constant("r");
+const KEY_RESET: &sfv::KeyRef = sfv::KeyRef::constant("t");
+const KEY_QUOTA: &sfv::KeyRef = sfv::KeyRef::constant("q");
+const KEY_WINDOW: &sfv::KeyRef = sfv::KeyRef::constant("w");
 
 /// A policy name for the structured fields, checked to be writable as an RFC 9651 string:
 /// 1 to 64 printable ASCII characters (quotes and backslashes are escaped when written).
@@ -42,8 +46,8 @@ const POLICY_NAME_MAX_LEN: usize = 64;
 /// assert!(PolicyName::new("api-v1").is_ok());
 /// assert!(PolicyName::new("bad\nname").is_err());
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct PolicyName(Box<str>);
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct PolicyName(sfv::String);
 
 impl PolicyName {
     /// Validates `name`.
@@ -53,39 +57,43 @@ impl PolicyName {
     /// [`RateLimitError::InvalidPolicyName`] for an empty or too long name, or one with a
     /// character outside printable ASCII.
     pub fn new(name: &str) -> Result<Self, RateLimitError> {
-        let printable = name.bytes().all(|b| (0x20..=0x7e).contains(&b));
-        if name.is_empty() || name.len() > POLICY_NAME_MAX_LEN || !printable {
-            return Err(RateLimitError::InvalidPolicyName {
+        match sfv::StringRef::from_str(name) {
+            Ok(valid) if !name.is_empty() && name.len() <= POLICY_NAME_MAX_LEN => {
+                Ok(Self(valid.to_owned()))
+            }
+            _ => Err(RateLimitError::InvalidPolicyName {
                 name: name.to_owned(),
-            });
+            }),
         }
-        Ok(Self(name.into()))
     }
 
     /// The name.
     #[must_use]
     pub fn as_str(&self) -> &str {
-        &self.0
+        self.0.as_str()
     }
 
-    /// The name as an RFC 9651 sf-string: quoted, with `"` and `\` escaped.
-    fn quoted(&self) -> String {
-        let mut out = String::with_capacity(self.0.len() + 2);
-        out.push('"');
-        for c in self.0.chars() {
-            if matches!(c, '"' | '\\') {
-                out.push('\\');
-            }
-            out.push(c);
-        }
-        out.push('"');
-        out
+    /// One structured-field list member: this name as an sf-string, with `params`.
+    fn member<const N: usize>(&self, params: [(&sfv::KeyRef, u64); N]) -> sfv::List {
+        let params = params
+            .into_iter()
+            .map(|(key, value)| (key.to_owned(), sf_integer(value).into()))
+            .collect();
+        vec![sfv::Item::with_params(self.0.clone(), params).into()]
+    }
+}
+
+// Written by hand to print `PolicyName("api")`, as the derive did before the name became an
+// `sfv::String`.
+impl fmt::Debug for PolicyName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("PolicyName").field(&self.as_str()).finish()
     }
 }
 
 impl Default for PolicyName {
     fn default() -> Self {
-        Self("default".into())
+        Self(DEFAULT_POLICY_NAME.to_owned())
     }
 }
 
@@ -98,7 +106,7 @@ impl FromStr for PolicyName {
 
 impl fmt::Display for PolicyName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
     }
 }
 
@@ -215,16 +223,17 @@ impl HeaderOptions {
             headers.insert(RATELIMIT_RESET, HeaderValue::from(reset_secs));
         }
         if self.structured {
-            let name = self.policy.quoted();
-            let r = decision.remaining.min(SF_INTEGER_MAX);
-            let t = reset_secs.min(SF_INTEGER_MAX);
-            insert_string(headers, RATELIMIT, format!("{name};r={r};t={t}"));
-            let q = decision.limit.min(SF_INTEGER_MAX);
+            let remaining = decision.remaining;
+            let rate_limit = self
+                .policy
+                .member([(KEY_REMAINING, remaining), (KEY_RESET, reset_secs)]);
+            insert_list(headers, RATELIMIT, &rate_limit);
+            let q = decision.limit;
             let policy = match self.window_secs {
-                Some(w) => format!("{name};q={q};w={}", w.min(SF_INTEGER_MAX)),
-                None => format!("{name};q={q}"),
+                Some(w) => self.policy.member([(KEY_QUOTA, q), (KEY_WINDOW, w)]),
+                None => self.policy.member([(KEY_QUOTA, q)]),
             };
-            insert_string(headers, RATELIMIT_POLICY, policy);
+            insert_list(headers, RATELIMIT_POLICY, &policy);
         }
         if self.legacy {
             headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(decision.limit));
@@ -246,9 +255,15 @@ pub fn retry_after_secs(decision: &Decision) -> u64 {
     decision.retry_after_ms.div_ceil(1_000).max(1)
 }
 
-fn insert_string(headers: &mut HeaderMap, name: HeaderName, value: String) {
-    // Policy names are printable ASCII and the rest are digits, so this always succeeds.
-    if let Ok(value) = HeaderValue::try_from(value) {
+/// `value` as a structured-field integer, clamped to the largest one (RFC 9651: 15 digits).
+fn sf_integer(value: u64) -> sfv::Integer {
+    sfv::Integer::try_from(value).unwrap_or(sfv::Integer::MAX)
+}
+
+fn insert_list(headers: &mut HeaderMap, name: HeaderName, list: &sfv::List) {
+    // A non-empty list of a printable-ASCII string and integers serializes to a valid header
+    // value, so both steps always succeed.
+    if let Some(Ok(value)) = list.serialize().map(HeaderValue::try_from) {
         headers.insert(name, value);
     }
 }
@@ -257,17 +272,79 @@ fn insert_string(headers: &mut HeaderMap, name: HeaderName, value: String) {
 mod tests {
     use super::*;
 
+    fn structured(name: &str, remaining: u64) -> HeaderMap {
+        let d = Decision {
+            allowed: true,
+            limit: 100,
+            remaining,
+            reset_at_ms: 30_000,
+            retry_after_ms: 0,
+        };
+        HeaderOptions::none()
+            .with_structured(true)
+            .with_policy(PolicyName::new(name).unwrap())
+            .with_window(Duration::from_secs(60))
+            .headers(&d, 0)
+    }
+
     #[test]
     fn quoting_escapes_quotes_and_backslashes() {
-        let name = PolicyName::new(r#"a"b\c"#).unwrap();
-        assert_eq!(name.quoted(), r#""a\"b\\c""#);
+        let h = structured(r#"a"b\c"#, 50);
+        assert_eq!(h[RATELIMIT], r#""a\"b\\c";r=50;t=30"#);
+        assert_eq!(h[RATELIMIT_POLICY], r#""a\"b\\c";q=100;w=60"#);
+    }
+
+    #[test]
+    fn structured_fields_parse_back_to_the_same_list() {
+        let name = r#" ~"\x"#;
+        let h = structured(name, u64::MAX);
+        for (field, expected) in [
+            (RATELIMIT, [("r", 999_999_999_999_999), ("t", 30)]),
+            (RATELIMIT_POLICY, [("q", 100), ("w", 60)]),
+        ] {
+            let list: sfv::List = sfv::Parser::new(h[field].as_bytes())
+                .parse()
+                .expect("valid structured field");
+            let [sfv::ListEntry::Item(item)] = list.as_slice() else {
+                panic!("one item expected: {list:?}");
+            };
+            assert_eq!(
+                item.bare_item.as_string().map(sfv::StringRef::as_str),
+                Some(name)
+            );
+            let params: Vec<_> = item
+                .params
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_integer().map(i64::from)))
+                .collect();
+            let expected: Vec<_> = expected.iter().map(|&(k, v)| (k, Some(v))).collect();
+            assert_eq!(params, expected);
+        }
     }
 
     #[test]
     fn policy_names_are_validated() {
         assert!(PolicyName::new("").is_err());
         assert!(PolicyName::new("é").is_err());
+        assert!(PolicyName::new("\x1f").is_err());
+        assert!(PolicyName::new("\x7f").is_err());
+        assert!(PolicyName::new("a\tb").is_err());
         assert!(PolicyName::new(&"x".repeat(65)).is_err());
         assert!(PolicyName::new(&"x".repeat(64)).is_ok());
+        assert!(PolicyName::new(" ~").is_ok());
+        assert!(matches!(
+            PolicyName::new("bad\r\nname"),
+            Err(RateLimitError::InvalidPolicyName { name }) if name == "bad\r\nname"
+        ));
+    }
+
+    #[test]
+    fn policy_name_accessors() {
+        let name = PolicyName::new(r#"a"b"#).unwrap();
+        assert_eq!(name.as_str(), r#"a"b"#);
+        assert_eq!(name.to_string(), r#"a"b"#);
+        assert_eq!(format!("{name:?}"), r#"PolicyName("a\"b")"#);
+        assert_eq!(PolicyName::default().as_str(), "default");
+        assert_eq!("api".parse::<PolicyName>().unwrap().as_str(), "api");
     }
 }
