@@ -1,6 +1,7 @@
 //! Keyed debounce, throttle, rate limiting and idempotency for async Rust.
 
 mod cell;
+mod coalesce;
 mod debounce;
 mod error;
 mod idempotency;
@@ -8,6 +9,10 @@ mod key;
 mod runtime;
 mod throttle;
 
+pub use coalesce::{
+    DEFAULT_WINDOW, MAX_WINDOW, MemoryStore, Phase, SetOptions, StoreError, StoreFuture,
+    TrailingStats, TrailingThrottle, TrailingThrottleBuilder, WindowStore,
+};
 pub use error::{BoxError, Error};
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
 pub use runtime::{Runtime, RuntimeBuilder, ShutdownPolicy, ShutdownReport, Stats};

@@ -1,0 +1,495 @@
+//! What a coalescing throttle shares between its callers and its per-key
+//! processes: the registry of key slots, the store, the mode and the gauges.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry};
+use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
+
+use super::Phase;
+use super::store::{SetOptions, WindowStore};
+use crate::cell::RunCell;
+use crate::error::Error;
+use crate::key::{check_key, shown};
+use crate::runtime::{Runtime, ShutdownHook};
+
+/// A user function, boxed so the latest one can replace an older one.
+pub(super) type Job<T> = Box<dyn FnOnce(Phase) -> JobFuture<T> + Send>;
+pub(super) type JobFuture<T> = Pin<Box<dyn Future<Output = Result<T, UserError>> + Send>>;
+pub(super) type UserError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// What the process tells a leading caller.
+pub(super) enum Led<T> {
+    /// Its own run finished with this result.
+    Ran(Result<T, Error>),
+    /// Another instance holds the window: the call was coalesced into the
+    /// trailing run behind this cell.
+    Coalesced(Arc<RunCell<T>>),
+}
+
+/// How a call was taken.
+pub(super) enum Submitted<T> {
+    /// It leads: the process reports on this channel.
+    Lead(oneshot::Receiver<Led<T>>),
+    /// It was coalesced; the cell is there if the caller wants to wait.
+    Coalesced(Option<Arc<RunCell<T>>>),
+}
+
+/// The cells of the callers one trailing run covers.
+pub(super) type Covered<T> = (Arc<RunCell<T>>, Vec<Arc<RunCell<T>>>);
+
+/// Calls coalesced into the next trailing run of a key.
+pub(super) struct Pending<T> {
+    /// The latest function (a `Mutex` only to make the slot `Sync`; it is
+    /// reached through `&mut` or by value, never locked).
+    pub(super) job: Mutex<Job<T>>,
+    /// Where the covered callers wait.
+    pub(super) cell: Arc<RunCell<T>>,
+    /// Cells of earlier runs folded into this one after a lost window race.
+    pub(super) carried: Vec<Arc<RunCell<T>>>,
+}
+
+impl<T: Clone> Pending<T> {
+    pub(super) fn into_job(self) -> (Job<T>, Covered<T>) {
+        let job = self
+            .job
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        (job, (self.cell, self.carried))
+    }
+
+    /// Fails every caller waiting here; the function is dropped.
+    pub(super) fn fail(self, error: &Error) {
+        let (job, (cell, carried)) = self.into_job();
+        drop(job);
+        for c in carried {
+            c.set(Err(error.clone()));
+        }
+        cell.set(Err(error.clone()));
+    }
+}
+
+/// A key's slot in the registry.
+pub(super) struct KeyState<T> {
+    /// A run is being claimed or executed.
+    pub(super) running: bool,
+    /// When not running: when the window ends (or the next claim retry).
+    pub(super) until: Instant,
+    /// The trailing run waiting for the window to end.
+    pub(super) pending: Option<Pending<T>>,
+}
+
+pub(super) const OPEN: u8 = 0;
+pub(super) const DRAINING: u8 = 1;
+pub(super) const DESTROYED: u8 = 2;
+
+/// Live figures of one throttle, plus the runtime's shared counters.
+pub(super) struct Gauges {
+    pub(super) active: AtomicUsize,
+    pub(super) pending: AtomicUsize,
+    pub(super) timers: AtomicUsize,
+    pub(super) live: AtomicUsize,
+    pub(super) idle: Notify,
+    pub(super) runtime: Arc<Counters>,
+}
+
+/// A timer counted in the throttle's and the runtime's gauges while it lives.
+pub(super) struct Armed<'a>(&'a Gauges);
+
+impl<'a> Armed<'a> {
+    pub(super) fn new(gauges: &'a Gauges) -> Self {
+        gauges.timers.fetch_add(1, Ordering::Relaxed);
+        gauges.runtime.timer_armed();
+        Self(gauges)
+    }
+}
+
+impl Drop for Armed<'_> {
+    fn drop(&mut self) {
+        self.0.timers.fetch_sub(1, Ordering::Relaxed);
+        self.0.runtime.timer_disarmed();
+    }
+}
+
+/// Epoch milliseconds read from tokio's clock: one wall-clock reading at
+/// start, then monotonic (and paused along with tokio's time in tests).
+pub(super) struct EpochClock {
+    base_ms: u64,
+    base: Instant,
+}
+
+impl EpochClock {
+    fn new() -> Self {
+        let base_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        Self {
+            base_ms,
+            base: Instant::now(),
+        }
+    }
+
+    pub(super) fn at(&self, instant: Instant) -> u64 {
+        let since = instant.saturating_duration_since(self.base).as_millis();
+        self.base_ms
+            .saturating_add(u64::try_from(since).unwrap_or(u64::MAX))
+    }
+}
+
+/// The configuration a throttle is built from.
+pub(super) struct Config {
+    pub(super) runtime: Runtime,
+    pub(super) name: Box<str>,
+    pub(super) prefix: Box<str>,
+    pub(super) window: Duration,
+    pub(super) store: Box<dyn WindowStore>,
+    pub(super) owns_store: bool,
+}
+
+pub(super) struct Shared<T> {
+    pub(super) runtime: Runtime,
+    pub(super) name: Box<str>,
+    pub(super) prefix: Box<str>,
+    pub(super) window: Duration,
+    /// How often a running function's lease is extended.
+    pub(super) lease_every: Duration,
+    /// The lease's time to live in the store.
+    pub(super) lease_ttl: Duration,
+    pub(super) store: Box<dyn WindowStore>,
+    pub(super) owns_store: bool,
+    pub(super) registry: Registry<Box<str>, KeyState<T>>,
+    hasher: ahash::RandomState,
+    mode: AtomicU8,
+    /// Wakes processes sleeping through a window when the mode changes.
+    pub(super) wake: Notify,
+    pub(super) gauges: Gauges,
+    pub(super) epoch: EpochClock,
+}
+
+enum Decision<T> {
+    Lead(Generation, Job<T>),
+    Coalesced {
+        cell: Option<Arc<RunCell<T>>>,
+        stale: Option<Job<T>>,
+        first: bool,
+    },
+}
+
+impl<T: Clone + Send + Sync + 'static> Shared<T> {
+    pub(super) fn new(config: Config) -> Arc<Self> {
+        let core = &config.runtime.core;
+        let lease_every = (config.window / 2).max(Duration::from_millis(100));
+        let shared = Arc::new(Self {
+            registry: Registry::new(core.counters.clone(), core.cap),
+            gauges: Gauges {
+                active: AtomicUsize::new(0),
+                pending: AtomicUsize::new(0),
+                timers: AtomicUsize::new(0),
+                live: AtomicUsize::new(0),
+                idle: Notify::new(),
+                runtime: core.counters.clone(),
+            },
+            lease_every,
+            lease_ttl: config.window.max(lease_every * 2),
+            hasher: ahash::RandomState::new(),
+            mode: AtomicU8::new(OPEN),
+            wake: Notify::new(),
+            epoch: EpochClock::new(),
+            runtime: config.runtime,
+            name: config.name,
+            prefix: config.prefix,
+            window: config.window,
+            store: config.store,
+            owns_store: config.owns_store,
+        });
+        let hook: std::sync::Weak<dyn ShutdownHook> = Arc::downgrade(&shared) as _;
+        shared.runtime.core.add_hook(hook);
+        shared
+    }
+
+    pub(super) fn mode(&self) -> u8 {
+        self.mode.load(Ordering::Acquire)
+    }
+
+    /// Store writes are skipped once a throttle that owns its store is
+    /// destroyed: the store was cleared and nobody else reads it.
+    pub(super) fn store_closed(&self) -> bool {
+        self.owns_store && self.mode() == DESTROYED
+    }
+
+    fn route(&self, key: &str) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    fn refused(&self, key: &str) -> Error {
+        Error::ShutDown { key: shown(key) }
+    }
+
+    /// Takes a call: leads on an idle key (starting its process), otherwise
+    /// coalesces into the key's pending trailing run. Never waits.
+    pub(super) fn submit(
+        self: &Arc<Self>,
+        key: &str,
+        job: Job<T>,
+        wants_cell: bool,
+    ) -> Result<Submitted<T>, Error> {
+        check_key(key)?;
+        let core = &self.runtime.core;
+        core.check_open(key)?;
+        // The mode is read under the shard lock, so `destroy` (mode first,
+        // then a pass over every shard) never misses a pending call.
+        let decision = self.registry.update(key, |entry| match entry {
+            SlotEntry::Occupied(slot) => {
+                if self.mode() != OPEN {
+                    return Err(self.refused(key));
+                }
+                let state = &mut slot.state;
+                Ok(match &mut state.pending {
+                    Some(pending) => Decision::Coalesced {
+                        cell: wants_cell.then(|| pending.cell.clone()),
+                        stale: Some(std::mem::replace(
+                            pending
+                                .job
+                                .get_mut()
+                                .unwrap_or_else(PoisonError::into_inner),
+                            job,
+                        )),
+                        first: false,
+                    },
+                    None => {
+                        let cell = RunCell::new();
+                        state.pending = Some(Pending {
+                            job: Mutex::new(job),
+                            cell: cell.clone(),
+                            carried: Vec::new(),
+                        });
+                        Decision::Coalesced {
+                            cell: wants_cell.then_some(cell),
+                            stale: None,
+                            first: true,
+                        }
+                    }
+                })
+            }
+            SlotEntry::Vacant(vacant) => {
+                if self.mode() != OPEN {
+                    return Err(self.refused(key));
+                }
+                let state = KeyState {
+                    running: true,
+                    until: Instant::now(),
+                    pending: None,
+                };
+                match vacant.insert(state) {
+                    Ok(slot) => Ok(Decision::Lead(slot.generation(), job)),
+                    Err(full) => Err(Error::TooManyKeys {
+                        key: shown(key),
+                        cap: full.cap,
+                    }),
+                }
+            }
+        })?;
+        match decision {
+            Decision::Coalesced { cell, stale, first } => {
+                if first {
+                    self.gauges.pending.fetch_add(1, Ordering::Relaxed);
+                }
+                // The replaced closure may run user code when dropped: never
+                // under the shard lock.
+                drop(stale);
+                tracing::trace!(throttle = %self.name, key, "call coalesced");
+                Ok(Submitted::Coalesced(cell))
+            }
+            Decision::Lead(generation, job) => {
+                let (tx, rx) = oneshot::channel();
+                let driver = super::process::Driver::new(self.clone(), key, generation, job, tx);
+                core.start_process(key, self.route(key), driver.drive())?;
+                Ok(Submitted::Lead(rx))
+            }
+        }
+    }
+
+    /// The error for callers a process leaves behind when it exits early.
+    pub(super) fn exit_error(&self, key: &str) -> Error {
+        if self.mode() == DESTROYED {
+            Error::Discarded {
+                key: shown(key),
+                reason: "destroyed",
+            }
+        } else if self.runtime.core.is_closed() {
+            Error::Discarded {
+                key: shown(key),
+                reason: "dropped at shutdown",
+            }
+        } else {
+            Error::Panicked {
+                key: shown(key),
+                message: "per-key process exited without a result".to_owned(),
+            }
+        }
+    }
+
+    /// Sleeps until `until`, or until the mode moves on from `seen`.
+    pub(super) async fn nap(&self, until: Instant, seen: u8) {
+        let _timer = Armed::new(&self.gauges);
+        let woken = self.wake.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        if self.mode() != seen {
+            return;
+        }
+        tokio::select! {
+            () = tokio::time::sleep_until(until) => {}
+            () = woken => {}
+        }
+    }
+
+    /// Claims the key's window in the store (`SET … PX lease NX`).
+    ///
+    /// `Ok(())` to run now, including on a store error (fail open);
+    /// `Err(wait)` when another instance holds the window.
+    pub(super) async fn claim(&self, store_key: &str) -> Result<(), Duration> {
+        if self.store_closed() {
+            return Ok(());
+        }
+        let value = self.epoch.at(Instant::now() + self.window).to_string();
+        let options = SetOptions::px(self.lease_ttl).nx();
+        match self.store.set(store_key, &value, options).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(self.retry_after(store_key).await),
+            Err(error) => {
+                tracing::debug!(throttle = %self.name, key = store_key, %error, "window store failed; running anyway");
+                Ok(())
+            }
+        }
+    }
+
+    /// How long to wait after losing a window race: until the end the store
+    /// reports, capped at the lease TTL; the window length if unreadable.
+    async fn retry_after(&self, store_key: &str) -> Duration {
+        let floor = Duration::from_millis(1);
+        match self.store.get(store_key).await {
+            Ok(Some(value)) => match value.trim().parse::<u64>() {
+                Ok(end) => {
+                    let now = self.epoch.at(Instant::now());
+                    Duration::from_millis(end.saturating_sub(now)).clamp(floor, self.lease_ttl)
+                }
+                Err(_) => self.window,
+            },
+            // The holder's window lapsed between our SET and GET.
+            Ok(None) => floor,
+            Err(error) => {
+                tracing::debug!(throttle = %self.name, key = store_key, %error, "window store failed reading a lost window");
+                self.window
+            }
+        }
+    }
+
+    /// Extends a running function's lease for as long as it runs.
+    pub(super) async fn hold_lease(&self, store_key: &str) {
+        loop {
+            {
+                let _timer = Armed::new(&self.gauges);
+                tokio::time::sleep(self.lease_every).await;
+            }
+            if self.store_closed() {
+                continue;
+            }
+            let value = self.epoch.at(Instant::now() + self.window).to_string();
+            let options = SetOptions::px(self.lease_ttl);
+            if let Err(error) = self.store.set(store_key, &value, options).await {
+                tracing::debug!(throttle = %self.name, key = store_key, %error, "window store failed extending a lease");
+            }
+        }
+    }
+
+    /// Records the window that started when a run finished (`SET … PX`), with
+    /// an expiry no later than `until` so this instance's next claim wins.
+    pub(super) async fn write_window(&self, store_key: &str, until: Instant) {
+        if self.store_closed() {
+            return;
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        let px = Duration::from_millis(u64::try_from(left.as_millis()).unwrap_or(u64::MAX));
+        if px.is_zero() {
+            return;
+        }
+        let value = self.epoch.at(until).to_string();
+        if let Err(error) = self.store.set(store_key, &value, SetOptions::px(px)).await {
+            tracing::debug!(throttle = %self.name, key = store_key, %error, "window store failed recording a window");
+        }
+    }
+
+    /// Fails every call not yet run, wakes every process, clears an owned store.
+    pub(super) async fn destroy(&self) {
+        if self.mode.swap(DESTROYED, Ordering::AcqRel) == DESTROYED {
+            return;
+        }
+        let mut dropped = Vec::new();
+        self.registry.retain(|key, state| {
+            if let Some(pending) = state.pending.take() {
+                dropped.push((key.clone(), pending));
+            }
+            true
+        });
+        self.gauges
+            .pending
+            .fetch_sub(dropped.len(), Ordering::Relaxed);
+        for (key, pending) in dropped {
+            let error = Error::Discarded {
+                key: shown(&key),
+                reason: "destroyed",
+            };
+            pending.fail(&error);
+        }
+        self.wake.notify_waiters();
+        tracing::debug!(throttle = %self.name, "destroyed");
+        if self.owns_store {
+            if let Err(error) = self.store.clear().await {
+                tracing::debug!(throttle = %self.name, %error, "window store failed to clear");
+            }
+        }
+    }
+
+    /// Refuses new calls, lets pending trailing runs run when their windows
+    /// end, then destroys whatever is left at `deadline`.
+    pub(super) async fn drain(&self, deadline: Instant) {
+        let _ = self
+            .mode
+            .compare_exchange(OPEN, DRAINING, Ordering::AcqRel, Ordering::Acquire);
+        self.wake.notify_waiters();
+        loop {
+            let idle = self.gauges.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.gauges.live.load(Ordering::Acquire) == 0 {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, idle).await.is_err() {
+                break;
+            }
+        }
+        self.destroy().await;
+    }
+}
+
+impl<T: Clone + Send + Sync + 'static> ShutdownHook for Shared<T> {
+    fn shutdown(
+        &self,
+        deadline: Instant,
+        graceful: bool,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(async move {
+            if graceful {
+                self.drain(deadline).await;
+            } else {
+                self.destroy().await;
+            }
+        })
+    }
+}
