@@ -13,6 +13,7 @@ pub use coalesce::{
     DEFAULT_WINDOW, MAX_WINDOW, MemoryStore, Phase, SetOptions, StoreError, StoreFuture,
     TrailingStats, TrailingThrottle, TrailingThrottleBuilder, WindowStore,
 };
+pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
 pub use error::{BoxError, Error};
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
 pub use runtime::{Runtime, RuntimeBuilder, ShutdownPolicy, ShutdownReport, Stats};

@@ -149,8 +149,9 @@ impl Actor for SweeperActor {
         myself: ActorRef<SweepMsg>,
         (): (),
     ) -> Result<SweeperState, ActorProcessingErr> {
-        // A restarted sweeper must not miss targets that filled while it was down.
-        let _ = myself.cast(SweepMsg::Kick);
+        // A restarted sweeper must not miss targets that filled while it was
+        // down: sweep once now, which arms the timer only if entries remain.
+        let _ = myself.cast(SweepMsg::Tick);
         Ok(SweeperState { timer: None })
     }
 

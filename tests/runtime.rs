@@ -1,0 +1,288 @@
+//! Runtime-wide behaviour: races, panics, leaks, embedding, shutdown and the
+//! default runtime.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use support::{Oops, Runs, ms, runtime};
+use throttlebeam::{Debounce, Error, Runtime, Throttle, Throttled};
+use tokio::sync::mpsc;
+use tokio::time::{Instant, sleep};
+
+/// Many tasks hammer one key while its process keeps exiting on idle: every
+/// call is covered by exactly one run, runs never overlap, nothing is stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hammering_one_key_while_its_process_exits_loses_nothing() {
+    let rt = runtime().await;
+    let d = rt.debouncer();
+    let running = Arc::new(AtomicBool::new(false));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let d = d.clone();
+        let (running, runs, overlaps) = (running.clone(), runs.clone(), overlaps.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut covered = 0;
+            for _ in 0..250 {
+                let (running, runs, overlaps) = (running.clone(), runs.clone(), overlaps.clone());
+                let call = d
+                    .call("hot", Duration::from_micros(50), move || async move {
+                        if running.swap(true, Ordering::SeqCst) {
+                            overlaps.fetch_add(1, Ordering::SeqCst);
+                        }
+                        let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        tokio::task::yield_now().await;
+                        running.store(false, Ordering::SeqCst);
+                        Ok::<_, Oops>(run)
+                    })
+                    .expect("accepted");
+                let run = tokio::time::timeout(Duration::from_secs(10), call)
+                    .await
+                    .expect("no stuck key")
+                    .expect("covered by a run");
+                assert!(run >= 1);
+                covered += 1;
+            }
+            covered
+        }));
+    }
+    let mut covered = 0;
+    for t in tasks {
+        covered += t.await.unwrap();
+    }
+    assert_eq!(covered, 2000, "every call resolved");
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "runs of one key never overlap");
+    let runs = runs.load(Ordering::SeqCst);
+    assert!((1..=2000).contains(&runs), "runs: {runs}");
+    // Let the last process exit on idle.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while rt.stats().keys != 0 || rt.stats().processes != 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the key goes idle");
+}
+
+#[tokio::test(start_paused = true)]
+async fn ten_thousand_panics_leave_nothing_tracked_and_the_runtime_serving() {
+    let rt = runtime().await;
+    let d = rt.debouncer();
+    let mut calls = Vec::new();
+    for i in 0..10_000 {
+        calls.push(
+            d.call(&format!("p{i}"), ms(10), || async {
+                if true {
+                    panic!("user bug");
+                }
+                Ok::<u8, Oops>(0)
+            })
+            .unwrap(),
+        );
+    }
+    for call in calls {
+        assert!(matches!(call.await, Err(Error::Panicked { .. })));
+    }
+    let stats = rt.stats();
+    assert_eq!((stats.keys, stats.processes, stats.timers), (0, 0, 0), "{stats:?}");
+    let ok = d.call("after", ms(10), || async { Ok::<_, Oops>(7) }).unwrap();
+    assert_eq!(ok.await.unwrap(), 7);
+    let t = rt.throttler();
+    for i in 0..1000 {
+        let r = t
+            .call(&format!("t{i}"), ms(10), || async {
+                if true {
+                    panic!("user bug");
+                }
+                Ok::<u8, Oops>(0)
+            })
+            .await;
+        assert!(matches!(r, Err(Error::Panicked { .. })));
+    }
+    assert_eq!(rt.stats().processes, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hundred_thousand_idle_keys_leave_nothing_behind() {
+    let rt = Runtime::builder().with_sweep_interval(ms(1000)).start().await.unwrap();
+    let d = rt.debouncer();
+    let t = rt.throttler();
+    let runs = Runs::default();
+    let mut calls = Vec::with_capacity(100_000);
+    for i in 0..100_000 {
+        let r = runs.clone();
+        calls.push(
+            d.call(&format!("d{i}"), ms(100), move || async move {
+                r.hit();
+                Ok::<_, Oops>(())
+            })
+            .unwrap(),
+        );
+    }
+    let busy = rt.stats();
+    assert_eq!(busy.keys, 100_000);
+    assert_eq!(busy.processes, 100_000);
+    for call in calls {
+        call.await.unwrap();
+    }
+    assert_eq!(runs.get(), 100_000);
+    for i in 0..100_000 {
+        let outcome = t
+            .call(&format!("t{i}"), ms(100), || async { Ok::<_, Oops>(()) })
+            .await
+            .unwrap();
+        assert!(!outcome.is_throttled());
+    }
+    assert_eq!(rt.stats().keys, 100_000, "open windows are tracked");
+    sleep(ms(1001)).await;
+    let idle = rt.stats();
+    assert_eq!(
+        (idle.keys, idle.processes, idle.timers, idle.ttl_entries),
+        (0, 0, 0, 0),
+        "{idle:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_waits_for_running_functions_without_cancelling_them() {
+    let rt = runtime().await;
+    let t = rt.throttler();
+    let t2 = t.clone();
+    let slow = tokio::spawn(async move {
+        t2.call("slow", ms(10), || async {
+            sleep(ms(500)).await;
+            Ok::<_, Oops>("done")
+        })
+        .await
+    });
+    sleep(ms(1)).await;
+    let start = Instant::now();
+    let report = rt.shutdown(ms(100)).await;
+    assert_eq!(report.still_running, 1, "deadline passed with the function running");
+    assert_eq!(start.elapsed(), ms(100));
+    assert_eq!(slow.await.unwrap().unwrap(), Throttled::Executed("done"), "not cancelled");
+    assert!(matches!(
+        t.call("other", ms(10), || async { Ok::<_, Oops>("late") }).await,
+        Err(Error::ShutDown { .. })
+    ));
+    assert!(rt.is_shut_down());
+    assert_eq!(rt.stats().processes, 0);
+}
+
+/// A host supervisor that records the supervision events it receives.
+struct Host {
+    events: mpsc::UnboundedSender<String>,
+}
+
+impl Actor for Host {
+    type Msg = ();
+    type State = ();
+    type Arguments = ();
+
+    async fn pre_start(&self, _: ActorRef<()>, (): ()) -> Result<(), ActorProcessingErr> {
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _: ActorRef<()>,
+        event: SupervisionEvent,
+        (): &mut (),
+    ) -> Result<(), ActorProcessingErr> {
+        let line = match event {
+            SupervisionEvent::ActorStarted(_) => "started".to_owned(),
+            SupervisionEvent::ActorFailed(_, e) => format!("failed: {e}"),
+            SupervisionEvent::ActorTerminated(_, _, reason) => {
+                format!("terminated: {}", reason.unwrap_or_default())
+            }
+            _ => return Ok(()),
+        };
+        let _ = self.events.send(line);
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn embedded_under_a_host_supervisor() {
+    let (tx, mut events) = mpsc::unbounded_channel();
+    let (host, host_join) = Actor::spawn(None, Host { events: tx }, ()).await.unwrap();
+    let rt = Runtime::builder().start_linked(host.get_cell()).await.unwrap();
+    let started = tokio::time::timeout(Duration::from_secs(5), events.recv()).await.unwrap();
+    assert_eq!(started.as_deref(), Some("started"));
+
+    // A crash inside a key stays inside the key.
+    let d = rt.debouncer();
+    let crash = d
+        .call("k", ms(1), || async {
+            if true {
+                panic!("inside a key");
+            }
+            Ok::<u8, Oops>(0)
+        })
+        .unwrap();
+    assert!(matches!(crash.await, Err(Error::Panicked { .. })));
+    let t = rt.throttler();
+    assert!(t.call("k", ms(1), || async { Ok::<_, Oops>(()) }).await.is_ok());
+    assert_eq!(events.try_recv().ok(), None, "the host heard nothing of the key's crash");
+
+    // The runtime's own exit reaches the host.
+    rt.shutdown(ms(100)).await;
+    let event = tokio::time::timeout(Duration::from_secs(5), events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(event.starts_with("terminated"), "{event}");
+    host.stop(None);
+    host_join.await.unwrap();
+}
+
+#[tokio::test]
+async fn runtime_failure_is_reported_to_the_host() {
+    let (tx, mut events) = mpsc::unbounded_channel();
+    let (host, _join) = Actor::spawn(None, Host { events: tx }, ()).await.unwrap();
+    let rt = Runtime::builder().start_linked(host.get_cell()).await.unwrap();
+    let started = tokio::time::timeout(Duration::from_secs(5), events.recv()).await.unwrap();
+    assert_eq!(started.as_deref(), Some("started"));
+    rt.root_actor().kill();
+    let event = tokio::time::timeout(Duration::from_secs(5), events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    // A killed root is reported as terminated; a root that exceeds its
+    // restart intensity is reported as failed (see the supervisors crate's
+    // tree tests).
+    assert_eq!(event, "terminated: killed");
+    host.stop(None);
+}
+
+#[tokio::test]
+async fn the_default_runtime_needs_no_setup() {
+    let outcome = Throttle::call("global:throttle", Duration::from_secs(60), || async {
+        Ok::<_, Oops>(1)
+    })
+    .await
+    .unwrap();
+    assert_eq!(outcome, Throttled::Executed(1));
+    let debounced = Debounce::call("global:debounce", Duration::from_millis(1), || async {
+        Ok::<_, Oops>("ran")
+    })
+    .unwrap();
+    assert_eq!(debounced.await.unwrap(), "ran");
+    assert!(!Debounce::is_pending("global:debounce").unwrap());
+}
+
+#[tokio::test]
+async fn the_default_runtime_outlives_the_tokio_runtime_that_started_it() {
+    // Started (possibly) by another test's runtime, it still serves this one.
+    let outcome = Throttle::call("global:second", Duration::from_secs(60), || async {
+        Ok::<_, Oops>(2)
+    })
+    .await
+    .unwrap();
+    assert_eq!(outcome, Throttled::Executed(2));
+}

@@ -1,0 +1,194 @@
+//! Leading-edge throttle scenarios T1–T5 on paused tokio time.
+
+mod support;
+
+use std::time::Duration;
+
+use support::{Oops, Runs, ms, runtime};
+use throttlebeam::{Error, Throttled};
+use tokio::time::{Instant, sleep};
+
+#[tokio::test(start_paused = true)]
+async fn t1_five_immediate_calls_execute_once() {
+    let rt = runtime().await;
+    let t = rt.throttler();
+    let runs = Runs::default();
+    let mut outcomes = Vec::new();
+    for i in 0..5 {
+        let r = runs.clone();
+        outcomes.push(
+            t.call("k", ms(100), move || async move {
+                r.hit();
+                Ok::<_, Oops>(i)
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    assert_eq!(outcomes[0], Throttled::Executed(0));
+    for o in &outcomes[1..] {
+        assert!(o.is_throttled(), "{o:?}");
+    }
+    assert_eq!(runs.get(), 1, "throttled functions never run");
+}
+
+#[tokio::test(start_paused = true)]
+async fn t2_window_reopens_after_the_interval() {
+    let rt = runtime().await;
+    let t = rt.throttler();
+    let call = |v| t.call("k", ms(100), move || async move { Ok::<_, Oops>(v) });
+    assert_eq!(call(0).await.unwrap(), Throttled::Executed(0));
+    sleep(ms(50)).await;
+    assert_eq!(
+        call(50).await.unwrap(),
+        Throttled::Throttled {
+            retry_after: ms(50)
+        }
+    );
+    sleep(ms(50)).await;
+    assert_eq!(call(100).await.unwrap(), Throttled::Executed(100), "now == window end executes");
+    sleep(ms(50)).await;
+    assert!(call(150).await.unwrap().is_throttled());
+}
+
+#[tokio::test(start_paused = true)]
+async fn t3_throttled_callers_do_not_wait_for_a_slow_function() {
+    let rt = runtime().await;
+    let t = rt.throttler();
+    let t2 = t.clone();
+    let slow = tokio::spawn(async move {
+        t2.call("k", ms(100), || async {
+            sleep(ms(5_000)).await;
+            Ok::<_, Oops>("slow")
+        })
+        .await
+    });
+    tokio::task::yield_now().await;
+    sleep(ms(1)).await;
+    let before = Instant::now();
+    let outcome = t.call("k", ms(100), || async { Ok::<_, Oops>("fast") }).await.unwrap();
+    assert_eq!(before.elapsed(), Duration::ZERO, "returned at once");
+    assert!(outcome.is_throttled());
+    assert_eq!(slow.await.unwrap().unwrap(), Throttled::Executed("slow"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn t4_window_starts_when_the_call_starts_and_retry_after_counts_down() {
+    let rt = runtime().await;
+    let t = rt.throttler();
+    let start = Instant::now();
+    // The function takes 80 of the 100 window; the window still ends at 100.
+    let first = t
+        .call("k", ms(100), || async {
+            sleep(ms(80)).await;
+            Ok::<_, Oops>(())
+        })
+        .await
+        .unwrap();
+    assert_eq!(first, Throttled::Executed(()));
+    assert_eq!(start.elapsed(), ms(80));
+    let second = t.call("k", ms(100), || async { Ok::<_, Oops>(()) }).await.unwrap();
+    assert_eq!(second, Throttled::Throttled { retry_after: ms(20) });
+    sleep(ms(20)).await;
+    assert!(!t.call("k", ms(100), || async { Ok::<_, Oops>(()) }).await.unwrap().is_throttled());
+}
+
+#[tokio::test(start_paused = true)]
+async fn t5_errors_and_panics_reach_the_caller_and_the_window_still_opens() {
+    let rt = runtime().await;
+    let t = rt.throttler();
+    let err = t
+        .call("e", ms(100), || async { Err::<u8, _>(Oops("nope")) })
+        .await
+        .unwrap_err();
+    assert!(matches!(&err, Error::Failed { key, .. } if key == "e"));
+    assert_eq!(std::error::Error::source(&err).unwrap().to_string(), "oops: nope");
+    assert!(t.call("e", ms(100), || async { Ok::<_, Oops>(1) }).await.unwrap().is_throttled());
+
+    let err = t
+        .call("p", ms(100), || async {
+            if true {
+                panic!("bad state");
+            }
+            Ok::<u8, Oops>(1)
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(&err, Error::Panicked { key, message } if key == "p" && message == "bad state"));
+    assert!(t.call("p", ms(100), || async { Ok::<_, Oops>(1) }).await.unwrap().is_throttled());
+    assert_eq!(rt.stats().processes, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_caller_does_not_cancel_the_function() {
+    let rt = runtime().await;
+    let t = rt.throttler();
+    let runs = Runs::default();
+    let r = runs.clone();
+    let call = t.call("k", ms(100), move || async move {
+        sleep(ms(50)).await;
+        r.hit();
+        Ok::<_, Oops>(())
+    });
+    // Poll once so the call is accepted, then drop it.
+    let _ = tokio::time::timeout(ms(10), call).await;
+    sleep(ms(100)).await;
+    assert_eq!(runs.get(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn bad_input_is_a_typed_error() {
+    let rt = runtime().await;
+    let t = rt.throttler();
+    let ok = || async { Ok::<_, Oops>(()) };
+    assert!(matches!(t.call("", ms(10), ok).await, Err(Error::InvalidKey { .. })));
+    assert!(matches!(t.call(&"k".repeat(2000), ms(10), ok).await, Err(Error::InvalidKey { .. })));
+    assert!(matches!(
+        t.call("k", Duration::ZERO, ok).await,
+        Err(Error::InvalidArgument { what: "interval", .. })
+    ));
+    assert!(matches!(
+        t.call("k", Duration::from_secs(u64::MAX), ok).await,
+        Err(Error::InvalidArgument { what: "interval", .. })
+    ));
+    assert_eq!(rt.stats().keys, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn open_windows_are_swept_and_cost_no_process() {
+    let rt = throttlebeam::Runtime::builder()
+        .with_sweep_interval(ms(1000))
+        .start()
+        .await
+        .unwrap();
+    let t = rt.throttler();
+    for i in 0..100 {
+        let key = format!("k{i}");
+        t.call(&key, ms(500), || async { Ok::<_, Oops>(()) }).await.unwrap();
+    }
+    let stats = rt.stats();
+    assert_eq!(stats.keys, 100);
+    assert_eq!(stats.processes, 0, "an open window with nothing running is not a process");
+    assert_eq!(stats.timers, 1, "only the sweeper tick");
+    sleep(ms(1001)).await;
+    assert_eq!(rt.stats().keys, 0);
+    assert_eq!(rt.stats().timers, 0, "the sweeper goes dormant");
+}
+
+#[tokio::test(start_paused = true)]
+async fn key_cap_is_enforced_with_a_clear_error() {
+    let rt = throttlebeam::Runtime::builder().with_max_keys(2).start().await.unwrap();
+    let t = rt.throttler();
+    let ok = || async { Ok::<_, Oops>(()) };
+    t.call("a", ms(100), ok).await.unwrap();
+    t.call("b", ms(100), ok).await.unwrap();
+    let err = t.call("c", ms(100), ok).await.unwrap_err();
+    assert!(matches!(&err, Error::TooManyKeys { key, cap: 2 } if key == "c"));
+    assert!(err.to_string().contains("cap 2"));
+    // Existing keys keep working.
+    assert!(t.call("a", ms(100), ok).await.unwrap().is_throttled());
+    assert!(matches!(
+        throttlebeam::Runtime::builder().with_max_keys(0).start().await,
+        Err(Error::InvalidConfig { .. })
+    ));
+}
