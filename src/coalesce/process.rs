@@ -9,8 +9,11 @@
 //! generation-gated compare-and-remove, so a call that races the exit is
 //! never lost.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::task::Poll;
 
 use throttlebeam_supervisors::{Generation, catch_panic};
 use tokio::sync::oneshot;
@@ -29,8 +32,8 @@ const MAX_LOST_RACES: u32 = 10;
 enum Waiters<T> {
     /// The leading caller.
     Lead(oneshot::Sender<Led<T>>),
-    /// Callers coalesced into a trailing run.
-    Cells(Arc<RunCell<T>>, Vec<Arc<RunCell<T>>>),
+    /// Callers coalesced into a trailing run (none if nobody waits).
+    Cells(Vec<Arc<RunCell<T>>>),
 }
 
 impl<T: Clone> Waiters<T> {
@@ -39,11 +42,10 @@ impl<T: Clone> Waiters<T> {
             Self::Lead(tx) => {
                 let _ = tx.send(Led::Ran(result));
             }
-            Self::Cells(cell, carried) => {
-                for c in carried {
-                    c.set(result.clone());
+            Self::Cells(cells) => {
+                for cell in cells {
+                    cell.set(result.clone());
                 }
-                cell.set(result);
             }
         }
     }
@@ -61,13 +63,14 @@ enum Step<T> {
 pub(super) struct Driver<T: Clone + Send + Sync + 'static> {
     shared: Arc<Shared<T>>,
     key: Box<str>,
-    store_key: Box<str>,
     generation: Generation,
     active: bool,
     phase: Phase,
     job: Option<Job<T>>,
     waiters: Option<Waiters<T>>,
     lost_races: u32,
+    /// The slot was removed by the idle exit.
+    closed: bool,
 }
 
 impl<T: Clone + Send + Sync + 'static> Driver<T> {
@@ -82,23 +85,22 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
     ) -> Self {
         shared.gauges.live.fetch_add(1, Ordering::AcqRel);
         shared.gauges.active.fetch_add(1, Ordering::Relaxed);
-        let store_key = format!("{}{key}", shared.prefix).into_boxed_str();
         Self {
             shared,
             key: key.into(),
-            store_key,
             generation,
             active: true,
             phase: Phase::Leading,
             job: Some(job),
             waiters: Some(Waiters::Lead(tx)),
             lost_races: 0,
+            closed: false,
         }
     }
 
     pub(super) async fn drive(mut self) {
         loop {
-            let claim = self.shared.claim(&self.store_key).await;
+            let claim = self.shared.claim(&self.key).await;
             if self.shared.mode() == DESTROYED {
                 // Destroyed before the function started: the call never runs.
                 let error = self.shared.exit_error(&self.key);
@@ -135,7 +137,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         let Some(job) = self.job.take() else { return };
         let phase = self.phase;
         tracing::debug!(throttle = %self.shared.name, key = %self.key, ?phase, "run started");
-        let result = run_job(&self.shared, &self.key, &self.store_key, job, phase).await;
+        let result = run_job(&self.shared, &self.key, job, phase).await;
         let until = Instant::now() + self.shared.window;
         self.shared.registry.with_slot(&*self.key, |slot| {
             slot.state.running = false;
@@ -153,7 +155,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         if let Some(waiters) = self.waiters.take() {
             waiters.publish(result);
         }
-        self.shared.write_window(&self.store_key, until).await;
+        self.shared.write_window(&self.key, until).await;
     }
 
     /// Ends the current run without running it: `result` goes to its callers
@@ -215,27 +217,22 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                 // The pending function is newer than ours: it wins, our
                 // callers ride along.
                 (Some(pending), Some(Waiters::Lead(tx))) => {
-                    coalesced_lead = Some((tx, pending.cell.clone()));
+                    coalesced_lead = Some((tx, pending.cell()));
                 }
-                (Some(pending), Some(Waiters::Cells(cell, carried))) => {
-                    pending.carried.push(cell);
-                    pending.carried.extend(carried);
+                (Some(pending), Some(Waiters::Cells(cells))) => {
+                    pending.cells.extend(cells);
                 }
                 (None, Some(w)) => match job.take() {
                     Some(j) => {
-                        let (cell, carried) = match w {
+                        let pending = match w {
                             Waiters::Lead(tx) => {
-                                let cell = RunCell::new();
-                                coalesced_lead = Some((tx, cell.clone()));
-                                (cell, Vec::new())
+                                let mut pending = Pending::new(j, Vec::new());
+                                coalesced_lead = Some((tx, pending.cell()));
+                                pending
                             }
-                            Waiters::Cells(cell, carried) => (cell, carried),
+                            Waiters::Cells(cells) => Pending::new(j, cells),
                         };
-                        state.pending = Some(Pending {
-                            job: std::sync::Mutex::new(j),
-                            cell,
-                            carried,
-                        });
+                        state.pending = Some(pending);
                         new_pending = true;
                     }
                     None => waiters = Some(w),
@@ -290,6 +287,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                         .registry
                         .remove_if(&*self.key, self.generation, |s| s.pending.is_none());
                     if closed.is_some() {
+                        self.closed = true;
                         tracing::debug!(throttle = %self.shared.name, key = %self.key, "window closed");
                         return false;
                     }
@@ -298,10 +296,10 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                 Some(Step::Run(pending)) => {
                     self.shared.gauges.pending.fetch_sub(1, Ordering::Relaxed);
                     self.set_active(true);
-                    let (job, (cell, carried)) = pending.into_job();
+                    let (job, cells) = pending.into_job();
                     self.phase = Phase::Trailing;
                     self.job = Some(job);
-                    self.waiters = Some(Waiters::Cells(cell, carried));
+                    self.waiters = Some(Waiters::Cells(cells));
                     return true;
                 }
             }
@@ -309,25 +307,31 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
     }
 }
 
-/// Polls the function to the end (never cancelled), extending its lease
-/// in the store meanwhile; a panic becomes an error.
+/// Polls the function to the end (never cancelled), extending its lease in
+/// the store meanwhile; a panic becomes an error.
+///
+/// The lease future is boxed only when the function does not finish on its
+/// first poll, so instant functions and idle windows don't pay for it.
 async fn run_job<T: Clone + Send + Sync + 'static>(
     shared: &Shared<T>,
     key: &str,
-    store_key: &str,
     job: Job<T>,
     phase: Phase,
 ) -> Result<T, Error> {
-    let run = catch_panic(job(phase));
-    let lease = shared.hold_lease(store_key);
-    tokio::pin!(run);
-    tokio::pin!(lease);
-    let mut leasing = true;
-    let caught = loop {
-        tokio::select! {
-            biased;
-            out = &mut run => break out,
-            () = &mut lease, if leasing => leasing = false,
+    let mut run = catch_panic(job(phase));
+    let first = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut run).poll(cx))).await;
+    let caught = match first {
+        Poll::Ready(out) => out,
+        Poll::Pending => {
+            let mut lease = Box::pin(shared.hold_lease(key));
+            let mut leasing = true;
+            loop {
+                tokio::select! {
+                    biased;
+                    out = &mut run => break out,
+                    () = &mut lease, if leasing => leasing = false,
+                }
+            }
         }
     };
     match caught {
@@ -345,9 +349,13 @@ impl<T: Clone + Send + Sync + 'static> Drop for Driver<T> {
         let shared = Arc::clone(&self.shared);
         self.set_active(false);
         drop(self.job.take());
-        let left = shared
-            .registry
-            .remove_if(&*self.key, self.generation, |_| true);
+        let left = if self.closed {
+            None
+        } else {
+            shared
+                .registry
+                .remove_if(&*self.key, self.generation, |_| true)
+        };
         if self.waiters.is_some() || left.as_ref().is_some_and(|s| s.pending.is_some()) {
             let error = shared.exit_error(&self.key);
             if let Some(waiters) = self.waiters.take() {

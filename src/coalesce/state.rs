@@ -40,37 +40,50 @@ pub(super) enum Submitted<T> {
     Coalesced(Option<Arc<RunCell<T>>>),
 }
 
-/// The cells of the callers one trailing run covers.
-pub(super) type Covered<T> = (Arc<RunCell<T>>, Vec<Arc<RunCell<T>>>);
-
 /// Calls coalesced into the next trailing run of a key.
 pub(super) struct Pending<T> {
     /// The latest function (a `Mutex` only to make the slot `Sync`; it is
     /// reached through `&mut` or by value, never locked).
     pub(super) job: Mutex<Job<T>>,
-    /// Where the covered callers wait.
-    pub(super) cell: Arc<RunCell<T>>,
-    /// Cells of earlier runs folded into this one after a lost window race.
-    pub(super) carried: Vec<Arc<RunCell<T>>>,
+    /// Where the covered callers wait: empty until one of them waits (plain
+    /// calls need none), then one cell, plus the cells of earlier runs folded
+    /// into this one after a lost window race.
+    pub(super) cells: Vec<Arc<RunCell<T>>>,
 }
 
 impl<T: Clone> Pending<T> {
-    pub(super) fn into_job(self) -> (Job<T>, Covered<T>) {
+    pub(super) fn new(job: Job<T>, cells: Vec<Arc<RunCell<T>>>) -> Self {
+        Self {
+            job: Mutex::new(job),
+            cells,
+        }
+    }
+
+    /// The cell a new waiter waits on, made on first need.
+    pub(super) fn cell(&mut self) -> Arc<RunCell<T>> {
+        if let Some(cell) = self.cells.first() {
+            return cell.clone();
+        }
+        let cell = RunCell::new();
+        self.cells.push(cell.clone());
+        cell
+    }
+
+    pub(super) fn into_job(self) -> (Job<T>, Vec<Arc<RunCell<T>>>) {
         let job = self
             .job
             .into_inner()
             .unwrap_or_else(PoisonError::into_inner);
-        (job, (self.cell, self.carried))
+        (job, self.cells)
     }
 
     /// Fails every caller waiting here; the function is dropped.
     pub(super) fn fail(self, error: &Error) {
-        let (job, (cell, carried)) = self.into_job();
+        let (job, cells) = self.into_job();
         drop(job);
-        for c in carried {
-            c.set(Err(error.clone()));
+        for cell in cells {
+            cell.set(Err(error.clone()));
         }
-        cell.set(Err(error.clone()));
     }
 }
 
@@ -222,6 +235,15 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         self.owns_store && self.mode() == DESTROYED
     }
 
+    /// The key as the store sees it: prefix + key. Built per store command
+    /// rather than kept, so an idle window costs less.
+    fn store_key(&self, key: &str) -> String {
+        let mut store_key = String::with_capacity(self.prefix.len() + key.len());
+        store_key.push_str(&self.prefix);
+        store_key.push_str(key);
+        store_key
+    }
+
     fn route(&self, key: &str) -> u64 {
         self.hasher.hash_one(key)
     }
@@ -251,7 +273,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 let state = &mut slot.state;
                 Ok(match &mut state.pending {
                     Some(pending) => Decision::Coalesced {
-                        cell: wants_cell.then(|| pending.cell.clone()),
+                        cell: wants_cell.then(|| pending.cell()),
                         stale: Some(std::mem::replace(
                             pending
                                 .job
@@ -262,14 +284,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                         first: false,
                     },
                     None => {
-                        let cell = RunCell::new();
-                        state.pending = Some(Pending {
-                            job: Mutex::new(job),
-                            cell: cell.clone(),
-                            carried: Vec::new(),
-                        });
+                        let mut pending = Pending::new(job, Vec::new());
+                        let cell = wants_cell.then(|| pending.cell());
+                        state.pending = Some(pending);
                         Decision::Coalesced {
-                            cell: wants_cell.then_some(cell),
+                            cell,
                             stale: None,
                             first: true,
                         }
@@ -353,10 +372,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     ///
     /// `Ok(())` to run now, including on a store error (fail open);
     /// `Err(wait)` when another instance holds the window.
-    pub(super) async fn claim(&self, store_key: &str) -> Result<(), Duration> {
+    pub(super) async fn claim(&self, key: &str) -> Result<(), Duration> {
         if self.store_closed() {
             return Ok(());
         }
+        let store_key = &*self.store_key(key);
         let value = self.epoch.at(Instant::now() + self.window).to_string();
         let options = SetOptions::px(self.lease_ttl).nx();
         match self.store.set(store_key, &value, options).await {
@@ -391,7 +411,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     }
 
     /// Extends a running function's lease for as long as it runs.
-    pub(super) async fn hold_lease(&self, store_key: &str) {
+    pub(super) async fn hold_lease(&self, key: &str) {
+        let store_key = &*self.store_key(key);
         loop {
             {
                 let _timer = Armed::new(&self.gauges);
@@ -410,10 +431,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
 
     /// Records the window that started when a run finished (`SET … PX`), with
     /// an expiry no later than `until` so this instance's next claim wins.
-    pub(super) async fn write_window(&self, store_key: &str, until: Instant) {
+    pub(super) async fn write_window(&self, key: &str, until: Instant) {
         if self.store_closed() {
             return;
         }
+        let store_key = &*self.store_key(key);
         let left = until.saturating_duration_since(Instant::now());
         let px = Duration::from_millis(u64::try_from(left.as_millis()).unwrap_or(u64::MAX));
         if px.is_zero() {
