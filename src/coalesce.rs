@@ -121,6 +121,20 @@ impl Runtime {
 
 impl TrailingThrottleBuilder {
     /// A builder on the default runtime ([`Runtime::global`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use std::time::Duration;
+    /// use throttlebeam::{TrailingThrottle, TrailingThrottleBuilder};
+    ///
+    /// let reindex: TrailingThrottle<usize> = TrailingThrottleBuilder::new("reindex:")
+    ///     .with_window(Duration::from_secs(5))
+    ///     .build()?;
+    /// assert!(reindex.call("catalog", |_| async { Ok::<_, std::io::Error>(120) }).await?);
+    /// # Ok(()) }
+    /// ```
     pub fn new(prefix: &str) -> Self {
         Self {
             runtime: None,

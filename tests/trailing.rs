@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use throttlebeam::{
-    Error, MemoryStore, Phase, Runtime, SetOptions, StoreFuture, TrailingStats, TrailingThrottle,
-    WindowStore,
+    Error, MemoryStore, Phase, Runtime, SetOptions, ShutdownPolicy, StoreFuture, TrailingStats,
+    TrailingThrottle, WindowStore,
 };
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, sleep_until};
@@ -890,6 +890,40 @@ async fn runtime_shutdown_drains_the_throttle() {
         t.call("k", log.work("x", 1)).await,
         Err(Error::ShutDown { .. })
     ));
+}
+
+/// Runtime::shutdown under the drop policy destroys the throttle: pending
+/// trailing runs fail as destroyed, running functions still finish.
+#[tokio::test(start_paused = true)]
+async fn runtime_shutdown_with_the_drop_policy_destroys_the_throttle() {
+    let rt = Runtime::builder()
+        .with_shutdown_policy(ShutdownPolicy::Drop)
+        .start()
+        .await
+        .unwrap();
+    let t = throttle(&rt, 500).await;
+    let log = Log::new();
+    let lead = spawn_wait(&t, "k", log.work("lead", 100));
+    settle().await;
+    let w = spawn_wait(&t, "k", log.work("never", 100));
+    settle().await;
+    let report = rt.shutdown(ms(10_000)).await;
+    assert_eq!(report.still_running, 0);
+    log.at(100);
+    assert_eq!(lead.await.unwrap().0.unwrap(), "lead");
+    let err = w.await.unwrap().0.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Discarded {
+                reason: "destroyed",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(log.runs().len(), 1);
+    assert!(t.is_destroyed());
 }
 
 // ---------------------------------------------------------------- bad input
