@@ -146,7 +146,9 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         self.set_active(false);
         match (&result, phase) {
             (Err(error), Phase::Trailing) => {
-                tracing::error!(throttle = %self.shared.name, key = %self.key, error = %error, "trailing run failed");
+                // As an error value, so subscribers can walk its sources.
+                let error: &(dyn std::error::Error + 'static) = error;
+                tracing::error!(throttle = %self.shared.name, key = %self.key, error, "trailing run failed");
             }
             _ => {
                 tracing::debug!(throttle = %self.shared.name, key = %self.key, ?phase, ok = result.is_ok(), "run finished");
