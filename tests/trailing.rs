@@ -1197,6 +1197,66 @@ async fn two_instances_sharing_a_store_never_overlap() {
     assert_eq!(log.max_running.load(Ordering::SeqCst), 1);
 }
 
+/// A store slower than the window: the window recorded after a run always
+/// replaces the run's lease, so this instance never loses a race to itself.
+#[tokio::test(start_paused = true)]
+async fn a_store_slower_than_the_window_never_blocks_its_own_instance() {
+    let rt = runtime().await;
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("slow:")
+        .with_window(ms(1))
+        .with_store(SlowStore(MemoryStore::new(), ms(3)))
+        .build()
+        .unwrap();
+    let log = Log::new();
+    for round in 0..20 {
+        let lead = spawn_wait(&t, "k", log.work("lead", 0));
+        settle().await;
+        let trail = spawn_wait(&t, "k", log.work("trail", 0));
+        assert_eq!(lead.await.unwrap().0.unwrap(), "lead", "round {round}");
+        assert_eq!(trail.await.unwrap().0.unwrap(), "trail", "round {round}");
+        sleep(ms(50)).await;
+        assert_eq!(t.stats(), idle(), "round {round}");
+    }
+    assert_eq!(log.runs().len(), 40);
+}
+
+/// Two instances with calls pending on one key all the time: the one that
+/// lost a race claims first when the window ends, so neither starves (no
+/// dropped calls) and runs still never overlap or come closer than a window.
+#[tokio::test(start_paused = true)]
+async fn two_busy_instances_take_turns() {
+    let store = MemoryStore::new();
+    let (rt_a, rt_b) = (runtime().await, runtime().await);
+    let build = |rt: &Runtime| -> TrailingThrottle<&'static str> {
+        rt.trailing_throttle("s:")
+            .with_window(ms(100))
+            .with_store(store.clone())
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (build(&rt_a), build(&rt_b));
+    let log = Log::new();
+    let mut waits = Vec::new();
+    for i in 0..300u64 {
+        let (t, tag) = if i % 2 == 0 { (&a, "a") } else { (&b, "b") };
+        waits.push(spawn_wait(t, "hot", log.work(tag, 10)));
+        sleep(ms(10)).await;
+    }
+    for w in waits {
+        let (v, _) = w.await.unwrap();
+        assert!(v.is_ok(), "{v:?}");
+    }
+    let runs = log.runs();
+    assert_eq!(log.max_running.load(Ordering::SeqCst), 1);
+    for pair in runs.windows(2) {
+        assert!(pair[1].start - pair[0].end.unwrap() >= 100, "{pair:?}");
+    }
+    let by_b = runs.iter().filter(|r| r.tag == "b").count();
+    let by_a = runs.len() - by_b;
+    assert!(by_a >= 5 && by_b >= 5, "a ran {by_a} times, b {by_b} times");
+}
+
 /// S4: after 10 lost window races in a row, pending calls fail as dropped.
 #[tokio::test(start_paused = true)]
 async fn ten_lost_races_in_a_row_drop_the_pending_calls() {

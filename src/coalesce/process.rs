@@ -138,12 +138,6 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         let phase = self.phase;
         tracing::debug!(throttle = %self.shared.name, key = %self.key, ?phase, "run started");
         let result = run_job(&self.shared, &self.key, job, phase).await;
-        let until = Instant::now() + self.shared.window;
-        self.shared.registry.with_slot(&*self.key, |slot| {
-            slot.state.running = false;
-            slot.state.until = until;
-        });
-        self.set_active(false);
         match (&result, phase) {
             (Err(error), Phase::Trailing) => {
                 // As an error value, so subscribers can walk its sources.
@@ -157,7 +151,14 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         if let Some(waiters) = self.waiters.take() {
             waiters.publish(result);
         }
-        self.shared.write_window(&self.key, until).await;
+        // Calls arriving until the window is recorded coalesce all the same
+        // (the key still reads as running).
+        let until = self.shared.write_window(&self.key).await;
+        self.shared.registry.with_slot(&*self.key, |slot| {
+            slot.state.running = false;
+            slot.state.until = until;
+        });
+        self.set_active(false);
     }
 
     /// Ends the current run without running it: `result` goes to its callers

@@ -377,7 +377,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             return Ok(());
         }
         let store_key = &*self.store_key(key);
-        let value = self.epoch.at(Instant::now() + self.window).to_string();
+        // A claim is a lease: its value is when it lapses unless extended.
+        let value = self.epoch.at(Instant::now() + self.lease_ttl).to_string();
         let options = SetOptions::px(self.lease_ttl).nx();
         match self.store.set(store_key, &value, options).await {
             Ok(true) => Ok(()),
@@ -389,15 +390,19 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         }
     }
 
-    /// How long to wait after losing a window race: until the end the store
-    /// reports, capped at the lease TTL; the window length if unreadable.
+    /// How long to wait after losing a window race: until just past the end
+    /// the store reports (a window's end, or a lease's lapse), capped at the
+    /// lease TTL; the window length if unreadable.
     async fn retry_after(&self, store_key: &str) -> Duration {
         let floor = Duration::from_millis(1);
         match self.store.get(store_key).await {
             Ok(Some(value)) => match value.trim().parse::<u64>() {
                 Ok(end) => {
                     let now = self.epoch.at(Instant::now());
-                    Duration::from_millis(end.saturating_sub(now)).clamp(floor, self.lease_ttl)
+                    // One millisecond past the end: values are truncated to
+                    // milliseconds and instances' clocks differ by as much.
+                    Duration::from_millis(end.saturating_sub(now).saturating_add(1))
+                        .min(self.lease_ttl)
                 }
                 Err(_) => self.window,
             },
@@ -421,7 +426,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             if self.store_closed() {
                 continue;
             }
-            let value = self.epoch.at(Instant::now() + self.window).to_string();
+            let value = self.epoch.at(Instant::now() + self.lease_ttl).to_string();
             let options = SetOptions::px(self.lease_ttl);
             if let Err(error) = self.store.set(store_key, &value, options).await {
                 tracing::debug!(throttle = %self.name, key = store_key, %error, "window store failed extending a lease");
@@ -429,21 +434,51 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         }
     }
 
-    /// Records the window that started when a run finished (`SET … PX`), with
-    /// an expiry no later than `until` so this instance's next claim wins.
-    pub(super) async fn write_window(&self, key: &str, until: Instant) {
+    /// Records the window that starts now that a run finished (`SET … PX`,
+    /// replacing the run's lease) and returns when it ends in memory.
+    ///
+    /// The store's expiry is the window in whole milliseconds (rounded up),
+    /// counted from the write; the in-memory window is counted from after
+    /// the write returns, so it never ends before the store key expires and
+    /// this instance's next claim is not refused by its own window. On a
+    /// store that may be shared (one passed in), it ends a little later
+    /// still ([`Shared::courtesy`]).
+    pub(super) async fn write_window(&self, key: &str) -> Instant {
         if self.store_closed() {
-            return;
+            return Instant::now() + self.window;
         }
-        let store_key = &*self.store_key(key);
-        let left = until.saturating_duration_since(Instant::now());
-        let px = Duration::from_millis(u64::try_from(left.as_millis()).unwrap_or(u64::MAX));
-        if px.is_zero() {
-            return;
+        let px = self.window_px();
+        let value = self.epoch.at(Instant::now() + px).to_string();
+        let store_key = self.store_key(key);
+        match self.store.set(&store_key, &value, SetOptions::px(px)).await {
+            Ok(_) => Instant::now() + px + self.courtesy(),
+            Err(error) => {
+                tracing::debug!(throttle = %self.name, key = store_key, %error, "window store failed recording a window");
+                Instant::now() + self.window
+            }
         }
-        let value = self.epoch.at(until).to_string();
-        if let Err(error) = self.store.set(store_key, &value, SetOptions::px(px)).await {
-            tracing::debug!(throttle = %self.name, key = store_key, %error, "window store failed recording a window");
+    }
+
+    /// How long after its window ends an instance re-claims a key on a
+    /// store other instances may share: an instance that lost the race waits
+    /// for the same end (1 ms past it, at millisecond precision) and so
+    /// claims first, instead of losing every race to a holder that always
+    /// has calls pending. Zero on the throttle's own store.
+    fn courtesy(&self) -> Duration {
+        if self.owns_store {
+            Duration::ZERO
+        } else {
+            Duration::from_millis(5)
+        }
+    }
+
+    /// The window in whole milliseconds, rounded up.
+    fn window_px(&self) -> Duration {
+        let ms = Duration::from_millis(u64::try_from(self.window.as_millis()).unwrap_or(u64::MAX));
+        if ms < self.window {
+            ms + Duration::from_millis(1)
+        } else {
+            ms
         }
     }
 
