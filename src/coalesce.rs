@@ -236,10 +236,26 @@ impl TrailingThrottleBuilder {
 /// Functions run in the key's own process: dropping a caller's future or a
 /// timeout never cancels them. A failed trailing run fails every waiter it
 /// covered and emits one `tracing` error event; everything else is logged at
-/// debug or trace level. Windows are also recorded in a [`WindowStore`]
-/// (claimed with `SET … PX NX`, held as a lease while a function runs) so
-/// instances sharing a store agree; a failing store never stops a run (fail
-/// open), and in-memory state keeps throttling per instance.
+/// debug or trace level.
+///
+/// # Window store
+///
+/// Windows are also recorded in a [`WindowStore`] so instances sharing a
+/// store agree on who runs a key:
+///
+/// - a run claims the key with `SET key <lapse> PX lease NX`, where the lease
+///   lasts max(window, 2 × max(window / 2, 100 ms)), and extends it every
+///   max(window / 2, 100 ms) while the function runs;
+/// - when the run ends, `SET key <window end> PX window` records the window;
+/// - an instance that loses the claim reads the value and retries just after
+///   it (at most one lease later); the call is coalesced meanwhile, and after
+///   10 losses in a row its pending calls fail with [`Error::Discarded`];
+/// - on a store passed in (maybe shared), a holder re-claims 5 ms after its
+///   window ends, so an instance waiting for that end claims first instead of
+///   losing every race to a holder that always has calls pending.
+///
+/// A failing store never stops a run (fail open): in-memory state keeps
+/// throttling per instance.
 ///
 /// A cheap handle: clones share the same keys.
 ///

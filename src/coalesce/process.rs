@@ -210,7 +210,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         }
         let mut job = self.job.take();
         let mut waiters = self.waiters.take();
-        let mut new_pending = false;
+        let gauges = &self.shared.gauges;
         let mut coalesced_lead = None;
         self.shared.registry.with_slot(&*self.key, |slot| {
             let state: &mut KeyState<T> = &mut slot.state;
@@ -236,7 +236,8 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                             Waiters::Cells(cells) => Pending::new(j, cells),
                         };
                         state.pending = Some(pending);
-                        new_pending = true;
+                        // Counted under the lock, before anyone can take it.
+                        gauges.pending.fetch_add(1, Ordering::Relaxed);
                     }
                     None => waiters = Some(w),
                 },
@@ -244,9 +245,6 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             }
         });
         self.set_active(false);
-        if new_pending {
-            self.shared.gauges.pending.fetch_add(1, Ordering::Relaxed);
-        }
         if let Some((tx, cell)) = coalesced_lead {
             let _ = tx.send(Led::Coalesced(cell));
         }

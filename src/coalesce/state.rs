@@ -189,8 +189,9 @@ enum Decision<T> {
     Coalesced {
         cell: Option<Arc<RunCell<T>>>,
         stale: Option<Job<T>>,
-        first: bool,
     },
+    /// Not accepted; the function comes back out to be dropped unlocked.
+    Refused(Error, Job<T>),
 }
 
 impl<T: Clone + Send + Sync + 'static> Shared<T> {
@@ -266,58 +267,51 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         // The mode is read under the shard lock, so `destroy` (mode first,
         // then a pass over every shard) never misses a pending call.
         let decision = self.registry.update(key, |entry| match entry {
-            SlotEntry::Occupied(slot) => {
-                if self.mode() != OPEN {
-                    return Err(self.refused(key));
+            _ if self.mode() != OPEN => Decision::Refused(self.refused(key), job),
+            SlotEntry::Occupied(slot) => match &mut slot.state.pending {
+                Some(pending) => Decision::Coalesced {
+                    cell: wants_cell.then(|| pending.cell()),
+                    stale: Some(std::mem::replace(
+                        pending
+                            .job
+                            .get_mut()
+                            .unwrap_or_else(PoisonError::into_inner),
+                        job,
+                    )),
+                },
+                None => {
+                    let mut pending = Pending::new(job, Vec::new());
+                    let cell = wants_cell.then(|| pending.cell());
+                    slot.state.pending = Some(pending);
+                    // Counted under the lock, before anyone can take it.
+                    self.gauges.pending.fetch_add(1, Ordering::Relaxed);
+                    Decision::Coalesced { cell, stale: None }
                 }
-                let state = &mut slot.state;
-                Ok(match &mut state.pending {
-                    Some(pending) => Decision::Coalesced {
-                        cell: wants_cell.then(|| pending.cell()),
-                        stale: Some(std::mem::replace(
-                            pending
-                                .job
-                                .get_mut()
-                                .unwrap_or_else(PoisonError::into_inner),
-                            job,
-                        )),
-                        first: false,
-                    },
-                    None => {
-                        let mut pending = Pending::new(job, Vec::new());
-                        let cell = wants_cell.then(|| pending.cell());
-                        state.pending = Some(pending);
-                        Decision::Coalesced {
-                            cell,
-                            stale: None,
-                            first: true,
-                        }
-                    }
-                })
-            }
+            },
             SlotEntry::Vacant(vacant) => {
-                if self.mode() != OPEN {
-                    return Err(self.refused(key));
-                }
                 let state = KeyState {
                     running: true,
                     until: Instant::now(),
                     pending: None,
                 };
                 match vacant.insert(state) {
-                    Ok(slot) => Ok(Decision::Lead(slot.generation(), job)),
-                    Err(full) => Err(Error::TooManyKeys {
-                        key: shown(key),
-                        cap: full.cap,
-                    }),
+                    Ok(slot) => Decision::Lead(slot.generation(), job),
+                    Err(full) => Decision::Refused(
+                        Error::TooManyKeys {
+                            key: shown(key),
+                            cap: full.cap,
+                        },
+                        job,
+                    ),
                 }
             }
-        })?;
+        });
         match decision {
-            Decision::Coalesced { cell, stale, first } => {
-                if first {
-                    self.gauges.pending.fetch_add(1, Ordering::Relaxed);
-                }
+            Decision::Refused(error, job) => {
+                drop(job);
+                Err(error)
+            }
+            Decision::Coalesced { cell, stale } => {
                 // The replaced closure may run user code when dropped: never
                 // under the shard lock.
                 drop(stale);

@@ -60,8 +60,9 @@ impl SetOptions {
 /// Where a coalescing throttle keeps its windows.
 ///
 /// Keys arrive already prefixed with the throttle's namespace. The throttle
-/// stores the end of a key's window (milliseconds since the Unix epoch, as a
-/// decimal string) and reads it back after losing a window race.
+/// stores when a key's window ends, or while a function runs when its lease
+/// lapses (milliseconds since the Unix epoch, as a decimal string), and reads
+/// it back after losing a window race.
 ///
 /// | method | contract |
 /// |---|---|
