@@ -1,1 +1,425 @@
-fn main() {}
+//! Core benchmarks, each side by side with its anchor in the same run.
+//!
+//! Run: `cargo bench --bench core`
+//!
+//! Criterion reports every pair; the lines printed at the end give ns/op of
+//! both sides from one fixed-size timed pass each, and their ratio:
+//! `compare <name>: ours <ns/op> ns, anchor <ns/op> ns, ratio <ours/anchor>`.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use dashmap::DashMap;
+use governor::{Quota, RateLimiter};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use throttlebeam::{IdempotencyOptions, Outcome, Runtime, Throttled};
+
+const KEYS: usize = 100_000;
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// Polls a future once with a no-op waker: the hot paths measured here
+/// complete without waiting, so no executor sits in the measurement.
+fn poll_once<F: Future>(f: F) -> Option<F::Output> {
+    let mut f = pin!(f);
+    match f.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(v) => Some(v),
+        Poll::Pending => None,
+    }
+}
+
+/// Runs `total` operations split over `threads` threads; returns wall time.
+fn parallel(threads: usize, total: u64, op: &(dyn Fn(u64) + Sync)) -> Duration {
+    let per = total / threads as u64;
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads as u64 {
+            s.spawn(move || {
+                for i in 0..per {
+                    op(t * per + i);
+                }
+            });
+        }
+    });
+    start.elapsed()
+}
+
+/// ns/op of the best of three passes of `total` operations.
+fn ns_per_op(total: u64, mut pass: impl FnMut(u64) -> Duration) -> f64 {
+    (0..3)
+        .map(|_| pass(total).as_nanos() as f64 / total as f64)
+        .fold(f64::INFINITY, f64::min)
+}
+
+struct Line {
+    name: &'static str,
+    ours: f64,
+    anchor: f64,
+    extra: String,
+}
+
+fn keys() -> Vec<String> {
+    (0..KEYS).map(|i| format!("user:{i}")).collect()
+}
+
+fn tokio_rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
+    let rt = tokio_rt();
+    let runtime = rt.block_on(Runtime::start()).expect("runtime");
+    let throttle = runtime.throttler();
+    let keys = keys();
+    rt.block_on(async {
+        for key in &keys {
+            let first = throttle
+                .call(key, HOUR, || async { Ok::<_, Infallible>(()) })
+                .await
+                .expect("call");
+            assert!(!first.is_throttled());
+        }
+    });
+    let governor = RateLimiter::dashmap(Quota::per_hour(NonZeroU32::MIN));
+    for key in &keys {
+        assert!(governor.check_key(key).is_ok());
+    }
+    let ours = |i: u64| {
+        let key = &keys[i as usize % KEYS];
+        let outcome = poll_once(throttle.call(key, HOUR, || async { Ok::<_, Infallible>(()) }));
+        debug_assert!(matches!(outcome, Some(Ok(Throttled::Throttled { .. }))));
+        black_box(outcome);
+    };
+    let anchor = |i: u64| {
+        let key = &keys[i as usize % KEYS];
+        black_box(governor.check_key(key).is_err());
+    };
+    let mut g = c.benchmark_group("throttle_reject");
+    g.bench_function("ours_2_threads", |b| {
+        b.iter_custom(|n| parallel(2, n.max(2), &ours))
+    });
+    g.bench_function("governor_check_key_2_threads", |b| {
+        b.iter_custom(|n| parallel(2, n.max(2), &anchor))
+    });
+    g.finish();
+    lines.push(Line {
+        name: "throttle_reject",
+        ours: ns_per_op(4_000_000, |n| parallel(2, n, &ours)),
+        anchor: ns_per_op(4_000_000, |n| parallel(2, n, &anchor)),
+        extra: String::new(),
+    });
+}
+
+fn debounce_burst(c: &mut Criterion, lines: &mut Vec<Line>) {
+    let rt = tokio_rt();
+    let _enter = rt.enter();
+    let runtime = rt.block_on(Runtime::start()).expect("runtime");
+    let debounce = runtime.debouncer();
+    let first = debounce
+        .call("burst", HOUR, || async { Ok::<u64, Infallible>(0) })
+        .expect("call");
+    drop(first);
+    let map: DashMap<String, (Instant, u64)> = DashMap::new();
+    map.insert("burst".to_owned(), (Instant::now(), 0));
+    let ours = |i: u64| {
+        let call = debounce.call(
+            "burst",
+            HOUR,
+            move || async move { Ok::<u64, Infallible>(i) },
+        );
+        black_box(call.is_ok());
+    };
+    let anchor = |i: u64| {
+        if let Some(mut slot) = map.get_mut("burst") {
+            *slot = (Instant::now() + HOUR, i);
+        }
+    };
+    let mut g = c.benchmark_group("debounce_burst");
+    g.bench_function("ours", |b| b.iter_custom(|n| parallel(1, n, &ours)));
+    g.bench_function("dashmap_get_mut", |b| {
+        b.iter_custom(|n| parallel(1, n, &anchor))
+    });
+    g.finish();
+    let wakeups_during_bench = debounce.timer_wakeups();
+
+    // Wakeups per burst, on real time: 50 bursts of 1,000 calls, 2 ms delay.
+    let before = debounce.timer_wakeups();
+    rt.block_on(async {
+        for burst in 0..50 {
+            let key = format!("wake:{burst}");
+            let mut last = None;
+            for i in 0..1000u64 {
+                last = Some(
+                    debounce
+                        .call(&key, Duration::from_millis(2), move || async move {
+                            Ok::<u64, Infallible>(i)
+                        })
+                        .expect("call"),
+                );
+            }
+            assert_eq!(last.expect("calls").await.expect("run"), 999);
+        }
+    });
+    let per_burst = (debounce.timer_wakeups() - before) as f64 / 50.0;
+    lines.push(Line {
+        name: "debounce_burst",
+        ours: ns_per_op(4_000_000, |n| parallel(1, n, &ours)),
+        anchor: ns_per_op(4_000_000, |n| parallel(1, n, &anchor)),
+        extra: format!(
+            " (timer wakeups per 1,000-call burst: {per_burst:.2}; during the bench: {wakeups_during_bench})"
+        ),
+    });
+}
+
+fn idempotency_replay(c: &mut Criterion, lines: &mut Vec<Line>) {
+    let rt = tokio_rt();
+    let runtime = rt.block_on(Runtime::start()).expect("runtime");
+    let dedup = runtime.idempotency();
+    let keys = keys();
+    rt.block_on(async {
+        for (i, key) in keys.iter().enumerate() {
+            let first = dedup
+                .run(
+                    key,
+                    move || async move { Ok::<_, Infallible>(i as u64) },
+                    IdempotencyOptions::new(),
+                )
+                .await
+                .expect("run");
+            assert!(first.is_fresh());
+        }
+    });
+    let map: DashMap<String, std::sync::Arc<u64>> = DashMap::new();
+    for (i, key) in keys.iter().enumerate() {
+        map.insert(key.clone(), std::sync::Arc::new(i as u64));
+    }
+    let ours = |i: u64| {
+        let key = &keys[i as usize % KEYS];
+        let outcome = poll_once(dedup.run(
+            key,
+            || async { Ok::<u64, Infallible>(u64::MAX) },
+            IdempotencyOptions::new(),
+        ));
+        debug_assert!(matches!(outcome, Some(Ok(Outcome::Replay(_)))));
+        black_box(outcome);
+    };
+    let anchor = |i: u64| {
+        let key = &keys[i as usize % KEYS];
+        black_box(map.get(key.as_str()).map(|v| std::sync::Arc::clone(&v)));
+    };
+    let mut g = c.benchmark_group("idempotency_replay");
+    g.bench_function("ours", |b| b.iter_custom(|n| parallel(1, n, &ours)));
+    g.bench_function("dashmap_get_arc_clone", |b| {
+        b.iter_custom(|n| parallel(1, n, &anchor))
+    });
+    g.finish();
+    lines.push(Line {
+        name: "idempotency_replay",
+        ours: ns_per_op(2_000_000, |n| parallel(1, n, &ours)),
+        anchor: ns_per_op(2_000_000, |n| parallel(1, n, &anchor)),
+        extra: String::new(),
+    });
+}
+
+struct Echo;
+
+/// The anchor actor's one message: reply with a number.
+struct Ping(RpcReplyPort<u64>);
+
+#[cfg(feature = "cluster")]
+impl ractor::Message for Ping {}
+
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
+
+impl Actor for Echo {
+    type Msg = Ping;
+    type State = ();
+    type Arguments = ();
+
+    async fn pre_start(&self, _: ActorRef<Self::Msg>, (): ()) -> Result<(), ActorProcessingErr> {
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _: ActorRef<Self::Msg>,
+        Ping(reply): Ping,
+        (): &mut (),
+    ) -> Result<(), ActorProcessingErr> {
+        let _ = reply.send(1);
+        Ok(())
+    }
+}
+
+fn fresh_key(c: &mut Criterion, lines: &mut Vec<Line>) {
+    let rt = tokio_rt();
+    let runtime = rt
+        .block_on(
+            Runtime::builder()
+                .with_sweep_interval(Duration::from_millis(100))
+                .start(),
+        )
+        .expect("runtime");
+    let throttle = runtime.throttler();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    // Two tasks, each running its share of calls back to back.
+    let ours = |n: u64| -> Duration {
+        rt.block_on(async {
+            let start = Instant::now();
+            let tasks: Vec<_> = (0..2)
+                .map(|_| {
+                    let throttle = throttle.clone();
+                    tokio::spawn(async move {
+                        for _ in 0..n / 2 {
+                            let key = format!("fresh:{}", NEXT.fetch_add(1, Ordering::Relaxed));
+                            let outcome = throttle
+                                .call(&key, Duration::from_millis(1), || async {
+                                    Ok::<_, Infallible>(1u8)
+                                })
+                                .await
+                                .expect("call");
+                            let _ = black_box(outcome);
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.expect("task");
+            }
+            start.elapsed()
+        })
+    };
+    let anchor = |n: u64| -> Duration {
+        rt.block_on(async {
+            let start = Instant::now();
+            let tasks: Vec<_> = (0..2)
+                .map(|_| {
+                    tokio::spawn(async move {
+                        for _ in 0..n / 2 {
+                            let (actor, join) = Actor::spawn(None, Echo, ()).await.expect("spawn");
+                            let reply = actor.call(Ping, None).await.expect("call");
+                            black_box(reply);
+                            actor.stop(None);
+                            join.await.expect("exit");
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.expect("task");
+            }
+            start.elapsed()
+        })
+    };
+    let mut g = c.benchmark_group("fresh_key");
+    g.bench_function("ours_2_tasks", |b| b.iter_custom(|n| ours(n.max(2))));
+    g.bench_function("ractor_spawn_call_exit_2_tasks", |b| {
+        b.iter_custom(|n| anchor(n.max(2)))
+    });
+    g.finish();
+    let ours_ns = ns_per_op(400_000, ours);
+    let stats = runtime.stats();
+    lines.push(Line {
+        name: "fresh_key",
+        ours: ours_ns,
+        anchor: ns_per_op(200_000, anchor),
+        extra: format!(
+            " ({:.0} keys/s; live processes after: {})",
+            1e9 / ours_ns,
+            stats.processes
+        ),
+    });
+}
+
+fn rss_bytes() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: usize = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
+/// Bytes per live busy key (a pending debounce: slot, process, timer) and per
+/// open leading-only window (a registry slot, no process), by RSS growth.
+fn memory() -> String {
+    const N: usize = 100_000;
+    let rt = tokio_rt();
+    let _enter = rt.enter();
+    let runtime = rt.block_on(Runtime::start()).expect("runtime");
+    let keys: Vec<String> = (0..N).map(|i| format!("mem:{i:08}")).collect();
+    let debounce = runtime.debouncer();
+    let throttle = runtime.throttler();
+
+    let before = rss_bytes();
+    for key in &keys {
+        drop(
+            debounce
+                .call(key, HOUR, || async { Ok::<u8, Infallible>(0) })
+                .expect("call"),
+        );
+    }
+    // Let every process start and arm its timer.
+    rt.block_on(async {
+        while runtime.stats().timers < N {
+            tokio::task::yield_now().await;
+        }
+    });
+    let busy = (rss_bytes() - before) as f64 / N as f64;
+    let stats = runtime.stats();
+
+    let before = rss_bytes();
+    rt.block_on(async {
+        for key in &keys {
+            let outcome = throttle
+                .call(key, HOUR, || async { Ok::<_, Infallible>(()) })
+                .await
+                .expect("call");
+            assert!(!outcome.is_throttled());
+        }
+    });
+    let window = (rss_bytes() - before) as f64 / N as f64;
+    format!(
+        "memory: {busy:.0} bytes per live busy key ({} processes, {} timers), {window:.0} bytes per open leading-only window (target 2048 and 256)",
+        stats.processes, stats.timers
+    )
+}
+
+fn main() {
+    // Memory first, in a fresh process, so RSS growth is not hidden by freed pages.
+    let memory = memory();
+    let mut c = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(10)
+        .configure_from_args();
+    let mut lines = Vec::new();
+    throttle_reject(&mut c, &mut lines);
+    idempotency_replay(&mut c, &mut lines);
+    debounce_burst(&mut c, &mut lines);
+    fresh_key(&mut c, &mut lines);
+    c.final_summary();
+    println!();
+    for l in &lines {
+        println!(
+            "compare {}: ours {:.1} ns, anchor {:.1} ns, ratio {:.2}{}",
+            l.name,
+            l.ours,
+            l.anchor,
+            l.ours / l.anchor,
+            l.extra
+        );
+    }
+    println!("{memory}");
+}

@@ -13,12 +13,18 @@ pub(crate) struct RunCell<V> {
     notify: Notify,
 }
 
-impl<V: Clone> RunCell<V> {
-    pub(crate) fn new() -> Arc<Self> {
-        Arc::new(Self {
+impl<V> Default for RunCell<V> {
+    fn default() -> Self {
+        Self {
             result: OnceLock::new(),
             notify: Notify::new(),
-        })
+        }
+    }
+}
+
+impl<V: Clone> RunCell<V> {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(Self::default())
     }
 
     /// Publishes the result; the first publish wins. Returns whether this one did.

@@ -2,7 +2,6 @@
 
 use std::any::{Any, TypeId};
 use std::future::{Future, IntoFuture};
-use std::hash::{BuildHasher, Hash, Hasher};
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -23,7 +22,26 @@ use crate::runtime::{Core, Runtime, ShutdownPolicy};
 type Value = Arc<dyn Any + Send + Sync>;
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Value, Error>> + Send>>;
 type Job = Box<dyn FnOnce(Arc<str>) -> BoxFuture + Send>;
-type Cell = Arc<RunCell<Value>>;
+type Cell = Arc<Burst>;
+
+/// One burst of calls: the key and the result of the run covering them.
+struct Burst {
+    key: Arc<str>,
+    result: RunCell<Value>,
+}
+
+impl Burst {
+    fn new(key: &Arc<str>) -> Arc<Self> {
+        Arc::new(Self {
+            key: Arc::clone(key),
+            result: RunCell::default(),
+        })
+    }
+
+    fn set(&self, result: Result<Value, Error>) -> bool {
+        self.result.set(result)
+    }
+}
 
 /// Options of a debounced call beyond its delay.
 ///
@@ -142,9 +160,7 @@ impl State {
     }
 
     fn route(&self, key: &str) -> u64 {
-        let mut h = self.hasher.build_hasher();
-        key.hash(&mut h);
-        h.finish()
+        self.hasher.hash_one(key)
     }
 }
 
@@ -263,15 +279,14 @@ async fn execute(_state: &State, key: &Arc<str>, run: Pending) {
 #[must_use = "the call is scheduled either way; await this to get the outcome"]
 pub struct Debounced<T> {
     cell: Cell,
-    key: Arc<str>,
     _type: PhantomData<fn() -> T>,
 }
 
 impl<T> std::fmt::Debug for Debounced<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Debounced")
-            .field("key", &self.key)
-            .field("done", &self.cell.get().is_some())
+            .field("key", &self.cell.key)
+            .field("done", &self.cell.result.get().is_some())
             .finish()
     }
 }
@@ -279,7 +294,7 @@ impl<T> std::fmt::Debug for Debounced<T> {
 impl<T: Clone + Send + Sync + 'static> Debounced<T> {
     /// The outcome, if the covering run has finished.
     pub fn try_outcome(&self) -> Option<Result<T, Error>> {
-        self.cell.get().map(|r| self.downcast(r))
+        self.cell.result.get().map(|r| self.downcast(r))
     }
 
     fn downcast(&self, result: Result<Value, Error>) -> Result<T, Error> {
@@ -288,7 +303,7 @@ impl<T: Clone + Send + Sync + 'static> Debounced<T> {
             .downcast_ref::<T>()
             .cloned()
             .ok_or_else(|| Error::TypeMismatch {
-                key: shown(&self.key),
+                key: shown(&self.cell.key),
             })
     }
 }
@@ -299,7 +314,7 @@ impl<T: Clone + Send + Sync + 'static> IntoFuture for Debounced<T> {
 
     fn into_future(self) -> Self::IntoFuture {
         Box::pin(async move {
-            let result = self.cell.wait().await;
+            let result = self.cell.result.wait().await;
             self.downcast(result)
         })
     }
@@ -420,7 +435,7 @@ impl Debouncer {
                         Arc::clone(&p.cell)
                     }
                     None => {
-                        let cell = RunCell::new();
+                        let cell = Burst::new(&s.key);
                         s.max_deadline = options.max_wait.map(|w| match s.last_run {
                             Some(last) if last + w > now => last + w,
                             _ => now + w,
@@ -435,10 +450,11 @@ impl Debouncer {
                 if s.armed.is_none_or(|armed| s.due() < armed) {
                     s.wake.notify_one();
                 }
-                Ok((cell, Arc::clone(&s.key), None))
+                Ok((cell, None))
             }
             SlotEntry::Vacant(vacant) => {
-                let cell = RunCell::new();
+                let owned: Arc<str> = Arc::from(key);
+                let cell = Burst::new(&owned);
                 let run = Pending {
                     job: std::sync::Mutex::new(job),
                     cell: Arc::clone(&cell),
@@ -448,7 +464,6 @@ impl Debouncer {
                 } else {
                     (Some(run), None)
                 };
-                let owned: Arc<str> = Arc::from(key);
                 let slot = Slot {
                     key: Arc::clone(&owned),
                     type_id,
@@ -466,11 +481,11 @@ impl Debouncer {
                     key: shown(key),
                     cap: e.cap,
                 })?;
-                Ok((cell, owned, Some((guard.generation(), leading))))
+                Ok((cell, Some((owned, guard.generation(), leading))))
             }
         })?;
-        let (cell, key, spawn) = started;
-        if let Some((generation, leading)) = spawn {
+        let (cell, spawn) = started;
+        if let Some((key, generation, leading)) = spawn {
             let process = process(Arc::clone(core), Arc::clone(&key), generation, leading);
             if let Err(e) = core.start_process(&key, state.route(&key), process) {
                 state.registry.remove_if(&*key, generation, |_| true);
@@ -479,7 +494,6 @@ impl Debouncer {
         }
         Ok(Debounced {
             cell,
-            key,
             _type: PhantomData,
         })
     }

@@ -2,8 +2,6 @@
 
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use crate::error::Error;
 
 /// Longest key accepted, in bytes.
@@ -55,25 +53,6 @@ pub(crate) fn check_timer(key: &str, what: &'static str, d: Duration) -> Result<
             key: shown(key),
             what,
             reason: "too large to schedule (over 2^36 - 1 ms)",
-        });
-    }
-    Ok(())
-}
-
-/// Checks a duration that is only compared against the clock (a TTL).
-pub(crate) fn check_span(key: &str, what: &'static str, d: Duration) -> Result<(), Error> {
-    if d.is_zero() {
-        return Err(Error::InvalidArgument {
-            key: shown(key),
-            what,
-            reason: "must be greater than zero",
-        });
-    }
-    if Instant::now().checked_add(d).is_none() {
-        return Err(Error::InvalidArgument {
-            key: shown(key),
-            what,
-            reason: "too large to represent as a deadline",
         });
     }
     Ok(())

@@ -2,7 +2,6 @@
 //! turned away at once.
 
 use std::future::Future;
-use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -87,6 +86,12 @@ impl State {
         cap: usize,
     ) -> Result<Option<Duration>, Error> {
         let now = Instant::now();
+        // Inside a window nothing changes: a shared lock is enough.
+        if let Some(Some(left)) = self.windows.registry.read(key, |slot| {
+            (slot.state.until > now).then(|| slot.state.until - now)
+        }) {
+            return Ok(Some(left));
+        }
         self.windows.registry.update(key, |slot| match slot {
             SlotEntry::Occupied(slot) => {
                 if slot.state.until > now {
@@ -109,9 +114,7 @@ impl State {
     }
 
     fn route(&self, key: &str) -> u64 {
-        let mut h = self.windows.hasher.build_hasher();
-        key.hash(&mut h);
-        h.finish()
+        self.windows.hasher.hash_one(key)
     }
 }
 

@@ -37,7 +37,11 @@ async fn d1_five_calls_run_once_after_the_last() {
     }
     // Last call at 80: exactly one run, at 230.
     sleep(ms(149)).await;
-    assert!(log.lock().unwrap().is_empty(), "ran early: {:?}", log.lock().unwrap());
+    assert!(
+        log.lock().unwrap().is_empty(),
+        "ran early: {:?}",
+        log.lock().unwrap()
+    );
     sleep(ms(1)).await;
     settle().await;
     assert_eq!(*log.lock().unwrap(), vec![(230, "run")]);
@@ -53,9 +57,15 @@ async fn d1_five_calls_run_once_after_the_last() {
 async fn d2_latest_function_wins_and_every_caller_sees_it() {
     let rt = runtime().await;
     let d = rt.debouncer();
-    let a = d.call("k", ms(100), || async { Ok::<_, Oops>("first") }).unwrap();
-    let b = d.call("k", ms(100), || async { Ok::<_, Oops>("second") }).unwrap();
-    let c = d.call("k", ms(100), || async { Ok::<_, Oops>("third") }).unwrap();
+    let a = d
+        .call("k", ms(100), || async { Ok::<_, Oops>("first") })
+        .unwrap();
+    let b = d
+        .call("k", ms(100), || async { Ok::<_, Oops>("second") })
+        .unwrap();
+    let c = d
+        .call("k", ms(100), || async { Ok::<_, Oops>("third") })
+        .unwrap();
     assert_eq!(a.await.unwrap(), "third");
     assert_eq!(b.await.unwrap(), "third");
     assert_eq!(c.await.unwrap(), "third");
@@ -73,7 +83,11 @@ async fn d3_keys_are_independent_and_a_slow_key_does_not_delay_another() {
         })
         .unwrap();
     let fast = d
-        .call("b", ms(50), move || async move { Ok::<_, Oops>(since(start)) })
+        .call(
+            "b",
+            ms(50),
+            move || async move { Ok::<_, Oops>(since(start)) },
+        )
         .unwrap();
     assert_eq!(fast.await.unwrap(), 50);
     assert_eq!(slow.await.unwrap(), 10_010);
@@ -125,7 +139,11 @@ async fn d5_leading_runs_first_call_now_and_one_trailing_run() {
     let outcomes: Vec<_> = futures_join(handles).await;
     assert_eq!(outcomes[0], (0, 0), "the first call runs at once");
     for o in &outcomes[1..] {
-        assert_eq!(*o, (3, 130), "one trailing run, latest function, at last call + delay");
+        assert_eq!(
+            *o,
+            (3, 130),
+            "one trailing run, latest function, at last call + delay"
+        );
     }
     assert_eq!(runs.get(), 2);
 
@@ -171,7 +189,10 @@ async fn d6_cancel_and_flush() {
     assert!(!d.cancel("k"), "nothing left to cancel");
     assert!(matches!(
         cancelled.await,
-        Err(Error::Discarded { reason: "cancelled", .. })
+        Err(Error::Discarded {
+            reason: "cancelled",
+            ..
+        })
     ));
     sleep(ms(500)).await;
     assert_eq!(runs.get(), 0, "a cancelled run never happens");
@@ -180,7 +201,11 @@ async fn d6_cancel_and_flush() {
     // The next call starts a fresh burst.
     let start = Instant::now();
     let fresh = d
-        .call("k", ms(100), move || async move { Ok::<_, Oops>(since(start)) })
+        .call(
+            "k",
+            ms(100),
+            move || async move { Ok::<_, Oops>(since(start)) },
+        )
         .unwrap();
     assert_eq!(fresh.await.unwrap(), 100);
 
@@ -218,12 +243,21 @@ async fn d7_every_caller_gets_the_run_error_and_non_waiters_are_not_blocked() {
         assert_eq!(source.to_string(), "oops: db down");
     }
     let p = d
-        .call("p", ms(50), || async { if true { panic!("kaboom") } else { Ok::<u8, Oops>(1) } })
+        .call("p", ms(50), || async {
+            if true {
+                panic!("kaboom")
+            } else {
+                Ok::<u8, Oops>(1)
+            }
+        })
         .unwrap();
     assert!(matches!(p.await, Err(Error::Panicked { message, .. }) if message == "kaboom"));
     // A caller that does not wait returns immediately: the call is synchronous.
     let before = Instant::now();
-    drop(d.call("q", ms(10_000), || async { Ok::<_, Oops>(()) }).unwrap());
+    drop(
+        d.call("q", ms(10_000), || async { Ok::<_, Oops>(()) })
+            .unwrap(),
+    );
     assert_eq!(before.elapsed(), Duration::ZERO);
 }
 
@@ -246,7 +280,10 @@ async fn d8_graceful_shutdown_flushes_pending_work() {
     let start = Instant::now();
     let report = rt.shutdown(ms(1000)).await;
     assert_eq!(report.still_running, 0);
-    assert!(start.elapsed() < ms(1000), "flushed instead of waiting for the delays");
+    assert!(
+        start.elapsed() < ms(1000),
+        "flushed instead of waiting for the delays"
+    );
     assert_eq!(runs.get(), 3);
     for (h, key) in handles.into_iter().zip(["a", "b", "c"]) {
         assert_eq!(h.await.unwrap(), key);
@@ -276,7 +313,13 @@ async fn d8_shutdown_with_drop_policy_discards_pending_work() {
         })
         .unwrap();
     rt.shutdown(ms(1000)).await;
-    assert!(matches!(h.await, Err(Error::Discarded { reason: "dropped at shutdown", .. })));
+    assert!(matches!(
+        h.await,
+        Err(Error::Discarded {
+            reason: "dropped at shutdown",
+            ..
+        })
+    ));
     assert_eq!(runs.get(), 0);
     assert_eq!(rt.stats().keys, 0);
 }
@@ -286,7 +329,10 @@ async fn d9_bad_input_is_a_typed_error_and_schedules_nothing() {
     let rt = runtime().await;
     let d = rt.debouncer();
     let ok = || async { Ok::<_, Oops>(()) };
-    assert!(matches!(d.call("", ms(10), ok), Err(Error::InvalidKey { .. })));
+    assert!(matches!(
+        d.call("", ms(10), ok),
+        Err(Error::InvalidKey { .. })
+    ));
     let long = "x".repeat(1025);
     let err = d.call(&long, ms(10), ok).unwrap_err();
     assert!(matches!(err, Error::InvalidKey { .. }));
@@ -294,21 +340,40 @@ async fn d9_bad_input_is_a_typed_error_and_schedules_nothing() {
     assert!(d.call(&"x".repeat(1024), ms(10), ok).is_ok());
     let err = d.call("k", Duration::ZERO, ok).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument { what: "delay", .. }));
-    assert!(err.to_string().contains("\"k\""), "message names the key: {err}");
+    assert!(
+        err.to_string().contains("\"k\""),
+        "message names the key: {err}"
+    );
     assert!(matches!(
         d.call("k", Duration::MAX, ok),
         Err(Error::InvalidArgument { what: "delay", .. })
     ));
     assert!(matches!(
-        d.call_with("k", ms(10), DebounceOptions::new().with_max_wait(Duration::ZERO), ok),
-        Err(Error::InvalidArgument { what: "max wait", .. })
+        d.call_with(
+            "k",
+            ms(10),
+            DebounceOptions::new().with_max_wait(Duration::ZERO),
+            ok
+        ),
+        Err(Error::InvalidArgument {
+            what: "max wait",
+            ..
+        })
     ));
     settle().await;
-    assert_eq!(rt.stats().keys, 1, "only the valid 1024-byte key is tracked");
+    assert_eq!(
+        rt.stats().keys,
+        1,
+        "only the valid 1024-byte key is tracked"
+    );
     // Another result type on a pending key is refused.
-    let _a = d.call("typed", ms(10), || async { Ok::<u8, Oops>(1) }).unwrap();
+    let _a = d
+        .call("typed", ms(10), || async { Ok::<u8, Oops>(1) })
+        .unwrap();
     assert!(matches!(
-        d.call("typed", ms(10), || async { Ok::<String, Oops>(String::new()) }),
+        d.call("typed", ms(10), || async {
+            Ok::<String, Oops>(String::new())
+        }),
         Err(Error::TypeMismatch { .. })
     ));
     advance(ms(20)).await;
@@ -321,7 +386,9 @@ async fn a_burst_costs_about_one_timer_wakeup() {
     let first = d.call("k", ms(100), || async { Ok::<_, Oops>(0) }).unwrap();
     settle().await;
     for i in 1..1000 {
-        let _ = d.call("k", ms(100), move || async move { Ok::<_, Oops>(i) }).unwrap();
+        let _ = d
+            .call("k", ms(100), move || async move { Ok::<_, Oops>(i) })
+            .unwrap();
     }
     assert_eq!(first.await.unwrap(), 999);
     assert!(d.timer_wakeups() <= 2, "wakeups: {}", d.timer_wakeups());

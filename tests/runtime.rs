@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use support::{Oops, Runs, ms, runtime};
-use throttlebeam::{Debounce, Error, Runtime, Throttle, Throttled};
+use throttlebeam::{
+    Debounce, Error, Idempotency, IdempotencyOptions, Outcome, Runtime, Throttle, Throttled,
+};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep};
 
@@ -56,7 +58,11 @@ async fn hammering_one_key_while_its_process_exits_loses_nothing() {
         covered += t.await.unwrap();
     }
     assert_eq!(covered, 2000, "every call resolved");
-    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "runs of one key never overlap");
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "runs of one key never overlap"
+    );
     let runs = runs.load(Ordering::SeqCst);
     assert!((1..=2000).contains(&runs), "runs: {runs}");
     // Let the last process exit on idle.
@@ -89,8 +95,14 @@ async fn ten_thousand_panics_leave_nothing_tracked_and_the_runtime_serving() {
         assert!(matches!(call.await, Err(Error::Panicked { .. })));
     }
     let stats = rt.stats();
-    assert_eq!((stats.keys, stats.processes, stats.timers), (0, 0, 0), "{stats:?}");
-    let ok = d.call("after", ms(10), || async { Ok::<_, Oops>(7) }).unwrap();
+    assert_eq!(
+        (stats.keys, stats.processes, stats.timers),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+    let ok = d
+        .call("after", ms(10), || async { Ok::<_, Oops>(7) })
+        .unwrap();
     assert_eq!(ok.await.unwrap(), 7);
     let t = rt.throttler();
     for i in 0..1000 {
@@ -109,7 +121,11 @@ async fn ten_thousand_panics_leave_nothing_tracked_and_the_runtime_serving() {
 
 #[tokio::test(start_paused = true)]
 async fn a_hundred_thousand_idle_keys_leave_nothing_behind() {
-    let rt = Runtime::builder().with_sweep_interval(ms(1000)).start().await.unwrap();
+    let rt = Runtime::builder()
+        .with_sweep_interval(ms(1000))
+        .start()
+        .await
+        .unwrap();
     let d = rt.debouncer();
     let t = rt.throttler();
     let runs = Runs::default();
@@ -163,11 +179,19 @@ async fn shutdown_waits_for_running_functions_without_cancelling_them() {
     sleep(ms(1)).await;
     let start = Instant::now();
     let report = rt.shutdown(ms(100)).await;
-    assert_eq!(report.still_running, 1, "deadline passed with the function running");
+    assert_eq!(
+        report.still_running, 1,
+        "deadline passed with the function running"
+    );
     assert_eq!(start.elapsed(), ms(100));
-    assert_eq!(slow.await.unwrap().unwrap(), Throttled::Executed("done"), "not cancelled");
+    assert_eq!(
+        slow.await.unwrap().unwrap(),
+        Throttled::Executed("done"),
+        "not cancelled"
+    );
     assert!(matches!(
-        t.call("other", ms(10), || async { Ok::<_, Oops>("late") }).await,
+        t.call("other", ms(10), || async { Ok::<_, Oops>("late") })
+            .await,
         Err(Error::ShutDown { .. })
     ));
     assert!(rt.is_shut_down());
@@ -178,6 +202,8 @@ async fn shutdown_waits_for_running_functions_without_cancelling_them() {
 struct Host {
     events: mpsc::UnboundedSender<String>,
 }
+
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
 
 impl Actor for Host {
     type Msg = ();
@@ -211,8 +237,13 @@ impl Actor for Host {
 async fn embedded_under_a_host_supervisor() {
     let (tx, mut events) = mpsc::unbounded_channel();
     let (host, host_join) = Actor::spawn(None, Host { events: tx }, ()).await.unwrap();
-    let rt = Runtime::builder().start_linked(host.get_cell()).await.unwrap();
-    let started = tokio::time::timeout(Duration::from_secs(5), events.recv()).await.unwrap();
+    let rt = Runtime::builder()
+        .start_linked(host.get_cell())
+        .await
+        .unwrap();
+    let started = tokio::time::timeout(Duration::from_secs(5), events.recv())
+        .await
+        .unwrap();
     assert_eq!(started.as_deref(), Some("started"));
 
     // A crash inside a key stays inside the key.
@@ -227,8 +258,16 @@ async fn embedded_under_a_host_supervisor() {
         .unwrap();
     assert!(matches!(crash.await, Err(Error::Panicked { .. })));
     let t = rt.throttler();
-    assert!(t.call("k", ms(1), || async { Ok::<_, Oops>(()) }).await.is_ok());
-    assert_eq!(events.try_recv().ok(), None, "the host heard nothing of the key's crash");
+    assert!(
+        t.call("k", ms(1), || async { Ok::<_, Oops>(()) })
+            .await
+            .is_ok()
+    );
+    assert_eq!(
+        events.try_recv().ok(),
+        None,
+        "the host heard nothing of the key's crash"
+    );
 
     // The runtime's own exit reaches the host.
     rt.shutdown(ms(100)).await;
@@ -245,8 +284,13 @@ async fn embedded_under_a_host_supervisor() {
 async fn runtime_failure_is_reported_to_the_host() {
     let (tx, mut events) = mpsc::unbounded_channel();
     let (host, _join) = Actor::spawn(None, Host { events: tx }, ()).await.unwrap();
-    let rt = Runtime::builder().start_linked(host.get_cell()).await.unwrap();
-    let started = tokio::time::timeout(Duration::from_secs(5), events.recv()).await.unwrap();
+    let rt = Runtime::builder()
+        .start_linked(host.get_cell())
+        .await
+        .unwrap();
+    let started = tokio::time::timeout(Duration::from_secs(5), events.recv())
+        .await
+        .unwrap();
     assert_eq!(started.as_deref(), Some("started"));
     rt.root_actor().kill();
     let event = tokio::time::timeout(Duration::from_secs(5), events.recv())
@@ -274,6 +318,26 @@ async fn the_default_runtime_needs_no_setup() {
     .unwrap();
     assert_eq!(debounced.await.unwrap(), "ran");
     assert!(!Debounce::is_pending("global:debounce").unwrap());
+    let runs = Runs::default();
+    for expect_fresh in [true, false] {
+        let r = runs.clone();
+        let outcome = Idempotency::run(
+            "global:idem",
+            move || async move { Ok::<_, Oops>(r.hit()) },
+            IdempotencyOptions::new(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(outcome.is_fresh(), expect_fresh);
+        assert_eq!(
+            outcome,
+            if expect_fresh {
+                Outcome::Fresh(1)
+            } else {
+                Outcome::Replay(1)
+            }
+        );
+    }
 }
 
 #[tokio::test]

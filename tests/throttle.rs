@@ -46,7 +46,11 @@ async fn t2_window_reopens_after_the_interval() {
         }
     );
     sleep(ms(50)).await;
-    assert_eq!(call(100).await.unwrap(), Throttled::Executed(100), "now == window end executes");
+    assert_eq!(
+        call(100).await.unwrap(),
+        Throttled::Executed(100),
+        "now == window end executes"
+    );
     sleep(ms(50)).await;
     assert!(call(150).await.unwrap().is_throttled());
 }
@@ -66,7 +70,10 @@ async fn t3_throttled_callers_do_not_wait_for_a_slow_function() {
     tokio::task::yield_now().await;
     sleep(ms(1)).await;
     let before = Instant::now();
-    let outcome = t.call("k", ms(100), || async { Ok::<_, Oops>("fast") }).await.unwrap();
+    let outcome = t
+        .call("k", ms(100), || async { Ok::<_, Oops>("fast") })
+        .await
+        .unwrap();
     assert_eq!(before.elapsed(), Duration::ZERO, "returned at once");
     assert!(outcome.is_throttled());
     assert_eq!(slow.await.unwrap().unwrap(), Throttled::Executed("slow"));
@@ -87,10 +94,23 @@ async fn t4_window_starts_when_the_call_starts_and_retry_after_counts_down() {
         .unwrap();
     assert_eq!(first, Throttled::Executed(()));
     assert_eq!(start.elapsed(), ms(80));
-    let second = t.call("k", ms(100), || async { Ok::<_, Oops>(()) }).await.unwrap();
-    assert_eq!(second, Throttled::Throttled { retry_after: ms(20) });
+    let second = t
+        .call("k", ms(100), || async { Ok::<_, Oops>(()) })
+        .await
+        .unwrap();
+    assert_eq!(
+        second,
+        Throttled::Throttled {
+            retry_after: ms(20)
+        }
+    );
     sleep(ms(20)).await;
-    assert!(!t.call("k", ms(100), || async { Ok::<_, Oops>(()) }).await.unwrap().is_throttled());
+    assert!(
+        !t.call("k", ms(100), || async { Ok::<_, Oops>(()) })
+            .await
+            .unwrap()
+            .is_throttled()
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -102,8 +122,16 @@ async fn t5_errors_and_panics_reach_the_caller_and_the_window_still_opens() {
         .await
         .unwrap_err();
     assert!(matches!(&err, Error::Failed { key, .. } if key == "e"));
-    assert_eq!(std::error::Error::source(&err).unwrap().to_string(), "oops: nope");
-    assert!(t.call("e", ms(100), || async { Ok::<_, Oops>(1) }).await.unwrap().is_throttled());
+    assert_eq!(
+        std::error::Error::source(&err).unwrap().to_string(),
+        "oops: nope"
+    );
+    assert!(
+        t.call("e", ms(100), || async { Ok::<_, Oops>(1) })
+            .await
+            .unwrap()
+            .is_throttled()
+    );
 
     let err = t
         .call("p", ms(100), || async {
@@ -114,8 +142,15 @@ async fn t5_errors_and_panics_reach_the_caller_and_the_window_still_opens() {
         })
         .await
         .unwrap_err();
-    assert!(matches!(&err, Error::Panicked { key, message } if key == "p" && message == "bad state"));
-    assert!(t.call("p", ms(100), || async { Ok::<_, Oops>(1) }).await.unwrap().is_throttled());
+    assert!(
+        matches!(&err, Error::Panicked { key, message } if key == "p" && message == "bad state")
+    );
+    assert!(
+        t.call("p", ms(100), || async { Ok::<_, Oops>(1) })
+            .await
+            .unwrap()
+            .is_throttled()
+    );
     assert_eq!(rt.stats().processes, 0);
 }
 
@@ -141,15 +176,27 @@ async fn bad_input_is_a_typed_error() {
     let rt = runtime().await;
     let t = rt.throttler();
     let ok = || async { Ok::<_, Oops>(()) };
-    assert!(matches!(t.call("", ms(10), ok).await, Err(Error::InvalidKey { .. })));
-    assert!(matches!(t.call(&"k".repeat(2000), ms(10), ok).await, Err(Error::InvalidKey { .. })));
+    assert!(matches!(
+        t.call("", ms(10), ok).await,
+        Err(Error::InvalidKey { .. })
+    ));
+    assert!(matches!(
+        t.call(&"k".repeat(2000), ms(10), ok).await,
+        Err(Error::InvalidKey { .. })
+    ));
     assert!(matches!(
         t.call("k", Duration::ZERO, ok).await,
-        Err(Error::InvalidArgument { what: "interval", .. })
+        Err(Error::InvalidArgument {
+            what: "interval",
+            ..
+        })
     ));
     assert!(matches!(
         t.call("k", Duration::from_secs(u64::MAX), ok).await,
-        Err(Error::InvalidArgument { what: "interval", .. })
+        Err(Error::InvalidArgument {
+            what: "interval",
+            ..
+        })
     ));
     assert_eq!(rt.stats().keys, 0);
 }
@@ -164,11 +211,18 @@ async fn open_windows_are_swept_and_cost_no_process() {
     let t = rt.throttler();
     for i in 0..100 {
         let key = format!("k{i}");
-        t.call(&key, ms(500), || async { Ok::<_, Oops>(()) }).await.unwrap();
+        let outcome = t
+            .call(&key, ms(500), || async { Ok::<_, Oops>(()) })
+            .await
+            .unwrap();
+        assert!(!outcome.is_throttled());
     }
     let stats = rt.stats();
     assert_eq!(stats.keys, 100);
-    assert_eq!(stats.processes, 0, "an open window with nothing running is not a process");
+    assert_eq!(
+        stats.processes, 0,
+        "an open window with nothing running is not a process"
+    );
     assert_eq!(stats.timers, 1, "only the sweeper tick");
     sleep(ms(1001)).await;
     assert_eq!(rt.stats().keys, 0);
@@ -177,18 +231,25 @@ async fn open_windows_are_swept_and_cost_no_process() {
 
 #[tokio::test(start_paused = true)]
 async fn key_cap_is_enforced_with_a_clear_error() {
-    let rt = throttlebeam::Runtime::builder().with_max_keys(2).start().await.unwrap();
+    let rt = throttlebeam::Runtime::builder()
+        .with_max_keys(2)
+        .start()
+        .await
+        .unwrap();
     let t = rt.throttler();
     let ok = || async { Ok::<_, Oops>(()) };
-    t.call("a", ms(100), ok).await.unwrap();
-    t.call("b", ms(100), ok).await.unwrap();
+    assert!(!t.call("a", ms(100), ok).await.unwrap().is_throttled());
+    assert!(!t.call("b", ms(100), ok).await.unwrap().is_throttled());
     let err = t.call("c", ms(100), ok).await.unwrap_err();
     assert!(matches!(&err, Error::TooManyKeys { key, cap: 2 } if key == "c"));
     assert!(err.to_string().contains("cap 2"));
     // Existing keys keep working.
     assert!(t.call("a", ms(100), ok).await.unwrap().is_throttled());
     assert!(matches!(
-        throttlebeam::Runtime::builder().with_max_keys(0).start().await,
+        throttlebeam::Runtime::builder()
+            .with_max_keys(0)
+            .start()
+            .await,
         Err(Error::InvalidConfig { .. })
     ));
 }

@@ -64,13 +64,18 @@ pub enum SlotEntry<'a, K, S> {
     Vacant(VacantSlot<'a, K, S>),
 }
 
-/// A key that is not tracked, locked until this value drops.
+/// A key that is not tracked, its shard locked until this value drops.
+///
+/// Dropping it without [`VacantSlot::insert`] tracks nothing.
 pub struct VacantSlot<'a, K, S> {
     entry: dashmap::mapref::entry::VacantEntry<'a, K, Slot<S>>,
     shared: &'a Shared,
 }
 
-/// A slot held under its shard lock.
+/// A freshly inserted slot, held under its shard lock until dropped.
+///
+/// Read and write the slot through `Deref`/`DerefMut`. Drop it before any
+/// `.await`: other keys of its shard wait while it lives.
 pub struct SlotGuard<'a, K, S> {
     inner: dashmap::mapref::one::RefMut<'a, K, Slot<S>>,
 }
@@ -90,10 +95,12 @@ impl<K: Eq + Hash, S> DerefMut for SlotGuard<'_, K, S> {
 
 impl<'a, K: Eq + Hash + Clone, S> VacantSlot<'a, K, S> {
     /// Starts tracking the key with `state`, stamping a fresh generation.
+    /// Wakes the registry's sweeper, if any, when this is its first key.
     ///
     /// # Errors
     ///
-    /// [`CapacityError`] when the runtime already tracks its cap of keys.
+    /// [`CapacityError`] when the [`Counters`] shared by this registry
+    /// already count its cap of keys; nothing is inserted.
     pub fn insert(self, state: S) -> Result<SlotGuard<'a, K, S>, CapacityError> {
         if !self.shared.counters.key_added(self.shared.cap) {
             return Err(CapacityError {
@@ -128,7 +135,12 @@ struct Shared {
 /// A concurrent map from key to [`Slot`], one per runtime instance.
 ///
 /// Never a process-global name table: two registries never see each other's
-/// keys. Keys count against a cap shared through [`Counters`].
+/// keys. Keys count against a cap shared through [`Counters`], so every
+/// registry of one instance draws from the same budget.
+///
+/// Every operation is synchronous and runs under one shard lock. Closures
+/// passed to it run under that lock: keep them short, and never touch the
+/// same registry from inside one (that can deadlock on the shard).
 ///
 /// # Examples
 ///
@@ -155,7 +167,7 @@ pub struct Registry<K, S> {
 
 impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     /// Creates an empty registry counting its keys in `counters`, refusing
-    /// new keys once `counters` holds `cap` keys.
+    /// new keys once `counters` counts `cap` keys (`usize::MAX`: no cap).
     #[must_use]
     pub fn new(counters: Arc<Counters>, cap: usize) -> Self {
         Self {
@@ -172,6 +184,10 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
 
     /// Like [`Registry::new`], and kicks `sweeper` whenever the registry goes
     /// from empty to holding a key, for registries whose slots expire.
+    ///
+    /// The registry does not sweep itself: wrap it in a type implementing
+    /// [`crate::Sweep`] (typically with [`Registry::retain`]) and register
+    /// that with the sweeper.
     #[must_use]
     pub fn with_sweeper(counters: Arc<Counters>, cap: usize, sweeper: &Sweeper) -> Self {
         let mut registry = Self::new(counters, cap);
@@ -179,7 +195,7 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         registry
     }
 
-    /// Keys tracked by this registry.
+    /// Keys tracked by this registry (see the crate's consistency model).
     pub fn len(&self) -> usize {
         self.shared.len.load(Ordering::Acquire)
     }
@@ -190,9 +206,32 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     }
 
     /// Runs `f` on the key's slot under its shard lock, race-free: either the
-    /// live slot or a vacancy that `f` may fill.
+    /// live slot or a vacancy that `f` alone may fill. This is
+    /// lookup-or-start: of many concurrent callers for a missing key, exactly
+    /// one sees it vacant.
     ///
-    /// The owned key is built from `key` only when the key is missing.
+    /// A hit costs one lookup and no allocation; the owned key is built from
+    /// `key` only when the key is missing.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use throttlebeam_supervisors::{Counters, Registry, SlotEntry};
+    ///
+    /// let registry = Registry::<String, u32>::new(Arc::new(Counters::new()), usize::MAX);
+    /// let calls = || {
+    ///     registry.update("k", |slot| match slot {
+    ///         SlotEntry::Occupied(slot) => {
+    ///             slot.state += 1;
+    ///             slot.state
+    ///         }
+    ///         SlotEntry::Vacant(vacant) => vacant.insert(1).map_or(0, |slot| slot.state),
+    ///     })
+    /// };
+    /// assert_eq!(calls(), 1);
+    /// assert_eq!(calls(), 2);
+    /// ```
     pub fn update<Q, R>(&self, key: &Q, f: impl FnOnce(SlotEntry<'_, K, S>) -> R) -> R
     where
         K: Borrow<Q>,
@@ -211,6 +250,16 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         }
     }
 
+    /// Reads the key's live slot under a shared lock, if any. The cheapest
+    /// lookup: concurrent readers of one shard do not exclude each other.
+    pub fn read<Q, R>(&self, key: &Q, f: impl FnOnce(&Slot<S>) -> R) -> Option<R>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.map.get(key).map(|slot| f(&slot))
+    }
+
     /// Runs `f` on the key's live slot, if any, without creating one.
     pub fn with_slot<Q, R>(&self, key: &Q, f: impl FnOnce(&mut Slot<S>) -> R) -> Option<R>
     where
@@ -224,7 +273,8 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     /// `generation` and `pred` holds, returning its state.
     ///
     /// A process exiting on idle calls this; if it fails, a caller arrived
-    /// and the process must stay.
+    /// (or the slot was replaced) and the process must stay or leave
+    /// without touching the slot.
     pub fn remove_if<Q>(
         &self,
         key: &Q,
@@ -242,19 +292,44 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         Some(slot.state)
     }
 
-    /// Keeps only the slots for which `keep` returns true.
+    /// Keeps only the slots for which `keep` returns true; returns the keys
+    /// left. Counts stay exact even if `keep` panics.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use throttlebeam_supervisors::{Counters, Registry, SlotEntry};
+    ///
+    /// let counters = Arc::new(Counters::new());
+    /// let registry = Registry::<u32, u32>::new(counters.clone(), usize::MAX);
+    /// for key in 0..4 {
+    ///     registry.update(&key, |slot| {
+    ///         if let SlotEntry::Vacant(vacant) = slot {
+    ///             vacant.insert(key * 10).unwrap();
+    ///         }
+    ///     });
+    /// }
+    /// assert_eq!(registry.retain(|_, state| *state >= 20), 2);
+    /// assert_eq!(counters.keys(), 2);
+    /// ```
     pub fn retain(&self, mut keep: impl FnMut(&K, &mut S) -> bool) -> usize {
-        let mut removed = 0;
+        // Counts what was removed even if `keep` panics halfway.
+        let mut removed = Forget {
+            registry: self,
+            n: 0,
+        };
         self.map.retain(|key, slot| {
             let kept = keep(key, &mut slot.state);
-            removed += usize::from(!kept);
+            removed.n += usize::from(!kept);
             kept
         });
-        self.forget(removed);
+        drop(removed);
         self.len()
     }
 
-    /// Removes every slot, returning their states.
+    /// Removes every slot, returning keys and states. A key inserted while
+    /// the drain runs may stay.
     pub fn drain(&self) -> Vec<(K, S)> {
         let keys: Vec<K> = self.map.iter().map(|e| e.key().clone()).collect();
         let mut out = Vec::with_capacity(keys.len());
@@ -266,12 +341,36 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         }
         out
     }
+}
 
+impl<K, S> Registry<K, S> {
     fn forget(&self, n: usize) {
         if n > 0 {
             self.shared.len.fetch_sub(n, Ordering::AcqRel);
             self.shared.counters.keys_removed(n);
         }
+    }
+}
+
+impl<K, S> Drop for Registry<K, S> {
+    fn drop(&mut self) {
+        // Keys of a dropped registry must not keep holding the shared cap.
+        let n = *self.shared.len.get_mut();
+        if n > 0 {
+            self.shared.counters.keys_removed(n);
+        }
+    }
+}
+
+/// Forgets `n` removed slots when dropped, on every exit path.
+struct Forget<'a, K, S> {
+    registry: &'a Registry<K, S>,
+    n: usize,
+}
+
+impl<K, S> Drop for Forget<'_, K, S> {
+    fn drop(&mut self) {
+        self.registry.forget(self.n);
     }
 }
 

@@ -4,9 +4,24 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Live counters of one runtime instance.
 ///
-/// Registries, supervisors, timers and TTL tables of one instance share one
-/// `Counters` (behind an `Arc`), so a host reads a consistent picture with
-/// [`Counters::snapshot`].
+/// Registries, timers and TTL tables of one instance share one `Counters`
+/// (behind an `Arc`), so a host reads one picture of the whole instance
+/// ([`crate::Tree::snapshot`] adds the live processes). The key count is
+/// also the budget that [`crate::Registry`] caps are checked against.
+///
+/// # Examples
+///
+/// ```
+/// use std::sync::Arc;
+/// use throttlebeam_supervisors::{Counters, TimerGuard};
+///
+/// let counters = Arc::new(Counters::new());
+/// {
+///     let _timer = TimerGuard::arm(&counters);
+///     assert_eq!(counters.timers(), 1);
+/// }
+/// assert_eq!(counters.timers(), 0);
+/// ```
 #[derive(Debug, Default)]
 pub struct Counters {
     keys: AtomicUsize,
@@ -50,12 +65,14 @@ impl Counters {
         self.ttl_entries.load(Ordering::Relaxed)
     }
 
-    /// Records a timer being armed; pair it with [`Counters::timer_disarmed`].
+    /// Records a timer being armed; pair it with exactly one
+    /// [`Counters::timer_disarmed`], or use a [`TimerGuard`].
     pub fn timer_armed(&self) {
         self.timers.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Records a timer firing or being dropped.
+    /// Records a timer firing or being dropped. Calling it more often than
+    /// [`Counters::timer_armed`] corrupts the count.
     pub fn timer_disarmed(&self) {
         self.timers.fetch_sub(1, Ordering::Relaxed);
     }
@@ -83,7 +100,8 @@ impl Counters {
 
 /// A timer counted in [`Counters`] for as long as this guard lives.
 ///
-/// Dropping it on every exit path (fire, cancel, panic) keeps the count exact.
+/// Dropping it on every exit path (fire, cancel, panic) keeps the count
+/// exact. See [`Counters`] for an example.
 #[derive(Debug)]
 pub struct TimerGuard<'a>(&'a Counters);
 

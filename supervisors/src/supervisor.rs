@@ -2,9 +2,9 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 
-use ractor::ActorRef;
+use ractor::{ActorRef, MessagingErr};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -74,6 +74,31 @@ struct ChildGuard {
     index: usize,
 }
 
+impl ChildGuard {
+    /// Hands a child's panic to its partition actor, or logs it when the
+    /// actor is down, so no panic goes unreported.
+    fn report(&self, panic: Panic) {
+        let partition = &self.inner.partitions[self.index];
+        let actor = partition
+            .actor
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let unsent = match actor {
+            Some(actor) => match actor.cast(PartitionMsg::ChildPanicked(panic)) {
+                Ok(()) => return,
+                Err(MessagingErr::SendErr(PartitionMsg::ChildPanicked(panic))) => Some(panic),
+                Err(_) => None,
+            },
+            None => Some(panic),
+        };
+        match unsent {
+            Some(panic) => tracing::error!(%panic, "per-key process panicked"),
+            None => tracing::error!("per-key process panicked"),
+        }
+    }
+}
+
 impl Drop for ChildGuard {
     fn drop(&mut self) {
         let partition = &self.inner.partitions[self.index];
@@ -85,6 +110,9 @@ impl Drop for ChildGuard {
 
 impl Supervisor {
     /// Creates a supervisor with `partitions` partitions (at least one).
+    ///
+    /// Without a [`crate::Tree`] no partition actor is attached, and a
+    /// child's panic is only logged.
     #[must_use]
     pub fn new(partitions: usize) -> Self {
         let partitions = (0..partitions.max(1))
@@ -105,7 +133,11 @@ impl Supervisor {
     }
 
     /// Starts `process` as a temporary child in the partition chosen by
-    /// `route` (a hash of its key).
+    /// `route` (a hash of its key), on the current tokio runtime.
+    ///
+    /// The child is counted in [`Supervisor::live`] from this call until it
+    /// returns, panics or is dropped. A panic is caught, reported to the
+    /// partition and goes no further.
     ///
     /// # Errors
     ///
@@ -131,20 +163,13 @@ impl Supervisor {
         handle.spawn(async move {
             let guard = guard;
             if let Err(panic) = catch_panic(process).await {
-                let partition = &guard.inner.partitions[guard.index];
-                let actor = partition.actor.read().ok().and_then(|a| a.clone());
-                match actor {
-                    Some(actor) => {
-                        let _ = actor.cast(PartitionMsg::ChildPanicked(panic));
-                    }
-                    None => tracing::error!(%panic, "per-key process panicked"),
-                }
+                guard.report(panic);
             }
         });
         Ok(())
     }
 
-    /// Processes alive now, over all partitions.
+    /// Children alive now, over all partitions.
     #[must_use]
     pub fn live(&self) -> usize {
         self.inner
@@ -163,6 +188,11 @@ impl Supervisor {
     /// Stops accepting children and waits until every child has exited or
     /// `deadline` passes. Children are never cancelled; returns how many were
     /// still running at the deadline. Calling it again is harmless.
+    ///
+    /// # Panics
+    ///
+    /// Like any tokio timer, if children are still running and the current
+    /// runtime has no time driver (build it with `enable_time`).
     pub async fn shutdown(&self, deadline: Instant) -> usize {
         self.inner.closed.store(true, Ordering::SeqCst);
         for partition in self.inner.partitions.iter() {
@@ -183,9 +213,13 @@ impl Supervisor {
 
     pub(crate) fn attach(&self, index: usize, actor: Option<ActorRef<PartitionMsg>>) {
         if let Some(partition) = self.inner.partitions.get(index) {
-            if let Ok(mut slot) = partition.actor.write() {
-                *slot = actor;
-            }
+            *partition
+                .actor
+                .write()
+                .unwrap_or_else(PoisonError::into_inner) = actor;
         }
     }
 }
+
+#[cfg(feature = "cluster")]
+impl ractor::Message for PartitionMsg {}

@@ -9,15 +9,29 @@ use tokio::time::Instant;
 
 use crate::stats::{Counters, Snapshot};
 use crate::supervisor::{PartitionMsg, Supervisor};
-use crate::sweeper::{SweepMsg, Sweeper};
+use crate::sweeper::Sweeper;
 
 /// How a [`Tree`] is built.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use throttlebeam_supervisors::TreeConfig;
+///
+/// let config = TreeConfig::default()
+///     .with_partitions(4)
+///     .with_sweep_interval(Duration::from_secs(30))
+///     .with_restart_intensity(5, Duration::from_secs(10));
+/// assert_eq!(config.partitions, 4);
+/// ```
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct TreeConfig {
-    /// Partitions of the per-key supervisor (default: tokio worker threads).
+    /// Partitions of the per-key supervisor (default: worker threads of the
+    /// current tokio runtime, 1 outside one; 0 means 1).
     pub partitions: usize,
-    /// Sweep interval of the TTL sweeper (default 60 s).
+    /// Sweep interval of the TTL sweeper (default 60 s, at least 1 ms).
     pub sweep_interval: Duration,
     /// Restarts of infrastructure children tolerated within
     /// `restart_window` before the root itself fails (default 3).
@@ -41,21 +55,23 @@ impl Default for TreeConfig {
 }
 
 impl TreeConfig {
-    /// Sets the sweep interval.
+    /// Sets the sweep interval (at least 1 ms).
     #[must_use]
     pub fn with_sweep_interval(mut self, interval: Duration) -> Self {
         self.sweep_interval = interval;
         self
     }
 
-    /// Sets the number of supervisor partitions.
+    /// Sets the number of supervisor partitions (at least one).
     #[must_use]
     pub fn with_partitions(mut self, partitions: usize) -> Self {
         self.partitions = partitions.max(1);
         self
     }
 
-    /// Sets the restart intensity of infrastructure children.
+    /// Sets the restart intensity of infrastructure children: a failure
+    /// that would make more than `max_restarts` restarts within `window`
+    /// fails the root instead.
     #[must_use]
     pub fn with_restart_intensity(mut self, max_restarts: usize, window: Duration) -> Self {
         self.max_restarts = max_restarts;
@@ -64,7 +80,8 @@ impl TreeConfig {
     }
 }
 
-/// The tree could not start.
+/// The tree could not start: one of its actors failed to spawn, or the
+/// host supervisor is shutting down.
 #[derive(Debug, thiserror::Error)]
 #[error("supervision tree failed to start")]
 pub struct StartTreeError(#[source] ractor::SpawnErr);
@@ -78,6 +95,24 @@ pub struct StartTreeError(#[source] ractor::SpawnErr);
 /// supervision event. Per-key processes are not ractor actors: they are
 /// temporary tasks of the [`Supervisor`], so their crashes never reach the
 /// root or the host.
+///
+/// Cloning a `Tree` clones handles to the same running tree.
+///
+/// # Examples
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// use std::{sync::Arc, time::Duration};
+/// use throttlebeam_supervisors::{Counters, Tree, TreeConfig};
+/// use tokio::time::Instant;
+///
+/// let tree = Tree::start(TreeConfig::default(), Arc::new(Counters::new())).await?;
+/// tree.supervisor().start_child(1, async { /* a key's work */ })?;
+/// let still_running = tree.shutdown(Instant::now() + Duration::from_secs(5)).await;
+/// assert_eq!(still_running, 0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # }).unwrap();
+/// ```
 #[derive(Debug, Clone)]
 pub struct Tree {
     root: ActorRef<RootMsg>,
@@ -87,7 +122,8 @@ pub struct Tree {
 }
 
 impl Tree {
-    /// Starts an unlinked tree.
+    /// Starts an unlinked tree on the current tokio runtime (which needs its
+    /// time driver), counting in `counters`.
     ///
     /// # Errors
     ///
@@ -101,9 +137,60 @@ impl Tree {
 
     /// Starts the tree linked under a host's supervisor actor.
     ///
+    /// The host then receives supervision events for [`Tree::root`] only:
+    /// `ActorStarted`, `ActorFailed` when the restart intensity is exceeded,
+    /// and `ActorTerminated` after [`Tree::shutdown`]. Per-key failures and
+    /// infrastructure restarts stay inside the tree.
+    ///
     /// # Errors
     ///
-    /// [`StartTreeError`] when an actor fails to start.
+    /// [`StartTreeError`] when an actor fails to start or `host` is shutting
+    /// down.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// use std::sync::Arc;
+    /// use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+    /// use throttlebeam_supervisors::{Counters, Tree, TreeConfig};
+    ///
+    /// /// The host application's own supervisor.
+    /// struct Host;
+    ///
+    /// #[cfg_attr(feature = "async-trait", ractor::async_trait)]
+    /// impl Actor for Host {
+    ///     type Msg = ();
+    ///     type State = ();
+    ///     type Arguments = ();
+    ///
+    ///     async fn pre_start(&self, _: ActorRef<()>, (): ()) -> Result<(), ActorProcessingErr> {
+    ///         Ok(())
+    ///     }
+    ///
+    ///     async fn handle_supervisor_evt(
+    ///         &self,
+    ///         _: ActorRef<()>,
+    ///         event: SupervisionEvent,
+    ///         _: &mut (),
+    ///     ) -> Result<(), ActorProcessingErr> {
+    ///         if let SupervisionEvent::ActorFailed(_, why) = event {
+    ///             eprintln!("throttling runtime failed: {why}");
+    ///         }
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// let (host, _) = Actor::spawn(None, Host, ()).await?;
+    /// let tree =
+    ///     Tree::start_linked(TreeConfig::default(), Arc::new(Counters::new()), host.get_cell())
+    ///         .await?;
+    /// assert_eq!(host.get_children().len(), 1);
+    /// tree.shutdown(tokio::time::Instant::now()).await;
+    /// host.stop_and_wait(None, None).await?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
     pub async fn start_linked(
         config: TreeConfig,
         counters: Arc<Counters>,
@@ -149,13 +236,13 @@ impl Tree {
         &self.sweeper
     }
 
-    /// The counters shared by everything in this tree.
+    /// The counters this tree was started with.
     #[must_use]
     pub fn counters(&self) -> &Arc<Counters> {
         &self.counters
     }
 
-    /// A snapshot of the counters and live processes.
+    /// A snapshot of the counters plus the supervisor's live processes.
     #[must_use]
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
@@ -166,7 +253,8 @@ impl Tree {
         }
     }
 
-    /// The root actor's cell, as a host's supervisor sees it.
+    /// The root actor's cell, as a host's supervisor sees it in supervision
+    /// events.
     #[must_use]
     pub fn root(&self) -> ActorCell {
         self.root.get_cell()
@@ -175,7 +263,12 @@ impl Tree {
     /// Shuts down: stops accepting per-key processes, waits for them until
     /// `deadline`, then stops the root and its children. Returns the number
     /// of per-key processes still running at the deadline (never cancelled).
-    /// Calling it twice is harmless.
+    /// Calling it twice, or after the root failed, is harmless.
+    ///
+    /// # Panics
+    ///
+    /// As [`Supervisor::shutdown`]: without a tokio time driver while
+    /// processes are still running.
     pub async fn shutdown(&self, deadline: Instant) -> usize {
         let left = self.supervisor.shutdown(deadline).await;
         let _ = self
@@ -207,6 +300,13 @@ struct RootState {
 }
 
 impl Root {
+    fn detach_all(&self) {
+        self.sweeper.attach(None);
+        for index in 0..self.supervisor.partitions() {
+            self.supervisor.attach(index, None);
+        }
+    }
+
     async fn start_child(
         &self,
         myself: &ActorRef<RootMsg>,
@@ -231,6 +331,8 @@ impl Root {
         Ok(id)
     }
 }
+
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
 
 impl Actor for Root {
     type Msg = RootMsg;
@@ -299,6 +401,9 @@ impl Actor for Root {
             state.restarts.pop_front();
         }
         if state.restarts.len() >= self.config.max_restarts {
+            // A failing actor gets no post_stop: detach here, so handles stop
+            // sending to actors that ractor is about to kill.
+            self.detach_all();
             return Err(format!("restart intensity exceeded; last child exit: {why}").into());
         }
         state.restarts.push_back(now);
@@ -313,10 +418,7 @@ impl Actor for Root {
         myself: ActorRef<RootMsg>,
         _state: &mut RootState,
     ) -> Result<(), ActorProcessingErr> {
-        self.sweeper.attach(None);
-        for index in 0..self.supervisor.partitions() {
-            self.supervisor.attach(index, None);
-        }
+        self.detach_all();
         myself.stop_children_and_wait(None, None).await;
         Ok(())
     }
@@ -325,6 +427,8 @@ impl Actor for Root {
 struct PartitionActor {
     index: usize,
 }
+
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
 
 impl Actor for PartitionActor {
     type Msg = PartitionMsg;
@@ -355,5 +459,5 @@ impl Actor for PartitionActor {
     }
 }
 
-// Silence the unused-variant lint for the sweeper message type re-exported to the tree.
-const _: fn(SweepMsg) = |_| {};
+#[cfg(feature = "cluster")]
+impl ractor::Message for RootMsg {}

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use dashmap::DashMap;
+use dashmap::mapref::entry::Entry;
 use tokio::time::Instant;
 
 use crate::stats::Counters;
@@ -61,10 +62,9 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
     /// Creates an empty table registered with `sweeper`.
     #[must_use]
     pub fn with_sweeper(counters: Arc<Counters>, sweeper: &Sweeper) -> Arc<Self> {
-        let table = Arc::new(Self {
-            sweeper: Some(sweeper.clone()),
-            ..Self::new(counters)
-        });
+        let mut table = Self::new(counters);
+        table.sweeper = Some(sweeper.clone());
+        let table = Arc::new(table);
         let weak = Arc::downgrade(&table);
         sweeper.register(weak);
         table
@@ -111,19 +111,27 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
         None
     }
 
-    /// Stores `value` for `ttl`, replacing any entry for `key`.
+    /// Stores `value` for `ttl`, replacing any entry for `key` (a replaced
+    /// entry still counts once). A `ttl` too large to represent means about
+    /// thirty years.
     pub fn insert(&self, key: K, value: V, ttl: Duration) {
-        let expires_at = Instant::now() + ttl;
-        if self
-            .map
-            .insert(key, TtlEntry { value, expires_at })
-            .is_none()
-        {
-            self.counters.ttl_added();
-            if self.len.fetch_add(1, Ordering::AcqRel) == 0 {
-                if let Some(sweeper) = &self.sweeper {
-                    sweeper.kick();
-                }
+        let expires_at = expiry(Instant::now(), ttl);
+        let entry = TtlEntry { value, expires_at };
+        // Count a new entry before it becomes visible, under its shard lock,
+        // so a concurrent remove never decrements below zero.
+        let (replaced, first) = match self.map.entry(key) {
+            Entry::Occupied(mut occupied) => (Some(occupied.insert(entry)), false),
+            Entry::Vacant(vacant) => {
+                self.counters.ttl_added();
+                let first = self.len.fetch_add(1, Ordering::AcqRel) == 0;
+                vacant.insert(entry);
+                (None, first)
+            }
+        };
+        drop(replaced);
+        if first {
+            if let Some(sweeper) = &self.sweeper {
+                sweeper.kick();
             }
         }
     }
@@ -155,6 +163,24 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
             self.counters.ttl_removed(n);
         }
     }
+}
+
+impl<K, V> Drop for TtlTable<K, V> {
+    fn drop(&mut self) {
+        // Entries of a dropped table must not stay counted.
+        let n = *self.len.get_mut();
+        if n > 0 {
+            self.counters.ttl_removed(n);
+        }
+    }
+}
+
+/// `now + ttl`, capped instead of overflowing on huge TTLs.
+fn expiry(now: Instant, ttl: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
+    now.checked_add(ttl)
+        .or_else(|| now.checked_add(FAR))
+        .unwrap_or(now)
 }
 
 impl<K, V> Sweep for TtlTable<K, V>

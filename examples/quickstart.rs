@@ -1,0 +1,96 @@
+//! Run: cargo run --example quickstart
+//!
+//! The three primitives on the default in-memory runtime, with no set-up:
+//! a debounced autosave, a throttled email, and an idempotent payment.
+//! It prints what each primitive did.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use throttlebeam::{Debounce, Idempotency, IdempotencyOptions, Outcome, Throttle, Throttled};
+
+#[derive(Debug)]
+struct AppError(&'static str);
+
+impl std::fmt::Display for AppError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for AppError {}
+
+#[tokio::main]
+async fn main() -> Result<(), throttlebeam::Error> {
+    // Debounce: five keystrokes 20 ms apart, one save 100 ms after the last.
+    let saves = Arc::new(AtomicU32::new(0));
+    let mut last = None;
+    for text in ["h", "he", "hel", "hell", "hello"] {
+        let saves = Arc::clone(&saves);
+        last = Some(Debounce::call(
+            "autosave:doc-1",
+            Duration::from_millis(100),
+            move || async move {
+                saves.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, AppError>(text.to_owned())
+            },
+        )?);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if let Some(saved) = last {
+        let saved = saved.await?;
+        println!(
+            "debounce: 5 calls -> {} save(s), saved {saved:?}",
+            saves.load(Ordering::SeqCst)
+        );
+    }
+
+    // Throttle: the first call runs, the rest of the window is turned away.
+    for attempt in 1..=3 {
+        match Throttle::call(
+            "email:user-42",
+            Duration::from_secs(60),
+            move || async move { Ok::<_, AppError>(format!("email sent on attempt {attempt}")) },
+        )
+        .await?
+        {
+            Throttled::Executed(what) => println!("throttle: {what}"),
+            Throttled::Throttled { retry_after } => {
+                println!(
+                    "throttle: attempt {attempt} throttled, retry in {:.0}s",
+                    retry_after.as_secs_f64().ceil()
+                );
+            }
+        }
+    }
+
+    // Idempotency: a client retries a payment with the same key; it is charged once.
+    let charges = Arc::new(AtomicU32::new(0));
+    for attempt in 1..=2 {
+        let charges = Arc::clone(&charges);
+        let options = IdempotencyOptions::new()
+            .with_scope("tenant-7")
+            .with_fingerprint("order-1001:4999");
+        let outcome = Idempotency::run(
+            "pay:order-1001",
+            move || async move {
+                let n = charges.fetch_add(1, Ordering::SeqCst) + 1;
+                Ok::<_, AppError>(format!("charge #{n} of 49.99"))
+            },
+            options,
+        )
+        .await?;
+        match outcome {
+            Outcome::Fresh(receipt) => println!("idempotency: attempt {attempt} ran: {receipt}"),
+            Outcome::Replay(receipt) => {
+                println!("idempotency: attempt {attempt} replayed: {receipt}")
+            }
+        }
+    }
+    println!(
+        "idempotency: charged {} time(s)",
+        charges.load(Ordering::SeqCst)
+    );
+    Ok(())
+}

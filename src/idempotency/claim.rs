@@ -1,0 +1,418 @@
+//! The ledger: which keys are in flight, who holds each, and the claim
+//! protocol that keeps one execution per key.
+//!
+//! Claiming, joining, taking over, completing and releasing are each one
+//! synchronous registry update; nothing awaits under a shard lock. The
+//! order that makes it race-free:
+//!
+//! - claim: look the result up, claim the slot, look the result up again
+//!   (a completion may have landed between the two);
+//! - complete: fence (mark the claim completing if it is still ours), store
+//!   the result, compare-and-remove the slot, then wake the waiters.
+
+use std::cell::RefCell;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry};
+use tokio::time::Instant;
+
+use super::options::IdempotencyOptions;
+use super::store::{Pending, Record, ResultStore};
+use crate::cell::RunCell;
+use crate::error::{BoxError, Error};
+use crate::key::shown;
+
+/// How a claim ended, as its waiters see it.
+#[derive(Debug, Clone)]
+pub(crate) enum Settled {
+    /// Completed: replay this.
+    Done(Arc<Record>),
+    /// Released, failed, taken over or shut down: look again.
+    Released,
+}
+
+/// A key in flight: one registry slot, no process of its own.
+struct Claim {
+    /// Unique per holder; taking a key over issues a new one (fencing).
+    token: u64,
+    fingerprint: Option<Arc<str>>,
+    lease_until: Instant,
+    /// Set once the holder is storing its result; no takeover after that.
+    completing: bool,
+    cell: Arc<RunCell<Settled>>,
+}
+
+/// What one look at a key found.
+pub(crate) enum Step<T> {
+    /// A completed result.
+    Replay(T),
+    /// This caller now holds the key.
+    Owner(Ticket),
+    /// Another caller holds it: wait on `cell`, but no longer than
+    /// `lease_until` (none once the holder is completing).
+    Wait {
+        cell: Arc<RunCell<Settled>>,
+        lease_until: Option<Instant>,
+    },
+}
+
+/// What the registry update decided: claimed (taking over a lapsed holder,
+/// whose waiters must be woken) or wait.
+enum Joined<T> {
+    Claimed(Generation, Option<Arc<RunCell<Settled>>>),
+    Wait(Step<T>),
+}
+
+/// Keys in flight plus the store of completed results.
+pub(crate) struct Ledger {
+    claims: Registry<Box<str>, Claim>,
+    store: Box<dyn ResultStore>,
+    tokens: AtomicU64,
+    hasher: ahash::RandomState,
+    cap: usize,
+    closed: AtomicBool,
+}
+
+impl Ledger {
+    pub(crate) fn new(counters: Arc<Counters>, cap: usize, store: Box<dyn ResultStore>) -> Self {
+        Self {
+            claims: Registry::new(counters, cap),
+            store,
+            tokens: AtomicU64::new(1),
+            hasher: ahash::RandomState::new(),
+            cap,
+            closed: AtomicBool::new(false),
+        }
+    }
+
+    /// One look at the key: replay it, claim it, or wait for its holder.
+    pub(crate) async fn attempt<T>(
+        self: &Arc<Self>,
+        key: &str,
+        options: &IdempotencyOptions,
+        now: Instant,
+    ) -> Result<Step<T>, Error>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        let lookup = with_full_key(options.scope(), key, |full| self.store.get(full, now));
+        let round_trip = matches!(lookup, Pending::Later(_));
+        let found = lookup.resolve().await.map_err(|e| unavailable(key, e))?;
+        if let Some(record) = found {
+            return replay(&record, key, options.fingerprint()).map(Step::Replay);
+        }
+        // A round trip took time: claim with a fresh clock.
+        let now = if round_trip { Instant::now() } else { now };
+        let ticket = match with_full_key(options.scope(), key, |full| {
+            self.join(full, key, options, now)
+        })? {
+            Step::Owner(ticket) => ticket,
+            other => return Ok(other),
+        };
+        // An early return from here drops the ticket, which releases the key.
+        let found = self
+            .store
+            .get(&ticket.full, Instant::now())
+            .resolve()
+            .await
+            .map_err(|e| unavailable(key, e))?;
+        match found {
+            Some(record) => replay(&record, key, options.fingerprint()).map(Step::Replay),
+            None => Ok(Step::Owner(ticket)),
+        }
+    }
+
+    /// Claims a free or lapsed key, or joins the live claim on it.
+    fn join<T>(
+        self: &Arc<Self>,
+        full: &str,
+        key: &str,
+        options: &IdempotencyOptions,
+        now: Instant,
+    ) -> Result<Step<T>, Error> {
+        let fingerprint = options.fingerprint_shared();
+        let token = self.tokens.fetch_add(1, Ordering::Relaxed);
+        let cell = RunCell::new();
+        let fresh = Claim {
+            token,
+            fingerprint: fingerprint.clone(),
+            lease_until: now + options.lease(),
+            completing: false,
+            cell: Arc::clone(&cell),
+        };
+        let joined = self.claims.update(full, |slot| match slot {
+            SlotEntry::Occupied(slot) => {
+                let generation = slot.generation();
+                let claim = &mut slot.state;
+                if claim.completing || claim.lease_until > now {
+                    if claim.fingerprint != fingerprint {
+                        return Err(Error::FingerprintMismatch { key: shown(key) });
+                    }
+                    return Ok(Joined::Wait(Step::Wait {
+                        cell: Arc::clone(&claim.cell),
+                        lease_until: (!claim.completing).then_some(claim.lease_until),
+                    }));
+                }
+                // The lease lapsed: its holder is presumed gone, whatever it was doing.
+                let old = std::mem::replace(claim, fresh);
+                Ok(Joined::Claimed(generation, Some(old.cell)))
+            }
+            SlotEntry::Vacant(vacant) => match vacant.insert(fresh) {
+                Ok(slot) => Ok(Joined::Claimed(slot.generation(), None)),
+                Err(_) => Err(Error::TooManyKeys {
+                    key: shown(key),
+                    cap: self.cap,
+                }),
+            },
+        })?;
+        let (generation, superseded) = match joined {
+            Joined::Claimed(generation, superseded) => (generation, superseded),
+            Joined::Wait(wait) => return Ok(wait),
+        };
+        if let Some(old) = superseded {
+            tracing::debug!(key = %shown(key), "idempotency lease lapsed; key taken over");
+            // Wakes the old holder's waiters; they will find the new claim.
+            old.set(Ok(Settled::Released));
+        }
+        Ok(Step::Owner(Ticket {
+            ledger: Arc::clone(self),
+            full: full.into(),
+            key: shown(key).into(),
+            generation,
+            token,
+            fingerprint,
+            ttl: options.ttl(),
+            cell,
+            held: true,
+        }))
+    }
+
+    /// Stops storing results, wakes every waiter (they see the shutdown
+    /// when they look again) and drops the results this instance holds.
+    pub(crate) fn shutdown(&self) {
+        self.closed.store(true, Ordering::Release);
+        let mut cells = Vec::new();
+        self.claims.retain(|_, claim| {
+            cells.push(Arc::clone(&claim.cell));
+            true
+        });
+        for cell in cells {
+            cell.set(Ok(Settled::Released));
+        }
+        self.store.close();
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+}
+
+/// The right to complete or release one claim; releases it when dropped.
+///
+/// Held by the per-key process of a run, or inside a [`super::Reservation`].
+pub(crate) struct Ticket {
+    ledger: Arc<Ledger>,
+    /// The scoped key the ledger knows.
+    full: Box<str>,
+    /// The caller's key, shortened for errors.
+    key: Box<str>,
+    generation: Generation,
+    token: u64,
+    fingerprint: Option<Arc<str>>,
+    ttl: Duration,
+    cell: Arc<RunCell<Settled>>,
+    held: bool,
+}
+
+impl Ticket {
+    /// The caller's key, shortened for messages.
+    pub(crate) fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Which supervisor partition runs this key's process.
+    pub(crate) fn route(&self) -> u64 {
+        self.ledger.hasher.hash_one(&*self.full)
+    }
+
+    /// Stores `value` as the key's result and wakes the waiters.
+    ///
+    /// Fails with [`Error::LeaseLost`] if another caller took the key over
+    /// (nothing is stored), [`Error::ShutDown`] after the runtime shut down
+    /// (nothing is stored, the key is released), and
+    /// [`Error::StoreUnavailable`] if the store refused it (released too).
+    pub(crate) async fn complete<T>(mut self, value: T) -> Result<(), Error>
+    where
+        T: Serialize + Send + Sync + 'static,
+    {
+        let ledger = Arc::clone(&self.ledger);
+        let (generation, token) = (self.generation, self.token);
+        let ours = ledger
+            .claims
+            .with_slot(&*self.full, |slot| {
+                let ours = slot.generation() == generation && slot.state.token == token;
+                if ours {
+                    slot.state.completing = true;
+                }
+                ours
+            })
+            .unwrap_or(false);
+        if !ours {
+            // Not ours to release either: the slot belongs to the new holder.
+            self.held = false;
+            tracing::debug!(key = %self.key, "idempotency completion rejected: lease lost");
+            return Err(Error::LeaseLost {
+                key: self.key.to_string(),
+            });
+        }
+        if ledger.is_closed() {
+            self.release_now();
+            return Err(Error::ShutDown {
+                key: self.key.to_string(),
+            });
+        }
+        let record = match Record::new(ledger.store.form(), self.fingerprint.clone(), value) {
+            Ok(record) => Arc::new(record),
+            Err(e) => {
+                self.release_now();
+                return Err(unavailable(&self.key, Arc::new(e)));
+            }
+        };
+        let put = ledger
+            .store
+            .put(&self.full, Arc::clone(&record), self.ttl)
+            .resolve()
+            .await;
+        if let Err(e) = put {
+            self.release_now();
+            return Err(unavailable(&self.key, e));
+        }
+        if ledger.is_closed() {
+            // Shutdown cleared the store while we were putting.
+            ledger.store.close();
+        }
+        ledger
+            .claims
+            .remove_if(&*self.full, generation, |claim| claim.token == token);
+        self.held = false;
+        self.cell.set(Ok(Settled::Done(record)));
+        Ok(())
+    }
+
+    /// Gives the key up so the next caller (or a waiting one) runs.
+    pub(crate) fn release(mut self) {
+        self.release_now();
+    }
+
+    fn release_now(&mut self) {
+        if !std::mem::replace(&mut self.held, false) {
+            return;
+        }
+        let token = self.token;
+        self.ledger
+            .claims
+            .remove_if(&*self.full, self.generation, |claim| claim.token == token);
+        self.cell.set(Ok(Settled::Released));
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.release_now();
+    }
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket")
+            .field("key", &self.key)
+            .field("token", &self.token)
+            .field("held", &self.held)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The record's value for this caller, if the fingerprints agree.
+pub(crate) fn replay<T>(record: &Record, key: &str, fingerprint: Option<&str>) -> Result<T, Error>
+where
+    T: DeserializeOwned + Clone + 'static,
+{
+    if record.fingerprint() != fingerprint {
+        return Err(Error::FingerprintMismatch { key: shown(key) });
+    }
+    record
+        .value()
+        .ok_or_else(|| Error::TypeMismatch { key: shown(key) })
+}
+
+fn unavailable(key: &str, source: BoxError) -> Error {
+    Error::StoreUnavailable {
+        key: shown(key),
+        source,
+    }
+}
+
+/// Runs `f` on the scoped form of `key`, built in a reused per-thread
+/// buffer so the replay path allocates nothing.
+///
+/// The form is `-key` without a scope and `<len>:<scope>key` with one:
+/// the first byte tells them apart and the length says where the scope
+/// ends, so no two (scope, key) pairs share a form.
+pub(crate) fn with_full_key<R>(scope: Option<&str>, key: &str, f: impl FnOnce(&str) -> R) -> R {
+    thread_local! {
+        static BUFFER: RefCell<String> = const { RefCell::new(String::new()) };
+    }
+    fn encode(buffer: &mut String, scope: Option<&str>, key: &str) {
+        buffer.clear();
+        match scope {
+            None => buffer.push('-'),
+            Some(scope) => {
+                let _ = write!(buffer, "{}:", scope.len());
+                buffer.push_str(scope);
+            }
+        }
+        buffer.push_str(key);
+    }
+    // `with` only fails inside another thread-local's destructor, which never calls us.
+    BUFFER.with(|buffer| match buffer.try_borrow_mut() {
+        Ok(mut buffer) => {
+            encode(&mut buffer, scope, key);
+            f(&buffer)
+        }
+        Err(_) => {
+            let mut own = String::new();
+            encode(&mut own, scope, key);
+            f(&own)
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_full_key;
+
+    #[test]
+    fn full_keys_never_collide_across_scopes() {
+        let forms: Vec<String> = [
+            (None, "1:ab"),
+            (Some("a"), "b"),
+            (Some("ab"), ""),
+            (Some("1:a"), "b"),
+            (None, "-x"),
+        ]
+        .iter()
+        .map(|(scope, key)| with_full_key(*scope, key, str::to_owned))
+        .collect();
+        let mut unique = forms.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), forms.len(), "{forms:?}");
+        assert_eq!(forms[1], "1:ab");
+        assert_eq!(forms[0], "-1:ab");
+    }
+}

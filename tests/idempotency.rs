@@ -1,0 +1,881 @@
+//! Idempotency behaviour (SCENARIOS I1–I10), bad input, shutdown and leaks,
+//! all on paused time.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use throttlebeam::{
+    Deduplicator, Error, IdempotencyOptions, MAX_KEY_LEN, MAX_TIMER, Outcome, Reserved, Runtime,
+};
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep};
+
+type Op<T> = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = io::Result<T>> + Send>> + Send>;
+
+const MS: Duration = Duration::from_millis(1);
+const SEC: Duration = Duration::from_secs(1);
+
+async fn dedup() -> (Runtime, Deduplicator) {
+    let runtime = Runtime::builder().start().await.unwrap();
+    let dedup = runtime.idempotency();
+    (runtime, dedup)
+}
+
+fn runs() -> Arc<AtomicUsize> {
+    Arc::new(AtomicUsize::new(0))
+}
+
+fn count(runs: &AtomicUsize) -> usize {
+    runs.load(Ordering::SeqCst)
+}
+
+/// Counts its run, takes `took`, then returns `value`.
+fn op<T: Send + 'static>(runs: &Arc<AtomicUsize>, took: Duration, value: T) -> Op<T> {
+    let runs = Arc::clone(runs);
+    Box::new(move || {
+        Box::pin(async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            sleep(took).await;
+            Ok(value)
+        })
+    })
+}
+
+/// Counts its run, takes `took`, then fails.
+fn failing(runs: &Arc<AtomicUsize>, took: Duration) -> Op<u32> {
+    let runs = Arc::clone(runs);
+    Box::new(move || {
+        Box::pin(async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            sleep(took).await;
+            Err(io::Error::other("card declined"))
+        })
+    })
+}
+
+/// Counts its run, takes `took`, then panics.
+fn panicking(runs: &Arc<AtomicUsize>, took: Duration) -> Op<u32> {
+    let runs = Arc::clone(runs);
+    Box::new(move || {
+        Box::pin(async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            sleep(took).await;
+            panic!("gateway exploded")
+        })
+    })
+}
+
+fn spawn_run<T>(
+    dedup: &Deduplicator,
+    key: &'static str,
+    f: Op<T>,
+    options: IdempotencyOptions,
+) -> JoinHandle<Result<Outcome<T>, Error>>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + Clone + Send + Sync + 'static,
+{
+    let dedup = dedup.clone();
+    tokio::spawn(async move { dedup.run(key, f, options).await })
+}
+
+fn opts() -> IdempotencyOptions {
+    IdempotencyOptions::new()
+}
+
+#[tokio::test(start_paused = true)]
+async fn i1_a_sequential_retry_replays_the_first_value() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+
+    let first = dedup.run("pay:1", op(&runs, MS, 100_u32), opts()).await;
+    let second = dedup.run("pay:1", op(&runs, MS, 200_u32), opts()).await;
+
+    assert_eq!(first.unwrap(), Outcome::Fresh(100));
+    assert_eq!(second.unwrap(), Outcome::Replay(100));
+    assert_eq!(count(&runs), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn i2_concurrent_duplicates_share_one_execution() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    let start = Instant::now();
+
+    let calls: Vec<_> = (0..5_u32)
+        .map(|i| spawn_run(&dedup, "pay:2", op(&runs, 100 * MS, i), opts()))
+        .collect();
+    let mut outcomes = Vec::new();
+    for call in calls {
+        outcomes.push(call.await.unwrap().unwrap());
+    }
+
+    assert_eq!(count(&runs), 1);
+    assert_eq!(outcomes.iter().filter(|o| o.is_fresh()).count(), 1);
+    let value = *outcomes[0].value();
+    assert!(outcomes.iter().all(|o| *o.value() == value));
+    assert_eq!(
+        start.elapsed(),
+        100 * MS,
+        "duplicates get the value when it is ready"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn i3_a_duplicate_times_out_while_the_first_run_continues_and_stores() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    let start = Instant::now();
+    let first = spawn_run(&dedup, "pay:3", op(&runs, 5 * SEC, 7_u32), opts());
+    tokio::task::yield_now().await;
+
+    let duplicate = dedup
+        .run("pay:3", op(&runs, MS, 8_u32), opts().with_wait_timeout(SEC))
+        .await;
+
+    let err = duplicate.unwrap_err();
+    assert!(
+        matches!(&err, Error::Timeout { after, .. } if *after == SEC),
+        "{err:?}"
+    );
+    assert_eq!(err.key(), Some("pay:3"));
+    assert_eq!(start.elapsed(), SEC);
+    assert_eq!(count(&runs), 1, "the duplicate's function never ran");
+
+    assert_eq!(first.await.unwrap().unwrap(), Outcome::Fresh(7));
+    assert_eq!(start.elapsed(), 5 * SEC);
+    let later = dedup.run("pay:3", op(&runs, MS, 9_u32), opts()).await;
+    assert_eq!(later.unwrap(), Outcome::Replay(7));
+    assert_eq!(count(&runs), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn i4_a_different_fingerprint_is_rejected_without_running() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    let order = |fp: &str| opts().with_fingerprint(fp);
+
+    // Completed key.
+    let first = dedup.run("pay:4", op(&runs, MS, 1_u32), order("a")).await;
+    assert_eq!(first.unwrap(), Outcome::Fresh(1));
+    let other = dedup.run("pay:4", op(&runs, MS, 2_u32), order("b")).await;
+    assert!(matches!(other, Err(Error::FingerprintMismatch { ref key }) if key == "pay:4"));
+    let none = dedup.run("pay:4", op(&runs, MS, 3_u32), opts()).await;
+    assert!(matches!(none, Err(Error::FingerprintMismatch { .. })));
+    let same = dedup.run("pay:4", op(&runs, MS, 4_u32), order("a")).await;
+    assert_eq!(same.unwrap(), Outcome::Replay(1));
+
+    // Key in flight: rejected at once, not after waiting.
+    let start = Instant::now();
+    let busy = spawn_run(&dedup, "pay:4b", op(&runs, 10 * SEC, 5_u32), order("a"));
+    tokio::task::yield_now().await;
+    let other = dedup.run("pay:4b", op(&runs, MS, 6_u32), order("b")).await;
+    assert!(matches!(other, Err(Error::FingerprintMismatch { .. })));
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert_eq!(busy.await.unwrap().unwrap(), Outcome::Fresh(5));
+
+    assert_eq!(count(&runs), 2, "only the two first runs executed");
+}
+
+#[tokio::test(start_paused = true)]
+async fn i4_the_same_key_in_another_scope_is_independent() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    let tenant = |t: &str| opts().with_scope(t).with_fingerprint("same");
+
+    let a = dedup.run("pay:5", op(&runs, MS, 1_u32), tenant("t1")).await;
+    let b = dedup.run("pay:5", op(&runs, MS, 2_u32), tenant("t2")).await;
+    let unscoped = dedup
+        .run(
+            "pay:5",
+            op(&runs, MS, 3_u32),
+            opts().with_fingerprint("same"),
+        )
+        .await;
+    let a_again = dedup.run("pay:5", op(&runs, MS, 4_u32), tenant("t1")).await;
+    // A scope is not glued onto the key: ("t", "1pay") and ("t1", "pay") differ.
+    let glued = dedup.run("1pay:5", op(&runs, MS, 5_u32), tenant("t")).await;
+
+    assert_eq!(a.unwrap(), Outcome::Fresh(1));
+    assert_eq!(b.unwrap(), Outcome::Fresh(2));
+    assert_eq!(unscoped.unwrap(), Outcome::Fresh(3));
+    assert_eq!(a_again.unwrap(), Outcome::Replay(1));
+    assert_eq!(glued.unwrap(), Outcome::Fresh(5));
+    assert_eq!(count(&runs), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn i5_an_error_or_a_panic_releases_the_key_and_a_retry_runs_again() {
+    let (rt, dedup) = dedup().await;
+    let runs = runs();
+
+    let failed = dedup.run("pay:6", failing(&runs, MS), opts()).await;
+    let err = failed.unwrap_err();
+    assert!(
+        matches!(&err, Error::Failed { key, .. } if key == "pay:6"),
+        "{err:?}"
+    );
+    let source = std::error::Error::source(&err).map(ToString::to_string);
+    assert_eq!(source.as_deref(), Some("card declined"));
+    let retry = dedup.run("pay:6", op(&runs, MS, 1_u32), opts()).await;
+    assert_eq!(retry.unwrap(), Outcome::Fresh(1));
+
+    let panicked = dedup.run("pay:7", panicking(&runs, MS), opts()).await;
+    assert!(
+        matches!(&panicked, Err(Error::Panicked { message, .. }) if message == "gateway exploded"),
+        "{panicked:?}"
+    );
+    let retry = dedup.run("pay:7", op(&runs, MS, 2_u32), opts()).await;
+    assert_eq!(retry.unwrap(), Outcome::Fresh(2));
+
+    assert_eq!(count(&runs), 4);
+    assert_eq!(rt.stats().keys, 0);
+    assert_eq!(rt.stats().ttl_entries, 2, "failures are never stored");
+}
+
+#[tokio::test(start_paused = true)]
+async fn i5_waiting_duplicates_take_over_after_a_failure_and_a_panic() {
+    let (_rt, dedup) = dedup().await;
+    for (key, first) in [
+        (
+            "pay:8",
+            failing as fn(&Arc<AtomicUsize>, Duration) -> Op<u32>,
+        ),
+        ("pay:9", panicking),
+    ] {
+        let runs = runs();
+        let start = Instant::now();
+        let owner = spawn_run(&dedup, key, first(&runs, SEC), opts());
+        tokio::task::yield_now().await;
+        let b = spawn_run(&dedup, key, op(&runs, 2 * SEC, 20_u32), opts());
+        let c = spawn_run(&dedup, key, op(&runs, 2 * SEC, 30_u32), opts());
+
+        assert!(owner.await.unwrap().is_err());
+        let (b, c) = (b.await.unwrap().unwrap(), c.await.unwrap().unwrap());
+
+        assert_eq!(
+            count(&runs),
+            2,
+            "{key}: the owner and exactly one duplicate ran"
+        );
+        assert_eq!(b.is_fresh(), c.is_replay(), "{key}: {b:?} {c:?}");
+        assert_eq!(b.value(), c.value());
+        assert_eq!(start.elapsed(), 3 * SEC, "{key}: took over at 1 s, ran 2 s");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn i6_the_owner_task_going_away_does_not_stop_the_operation() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    let start = Instant::now();
+    let owner = spawn_run(&dedup, "pay:10", op(&runs, 5 * SEC, 1_u32), opts());
+    sleep(SEC).await;
+    owner.abort();
+    assert!(owner.await.unwrap_err().is_cancelled());
+
+    let duplicate = dedup.run("pay:10", op(&runs, MS, 2_u32), opts()).await;
+
+    assert_eq!(duplicate.unwrap(), Outcome::Replay(1));
+    assert_eq!(start.elapsed(), 5 * SEC);
+    assert_eq!(count(&runs), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn i6_a_lapsed_lease_lets_the_next_caller_take_over_and_the_stale_completion_is_rejected() {
+    let (rt, dedup) = dedup().await;
+    let runs = runs();
+    let leased = || opts().with_lease(SEC);
+    let start = Instant::now();
+    let old = spawn_run(
+        &dedup,
+        "pay:11",
+        op(&runs, 5 * SEC, "old".to_owned()),
+        leased(),
+    );
+
+    sleep(2 * SEC).await;
+    let new = dedup
+        .run("pay:11", op(&runs, SEC, "new".to_owned()), leased())
+        .await;
+    assert_eq!(new.unwrap(), Outcome::Fresh("new".to_owned()));
+    assert_eq!(start.elapsed(), 3 * SEC);
+
+    let stale = old.await.unwrap();
+    assert!(
+        matches!(stale, Err(Error::LeaseLost { ref key }) if key == "pay:11"),
+        "{stale:?}"
+    );
+    assert_eq!(start.elapsed(), 5 * SEC);
+    let replay = dedup
+        .run("pay:11", op(&runs, MS, "third".to_owned()), leased())
+        .await;
+    assert_eq!(
+        replay.unwrap(),
+        Outcome::Replay("new".to_owned()),
+        "the stale value was not stored"
+    );
+    assert_eq!(count(&runs), 2);
+    assert_eq!((rt.stats().keys, rt.stats().processes), (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn i6_a_stale_completion_while_the_new_holder_runs_is_fenced_off() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    let start = Instant::now();
+    let old = spawn_run(
+        &dedup,
+        "pay:16",
+        op(&runs, 5 * SEC, 1_u32),
+        opts().with_lease(SEC),
+    );
+    sleep(2 * SEC).await;
+    let new = spawn_run(&dedup, "pay:16", op(&runs, 10 * SEC, 2_u32), opts());
+    sleep(SEC).await;
+    let waiter = spawn_run(&dedup, "pay:16", op(&runs, MS, 3_u32), opts());
+
+    // The old holder finishes at 5 s, while the new one still runs.
+    let stale = old.await.unwrap();
+    assert!(matches!(stale, Err(Error::LeaseLost { .. })), "{stale:?}");
+    assert_eq!(start.elapsed(), 5 * SEC);
+    assert!(!waiter.is_finished(), "the stale value was not handed out");
+
+    assert_eq!(new.await.unwrap().unwrap(), Outcome::Fresh(2));
+    assert_eq!(waiter.await.unwrap().unwrap(), Outcome::Replay(2));
+    assert_eq!(start.elapsed(), 12 * SEC);
+    assert_eq!(count(&runs), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn i6_a_waiting_duplicate_takes_over_when_the_lease_lapses() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    let start = Instant::now();
+    let old = spawn_run(
+        &dedup,
+        "pay:12",
+        op(&runs, 10 * SEC, 1_u32),
+        opts().with_lease(SEC),
+    );
+    sleep(500 * MS).await;
+
+    let waiter = dedup
+        .run("pay:12", op(&runs, 100 * MS, 2_u32), opts())
+        .await;
+
+    assert_eq!(waiter.unwrap(), Outcome::Fresh(2));
+    assert_eq!(
+        start.elapsed(),
+        1100 * MS,
+        "took over when the lease lapsed at 1 s"
+    );
+    assert!(matches!(old.await.unwrap(), Err(Error::LeaseLost { .. })));
+    assert_eq!(count(&runs), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_late_completion_is_stored_when_nobody_took_the_lapsed_key() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+
+    let slow = dedup
+        .run("pay:13", op(&runs, 5 * SEC, 1_u32), opts().with_lease(SEC))
+        .await;
+    let retry = dedup.run("pay:13", op(&runs, MS, 2_u32), opts()).await;
+
+    assert_eq!(slow.unwrap(), Outcome::Fresh(1));
+    assert_eq!(retry.unwrap(), Outcome::Replay(1));
+    assert_eq!(count(&runs), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn i7_results_expire_after_the_ttl_even_before_a_sweep() {
+    let runtime = Runtime::builder()
+        .with_sweep_interval(Duration::from_secs(3600))
+        .start()
+        .await
+        .unwrap();
+    let dedup = runtime.idempotency();
+    let runs = runs();
+    let ttl = || opts().with_ttl(10 * SEC);
+
+    assert!(
+        dedup
+            .run("pay:14", op(&runs, Duration::ZERO, 1_u32), ttl())
+            .await
+            .unwrap()
+            .is_fresh()
+    );
+    sleep(10 * SEC - MS).await;
+    let inside = dedup
+        .run("pay:14", op(&runs, Duration::ZERO, 2_u32), ttl())
+        .await;
+    assert_eq!(inside.unwrap(), Outcome::Replay(1));
+
+    sleep(MS).await;
+    assert_eq!(runtime.stats().ttl_entries, 1, "expired but not swept yet");
+    let after = dedup
+        .run("pay:14", op(&runs, Duration::ZERO, 3_u32), ttl())
+        .await;
+    assert_eq!(after.unwrap(), Outcome::Fresh(3));
+    assert_eq!(count(&runs), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn i7_the_sweeper_removes_expired_results() {
+    let (runtime, dedup) = dedup().await;
+    let runs = runs();
+    for key in ["a", "b", "c"] {
+        let outcome = dedup
+            .run(key, op(&runs, Duration::ZERO, 1_u32), opts().with_ttl(SEC))
+            .await;
+        assert!(outcome.unwrap().is_fresh());
+    }
+    assert_eq!(runtime.stats().ttl_entries, 3);
+
+    sleep(Duration::from_secs(59)).await;
+    assert_eq!(
+        runtime.stats().ttl_entries,
+        3,
+        "the default sweep runs every 60 s"
+    );
+    sleep(2 * SEC).await;
+    assert_eq!(runtime.stats().ttl_entries, 0);
+    assert_eq!(
+        runtime.stats().timers,
+        0,
+        "the sweeper sleeps once nothing is left"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn i8_a_completed_reservation_is_replayed() {
+    let (rt, dedup) = dedup().await;
+    let runs = runs();
+
+    let Reserved::Fresh(reservation) = dedup.reserve::<u32>("job:1", opts()).await.unwrap() else {
+        panic!("job:1 is new");
+    };
+    assert_eq!(reservation.key(), "job:1");
+    assert_eq!(
+        (rt.stats().keys, rt.stats().processes),
+        (1, 0),
+        "a reservation is a slot, not a process"
+    );
+    reservation.complete(5).await.unwrap();
+
+    let run = dedup.run("job:1", op(&runs, MS, 6_u32), opts()).await;
+    assert_eq!(run.unwrap(), Outcome::Replay(5));
+    let reserved = dedup.reserve::<u32>("job:1", opts()).await.unwrap();
+    assert!(matches!(reserved, Reserved::Replay(5)));
+    assert_eq!(count(&runs), 0);
+    assert_eq!(rt.stats().keys, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn i8_a_released_or_dropped_reservation_lets_the_next_run_execute() {
+    let (rt, dedup) = dedup().await;
+    let runs = runs();
+
+    let Reserved::Fresh(released) = dedup.reserve::<u32>("job:2", opts()).await.unwrap() else {
+        panic!("job:2 is new");
+    };
+    released.release().await;
+    let after_release = dedup.run("job:2", op(&runs, MS, 1_u32), opts()).await;
+    assert_eq!(after_release.unwrap(), Outcome::Fresh(1));
+
+    let Reserved::Fresh(dropped) = dedup.reserve::<u32>("job:3", opts()).await.unwrap() else {
+        panic!("job:3 is new");
+    };
+    drop(dropped);
+    assert_eq!(rt.stats().keys, 0);
+    let after_drop = dedup.run("job:3", op(&runs, MS, 2_u32), opts()).await;
+    assert_eq!(after_drop.unwrap(), Outcome::Fresh(2));
+    assert_eq!(count(&runs), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn i8_duplicates_wait_for_a_reservation() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    let Reserved::Fresh(held) = dedup.reserve::<u32>("job:4", opts()).await.unwrap() else {
+        panic!("job:4 is new");
+    };
+    let waiting_run = spawn_run(&dedup, "job:4", op(&runs, MS, 1_u32), opts());
+    let waiting_reserve = {
+        let dedup = dedup.clone();
+        tokio::spawn(async move { dedup.reserve::<u32>("job:4", opts()).await })
+    };
+    sleep(SEC).await;
+    assert!(!waiting_run.is_finished() && !waiting_reserve.is_finished());
+
+    held.complete(9).await.unwrap();
+
+    assert_eq!(waiting_run.await.unwrap().unwrap(), Outcome::Replay(9));
+    assert!(matches!(
+        waiting_reserve.await.unwrap().unwrap(),
+        Reserved::Replay(9)
+    ));
+    assert_eq!(count(&runs), 0);
+
+    // A waiting reservation takes over a released one.
+    let Reserved::Fresh(held) = dedup.reserve::<u32>("job:5", opts()).await.unwrap() else {
+        panic!("job:5 is new");
+    };
+    let next = {
+        let dedup = dedup.clone();
+        tokio::spawn(async move { dedup.reserve::<u32>("job:5", opts()).await })
+    };
+    sleep(SEC).await;
+    held.release().await;
+    assert!(matches!(next.await.unwrap().unwrap(), Reserved::Fresh(_)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn i8_a_reservation_that_lost_its_lease_cannot_complete() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    let Reserved::Fresh(stale) = dedup
+        .reserve::<u32>("job:6", opts().with_lease(SEC))
+        .await
+        .unwrap()
+    else {
+        panic!("job:6 is new");
+    };
+    sleep(2 * SEC).await;
+    let taken = dedup.run("job:6", op(&runs, MS, 1_u32), opts()).await;
+    assert_eq!(taken.unwrap(), Outcome::Fresh(1));
+
+    let late = stale.complete(2).await;
+    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    let replay = dedup.run("job:6", op(&runs, MS, 3_u32), opts()).await;
+    assert_eq!(replay.unwrap(), Outcome::Replay(1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn i9_defaults() {
+    let defaults = IdempotencyOptions::new();
+    assert_eq!(defaults, IdempotencyOptions::default());
+    assert_eq!(defaults.scope(), None);
+    assert_eq!(defaults.fingerprint(), None);
+    assert_eq!(defaults.ttl(), Duration::from_secs(24 * 3600));
+    assert_eq!(defaults.lease(), Duration::from_secs(30));
+    assert_eq!(defaults.wait_timeout(), Duration::from_secs(30));
+
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    let day = Duration::from_secs(24 * 3600);
+
+    // TTL 24 h.
+    assert!(
+        dedup
+            .run("d:1", op(&runs, Duration::ZERO, 1_u32), opts())
+            .await
+            .unwrap()
+            .is_fresh()
+    );
+    sleep(day - MS).await;
+    assert_eq!(
+        dedup
+            .run("d:1", op(&runs, Duration::ZERO, 2_u32), opts())
+            .await
+            .unwrap(),
+        Outcome::Replay(1)
+    );
+    sleep(MS).await;
+    assert_eq!(
+        dedup
+            .run("d:1", op(&runs, Duration::ZERO, 3_u32), opts())
+            .await
+            .unwrap(),
+        Outcome::Fresh(3)
+    );
+
+    // Lease 30 s: a duplicate arriving at 10 s takes over at 30 s.
+    let start = Instant::now();
+    let slow = spawn_run(
+        &dedup,
+        "d:2",
+        op(&runs, Duration::from_secs(100), 1_u32),
+        opts(),
+    );
+    sleep(10 * SEC).await;
+    let taken = dedup
+        .run("d:2", op(&runs, Duration::ZERO, 2_u32), opts())
+        .await;
+    assert_eq!(taken.unwrap(), Outcome::Fresh(2));
+    assert_eq!(start.elapsed(), 30 * SEC);
+    assert!(matches!(slow.await.unwrap(), Err(Error::LeaseLost { .. })));
+
+    // Wait timeout 30 s.
+    let hour = Duration::from_secs(3600);
+    let start = Instant::now();
+    let _slow = spawn_run(
+        &dedup,
+        "d:3",
+        op(&runs, hour, 1_u32),
+        opts().with_lease(hour),
+    );
+    tokio::task::yield_now().await;
+    let waited = dedup
+        .run(
+            "d:3",
+            op(&runs, Duration::ZERO, 2_u32),
+            opts().with_lease(hour),
+        )
+        .await;
+    assert!(matches!(waited, Err(Error::Timeout { .. })));
+    assert_eq!(start.elapsed(), 30 * SEC);
+}
+
+#[tokio::test(start_paused = true)]
+async fn i10_dropping_the_first_callers_future_does_not_cancel_the_run() {
+    let (rt, dedup) = dedup().await;
+    let runs = runs();
+    let start = Instant::now();
+
+    let gave_up =
+        tokio::time::timeout(SEC, dedup.run("pay:15", op(&runs, 5 * SEC, 3_u32), opts())).await;
+    assert!(
+        gave_up.is_err(),
+        "the caller stopped waiting and dropped its future"
+    );
+    assert_eq!(
+        (rt.stats().keys, rt.stats().processes),
+        (1, 1),
+        "still running"
+    );
+
+    sleep(4 * SEC - MS).await;
+    assert_eq!(rt.stats().ttl_entries, 0, "not finished at 5 s - 1 ms");
+    sleep(2 * MS).await;
+    assert_eq!(start.elapsed(), 5 * SEC + MS);
+    assert_eq!(
+        (
+            rt.stats().keys,
+            rt.stats().processes,
+            rt.stats().ttl_entries
+        ),
+        (0, 0, 1)
+    );
+    let replay = dedup.run("pay:15", op(&runs, MS, 4_u32), opts()).await;
+    assert_eq!(replay.unwrap(), Outcome::Replay(3));
+    assert_eq!(count(&runs), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn bad_input_is_a_typed_error_and_nothing_runs() {
+    let (rt, dedup) = dedup().await;
+    let runs = runs();
+    let long = "k".repeat(MAX_KEY_LEN + 1);
+
+    let cases: Vec<(&str, IdempotencyOptions, &str)> = vec![
+        ("", opts(), "key"),
+        (&long, opts(), "key"),
+        ("k", opts().with_ttl(Duration::ZERO), "ttl"),
+        ("k", opts().with_lease(Duration::ZERO), "lease"),
+        (
+            "k",
+            opts().with_wait_timeout(Duration::ZERO),
+            "wait timeout",
+        ),
+        ("k", opts().with_ttl(MAX_TIMER + MS), "ttl"),
+        ("k", opts().with_scope(""), "scope"),
+        ("k", opts().with_scope("s".repeat(MAX_KEY_LEN + 1)), "scope"),
+    ];
+    for (key, options, what) in cases {
+        let run = dedup.run(key, op(&runs, MS, 1_u32), options.clone()).await;
+        let reserve = dedup.reserve::<u32>(key, options).await;
+        for err in [run.unwrap_err(), reserve.unwrap_err()] {
+            match (&err, what) {
+                (Error::InvalidKey { .. }, "key") => {}
+                (Error::InvalidArgument { what: w, .. }, _) if *w == what => {}
+                _ => panic!("{key:.8}/{what}: unexpected {err:?}"),
+            }
+        }
+    }
+    assert_eq!(count(&runs), 0);
+    assert_eq!(rt.stats().keys, 0);
+
+    let longest = "k".repeat(MAX_KEY_LEN);
+    let ok = dedup
+        .run(&longest, op(&runs, MS, 1_u32), opts().with_ttl(MAX_TIMER))
+        .await;
+    assert!(ok.unwrap().is_fresh());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stored_result_of_another_type_is_a_type_mismatch() {
+    let (_rt, dedup) = dedup().await;
+    let runs = runs();
+    assert!(
+        dedup
+            .run("t:1", op(&runs, MS, 1_u32), opts())
+            .await
+            .unwrap()
+            .is_fresh()
+    );
+
+    let other = dedup
+        .run("t:1", op(&runs, MS, String::from("x")), opts())
+        .await;
+
+    assert!(
+        matches!(other, Err(Error::TypeMismatch { .. })),
+        "{other:?}"
+    );
+    assert_eq!(count(&runs), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_key_cap_applies_to_keys_in_flight() {
+    let runtime = Runtime::builder().with_max_keys(1).start().await.unwrap();
+    let dedup = runtime.idempotency();
+    let runs = runs();
+    let Reserved::Fresh(held) = dedup.reserve::<u32>("cap:a", opts()).await.unwrap() else {
+        panic!("cap:a is new");
+    };
+
+    let refused = dedup.run("cap:b", op(&runs, MS, 1_u32), opts()).await;
+    assert!(
+        matches!(refused, Err(Error::TooManyKeys { cap: 1, .. })),
+        "{refused:?}"
+    );
+    held.release().await;
+    let accepted = dedup.run("cap:b", op(&runs, MS, 1_u32), opts()).await;
+    assert!(accepted.unwrap().is_fresh());
+    assert_eq!(count(&runs), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn calls_after_shutdown_fail_and_waiters_are_woken() {
+    let (rt, dedup) = dedup().await;
+    let runs = runs();
+    assert!(
+        dedup
+            .run("s:1", op(&runs, MS, 1_u32), opts())
+            .await
+            .unwrap()
+            .is_fresh()
+    );
+    let start = Instant::now();
+    let running = spawn_run(&dedup, "s:2", op(&runs, 10 * SEC, 2_u32), opts());
+    tokio::task::yield_now().await;
+    let waiting = spawn_run(&dedup, "s:2", op(&runs, MS, 3_u32), opts());
+    tokio::task::yield_now().await;
+
+    let report = rt.shutdown(SEC).await;
+    assert_eq!(report.still_running, 1);
+    assert_eq!(rt.stats().ttl_entries, 0, "results are dropped at shutdown");
+
+    let waited = waiting.await.unwrap();
+    assert!(matches!(waited, Err(Error::ShutDown { .. })), "{waited:?}");
+    assert_eq!(start.elapsed(), SEC);
+    let after = dedup.run("s:1", op(&runs, MS, 4_u32), opts()).await;
+    assert!(matches!(after, Err(Error::ShutDown { ref key }) if key == "s:1"));
+    let reserve = dedup.reserve::<u32>("s:3", opts()).await;
+    assert!(matches!(reserve, Err(Error::ShutDown { .. })));
+
+    // The running function is never cancelled; its caller still gets its value.
+    assert_eq!(running.await.unwrap().unwrap(), Outcome::Fresh(2));
+    assert_eq!(rt.stats().ttl_entries, 0, "nothing stored after shutdown");
+    assert_eq!(rt.stats().keys, 0);
+    assert_eq!(count(&runs), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn keys_and_processes_return_to_zero_once_idle() {
+    let (rt, dedup) = dedup().await;
+    let runs = runs();
+    let ttl = || opts().with_ttl(10 * SEC);
+    let mut calls = Vec::new();
+    for i in 0..300_u32 {
+        let key: &'static str = Box::leak(format!("leak:{}", i % 100).into_boxed_str());
+        let f = match i % 100 % 4 {
+            0 => failing(&runs, 10 * MS),
+            1 => panicking(&runs, 10 * MS),
+            _ => op(&runs, 10 * MS, i),
+        };
+        calls.push(spawn_run(&dedup, key, f, ttl()));
+    }
+    tokio::task::yield_now().await;
+    for i in 0..50_u32 {
+        let reserved = dedup
+            .reserve::<u32>(&format!("held:{i}"), ttl())
+            .await
+            .unwrap();
+        match (i % 2, reserved) {
+            (0, Reserved::Fresh(r)) => r.complete(i).await.unwrap(),
+            (_, reserved) => drop(reserved),
+        }
+    }
+    assert!(rt.stats().keys > 0 && rt.stats().processes > 0);
+    for call in calls {
+        let _ = call.await.unwrap();
+    }
+
+    let stats = rt.stats();
+    assert_eq!((stats.keys, stats.processes), (0, 0), "{stats:?}");
+    assert_eq!(
+        stats.ttl_entries,
+        50 + 25,
+        "succeeded keys and completed reservations"
+    );
+    sleep(Duration::from_secs(61)).await;
+    let stats = rt.stats();
+    assert_eq!(
+        (stats.keys, stats.processes, stats.ttl_entries, stats.timers),
+        (0, 0, 0, 0),
+        "{stats:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_callers_on_two_threads_run_each_key_exactly_once() {
+    let (rt, dedup) = dedup().await;
+    const KEYS: u32 = 1_000;
+    const CALLERS: u32 = 8;
+    let runs: Vec<Arc<AtomicUsize>> = (0..KEYS).map(|_| runs()).collect();
+    let mut calls = Vec::new();
+    // Callers of one key spawned side by side, so they meet mid-completion.
+    for key in 0..KEYS {
+        for caller in 0..CALLERS {
+            let dedup = dedup.clone();
+            let runs = Arc::clone(&runs[key as usize]);
+            calls.push(tokio::spawn(async move {
+                let f = move || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    Ok::<_, io::Error>(key * 10 + caller)
+                };
+                dedup.run(&format!("race:{key}"), f, opts()).await
+            }));
+        }
+    }
+    let mut fresh = vec![0_u32; KEYS as usize];
+    let mut values = vec![None; KEYS as usize];
+    for (i, call) in calls.into_iter().enumerate() {
+        let key = i / CALLERS as usize;
+        let outcome = call.await.unwrap().unwrap();
+        fresh[key] += u32::from(outcome.is_fresh());
+        let value = outcome.into_inner();
+        assert_eq!(value / 10, key as u32);
+        assert_eq!(
+            *values[key].get_or_insert(value),
+            value,
+            "key {key}: one value for all"
+        );
+    }
+    assert!(fresh.iter().all(|&n| n == 1), "{fresh:?}");
+    assert!(runs.iter().all(|r| count(r) == 1));
+    let stats = rt.stats();
+    assert_eq!(
+        (stats.keys, stats.ttl_entries),
+        (0, KEYS as usize),
+        "{stats:?}"
+    );
+}

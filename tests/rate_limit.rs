@@ -1,0 +1,975 @@
+//! Behaviour of the rate-limiting area: scenarios R1–R14 with exact numbers.
+
+mod vectors;
+
+use std::net::IpAddr;
+use std::num::{NonZeroU32, NonZeroUsize};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::HeaderMap;
+use throttlebeam::clock::{Clock, ManualClock, TokioClock};
+use throttlebeam::rate_limit::{
+    ALLOW_FULL, ClientIp, Decision, EnforceOutcome, Enforcer, FailMode, FixedWindow, Gcra,
+    HeaderOptions, KeyHasher, LeakyBucket, Limiter, MemoryStore, PolicyName, RateLimitError,
+    SlidingWindow, Store, Strategy, Tiered, TokenBucket, Transition, TrustProxy, Update, combine,
+};
+use vectors::{Expect, Op, Vector};
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).expect("non-zero")
+}
+
+fn manual<S: Strategy>(strategy: S) -> (Limiter<S>, ManualClock) {
+    let clock = ManualClock::new(0);
+    let limiter = Limiter::builder(strategy).with_clock(clock.clone()).build();
+    (limiter, clock)
+}
+
+/// Runs a vector through the pure functions, threading the state by hand.
+fn run_pure<S: Strategy>(v: &Vector<S>) {
+    let strategy = (v.strategy)();
+    let mut state = None;
+    for (i, step) in v.steps.iter().enumerate() {
+        let got = match step.op {
+            Op::Check(cost) => {
+                let outcome = strategy.check(state, step.at, nz(cost));
+                if let Update::Set { state: next, .. } = outcome.update {
+                    state = Some(next);
+                }
+                Expect::Decision(outcome.result)
+            }
+            Op::Peek => Expect::Decision(strategy.peek(state, step.at)),
+            Op::Forecast(cost) => Expect::Forecast(strategy.forecast(state, step.at, nz(cost))),
+        };
+        assert_eq!(got, step.expect, "{} step {i} (pure)", v.name);
+    }
+}
+
+/// Runs a vector through a `Limiter` on the memory store and a manual clock.
+fn run_limiter<S: Strategy>(v: &Vector<S>) {
+    let (limiter, clock) = manual((v.strategy)());
+    for (i, step) in v.steps.iter().enumerate() {
+        clock.set(step.at);
+        let got = match step.op {
+            Op::Check(cost) => Expect::Decision(limiter.check_n("k", cost).unwrap()),
+            Op::Peek => Expect::Decision(limiter.peek("k").unwrap()),
+            Op::Forecast(cost) => Expect::Forecast(limiter.forecast("k", cost).unwrap()),
+        };
+        assert_eq!(got, step.expect, "{} step {i} (limiter)", v.name);
+    }
+}
+
+fn run<S: Strategy>(v: &Vector<S>) {
+    run_pure(v);
+    run_limiter(v);
+}
+
+#[test]
+fn r1_gcra_two_per_second() {
+    run(&vectors::gcra::R1);
+}
+
+#[test]
+fn r2_gcra_burst_five() {
+    run(&vectors::gcra::R2);
+}
+
+#[test]
+fn r3_cost_above_burst_never_admitted_and_backwards_clock() {
+    run(&vectors::gcra::R3);
+    run(&vectors::token_bucket::COST_AND_FORECAST);
+}
+
+#[test]
+fn r3_cost_n_consumes_n_units() {
+    let (limiter, _clock) = manual(Gcra::new(10, Duration::from_secs(10)).unwrap());
+    assert_eq!(limiter.check_n("k", 4).unwrap().remaining, 6);
+    assert_eq!(limiter.check_n("k", 6).unwrap().remaining, 0);
+    let denied = limiter.check_n("k", 11).unwrap();
+    assert!(!denied.allowed);
+    assert!(!denied.is_admissible());
+}
+
+#[test]
+fn r4_token_bucket() {
+    run(&vectors::token_bucket::R4);
+}
+
+#[test]
+fn r5_fixed_and_sliding_windows() {
+    for v in &vectors::fixed_window::ALL {
+        run(v);
+    }
+    for v in &vectors::sliding_window::ALL {
+        run(v);
+    }
+}
+
+#[test]
+fn r6_leaky_bucket_reservations() {
+    let shaper = vectors::leaky::ten_per_second_queue_150();
+    let (limiter, clock) = manual(shaper);
+    let mut state = None;
+    for &(at, cost, expected) in vectors::leaky::R6_RESERVATIONS {
+        let outcome = shaper.reserve(state, at, nz(cost));
+        if let Update::Set { state: next, .. } = outcome.update {
+            state = Some(next);
+        }
+        assert_eq!(outcome.result, expected, "pure at {at}");
+        clock.set(at);
+        assert_eq!(
+            limiter.try_reserve("k", cost).unwrap(),
+            expected,
+            "limiter at {at}"
+        );
+    }
+    let no_queue = LeakyBucket::new(10, Duration::from_secs(1), Duration::ZERO).unwrap();
+    let (limiter, clock) = manual(no_queue);
+    for &(at, cost, expected) in vectors::leaky::R6_NO_QUEUE {
+        clock.set(at);
+        assert_eq!(
+            limiter.try_reserve("k", cost).unwrap(),
+            expected,
+            "no queue at {at}"
+        );
+    }
+    for v in &vectors::leaky::ALL {
+        run(v);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn r6_waiting_form_sleeps_the_delay_or_fails_with_queue_full() {
+    let limiter = Limiter::new(vectors::leaky::ten_per_second_queue_150());
+    let start = tokio::time::Instant::now();
+    assert_eq!(limiter.reserve("k", 1).await.unwrap(), Duration::ZERO);
+    // Two more at the same instant, from other tasks: 100 ms for the first, queue full next.
+    let (a, b) = tokio::join!(limiter.reserve("k", 1), async {
+        tokio::task::yield_now().await;
+        limiter.reserve("k", 1).await
+    });
+    assert_eq!(a.unwrap(), Duration::from_millis(100));
+    match b {
+        Err(RateLimitError::QueueFull {
+            key,
+            retry_after_ms,
+        }) => {
+            assert_eq!(key, "k");
+            assert_eq!(retry_after_ms, 50);
+        }
+        other => panic!("expected queue full, got {other:?}"),
+    }
+    assert_eq!(start.elapsed(), Duration::from_millis(100));
+}
+
+#[test]
+fn r7_peek_and_forecast() {
+    run(&vectors::gcra::R7);
+}
+
+#[test]
+fn r7_peek_never_consumes() {
+    let (limiter, _clock) = manual(FixedWindow::new(2, Duration::from_secs(1)).unwrap());
+    for _ in 0..10 {
+        assert_eq!(limiter.peek("k").unwrap().remaining, 2);
+        assert_eq!(limiter.forecast("k", 1).unwrap().spendable_now, 2);
+    }
+    assert!(limiter.check("k").unwrap().allowed);
+    assert!(limiter.check("k").unwrap().allowed);
+    assert!(!limiter.check("k").unwrap().allowed);
+}
+
+/// A clock that moves 1 ms every time it is read.
+#[derive(Default)]
+struct TickingClock(AtomicU64);
+
+impl Clock for TickingClock {
+    fn now_ms(&self) -> u64 {
+        self.0.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+#[test]
+fn r7_check_many_decides_at_one_timestamp() {
+    let limiter = Limiter::builder(Gcra::new(2, Duration::from_secs(1)).unwrap())
+        .with_clock(TickingClock::default())
+        .build();
+    let decisions = limiter.check_many(&["a", "b", "c", "a"], 1).unwrap();
+    let resets: Vec<u64> = decisions.iter().map(|d| d.reset_at_ms).collect();
+    // All at t=0: fresh keys fill up at 500, the second "a" at 1000.
+    assert_eq!(resets, [500, 500, 500, 1_000]);
+    assert!(limiter.check_many::<&str>(&[], 0).unwrap().is_empty());
+    assert!(matches!(
+        limiter.check_many(&["a"], 0),
+        Err(RateLimitError::ZeroCost { .. })
+    ));
+}
+
+fn concurrent_admissions<S: Strategy>(strategy: S) -> usize {
+    let (limiter, _clock) = manual(strategy);
+    let admitted = AtomicUsize::new(0);
+    let barrier = std::sync::Barrier::new(8);
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                barrier.wait();
+                for _ in 0..25 {
+                    if limiter.check("shared").unwrap().allowed {
+                        admitted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    admitted.into_inner()
+}
+
+#[test]
+fn r8_two_hundred_concurrent_checks_admit_exactly_fifty() {
+    let minute = Duration::from_secs(60);
+    assert_eq!(concurrent_admissions(Gcra::new(50, minute).unwrap()), 50);
+    assert_eq!(
+        concurrent_admissions(TokenBucket::new(50, 1, minute).unwrap()),
+        50
+    );
+    assert_eq!(
+        concurrent_admissions(FixedWindow::new(50, minute).unwrap()),
+        50
+    );
+    assert_eq!(
+        concurrent_admissions(SlidingWindow::new(50, minute).unwrap()),
+        50
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r8_two_hundred_concurrent_tasks_admit_exactly_fifty() {
+    let limiter = Limiter::new(Gcra::new(50, Duration::from_secs(3_600)).unwrap());
+    let tasks: Vec<_> = (0..200)
+        .map(|_| {
+            let limiter = limiter.clone();
+            tokio::spawn(async move { limiter.check("shared").unwrap().allowed })
+        })
+        .collect();
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += usize::from(task.await.unwrap());
+    }
+    assert_eq!(admitted, 50);
+}
+
+#[test]
+fn r9_same_inputs_give_bit_identical_decisions() {
+    let strategy = SlidingWindow::new(7, Duration::from_millis(300)).unwrap();
+    let script: Vec<(u64, u32)> = (0..500u64)
+        .map(|i| (i * 37 % 1_000 + i * 3, 1 + (i % 3) as u32))
+        .collect();
+    let replay = || {
+        let (limiter, clock) = manual(strategy);
+        script
+            .iter()
+            .map(|&(at, cost)| {
+                clock.set(at);
+                limiter.check_n("k", cost).unwrap()
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(replay(), replay());
+    // The state survives a round trip through bincode unchanged, so a remote store that keeps
+    // it encoded decides the same.
+    let mut state = None;
+    for &(at, cost) in &script {
+        let direct = strategy.check(state, at, nz(cost));
+        let decoded = state.map(|s| {
+            let bytes = bincode::serde::encode_to_vec(s, bincode::config::standard()).unwrap();
+            bincode::serde::decode_from_slice(&bytes, bincode::config::standard())
+                .unwrap()
+                .0
+        });
+        assert_eq!(strategy.check(decoded, at, nz(cost)), direct);
+        if let Update::Set { state: next, .. } = direct.update {
+            state = Some(next);
+        }
+    }
+}
+
+#[test]
+fn r10_combine_rules_and_identity() {
+    let a = Decision {
+        allowed: true,
+        limit: 10,
+        remaining: 4,
+        reset_at_ms: 1_000,
+        retry_after_ms: 0,
+    };
+    let b = Decision {
+        allowed: false,
+        limit: 100,
+        remaining: 0,
+        reset_at_ms: 60_000,
+        retry_after_ms: 2_500,
+    };
+    assert_eq!(
+        combine(a, b),
+        Decision {
+            allowed: false,
+            limit: 10,
+            remaining: 0,
+            reset_at_ms: 60_000,
+            retry_after_ms: 2_500,
+        }
+    );
+    assert_eq!(combine(a, ALLOW_FULL), a);
+    assert_eq!(combine(ALLOW_FULL, b), b);
+}
+
+#[test]
+fn r10_tiered_limits_charge_all_tiers_or_none() {
+    // A slow tier (5 per 10 s, one unit back every 2 s) and a window tier (3 per second).
+    let tiers = Tiered::new(
+        Gcra::new(5, Duration::from_secs(10)).unwrap(),
+        FixedWindow::new(3, Duration::from_secs(1)).unwrap(),
+    );
+    let (limiter, clock) = manual(tiers);
+    for remaining in [2, 1, 0] {
+        let d = limiter.check("k").unwrap();
+        assert!(d.allowed);
+        assert_eq!((d.limit, d.remaining), (3, remaining));
+    }
+    // The window tier denies ten times: the slow tier must not be charged for them.
+    for _ in 0..10 {
+        let denied = limiter.check("k").unwrap();
+        assert!(!denied.allowed);
+        assert_eq!(denied.retry_after_ms, 1_000);
+        // The slow tier fills up at 6000 ms: the later reset wins.
+        assert_eq!(denied.reset_at_ms, 6_000);
+    }
+    clock.set(1_000);
+    // Slow tier: 3 spent, 2 left (and one more at 2 s); had the denials been charged it
+    // would be empty for 20 s.
+    let d = limiter.check("k").unwrap();
+    assert!(d.allowed);
+    assert_eq!(d.remaining, 1);
+    assert_eq!(d.reset_at_ms, 8_000);
+}
+
+#[test]
+fn r10_tiered_denial_by_the_fast_tier_leaves_the_daily_quota() {
+    let tiers = Tiered::new(
+        Gcra::new(1, Duration::from_secs(1)).unwrap(),
+        FixedWindow::new(3, Duration::from_secs(86_400)).unwrap(),
+    );
+    let (limiter, clock) = manual(tiers);
+    assert!(limiter.check("k").unwrap().allowed);
+    for _ in 0..5 {
+        let d = limiter.check("k").unwrap();
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after_ms, 1_000);
+    }
+    // Had the denials been charged, the daily quota of 3 would be gone already.
+    clock.set(1_000);
+    assert!(limiter.check("k").unwrap().allowed);
+    clock.set(2_000);
+    assert!(limiter.check("k").unwrap().allowed);
+    clock.set(3_000);
+    let d = limiter.check("k").unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after_ms, 86_397_000);
+    assert_eq!(limiter.forecast("k", 1).unwrap().full_at_ms, 86_400_000);
+}
+
+fn decision(
+    allowed: bool,
+    limit: u64,
+    remaining: u64,
+    reset_at_ms: u64,
+    retry_after_ms: u64,
+) -> Decision {
+    Decision {
+        allowed,
+        limit,
+        remaining,
+        reset_at_ms,
+        retry_after_ms,
+    }
+}
+
+fn header(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers.get(name).map(|v| v.to_str().unwrap().to_owned())
+}
+
+#[test]
+fn r11_draft_headers_round_reset_up() {
+    let d = decision(true, 100, 42, 10_001, 0);
+    let h = HeaderOptions::new().headers(&d, 1_000);
+    assert_eq!(header(&h, "ratelimit-limit").as_deref(), Some("100"));
+    assert_eq!(header(&h, "ratelimit-remaining").as_deref(), Some("42"));
+    assert_eq!(header(&h, "ratelimit-reset").as_deref(), Some("10"));
+    assert_eq!(header(&h, "retry-after"), None);
+    assert_eq!(h.len(), 3);
+    // A reset in the past reads 0.
+    let h = HeaderOptions::new().headers(&d, 20_000);
+    assert_eq!(header(&h, "ratelimit-reset").as_deref(), Some("0"));
+}
+
+#[test]
+fn r11_structured_headers() {
+    let options = HeaderOptions::new()
+        .with_draft(false)
+        .with_structured(true)
+        .with_policy(PolicyName::new("name").unwrap())
+        .with_window(Duration::from_secs(60));
+    let d = decision(true, 100, 50, 30_000, 0);
+    let h = options.headers(&d, 0);
+    assert_eq!(
+        header(&h, "ratelimit").as_deref(),
+        Some(r#""name";r=50;t=30"#)
+    );
+    assert_eq!(
+        header(&h, "ratelimit-policy").as_deref(),
+        Some(r#""name";q=100;w=60"#)
+    );
+    assert_eq!(h.len(), 2);
+    // ALLOW_FULL's limits are clamped to the largest structured integer.
+    let h = options.headers(&ALLOW_FULL, 0);
+    assert_eq!(
+        header(&h, "ratelimit-policy").as_deref(),
+        Some(r#""name";q=999999999999999;w=60"#)
+    );
+    // Quotes in a policy name are escaped.
+    let quoted = options.with_policy(PolicyName::new(r#"a"b"#).unwrap());
+    assert_eq!(
+        header(&quoted.headers(&d, 0), "ratelimit").as_deref(),
+        Some(r#""a\"b";r=50;t=30"#)
+    );
+}
+
+#[test]
+fn r11_legacy_headers_use_epoch_seconds() {
+    let options = HeaderOptions::none().with_legacy(true);
+    let d = decision(true, 10, 3, 1_700_000_000_001, 0);
+    let h = options.headers(&d, 1_699_999_999_000);
+    assert_eq!(header(&h, "x-ratelimit-limit").as_deref(), Some("10"));
+    assert_eq!(header(&h, "x-ratelimit-remaining").as_deref(), Some("3"));
+    assert_eq!(
+        header(&h, "x-ratelimit-reset").as_deref(),
+        Some("1700000001")
+    );
+    assert_eq!(h.len(), 3);
+}
+
+#[test]
+fn r11_every_denial_gets_retry_after_in_whole_seconds_at_least_one() {
+    for (retry_ms, secs) in [
+        (0, "1"),
+        (1, "1"),
+        (999, "1"),
+        (1_000, "1"),
+        (1_001, "2"),
+        (59_500, "60"),
+    ] {
+        let d = decision(false, 1, 0, 0, retry_ms);
+        for options in [
+            HeaderOptions::new(),
+            HeaderOptions::none(),
+            HeaderOptions::none().with_legacy(true),
+        ] {
+            let h = options.headers(&d, 0);
+            assert_eq!(
+                header(&h, "retry-after").as_deref(),
+                Some(secs),
+                "{retry_ms} ms"
+            );
+        }
+    }
+}
+
+/// A store that is down.
+struct DownStore;
+
+impl<S> Store<S> for DownStore {
+    fn apply<T: Transition<S>>(
+        &self,
+        key: &str,
+        _now_ms: u64,
+        _t: &T,
+    ) -> Result<T::Output, RateLimitError> {
+        Err(RateLimitError::store(
+            key,
+            std::io::Error::other("connection refused"),
+        ))
+    }
+    fn remove(&self, key: &str) -> Result<(), RateLimitError> {
+        Err(RateLimitError::store(
+            key,
+            std::io::Error::other("connection refused"),
+        ))
+    }
+}
+
+fn down_enforcer(fail: FailMode, errors: &Arc<AtomicUsize>) -> Enforcer<Gcra, DownStore> {
+    let limiter = Limiter::builder(Gcra::new(10, Duration::from_secs(1)).unwrap())
+        .with_store(DownStore)
+        .build();
+    let errors = Arc::clone(errors);
+    Enforcer::new(limiter)
+        .with_fail_mode(fail)
+        .with_headers(HeaderOptions::new().with_structured(true).with_legacy(true))
+        .on_error(move |key, err| {
+            assert_eq!(key, "client");
+            assert!(err.is_store());
+            errors.fetch_add(1, Ordering::Relaxed);
+        })
+}
+
+#[test]
+fn r12_store_failure_fails_open_or_closed_and_reports_once() {
+    let errors = Arc::new(AtomicUsize::new(0));
+    let open = down_enforcer(FailMode::Open, &errors).enforce("client");
+    assert!(open.allowed);
+    assert_eq!(open.outcome, EnforceOutcome::Error);
+    assert!(open.headers.is_empty());
+    assert_eq!(open.decision, None);
+    assert_eq!(errors.load(Ordering::Relaxed), 1);
+
+    let closed = down_enforcer(FailMode::Closed, &errors).enforce("client");
+    assert!(!closed.allowed);
+    assert_eq!(closed.outcome, EnforceOutcome::Error);
+    assert!(closed.headers.is_empty());
+    assert_eq!(errors.load(Ordering::Relaxed), 2);
+}
+
+#[tokio::test]
+async fn r12_async_enforcement_fails_the_same_way() {
+    let errors = Arc::new(AtomicUsize::new(0));
+    let result = down_enforcer(FailMode::Closed, &errors)
+        .enforce_async("client", NonZeroU32::MIN)
+        .await;
+    assert_eq!(
+        (result.allowed, result.outcome),
+        (false, EnforceOutcome::Error)
+    );
+    assert_eq!(errors.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn enforcer_reports_limits_with_headers_and_callback() {
+    let clock = ManualClock::new(0);
+    let limiter = Limiter::builder(Gcra::new(2, Duration::from_secs(60)).unwrap())
+        .with_clock(clock)
+        .build();
+    let limited = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&limited);
+    let enforcer = Enforcer::new(limiter)
+        .with_headers(HeaderOptions::new().with_structured(true))
+        .on_limited(move |key, d| {
+            seen.lock()
+                .unwrap()
+                .push((key.to_owned(), d.retry_after_ms))
+        });
+    let ok = enforcer.enforce("ip");
+    assert_eq!((ok.allowed, ok.outcome), (true, EnforceOutcome::Ok));
+    assert_eq!(
+        header(&ok.headers, "ratelimit-remaining").as_deref(),
+        Some("1")
+    );
+    assert_eq!(
+        header(&ok.headers, "ratelimit-policy").as_deref(),
+        Some(r#""default";q=2;w=60"#)
+    );
+    enforcer.enforce("ip");
+    let denied = enforcer.enforce("ip");
+    assert_eq!(
+        (denied.allowed, denied.outcome),
+        (false, EnforceOutcome::Limited)
+    );
+    assert_eq!(
+        header(&denied.headers, "retry-after").as_deref(),
+        Some("30")
+    );
+    assert_eq!(*limited.lock().unwrap(), [("ip".to_owned(), 30_000)]);
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+#[test]
+fn r13_forwarded_headers_are_ignored_unless_trusted() {
+    let untrusted = ClientIp::new();
+    assert_eq!(untrusted.key(ip("10.0.0.1"), ["1.1.1.1"]), "10.0.0.1");
+    let mut headers = HeaderMap::new();
+    headers.insert("x-forwarded-for", "1.1.1.1, 2.2.2.2".parse().unwrap());
+    assert_eq!(
+        untrusted.key_from_headers(ip("10.0.0.1"), &headers),
+        "10.0.0.1"
+    );
+}
+
+#[test]
+fn r13_trust_by_hop_count() {
+    let chain = ["1.1.1.1, 2.2.2.2"];
+    let peer = ip("10.0.0.1");
+    assert_eq!(
+        ClientIp::new().with_trusted_hops(0).key(peer, chain),
+        "10.0.0.1"
+    );
+    assert_eq!(
+        ClientIp::new().with_trusted_hops(1).key(peer, chain),
+        "2.2.2.2"
+    );
+    assert_eq!(
+        ClientIp::new().with_trusted_hops(2).key(peer, chain),
+        "1.1.1.1"
+    );
+    // More hops than the chain: the leftmost (original) address.
+    assert_eq!(
+        ClientIp::new().with_trusted_hops(9).key(peer, chain),
+        "1.1.1.1"
+    );
+    // Several header lines read as one list, in order.
+    assert_eq!(
+        ClientIp::new()
+            .with_trusted_hops(2)
+            .key(peer, ["1.1.1.1", "2.2.2.2"]),
+        "1.1.1.1"
+    );
+}
+
+#[test]
+fn r13_trust_by_cidr_list() {
+    let trusted = ClientIp::new()
+        .with_trusted_proxies(["10.0.0.0/8", "192.168.1.7", "2001:db8:ffff::/48"])
+        .unwrap();
+    assert_eq!(
+        trusted.key(ip("10.1.2.3"), ["203.0.113.9, 192.168.1.7"]),
+        "203.0.113.9"
+    );
+    // The rightmost untrusted address wins: a client cannot spoof past it.
+    assert_eq!(
+        trusted.key(ip("10.1.2.3"), ["6.6.6.6, 203.0.113.9"]),
+        "203.0.113.9"
+    );
+    // An untrusted peer is the client, whatever it forwards.
+    assert_eq!(trusted.key(ip("8.8.8.8"), ["203.0.113.9"]), "8.8.8.8");
+    // Everything trusted: the leftmost address.
+    assert_eq!(trusted.key(ip("10.0.0.1"), ["10.0.0.2"]), "10.0.0.2");
+    assert_eq!(
+        trusted.key(ip("2001:db8:ffff::1"), ["198.51.100.1"]),
+        "198.51.100.1"
+    );
+    assert_eq!(
+        ClientIp::new()
+            .with_trust(TrustProxy::Cidrs(Vec::new()))
+            .key(ip("10.0.0.1"), ["1.1.1.1"]),
+        "10.0.0.1"
+    );
+}
+
+#[test]
+fn r13_ipv6_is_aggregated_to_a_64_by_default() {
+    let peer = ip("2001:db8:aaaa:bbbb:1:2:3:4");
+    assert_eq!(
+        ClientIp::new().key(peer, None::<&str>),
+        "2001:db8:aaaa:bbbb::/64"
+    );
+    let neighbour = ip("2001:db8:aaaa:bbbb:ffff::9");
+    assert_eq!(
+        ClientIp::new().key(neighbour, None::<&str>),
+        "2001:db8:aaaa:bbbb::/64"
+    );
+    let wide = ClientIp::new().with_ipv6_prefix(48).unwrap();
+    assert_eq!(wide.key(peer, None::<&str>), "2001:db8:aaaa::/48");
+    let exact = ClientIp::new().with_ipv6_prefix(128).unwrap();
+    assert_eq!(exact.key(peer, None::<&str>), "2001:db8:aaaa:bbbb:1:2:3:4");
+}
+
+#[test]
+fn r13_ipv4_mapped_ipv6_is_collapsed() {
+    let mapped = ip("::ffff:203.0.113.5");
+    assert_eq!(ClientIp::new().key(mapped, None::<&str>), "203.0.113.5");
+    let trusted = ClientIp::new()
+        .with_trusted_proxies(["10.0.0.0/8"])
+        .unwrap();
+    assert_eq!(
+        trusted.key(ip("::ffff:10.0.0.1"), ["::ffff:198.51.100.2"]),
+        "198.51.100.2"
+    );
+}
+
+#[test]
+fn r13_invalid_forwarded_tokens_are_dropped() {
+    let hops = ClientIp::new().with_trusted_hops(1);
+    assert_eq!(
+        hops.key(ip("10.0.0.1"), ["1.1.1.1, junk, , 999.1.1.1"]),
+        "1.1.1.1"
+    );
+    assert_eq!(hops.key(ip("10.0.0.1"), ["unknown"]), "10.0.0.1");
+    assert_eq!(hops.key(ip("10.0.0.1"), ["1.1.1.1:8080"]), "1.1.1.1");
+    assert_eq!(
+        hops.key(ip("10.0.0.1"), ["[2001:db8::1]:443"]),
+        "2001:db8::/64"
+    );
+}
+
+#[test]
+fn r13_hmac_sha256_rfc4231() {
+    // RFC 4231, test case 2.
+    let hasher = KeyHasher::new("Jefe").unwrap();
+    assert_eq!(
+        hasher.hash("what do ya want for nothing?"),
+        "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+    );
+    // RFC 4231, test case 1.
+    let hasher = KeyHasher::new([0x0b; 20]).unwrap();
+    let key = hasher.hash("Hi There");
+    assert_eq!(
+        key,
+        "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"
+    );
+    assert!(
+        key.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    );
+    assert!(matches!(
+        KeyHasher::new(""),
+        Err(RateLimitError::EmptySecret)
+    ));
+}
+
+#[test]
+fn r14_bad_config_is_a_typed_error() {
+    let second = Duration::from_secs(1);
+    assert!(matches!(
+        Gcra::new(0, second),
+        Err(RateLimitError::ZeroLimit)
+    ));
+    assert!(matches!(
+        Gcra::new(1, Duration::ZERO),
+        Err(RateLimitError::ZeroPeriod)
+    ));
+    assert!(matches!(
+        Gcra::new(1, Duration::from_micros(999)),
+        Err(RateLimitError::ZeroPeriod)
+    ));
+    assert!(matches!(
+        Gcra::new(1, Duration::MAX),
+        Err(RateLimitError::TooLarge { .. })
+    ));
+    assert!(matches!(
+        TokenBucket::new(0, 1, second),
+        Err(RateLimitError::ZeroCapacity)
+    ));
+    assert!(matches!(
+        TokenBucket::new(1, 0, second),
+        Err(RateLimitError::ZeroRate)
+    ));
+    assert!(matches!(
+        TokenBucket::new(1, 1, Duration::ZERO),
+        Err(RateLimitError::ZeroPeriod)
+    ));
+    assert!(matches!(
+        FixedWindow::new(0, second),
+        Err(RateLimitError::ZeroLimit)
+    ));
+    assert!(matches!(
+        FixedWindow::new(1, Duration::ZERO),
+        Err(RateLimitError::ZeroPeriod)
+    ));
+    assert!(matches!(
+        FixedWindow::new(u32::MAX, Duration::from_secs(86_400 * 365)),
+        Err(RateLimitError::TooLarge { .. })
+    ));
+    assert!(matches!(
+        SlidingWindow::new(0, second),
+        Err(RateLimitError::ZeroLimit)
+    ));
+    assert!(matches!(
+        LeakyBucket::new(0, second, second),
+        Err(RateLimitError::ZeroRate)
+    ));
+    assert!(matches!(
+        PolicyName::new("bad\r\nname"),
+        Err(RateLimitError::InvalidPolicyName { .. })
+    ));
+    assert!(matches!(
+        ClientIp::new().with_ipv6_prefix(129),
+        Err(RateLimitError::InvalidIpv6Prefix(129))
+    ));
+    let err = ClientIp::new()
+        .with_trusted_proxies(["10.0.0.0/33"])
+        .unwrap_err();
+    assert_eq!(err.to_string(), "invalid trusted proxy `10.0.0.0/33`");
+    assert!(std::error::Error::source(&err).is_some());
+}
+
+#[test]
+fn r14_zero_cost_is_a_typed_error_naming_the_key() {
+    let (limiter, _clock) = manual(Gcra::new(1, Duration::from_secs(1)).unwrap());
+    let err = limiter.check_n("user:7", 0).unwrap_err();
+    assert!(matches!(err, RateLimitError::ZeroCost { ref key } if key == "user:7"));
+    assert_eq!(err.to_string(), "cost must be at least 1 for key `user:7`");
+    assert!(limiter.forecast("user:7", 0).is_err());
+    let shaper = Limiter::new(vectors::leaky::ten_per_second_queue_150());
+    assert!(matches!(
+        shaper.try_reserve("k", 0),
+        Err(RateLimitError::ZeroCost { .. })
+    ));
+}
+
+#[test]
+fn into_result_turns_a_denial_into_an_error() {
+    let (limiter, _clock) = manual(Gcra::new(1, Duration::from_secs(1)).unwrap());
+    assert!(limiter.check("k").unwrap().into_result().is_ok());
+    let err = limiter.check("k").unwrap().into_result().unwrap_err();
+    assert_eq!(err.decision.retry_after_ms, 1_000);
+    assert_eq!(err.to_string(), "rate limited, retry after 1000 ms");
+}
+
+#[test]
+fn reset_forgets_a_key() {
+    let (limiter, _clock) = manual(Gcra::new(1, Duration::from_secs(1)).unwrap());
+    assert!(limiter.check("k").unwrap().allowed);
+    assert!(!limiter.check("k").unwrap().allowed);
+    limiter.reset("k").unwrap();
+    assert!(limiter.check("k").unwrap().allowed);
+}
+
+#[test]
+fn per_key_overrides_change_the_quota_of_some_keys() {
+    let (limiter, _clock) = manual(Gcra::new(1, Duration::from_secs(1)).unwrap());
+    limiter.set_override("vip", Gcra::new(3, Duration::from_secs(1)).unwrap());
+    assert_eq!(limiter.check("vip").unwrap().limit, 3);
+    assert_eq!(limiter.check("vip").unwrap().remaining, 1);
+    assert_eq!(limiter.check("someone").unwrap().limit, 1);
+    assert_eq!(limiter.peek("vip").unwrap().remaining, 1);
+    assert_eq!(limiter.strategy_for("vip").limit(), 3);
+    assert!(limiter.remove_override("vip").is_some());
+    assert_eq!(limiter.peek("vip").unwrap().limit, 1);
+}
+
+/// A store that records the keys it is asked for.
+#[derive(Default)]
+struct Recording {
+    inner: MemoryStore<throttlebeam::rate_limit::GcraState>,
+    keys: Mutex<Vec<String>>,
+}
+
+impl Store<throttlebeam::rate_limit::GcraState> for Recording {
+    fn apply<T: Transition<throttlebeam::rate_limit::GcraState>>(
+        &self,
+        key: &str,
+        now_ms: u64,
+        t: &T,
+    ) -> Result<T::Output, RateLimitError> {
+        self.keys.lock().unwrap().push(key.to_owned());
+        self.inner.apply(key, now_ms, t)
+    }
+    fn remove(&self, key: &str) -> Result<(), RateLimitError> {
+        self.keys.lock().unwrap().push(format!("-{key}"));
+        self.inner.remove(key)
+    }
+}
+
+#[test]
+fn the_namespace_prefixes_store_keys_and_hashed_keys_hide_identifiers() {
+    let limiter = Limiter::builder(Gcra::new(5, Duration::from_secs(1)).unwrap())
+        .with_store(Recording::default())
+        .with_namespace("api")
+        .with_clock(ManualClock::new(0))
+        .build();
+    let hasher = KeyHasher::new("secret").unwrap();
+    let key = hasher.hash("alice@example.com");
+    limiter.check(&key).unwrap();
+    limiter.peek(&key).unwrap();
+    limiter.reset(&key).unwrap();
+    let keys = limiter.store().keys.lock().unwrap().clone();
+    assert_eq!(
+        keys,
+        [
+            format!("api:{key}"),
+            format!("api:{key}"),
+            format!("-api:{key}")
+        ]
+    );
+    assert!(keys.iter().all(|k| !k.contains("alice")));
+}
+
+#[tokio::test(start_paused = true)]
+async fn until_ready_waits_first_come_first_served() {
+    let limiter = Limiter::new(Gcra::new(1, Duration::from_secs(1)).unwrap());
+    assert!(limiter.check("k").unwrap().allowed);
+    let start = tokio::time::Instant::now();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let waiter = |name: &'static str, delay_ms: u64| {
+        let limiter = limiter.clone();
+        let order = Arc::clone(&order);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+            limiter.until_ready("k").await.unwrap();
+            order
+                .lock()
+                .unwrap()
+                .push((name, start.elapsed().as_millis()));
+        })
+    };
+    let a = waiter("a", 0);
+    let b = waiter("b", 10);
+    // c arrives when a's turn is just about due; it must not overtake a or b.
+    let c = waiter("c", 999);
+    for task in [a, b, c] {
+        task.await.unwrap();
+    }
+    assert_eq!(
+        *order.lock().unwrap(),
+        [("a", 1_000), ("b", 2_000), ("c", 3_000)]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn until_ready_refuses_a_cost_that_can_never_pass() {
+    let limiter = Limiter::new(Gcra::new(2, Duration::from_secs(1)).unwrap());
+    let err = limiter.until_n_ready("k", 3).await.unwrap_err();
+    assert!(matches!(
+        err,
+        RateLimitError::InsufficientCapacity {
+            cost: 3,
+            limit: 2,
+            ..
+        }
+    ));
+    assert!(limiter.until_n_ready("k", 0).await.is_err());
+    assert!(limiter.until_n_ready("k", 2).await.unwrap().allowed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_sweeper_drops_expired_keys() {
+    let limiter = Limiter::builder(Gcra::new(10, Duration::from_secs(1)).unwrap())
+        .with_clock(TokioClock::new())
+        .build();
+    for i in 0..100 {
+        limiter.check(&format!("k{i}")).unwrap();
+    }
+    assert_eq!(limiter.store().len(), 100);
+    let sweeper = limiter.spawn_sweeper(Duration::from_secs(5));
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(limiter.store().is_empty());
+    drop(limiter);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(sweeper.is_finished());
+}
+
+#[test]
+fn a_bounded_limiter_store_stays_bounded() {
+    let store = MemoryStore::new().with_max_keys(NonZeroUsize::new(64).unwrap());
+    let limiter = Limiter::builder(Gcra::new(1, Duration::from_secs(3_600)).unwrap())
+        .with_store(store)
+        .with_clock(ManualClock::new(0))
+        .build();
+    for i in 0..1_000 {
+        assert!(limiter.check(&format!("k{i}")).unwrap().allowed);
+        assert!(limiter.store().len() <= 64);
+    }
+}

@@ -1,0 +1,312 @@
+//! Invariants of the rate-limiting maths, over random strategies and call sequences.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use proptest::strategy::Strategy as _;
+use throttlebeam::clock::ManualClock;
+use throttlebeam::rate_limit::{
+    ALLOW_FULL, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingWindow, Strategy,
+    TokenBucket, Update, combine,
+};
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).expect("non-zero")
+}
+
+/// A call sequence: (milliseconds since the previous call, cost).
+fn calls(max_dt: u64, max_cost: u32) -> impl proptest::strategy::Strategy<Value = Vec<(u64, u32)>> {
+    prop::collection::vec((0..=max_dt, 1..=max_cost), 1..120)
+}
+
+/// Runs `calls` on one key and returns the admitted (time, cost) pairs.
+fn admitted<S: Strategy>(strategy: S, start: u64, calls: &[(u64, u32)]) -> Vec<(u64, u64)> {
+    let clock = ManualClock::new(start);
+    let limiter = Limiter::builder(strategy).with_clock(clock.clone()).build();
+    let mut out = Vec::new();
+    for &(dt, cost) in calls {
+        clock.advance_ms(dt);
+        if limiter.check_n("k", cost).unwrap().allowed {
+            out.push((clock_now(&clock), u64::from(cost)));
+        }
+    }
+    out
+}
+
+fn clock_now(clock: &ManualClock) -> u64 {
+    throttlebeam::clock::Clock::now_ms(clock)
+}
+
+/// Units admitted in every span `[t_i, t_j]` stay within `bound(t_j - t_i)`.
+fn assert_span_bound(
+    admitted: &[(u64, u64)],
+    bound: impl Fn(u64) -> u64,
+) -> Result<(), TestCaseError> {
+    for i in 0..admitted.len() {
+        let mut units = 0;
+        for &(t, cost) in &admitted[i..] {
+            units += cost;
+            let span = t - admitted[i].0;
+            prop_assert!(
+                units <= bound(span),
+                "{units} units in {span} ms (bound {})",
+                bound(span)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Units admitted in every aligned window stay within `limit`.
+fn assert_window_bound(
+    admitted: &[(u64, u64)],
+    window: u64,
+    limit: u64,
+) -> Result<(), TestCaseError> {
+    let mut per_window = std::collections::BTreeMap::new();
+    for &(t, cost) in admitted {
+        *per_window.entry(t / window).or_insert(0) += cost;
+    }
+    for (w, units) in per_window {
+        prop_assert!(units <= limit, "{units} units in window {w}");
+    }
+    Ok(())
+}
+
+/// The pure functions agree with each other at every step of `calls`, and waiting exactly the
+/// reported times is both necessary and sufficient.
+fn assert_consistent<S: Strategy>(
+    strategy: &S,
+    start: u64,
+    calls: &[(u64, u32)],
+) -> Result<(), TestCaseError> {
+    let mut state = None;
+    let mut now = start;
+    for &(dt, cost) in calls {
+        now += dt;
+        let peek = strategy.peek(state, now);
+        let one = strategy.check(state, now, NonZeroU32::MIN).result;
+        prop_assert_eq!(peek.allowed, one.allowed);
+        prop_assert_eq!(peek.remaining, one.remaining + u64::from(one.allowed));
+        let forecast = strategy.forecast(state, now, nz(cost));
+        let outcome = strategy.check(state, now, nz(cost));
+        let d = outcome.result;
+        prop_assert_eq!(forecast.spendable_now > 0, d.allowed);
+        prop_assert!(d.remaining <= d.limit);
+        // Not full: the next replenishment is the first instant with more capacity.
+        if peek.remaining < peek.limit {
+            let next = forecast.next_replenish_at_ms;
+            prop_assert!(next > now);
+            prop_assert!(strategy.peek(state, next).remaining > peek.remaining);
+            prop_assert_eq!(strategy.peek(state, next - 1).remaining, peek.remaining);
+        }
+        prop_assert_eq!(
+            strategy.peek(state, forecast.full_at_ms).remaining,
+            peek.limit
+        );
+        if !d.allowed {
+            prop_assert!(
+                matches!(outcome.update, Update::Keep),
+                "a denial never consumes"
+            );
+            if d.is_admissible() {
+                let at = now + d.retry_after_ms;
+                prop_assert!(strategy.check(state, at, nz(cost)).result.allowed);
+                if d.retry_after_ms > 0 {
+                    prop_assert!(!strategy.check(state, at - 1, nz(cost)).result.allowed);
+                }
+            } else {
+                prop_assert!(u64::from(cost) > d.limit);
+            }
+        }
+        if let Update::Set { state: next, .. } = outcome.update {
+            state = Some(next);
+        }
+    }
+    Ok(())
+}
+
+/// Moving the clock back from the last call never shows more capacity than at that call.
+fn assert_backwards_grants_nothing<S: Strategy>(
+    strategy: &S,
+    start: u64,
+    calls: &[(u64, u32)],
+    back: u64,
+) -> Result<(), TestCaseError> {
+    let mut state = None;
+    let mut now = start;
+    for &(dt, cost) in calls {
+        now += dt;
+        if let Update::Set { state: next, .. } = strategy.check(state, now, nz(cost)).update {
+            state = Some(next);
+        }
+        let earlier = now.saturating_sub(back);
+        let at_now = strategy.peek(state, now);
+        let before = strategy.peek(state, earlier);
+        prop_assert!(before.remaining <= at_now.remaining);
+        prop_assert!(!before.allowed || at_now.allowed);
+    }
+    Ok(())
+}
+
+/// `peek` and `forecast` through a limiter never change what later checks decide.
+fn assert_reads_are_pure<S: Strategy>(
+    strategy: S,
+    calls: &[(u64, u32)],
+) -> Result<(), TestCaseError> {
+    let (plain_clock, read_clock) = (ManualClock::new(0), ManualClock::new(0));
+    let plain = Limiter::builder(strategy.clone())
+        .with_clock(plain_clock.clone())
+        .build();
+    let reading = Limiter::builder(strategy)
+        .with_clock(read_clock.clone())
+        .build();
+    for &(dt, cost) in calls {
+        plain_clock.advance_ms(dt);
+        read_clock.advance_ms(dt);
+        for _ in 0..cost % 3 {
+            reading.peek("k").unwrap();
+            reading.forecast("k", cost).unwrap();
+        }
+        prop_assert_eq!(
+            plain.check_n("k", cost).unwrap(),
+            reading.check_n("k", cost).unwrap()
+        );
+    }
+    Ok(())
+}
+
+fn gcra() -> impl proptest::strategy::Strategy<Value = Gcra> {
+    (1..20u32, 1..5_000u64, 1..25u32).prop_map(|(limit, period, burst)| {
+        Gcra::new(limit, Duration::from_millis(period))
+            .unwrap()
+            .with_burst(nz(burst))
+    })
+}
+
+fn token_bucket() -> impl proptest::strategy::Strategy<Value = (TokenBucket, u64, u64, u64)> {
+    (1..20u32, 1..20u32, 1..5_000u64).prop_map(|(capacity, refill, per)| {
+        let bucket = TokenBucket::new(capacity, refill, Duration::from_millis(per)).unwrap();
+        (bucket, u64::from(capacity), u64::from(refill), per)
+    })
+}
+
+fn windows() -> impl proptest::strategy::Strategy<Value = (u32, u64)> {
+    (1..20u32, 1..5_000u64)
+}
+
+fn leaky() -> impl proptest::strategy::Strategy<Value = (LeakyBucket, u64)> {
+    (1..20u32, 1..5_000u64, 0..3_000u64).prop_map(|(rate, per, queue)| {
+        let shaper = LeakyBucket::new(
+            rate,
+            Duration::from_millis(per),
+            Duration::from_millis(queue),
+        );
+        (shaper.unwrap(), queue)
+    })
+}
+
+fn decision() -> impl proptest::strategy::Strategy<Value = Decision> {
+    (
+        any::<bool>(),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(allowed, limit, remaining, reset_at_ms, retry_after_ms)| Decision {
+                allowed,
+                limit,
+                remaining,
+                reset_at_ms,
+                retry_after_ms,
+            },
+        )
+}
+
+proptest! {
+    #[test]
+    fn gcra_never_admits_more_than_burst_plus_rate(g in gcra(), start in 0..10_000u64, calls in calls(400, 6)) {
+        let interval = g.interval_ms();
+        let burst = g.limit();
+        assert_span_bound(&admitted(g, start, &calls), |span| burst + span / interval)?;
+    }
+
+    #[test]
+    fn token_bucket_never_admits_more_than_capacity_plus_refill(
+        (bucket, capacity, refill, per) in token_bucket(), start in 0..10_000u64, calls in calls(400, 6),
+    ) {
+        assert_span_bound(&admitted(bucket, start, &calls), |span| capacity + span * refill / per)?;
+    }
+
+    #[test]
+    fn fixed_window_never_admits_more_than_its_quota((limit, window) in windows(), start in 0..10_000u64, calls in calls(400, 6)) {
+        let w = FixedWindow::new(limit, Duration::from_millis(window)).unwrap();
+        assert_window_bound(&admitted(w, start, &calls), window, u64::from(limit))?;
+    }
+
+    #[test]
+    fn sliding_window_never_admits_more_than_its_quota((limit, window) in windows(), start in 0..10_000u64, calls in calls(400, 6)) {
+        let w = SlidingWindow::new(limit, Duration::from_millis(window)).unwrap();
+        let admitted = admitted(w, start, &calls);
+        assert_window_bound(&admitted, window, u64::from(limit))?;
+        // Nor more than twice the quota across any window-length span.
+        assert_span_bound(&admitted, |span| if span < window { 2 * u64::from(limit) } else { u64::MAX })?;
+    }
+
+    #[test]
+    fn leaky_bucket_never_queues_more_than_its_cap(
+        (l, queue) in leaky(), start in 0..10_000u64, calls in calls(400, 6),
+    ) {
+        // Units admitted over a span start within it plus the queue: one per interval.
+        let interval = l.interval_ms();
+        assert_span_bound(&admitted(l, start, &calls), |span| (queue + span) / interval + 1)?;
+    }
+
+    #[test]
+    fn decisions_peeks_and_forecasts_agree(
+        g in gcra(), (bucket, ..) in token_bucket(), (limit, window) in windows(), (l, _) in leaky(),
+        start in 0..10_000u64, calls in calls(400, 6),
+    ) {
+        assert_consistent(&g, start, &calls)?;
+        assert_consistent(&bucket, start, &calls)?;
+        assert_consistent(&FixedWindow::new(limit, Duration::from_millis(window)).unwrap(), start, &calls)?;
+        assert_consistent(&SlidingWindow::new(limit, Duration::from_millis(window)).unwrap(), start, &calls)?;
+        assert_consistent(&l, start, &calls)?;
+    }
+
+    #[test]
+    fn a_clock_going_backwards_grants_nothing(
+        g in gcra(), (bucket, ..) in token_bucket(), (limit, window) in windows(), (l, _) in leaky(),
+        start in 0..10_000u64, calls in calls(400, 6), back in 1..5_000u64,
+    ) {
+        assert_backwards_grants_nothing(&g, start, &calls, back)?;
+        assert_backwards_grants_nothing(&bucket, start, &calls, back)?;
+        assert_backwards_grants_nothing(&FixedWindow::new(limit, Duration::from_millis(window)).unwrap(), start, &calls, back)?;
+        assert_backwards_grants_nothing(&SlidingWindow::new(limit, Duration::from_millis(window)).unwrap(), start, &calls, back)?;
+        assert_backwards_grants_nothing(&l, start, &calls, back)?;
+    }
+
+    #[test]
+    fn peek_and_forecast_never_change_state(
+        g in gcra(), (bucket, ..) in token_bucket(), (limit, window) in windows(), (l, _) in leaky(),
+        calls in calls(400, 6),
+    ) {
+        assert_reads_are_pure(g, &calls)?;
+        assert_reads_are_pure(bucket, &calls)?;
+        assert_reads_are_pure(FixedWindow::new(limit, Duration::from_millis(window)).unwrap(), &calls)?;
+        assert_reads_are_pure(SlidingWindow::new(limit, Duration::from_millis(window)).unwrap(), &calls)?;
+        assert_reads_are_pure(l, &calls)?;
+    }
+
+    #[test]
+    fn combine_is_commutative_associative_idempotent_with_identity(a in decision(), b in decision(), c in decision()) {
+        prop_assert_eq!(combine(a, b), combine(b, a));
+        prop_assert_eq!(combine(combine(a, b), c), combine(a, combine(b, c)));
+        prop_assert_eq!(combine(a, a), a);
+        prop_assert_eq!(combine(a, ALLOW_FULL), a);
+        prop_assert_eq!(combine(ALLOW_FULL, a), a);
+    }
+}
