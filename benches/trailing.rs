@@ -24,6 +24,7 @@ const TASKS: usize = 2;
 /// trailing run pending) when the call phase ends and memory is read.
 const KEY_WINDOW: Duration = Duration::from_secs(2);
 const CHILD_ENV: &str = "THROTTLEBEAM_TRAILING_BENCH_CHILD";
+const KEYS_ENV: &str = "THROTTLEBEAM_TRAILING_BENCH_KEYS";
 
 fn tokio_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -38,6 +39,8 @@ fn main() {
         keys_child(&side);
         return;
     }
+    // `cargo bench -- --test` only checks that the benches run: no figures then.
+    let quick = std::env::args().any(|a| a == "--test");
     let rt = tokio_runtime();
     let (ours, anchor) = rt.block_on(async {
         let runtime = Runtime::builder().start().await.expect("runtime");
@@ -61,6 +64,12 @@ fn main() {
     });
     group.finish();
     criterion.final_summary();
+    if quick {
+        drop(rt);
+        spawn_child("ours", 1_000);
+        spawn_child("anchor", 1_000);
+        return;
+    }
 
     // Our own interleaved rounds for the comparison line: medians of 7.
     let (mut o, mut a) = (Vec::new(), Vec::new());
@@ -72,8 +81,8 @@ fn main() {
     let (o, a) = (median(o), median(a));
     drop(rt);
 
-    let ours_keys = spawn_child("ours");
-    let anchor_keys = spawn_child("anchor");
+    let ours_keys = spawn_child("ours", KEYS);
+    let anchor_keys = spawn_child("anchor", KEYS);
     println!();
     println!(
         "compare coalesce: ours {o:.1} ns, anchor {a:.1} ns, ratio {:.2}",
@@ -179,10 +188,11 @@ struct KeysResult {
     bytes_per_key: f64,
 }
 
-fn spawn_child(side: &str) -> KeysResult {
+fn spawn_child(side: &str, keys: usize) -> KeysResult {
     let exe = std::env::current_exe().expect("bench binary");
     let out = Command::new(exe)
         .env(CHILD_ENV, side)
+        .env(KEYS_ENV, keys.to_string())
         .output()
         .expect("child bench runs");
     assert!(
@@ -219,13 +229,17 @@ fn rss() -> f64 {
 }
 
 fn keys_child(side: &str) {
+    let n = std::env::var(KEYS_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(KEYS);
     let rt = tokio_runtime();
     let (ns_per_key, end_to_end, bytes_per_key) = rt.block_on(async {
         let runtime = Runtime::builder().start().await.expect("runtime");
         let make = |prefix: &str, n: usize| {
             std::sync::Arc::new((0..n).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>())
         };
-        let (warm_keys, keys) = (make("warm:", 1_000), make("user:", KEYS));
+        let (warm_keys, keys) = (make("warm:", 1_000), make("user:", n));
         // Warm the runtime and allocator paths on other keys first.
         let warm = match side {
             "ours" => ours_keys(&runtime, &warm_keys, "warm:").await,
@@ -256,9 +270,9 @@ fn keys_child(side: &str) {
         }
         let end_to_end = start.elapsed();
         (
-            calls.as_nanos() as f64 / KEYS as f64,
+            calls.as_nanos() as f64 / n as f64,
             end_to_end,
-            (peak - before) / KEYS as f64,
+            (peak - before) / n as f64,
         )
     });
     println!(

@@ -32,16 +32,18 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use self::state::{Config, DESTROYED, Job, JobFuture, Led, OPEN, Shared, Submitted};
-pub use self::store::{MemoryStore, SetOptions, StoreError, StoreFuture, WindowStore};
+pub use self::store::{
+    MemoryWindowStore, SetOptions, WindowStore, WindowStoreError, WindowStoreFuture,
+};
 use crate::error::Error;
 use crate::key::{MAX_KEY_LEN, check_key, check_timer, shown};
 use crate::runtime::Runtime;
 
 /// Default window of a coalescing throttle.
-pub const DEFAULT_WINDOW: Duration = Duration::from_millis(1000);
+const DEFAULT_WINDOW: Duration = Duration::from_millis(1000);
 
 /// Longest window a coalescing throttle accepts: 2^31 − 1 ms (about 24.8 days).
-pub const MAX_WINDOW: Duration = Duration::from_millis((1 << 31) - 1);
+const MAX_WINDOW: Duration = Duration::from_millis((1 << 31) - 1);
 
 /// Which edge of the window a run is for; passed to the function.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -86,7 +88,7 @@ impl std::fmt::Debug for dyn WindowStore {
 }
 
 impl<S: WindowStore + ?Sized> WindowStore for Arc<S> {
-    fn get<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Option<String>> {
+    fn get<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
         (**self).get(key)
     }
 
@@ -95,15 +97,15 @@ impl<S: WindowStore + ?Sized> WindowStore for Arc<S> {
         key: &'a str,
         value: &'a str,
         options: SetOptions,
-    ) -> StoreFuture<'a, bool> {
+    ) -> WindowStoreFuture<'a, bool> {
         (**self).set(key, value, options)
     }
 
-    fn del<'a>(&'a self, key: &'a str) -> StoreFuture<'a, ()> {
+    fn del<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, ()> {
         (**self).del(key)
     }
 
-    fn clear(&self) -> StoreFuture<'_, ()> {
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
         (**self).clear()
     }
 }
@@ -151,7 +153,7 @@ impl TrailingThrottleBuilder {
         self
     }
 
-    /// Keeps windows in `store` instead of a [`MemoryStore`] of the
+    /// Keeps windows in `store` instead of a [`MemoryWindowStore`] of the
     /// throttle's own. A store passed in is never cleared by the throttle.
     /// Pass an `Arc` to share one store between throttles.
     pub fn with_store(mut self, store: impl WindowStore) -> Self {
@@ -172,7 +174,7 @@ impl TrailingThrottleBuilder {
     ///
     /// [`Error::InvalidKey`] for an empty prefix or one over
     /// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes, [`Error::InvalidArgument`]
-    /// for a window outside 1 ms ..= [`MAX_WINDOW`], [`Error::Start`] if the
+    /// for a window outside 1 ms ..= 2^31 − 1 ms, [`Error::Start`] if the
     /// default runtime could not start.
     pub fn build<T: Clone + Send + Sync + 'static>(self) -> Result<TrailingThrottle<T>, Error> {
         if self.prefix.is_empty() {
@@ -206,7 +208,7 @@ impl TrailingThrottleBuilder {
         });
         let (store, owns_store): (Box<dyn WindowStore>, bool) = match self.store {
             Some(store) => (store, false),
-            None => (Box::new(MemoryStore::new()), true),
+            None => (Box::new(MemoryWindowStore::new()), true),
         };
         let shared = Shared::new(Config {
             runtime,
@@ -473,7 +475,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
     /// `"destroyed"`, naming the key); functions already running are not
     /// cancelled and their waiters still get their values; every timer is
     /// cleared; later calls fail at once with [`Error::ShutDown`]. The
-    /// throttle's own [`MemoryStore`] is cleared; a store passed to
+    /// throttle's own [`MemoryWindowStore`] is cleared; a store passed to
     /// [`TrailingThrottleBuilder::with_store`] is left alone. Calling it
     /// again is harmless.
     pub async fn destroy(&self) {

@@ -62,8 +62,8 @@ mod runtime;
 mod throttle;
 
 pub use coalesce::{
-    MemoryWindowStore, Phase, SetOptions, TrailingStats, TrailingThrottle,
-    TrailingThrottleBuilder, WindowStore, WindowStoreError, WindowStoreFuture,
+    MemoryWindowStore, Phase, SetOptions, TrailingStats, TrailingThrottle, TrailingThrottleBuilder,
+    WindowStore, WindowStoreError, WindowStoreFuture,
 };
 pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
 pub use error::{BoxError, Error};

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use throttlebeam::{
-    Error, MemoryStore, Phase, Runtime, SetOptions, ShutdownPolicy, StoreFuture, TrailingStats,
-    TrailingThrottle, WindowStore,
+    Error, MemoryWindowStore, Phase, Runtime, SetOptions, ShutdownPolicy, TrailingStats,
+    TrailingThrottle, WindowStore, WindowStoreFuture,
 };
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, sleep_until};
@@ -656,7 +656,7 @@ async fn w9_counters_return_to_zero() {
 #[tokio::test(start_paused = true)]
 async fn a_long_run_extends_its_lease_in_the_store() {
     let rt = runtime().await;
-    let store = MemoryStore::new();
+    let store = MemoryWindowStore::new();
     let t: TrailingThrottle<&'static str> = rt
         .trailing_throttle("lease:")
         .with_window(ms(1000))
@@ -760,7 +760,7 @@ async fn w10_destroy_while_claiming() {
     let rt = runtime().await;
     let t: TrailingThrottle<&'static str> = rt
         .trailing_throttle("slow:")
-        .with_store(SlowStore(MemoryStore::new(), ms(50)))
+        .with_store(SlowStore(MemoryWindowStore::new(), ms(50)))
         .build()
         .unwrap();
     let log = Log::new();
@@ -788,7 +788,7 @@ async fn w10_destroy_while_claiming() {
 #[tokio::test(start_paused = true)]
 async fn w10_destroy_clears_only_an_owned_store() {
     let rt = runtime().await;
-    let shared = MemoryStore::new();
+    let shared = MemoryWindowStore::new();
     let passed: TrailingThrottle<u8> = rt
         .trailing_throttle("passed:")
         .with_store(shared.clone())
@@ -1040,7 +1040,7 @@ async fn the_runtime_key_cap_applies() {
 /// S1: the memory store contract.
 #[tokio::test(start_paused = true)]
 async fn memory_store_contract() {
-    let store = MemoryStore::with_sweep_interval(ms(1000)).unwrap();
+    let store = MemoryWindowStore::with_sweep_interval(ms(1000)).unwrap();
     let px = |n| SetOptions::px(ms(n));
     assert!(!store.is_sweeping());
 
@@ -1084,7 +1084,7 @@ async fn memory_store_contract() {
 /// S1: the sweeper removes expired keys and runs only while keys exist.
 #[tokio::test(start_paused = true)]
 async fn memory_store_sweeper_runs_only_while_keys_exist() {
-    let store = MemoryStore::with_sweep_interval(ms(1000)).unwrap();
+    let store = MemoryWindowStore::with_sweep_interval(ms(1000)).unwrap();
     let px = |n| SetOptions::px(ms(n));
     store.set("short", "1", px(100)).await.unwrap();
     store.set("long", "1", px(1500)).await.unwrap();
@@ -1112,7 +1112,7 @@ async fn memory_store_sweeper_runs_only_while_keys_exist() {
     settle().await;
     assert_eq!(store.sweeps(), 3);
     assert!(!store.is_sweeping());
-    assert!(MemoryStore::with_sweep_interval(Duration::ZERO).is_err());
+    assert!(MemoryWindowStore::with_sweep_interval(Duration::ZERO).is_err());
 }
 
 /// A store that always fails: runs still happen (fail open) and in-memory
@@ -1166,7 +1166,7 @@ async fn a_failing_store_never_stops_a_run() {
 async fn two_instances_sharing_a_store_never_overlap() {
     let rt_a = runtime().await;
     let rt_b = runtime().await;
-    let store = MemoryStore::new();
+    let store = MemoryWindowStore::new();
     let build = |rt: &Runtime| -> TrailingThrottle<&'static str> {
         rt.trailing_throttle("s:")
             .with_window(ms(1000))
@@ -1205,7 +1205,7 @@ async fn a_store_slower_than_the_window_never_blocks_its_own_instance() {
     let t: TrailingThrottle<&'static str> = rt
         .trailing_throttle("slow:")
         .with_window(ms(1))
-        .with_store(SlowStore(MemoryStore::new(), ms(3)))
+        .with_store(SlowStore(MemoryWindowStore::new(), ms(3)))
         .build()
         .unwrap();
     let log = Log::new();
@@ -1226,7 +1226,7 @@ async fn a_store_slower_than_the_window_never_blocks_its_own_instance() {
 /// dropped calls) and runs still never overlap or come closer than a window.
 #[tokio::test(start_paused = true)]
 async fn two_busy_instances_take_turns() {
-    let store = MemoryStore::new();
+    let store = MemoryWindowStore::new();
     let (rt_a, rt_b) = (runtime().await, runtime().await);
     let build = |rt: &Runtime| -> TrailingThrottle<&'static str> {
         rt.trailing_throttle("s:")
@@ -1293,16 +1293,21 @@ async fn ten_lost_races_in_a_row_drop_the_pending_calls() {
 struct DownStore;
 
 impl WindowStore for DownStore {
-    fn get<'a>(&'a self, _key: &'a str) -> StoreFuture<'a, Option<String>> {
+    fn get<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
         Box::pin(async { Err("connection refused".into()) })
     }
-    fn set<'a>(&'a self, _key: &'a str, _value: &'a str, _o: SetOptions) -> StoreFuture<'a, bool> {
+    fn set<'a>(
+        &'a self,
+        _key: &'a str,
+        _value: &'a str,
+        _o: SetOptions,
+    ) -> WindowStoreFuture<'a, bool> {
         Box::pin(async { Err("connection refused".into()) })
     }
-    fn del<'a>(&'a self, _key: &'a str) -> StoreFuture<'a, ()> {
+    fn del<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, ()> {
         Box::pin(async { Err("connection refused".into()) })
     }
-    fn clear(&self) -> StoreFuture<'_, ()> {
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
         Box::pin(async { panic!("clear is only called on an owned store") })
     }
 }
@@ -1311,40 +1316,50 @@ impl WindowStore for DownStore {
 struct TakenStore;
 
 impl WindowStore for TakenStore {
-    fn get<'a>(&'a self, _key: &'a str) -> StoreFuture<'a, Option<String>> {
+    fn get<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
         Box::pin(async { Ok(Some("not a number".to_owned())) })
     }
-    fn set<'a>(&'a self, _key: &'a str, _value: &'a str, o: SetOptions) -> StoreFuture<'a, bool> {
+    fn set<'a>(
+        &'a self,
+        _key: &'a str,
+        _value: &'a str,
+        o: SetOptions,
+    ) -> WindowStoreFuture<'a, bool> {
         Box::pin(async move { Ok(!o.nx) })
     }
-    fn del<'a>(&'a self, _key: &'a str) -> StoreFuture<'a, ()> {
+    fn del<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, ()> {
         Box::pin(async { Ok(()) })
     }
-    fn clear(&self) -> StoreFuture<'_, ()> {
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
         Box::pin(async { Ok(()) })
     }
 }
 
 /// A memory store whose commands take a while.
-struct SlowStore(MemoryStore, Duration);
+struct SlowStore(MemoryWindowStore, Duration);
 
 impl WindowStore for SlowStore {
-    fn get<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Option<String>> {
+    fn get<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
         Box::pin(async move {
             sleep(self.1).await;
             self.0.get(key).await
         })
     }
-    fn set<'a>(&'a self, key: &'a str, value: &'a str, o: SetOptions) -> StoreFuture<'a, bool> {
+    fn set<'a>(
+        &'a self,
+        key: &'a str,
+        value: &'a str,
+        o: SetOptions,
+    ) -> WindowStoreFuture<'a, bool> {
         Box::pin(async move {
             sleep(self.1).await;
             self.0.set(key, value, o).await
         })
     }
-    fn del<'a>(&'a self, key: &'a str) -> StoreFuture<'a, ()> {
+    fn del<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, ()> {
         self.0.del(key)
     }
-    fn clear(&self) -> StoreFuture<'_, ()> {
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
         self.0.clear()
     }
 }
@@ -1353,16 +1368,21 @@ impl WindowStore for SlowStore {
 struct ClearRecorder(Arc<AtomicBool>);
 
 impl WindowStore for ClearRecorder {
-    fn get<'a>(&'a self, _key: &'a str) -> StoreFuture<'a, Option<String>> {
+    fn get<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
         Box::pin(async { Ok(None) })
     }
-    fn set<'a>(&'a self, _key: &'a str, _value: &'a str, _o: SetOptions) -> StoreFuture<'a, bool> {
+    fn set<'a>(
+        &'a self,
+        _key: &'a str,
+        _value: &'a str,
+        _o: SetOptions,
+    ) -> WindowStoreFuture<'a, bool> {
         Box::pin(async { Ok(true) })
     }
-    fn del<'a>(&'a self, _key: &'a str) -> StoreFuture<'a, ()> {
+    fn del<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, ()> {
         Box::pin(async { Ok(()) })
     }
-    fn clear(&self) -> StoreFuture<'_, ()> {
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
         self.0.store(true, Ordering::SeqCst);
         Box::pin(async { Ok(()) })
     }

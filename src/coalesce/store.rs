@@ -2,7 +2,7 @@
 //! is taken, so that several instances sharing one store agree.
 //!
 //! The contract is four Redis-style commands (`GET`, `SET … PX [NX]`, `DEL`,
-//! and a `clear` of what the store owns). [`MemoryStore`] is the in-process
+//! and a `clear` of what the store owns). [`MemoryWindowStore`] is the in-process
 //! implementation; a Redis store implements the same trait.
 
 use std::future::Future;
@@ -19,10 +19,11 @@ use crate::error::Error;
 use crate::key::MAX_TIMER;
 
 /// The error a [`WindowStore`] fails with.
-pub type StoreError = Box<dyn std::error::Error + Send + Sync + 'static>;
+pub type WindowStoreError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// The future a [`WindowStore`] method returns.
-pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+pub type WindowStoreFuture<'a, T> =
+    Pin<Box<dyn Future<Output = Result<T, WindowStoreError>> + Send + 'a>>;
 
 /// Options of [`WindowStore::set`]: the expiry (Redis `PX`) and whether to
 /// write only if the key is missing or expired (Redis `NX`).
@@ -81,29 +82,29 @@ impl SetOptions {
 /// A store that is always down; the throttle keeps working:
 ///
 /// ```
-/// use throttlebeam::{SetOptions, StoreFuture, WindowStore};
+/// use throttlebeam::{SetOptions, WindowStoreFuture, WindowStore};
 ///
 /// #[derive(Debug)]
 /// struct Down;
 ///
 /// impl WindowStore for Down {
-///     fn get<'a>(&'a self, _key: &'a str) -> StoreFuture<'a, Option<String>> {
+///     fn get<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
 ///         Box::pin(async { Err("connection refused".into()) })
 ///     }
-///     fn set<'a>(&'a self, _key: &'a str, _value: &'a str, _options: SetOptions) -> StoreFuture<'a, bool> {
+///     fn set<'a>(&'a self, _key: &'a str, _value: &'a str, _options: SetOptions) -> WindowStoreFuture<'a, bool> {
 ///         Box::pin(async { Err("connection refused".into()) })
 ///     }
-///     fn del<'a>(&'a self, _key: &'a str) -> StoreFuture<'a, ()> {
+///     fn del<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, ()> {
 ///         Box::pin(async { Err("connection refused".into()) })
 ///     }
-///     fn clear(&self) -> StoreFuture<'_, ()> {
+///     fn clear(&self) -> WindowStoreFuture<'_, ()> {
 ///         Box::pin(async { Ok(()) })
 ///     }
 /// }
 /// ```
 pub trait WindowStore: Send + Sync + 'static {
     /// The live value of `key`, if any.
-    fn get<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Option<String>>;
+    fn get<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<String>>;
 
     /// Writes `value` under `key` with the given expiry; see the trait docs.
     fn set<'a>(
@@ -111,13 +112,13 @@ pub trait WindowStore: Send + Sync + 'static {
         key: &'a str,
         value: &'a str,
         options: SetOptions,
-    ) -> StoreFuture<'a, bool>;
+    ) -> WindowStoreFuture<'a, bool>;
 
     /// Removes `key`.
-    fn del<'a>(&'a self, key: &'a str) -> StoreFuture<'a, ()>;
+    fn del<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, ()>;
 
     /// Removes every key this store owns.
-    fn clear(&self) -> StoreFuture<'_, ()>;
+    fn clear(&self) -> WindowStoreFuture<'_, ()>;
 }
 
 #[derive(Debug)]
@@ -147,9 +148,9 @@ struct MemoryInner {
 /// ```
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
 /// use std::time::Duration;
-/// use throttlebeam::{MemoryStore, SetOptions, WindowStore};
+/// use throttlebeam::{MemoryWindowStore, SetOptions, WindowStore};
 ///
-/// let store = MemoryStore::new();
+/// let store = MemoryWindowStore::new();
 /// let ttl = SetOptions::px(Duration::from_millis(100)).nx();
 /// assert!(store.set("sync:1", "1", ttl).await.unwrap());
 /// assert!(!store.set("sync:1", "2", ttl).await.unwrap()); // live: NX fails
@@ -159,19 +160,19 @@ struct MemoryInner {
 /// # }
 /// ```
 #[derive(Clone)]
-pub struct MemoryStore {
+pub struct MemoryWindowStore {
     inner: Arc<MemoryInner>,
 }
 
-impl Default for MemoryStore {
+impl Default for MemoryWindowStore {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl std::fmt::Debug for MemoryStore {
+impl std::fmt::Debug for MemoryWindowStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryStore")
+        f.debug_struct("MemoryWindowStore")
             .field("len", &self.len())
             .field("sweep_interval", &self.inner.sweep_interval)
             .field("sweeping", &self.is_sweeping())
@@ -179,7 +180,7 @@ impl std::fmt::Debug for MemoryStore {
     }
 }
 
-impl MemoryStore {
+impl MemoryWindowStore {
     /// An empty store sweeping every 60 s while it holds keys.
     #[must_use]
     pub fn new() -> Self {
@@ -324,8 +325,8 @@ impl MemoryInner {
     }
 }
 
-impl WindowStore for MemoryStore {
-    fn get<'a>(&'a self, key: &'a str) -> StoreFuture<'a, Option<String>> {
+impl WindowStore for MemoryWindowStore {
+    fn get<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
         Box::pin(async move { Ok(self.get_now(key)) })
     }
 
@@ -334,18 +335,18 @@ impl WindowStore for MemoryStore {
         key: &'a str,
         value: &'a str,
         options: SetOptions,
-    ) -> StoreFuture<'a, bool> {
+    ) -> WindowStoreFuture<'a, bool> {
         Box::pin(async move { Ok(self.set_now(key, value, options)) })
     }
 
-    fn del<'a>(&'a self, key: &'a str) -> StoreFuture<'a, ()> {
+    fn del<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, ()> {
         Box::pin(async move {
             self.inner.map.remove(key);
             Ok(())
         })
     }
 
-    fn clear(&self) -> StoreFuture<'_, ()> {
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
         Box::pin(async move {
             self.inner.map.clear();
             Ok(())
