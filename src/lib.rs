@@ -52,6 +52,7 @@
 
 mod cell;
 pub mod clock;
+mod coalesce;
 mod debounce;
 mod error;
 mod idempotency;
@@ -60,6 +61,10 @@ pub mod rate_limit;
 mod runtime;
 mod throttle;
 
+pub use coalesce::{
+    MemoryWindowStore, Phase, SetOptions, TrailingStats, TrailingThrottle, TrailingThrottleBuilder,
+    WindowStore, WindowStoreError, WindowStoreFuture,
+};
 pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
 pub use error::{BoxError, Error};
 pub use idempotency::{

@@ -1,0 +1,351 @@
+//! Coalescing throttle benches, each side by side with its anchor.
+//!
+//! - `coalesce`: a coalesced call on a key whose window is open, against the
+//!   leading-only throttle's call on a key inside its window.
+//! - `trailing_keys`: 100,000 keys each getting one leading and one coalesced
+//!   call, end to end, against the leading-only throttle doing one executed
+//!   and one throttled call per key; with peak memory per key while windows
+//!   are open. Each side runs in a fresh child process so RSS figures are
+//!   not skewed by memory the other side freed.
+//!
+//! Run: `cargo bench --bench trailing`
+
+use std::convert::Infallible;
+use std::hint::black_box;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use throttlebeam::{Runtime, TrailingThrottle};
+
+const KEYS: usize = 100_000;
+const TASKS: usize = 2;
+/// Longer than the call phase, so every window is still open (with its
+/// trailing run pending) when the call phase ends and memory is read.
+const KEY_WINDOW: Duration = Duration::from_secs(2);
+const CHILD_ENV: &str = "THROTTLEBEAM_TRAILING_BENCH_CHILD";
+const KEYS_ENV: &str = "THROTTLEBEAM_TRAILING_BENCH_KEYS";
+
+fn tokio_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn main() {
+    if let Ok(side) = std::env::var(CHILD_ENV) {
+        keys_child(&side);
+        return;
+    }
+    // `cargo bench -- --test` only checks that the benches run: no figures then.
+    let quick = std::env::args().any(|a| a == "--test");
+    let rt = tokio_runtime();
+    let (ours, anchor) = rt.block_on(async {
+        let runtime = Runtime::builder().start().await.expect("runtime");
+        (
+            coalesced_call(&runtime).await,
+            throttled_call(&runtime).await,
+        )
+    });
+
+    let mut criterion = Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1))
+        .sample_size(20)
+        .configure_from_args();
+    let mut group = criterion.benchmark_group("coalesce");
+    group.bench_function("ours: coalesced call", |b| {
+        b.iter_custom(|iters| rt.block_on(async { ours.run(iters).await }));
+    });
+    group.bench_function("anchor: leading-only throttled call", |b| {
+        b.iter_custom(|iters| rt.block_on(async { anchor.run(iters).await }));
+    });
+    group.finish();
+    criterion.final_summary();
+    if quick {
+        drop(rt);
+        spawn_child("ours", 1_000);
+        spawn_child("anchor", 1_000);
+        return;
+    }
+
+    // Our own interleaved rounds for the comparison line: medians of 7.
+    let (mut o, mut a) = (Vec::new(), Vec::new());
+    for _ in 0..7 {
+        let iters = 300_000;
+        o.push(rt.block_on(ours.run(iters)).as_nanos() as f64 / iters as f64);
+        a.push(rt.block_on(anchor.run(iters)).as_nanos() as f64 / iters as f64);
+    }
+    let (o, a) = (median(o), median(a));
+    drop(rt);
+
+    let ours_keys = spawn_child("ours", KEYS);
+    let anchor_keys = spawn_child("anchor", KEYS);
+    println!();
+    println!(
+        "compare coalesce: ours {o:.1} ns, anchor {a:.1} ns, ratio {:.2}",
+        o / a
+    );
+    println!(
+        "compare trailing_keys: ours {:.1} ns, anchor {:.1} ns, ratio {:.2}",
+        ours_keys.ns_per_key,
+        anchor_keys.ns_per_key,
+        ours_keys.ns_per_key / anchor_keys.ns_per_key
+    );
+    println!(
+        "trailing_keys: ours {:.0} keys/s (anchor {:.0}), one leading + one coalesced call per key \
+         from {TASKS} tasks; all {KEYS} keys closed {:.0} ms after the first call (minimum: call \
+         phase + two {} ms windows = {:.0} ms); peak memory {:.0} bytes/key while windows are \
+         open (anchor {:.0} bytes/key)",
+        1e9 / ours_keys.ns_per_key,
+        1e9 / anchor_keys.ns_per_key,
+        ours_keys.end_to_end.as_secs_f64() * 1e3,
+        KEY_WINDOW.as_millis(),
+        (ours_keys.ns_per_key * KEYS as f64 / 1e6) + 2.0 * KEY_WINDOW.as_secs_f64() * 1e3,
+        ours_keys.bytes_per_key,
+        anchor_keys.bytes_per_key,
+    );
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// A key kept inside its window with a pending trailing run.
+struct Coalesced {
+    throttle: TrailingThrottle<u64>,
+}
+
+impl Coalesced {
+    async fn run(&self, iters: u64) -> Duration {
+        let start = Instant::now();
+        for i in 0..iters {
+            // The closure captures a value, as real ones do: boxing it allocates.
+            let ran = self
+                .throttle
+                .call("hot", move |_| async move { Ok::<_, Infallible>(i) })
+                .await;
+            black_box(ran.ok());
+        }
+        start.elapsed()
+    }
+}
+
+async fn coalesced_call(runtime: &Runtime) -> Coalesced {
+    let throttle = runtime
+        .trailing_throttle("bench:")
+        .with_window(Duration::from_secs(3600))
+        .build()
+        .expect("throttle");
+    let led = throttle
+        .call("hot", |_| async { Ok::<_, Infallible>(0) })
+        .await;
+    assert_eq!(led.ok(), Some(true));
+    Coalesced { throttle }
+}
+
+/// A key inside its leading-only window.
+struct Throttled {
+    throttler: throttlebeam::Throttler,
+}
+
+impl Throttled {
+    async fn run(&self, iters: u64) -> Duration {
+        let start = Instant::now();
+        for i in 0..iters {
+            let out = self
+                .throttler
+                .call("hot", Duration::from_secs(3600), move || async move {
+                    Ok::<_, Infallible>(i)
+                })
+                .await;
+            black_box(out.map(|o| o.is_throttled()).ok());
+        }
+        start.elapsed()
+    }
+}
+
+async fn throttled_call(runtime: &Runtime) -> Throttled {
+    let throttler = runtime.throttler();
+    let first = throttler
+        .call("hot", Duration::from_secs(3600), || async {
+            Ok::<_, Infallible>(0u64)
+        })
+        .await
+        .expect("executes");
+    assert!(!first.is_throttled());
+    Throttled { throttler }
+}
+
+// ---------------------------------------------------------------- trailing_keys
+
+struct KeysResult {
+    ns_per_key: f64,
+    end_to_end: Duration,
+    bytes_per_key: f64,
+}
+
+fn spawn_child(side: &str, keys: usize) -> KeysResult {
+    let exe = std::env::current_exe().expect("bench binary");
+    let out = Command::new(exe)
+        .env(CHILD_ENV, side)
+        .env(KEYS_ENV, keys.to_string())
+        .output()
+        .expect("child bench runs");
+    assert!(
+        out.status.success(),
+        "child failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("RESULT"))
+        .expect("child result");
+    let field = |name: &str| -> f64 {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|v| v.parse().ok())
+            .expect("result field")
+    };
+    KeysResult {
+        ns_per_key: field("ns_per_key"),
+        end_to_end: Duration::from_secs_f64(field("end_to_end_s")),
+        bytes_per_key: field("bytes_per_key"),
+    }
+}
+
+/// Resident set size in bytes, from /proc/self/status.
+fn rss() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb * 1024.0)
+}
+
+fn keys_child(side: &str) {
+    let n = std::env::var(KEYS_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(KEYS);
+    let rt = tokio_runtime();
+    let (ns_per_key, end_to_end, bytes_per_key) = rt.block_on(async {
+        let runtime = Runtime::builder().start().await.expect("runtime");
+        let make = |prefix: &str, n: usize| {
+            std::sync::Arc::new((0..n).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>())
+        };
+        let (warm_keys, keys) = (make("warm:", 1_000), make("user:", n));
+        // Warm the runtime and allocator paths on other keys first.
+        let warm = match side {
+            "ours" => ours_keys(&runtime, &warm_keys, "warm:").await,
+            _ => anchor_keys(&runtime, &warm_keys).await,
+        };
+        if let Some(t) = &warm {
+            while t.stats().keys > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let before = rss();
+        let start = Instant::now();
+        let throttle = match side {
+            "ours" => ours_keys(&runtime, &keys, "keys:").await,
+            _ => anchor_keys(&runtime, &keys).await,
+        };
+        let calls = start.elapsed();
+        let peak = rss();
+        assert!(
+            calls < KEY_WINDOW,
+            "call phase outlasted the window: {calls:?}"
+        );
+        if let Some(t) = throttle {
+            // Trailing runs at the end of the windows, then the windows close.
+            while t.stats().keys > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        let end_to_end = start.elapsed();
+        (
+            calls.as_nanos() as f64 / n as f64,
+            end_to_end,
+            (peak - before) / n as f64,
+        )
+    });
+    println!(
+        "RESULT ns_per_key={ns_per_key} end_to_end_s={} bytes_per_key={bytes_per_key}",
+        end_to_end.as_secs_f64()
+    );
+}
+
+async fn ours_keys(
+    runtime: &Runtime,
+    keys: &std::sync::Arc<Vec<String>>,
+    prefix: &str,
+) -> Option<TrailingThrottle<u64>> {
+    let throttle: TrailingThrottle<u64> = runtime
+        .trailing_throttle(prefix)
+        .with_window(KEY_WINDOW)
+        .build()
+        .expect("throttle");
+    let mut tasks = Vec::new();
+    for part in 0..TASKS {
+        let t = throttle.clone();
+        let keys = keys.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in (part..keys.len()).step_by(TASKS) {
+                let key = &keys[i];
+                let led = t
+                    .call(key, move |_| async move { Ok::<_, Infallible>(1) })
+                    .await;
+                assert_eq!(led.ok(), Some(true));
+                let coalesced = t
+                    .call(key, move |_| async move { Ok::<_, Infallible>(2) })
+                    .await;
+                assert_eq!(coalesced.ok(), Some(false));
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("task");
+    }
+    Some(throttle)
+}
+
+async fn anchor_keys(
+    runtime: &Runtime,
+    keys: &std::sync::Arc<Vec<String>>,
+) -> Option<TrailingThrottle<u64>> {
+    let throttler = runtime.throttler();
+    let mut tasks = Vec::new();
+    for part in 0..TASKS {
+        let t = throttler.clone();
+        let keys = keys.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in (part..keys.len()).step_by(TASKS) {
+                let key = &keys[i];
+                let first = t
+                    .call(key, KEY_WINDOW * 1000, || async {
+                        Ok::<_, Infallible>(1u64)
+                    })
+                    .await
+                    .expect("executes");
+                assert!(!first.is_throttled());
+                let second = t
+                    .call(key, KEY_WINDOW * 1000, || async {
+                        Ok::<_, Infallible>(2u64)
+                    })
+                    .await
+                    .expect("throttled");
+                assert!(second.is_throttled());
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("task");
+    }
+    None
+}

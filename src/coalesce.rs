@@ -1,0 +1,501 @@
+//! Leading + trailing throttle: the first call on an idle key runs now, the
+//! calls that arrive while it runs or while its window is open collapse into
+//! exactly one trailing run at the end of the window.
+//!
+//! ```text
+//! window 1000 ms, the function takes 300 ms
+//!
+//! t=0     call #1  -> runs now (leading); its caller gets `true` at t=300
+//! t=300            -> window [300, 1300)
+//! t=500   call #2  -> `false` at once (coalesced)
+//! t=900   call #3  -> `false` at once (coalesced)
+//! t=1300           -> one trailing run, the latest function, covers #2 and #3
+//! t=1600           -> its waiters get its value; window [1600, 2600)
+//! t=2600           -> no calls in the window: the key closes
+//! t=3000  call #4  -> leads again
+//! ```
+//!
+//! The key's slot in a registry owns its state (the latest function, the
+//! cell its waiters share, the window end); one per-key process owns its time
+//! and work while it has a run, a pending trailing run or an open window.
+//! Coalescing a call is a registry update: no message, no wake-up.
+
+mod process;
+mod state;
+mod store;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use self::state::{Config, DESTROYED, Job, JobFuture, Led, OPEN, Shared, Submitted};
+pub use self::store::{
+    MemoryWindowStore, SetOptions, WindowStore, WindowStoreError, WindowStoreFuture,
+};
+use crate::error::Error;
+use crate::key::{MAX_KEY_LEN, check_key, check_timer, shown};
+use crate::runtime::Runtime;
+
+/// Default window of a coalescing throttle.
+const DEFAULT_WINDOW: Duration = Duration::from_millis(1000);
+
+/// Longest window a coalescing throttle accepts: 2^31 − 1 ms (about 24.8 days).
+const MAX_WINDOW: Duration = Duration::from_millis((1 << 31) - 1);
+
+/// Which edge of the window a run is for; passed to the function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// The first call on an idle key, running now.
+    Leading,
+    /// The run at the end of a window, covering the calls coalesced into it.
+    Trailing,
+}
+
+/// Live figures of one [`TrailingThrottle`]; all zero once it is idle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct TrailingStats {
+    /// Keys with a run in progress, including runs still claiming their
+    /// window in the store.
+    pub active: usize,
+    /// Keys with coalesced calls waiting for a trailing run.
+    pub pending: usize,
+    /// Keys tracked (running, pending or inside a window).
+    pub keys: usize,
+    /// Timers scheduled now (one per key at most: a window or a lease).
+    pub timers: usize,
+}
+
+/// Configures a [`TrailingThrottle`]; from [`Runtime::trailing_throttle`] or
+/// [`TrailingThrottleBuilder::new`] (default runtime).
+#[derive(Debug)]
+#[must_use]
+pub struct TrailingThrottleBuilder {
+    runtime: Option<Runtime>,
+    prefix: String,
+    window: Duration,
+    store: Option<Box<dyn WindowStore>>,
+    name: Option<String>,
+}
+
+impl std::fmt::Debug for dyn WindowStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("dyn WindowStore")
+    }
+}
+
+impl<S: WindowStore + ?Sized> WindowStore for Arc<S> {
+    fn get<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
+        (**self).get(key)
+    }
+
+    fn set<'a>(
+        &'a self,
+        key: &'a str,
+        value: &'a str,
+        options: SetOptions,
+    ) -> WindowStoreFuture<'a, bool> {
+        (**self).set(key, value, options)
+    }
+
+    fn del<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, ()> {
+        (**self).del(key)
+    }
+
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
+        (**self).clear()
+    }
+}
+
+impl Runtime {
+    /// A coalescing (leading + trailing) throttle on this runtime, namespaced
+    /// by `prefix`: store keys are `prefix + key`.
+    pub fn trailing_throttle(&self, prefix: &str) -> TrailingThrottleBuilder {
+        TrailingThrottleBuilder {
+            runtime: Some(self.clone()),
+            ..TrailingThrottleBuilder::new(prefix)
+        }
+    }
+}
+
+impl TrailingThrottleBuilder {
+    /// A builder on the default runtime ([`Runtime::global`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use std::time::Duration;
+    /// use throttlebeam::{TrailingThrottle, TrailingThrottleBuilder};
+    ///
+    /// let reindex: TrailingThrottle<usize> = TrailingThrottleBuilder::new("reindex:")
+    ///     .with_window(Duration::from_secs(5))
+    ///     .build()?;
+    /// assert!(reindex.call("catalog", |_| async { Ok::<_, std::io::Error>(120) }).await?);
+    /// # Ok(()) }
+    /// ```
+    pub fn new(prefix: &str) -> Self {
+        Self {
+            runtime: None,
+            prefix: prefix.to_owned(),
+            window: DEFAULT_WINDOW,
+            store: None,
+            name: None,
+        }
+    }
+
+    /// The window that follows every run (default 1000 ms; 1 ms to 2^31 − 1 ms).
+    pub fn with_window(mut self, window: Duration) -> Self {
+        self.window = window;
+        self
+    }
+
+    /// Keeps windows in `store` instead of a [`MemoryWindowStore`] of the
+    /// throttle's own. A store passed in is never cleared by the throttle.
+    /// Pass an `Arc` to share one store between throttles.
+    pub fn with_store(mut self, store: impl WindowStore) -> Self {
+        self.store = Some(Box::new(store));
+        self
+    }
+
+    /// The tag of the throttle's tracing events (default: the prefix
+    /// without a trailing `:`).
+    pub fn with_name(mut self, name: &str) -> Self {
+        self.name = Some(name.to_owned());
+        self
+    }
+
+    /// Builds the throttle for functions returning `T`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`] for an empty prefix or one over
+    /// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes, [`Error::InvalidArgument`]
+    /// for a window outside 1 ms ..= 2^31 − 1 ms, [`Error::Start`] if the
+    /// default runtime could not start.
+    pub fn build<T: Clone + Send + Sync + 'static>(self) -> Result<TrailingThrottle<T>, Error> {
+        if self.prefix.is_empty() {
+            return Err(Error::InvalidKey {
+                key: String::new(),
+                reason: "prefix is empty",
+            });
+        }
+        if self.prefix.len() > MAX_KEY_LEN {
+            return Err(Error::InvalidKey {
+                key: shown(&self.prefix),
+                reason: "prefix is longer than 1024 bytes",
+            });
+        }
+        if self.window < Duration::from_millis(1) || self.window > MAX_WINDOW {
+            return Err(Error::InvalidArgument {
+                key: shown(&self.prefix),
+                what: "window",
+                reason: "must be between 1 ms and 2^31 - 1 ms",
+            });
+        }
+        let runtime = match self.runtime {
+            Some(runtime) => runtime,
+            None => Runtime::global()?,
+        };
+        let name = self.name.unwrap_or_else(|| {
+            self.prefix
+                .strip_suffix(':')
+                .unwrap_or(&self.prefix)
+                .to_owned()
+        });
+        let (store, owns_store): (Box<dyn WindowStore>, bool) = match self.store {
+            Some(store) => (store, false),
+            None => (Box::new(MemoryWindowStore::new()), true),
+        };
+        let shared = Shared::new(Config {
+            runtime,
+            name: name.into(),
+            prefix: self.prefix.into(),
+            window: self.window,
+            store,
+            owns_store,
+        });
+        Ok(TrailingThrottle { shared })
+    }
+}
+
+/// A keyed leading + trailing (coalescing) throttle for functions returning `T`.
+///
+/// - The first call on an idle key runs its function now ([`Phase::Leading`]).
+/// - Calls while a function runs or its window is open are coalesced:
+///   exactly one trailing run ([`Phase::Trailing`]) at the end of the window
+///   covers them all, using the latest function passed for the key.
+/// - Every run opens a window that starts when it finishes, so runs of a key
+///   never overlap; a window that passes with no calls closes the key and the
+///   next call leads again.
+/// - A run covers a call if the call arrived before the run started
+///   executing; a call arriving while a function runs is covered by the next
+///   trailing run.
+///
+/// Functions run in the key's own process: dropping a caller's future or a
+/// timeout never cancels them. A failed trailing run fails every waiter it
+/// covered and emits one `tracing` error event; everything else is logged at
+/// debug or trace level.
+///
+/// # Window store
+///
+/// Windows are also recorded in a [`WindowStore`] so instances sharing a
+/// store agree on who runs a key:
+///
+/// - a run claims the key with `SET key <lapse> PX lease NX`, where the lease
+///   lasts max(window, 2 × max(window / 2, 100 ms)), and extends it every
+///   max(window / 2, 100 ms) while the function runs;
+/// - when the run ends, `SET key <window end> PX window` records the window;
+/// - an instance that loses the claim reads the value and retries just after
+///   it (at most one lease later); the call is coalesced meanwhile, and after
+///   10 losses in a row its pending calls fail with [`Error::Discarded`];
+/// - on a store passed in (maybe shared), a holder re-claims 5 ms after its
+///   window ends, so an instance waiting for that end claims first instead of
+///   losing every race to a holder that always has calls pending.
+///
+/// A failing store never stops a run (fail open): in-memory state keeps
+/// throttling per instance.
+///
+/// A cheap handle: clones share the same keys.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+/// use std::time::Duration;
+/// use throttlebeam::{Phase, Runtime};
+///
+/// let runtime = Runtime::start().await?;
+/// let sync = runtime
+///     .trailing_throttle("sync:")
+///     .with_window(Duration::from_millis(500))
+///     .build::<&'static str>()?;
+///
+/// // Idle key: runs now, and `true` once it has finished.
+/// assert!(sync.call("room:1", |_| async { Ok::<_, std::io::Error>("v1") }).await?);
+/// // Inside the window: coalesced, `false` at once.
+/// assert!(!sync.call("room:1", |_| async { Ok::<_, std::io::Error>("v2") }).await?);
+/// // Waiting: the value of the trailing run that covers this call.
+/// let value = sync
+///     .call_and_wait("room:1", |phase| async move {
+///         assert_eq!(phase, Phase::Trailing);
+///         Ok::<_, std::io::Error>("v3")
+///     })
+///     .await?;
+/// assert_eq!(value, "v3");
+/// runtime.shutdown(Duration::from_secs(1)).await;
+/// # Ok(()) }
+/// ```
+pub struct TrailingThrottle<T> {
+    shared: Arc<Shared<T>>,
+}
+
+impl<T> Clone for TrailingThrottle<T> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+}
+
+impl<T: Clone + Send + Sync + 'static> std::fmt::Debug for TrailingThrottle<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrailingThrottle")
+            .field("name", &self.shared.name)
+            .field("prefix", &self.shared.prefix)
+            .field("window", &self.shared.window)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+fn boxed<T, F, Fut, E>(f: F) -> Job<T>
+where
+    F: FnOnce(Phase) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+{
+    Box::new(move |phase| -> JobFuture<T> {
+        Box::pin(async move { f(phase).await.map_err(Into::into) })
+    })
+}
+
+impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
+    /// Runs `f` now if `key` is idle and resolves `true` once it has
+    /// finished; otherwise coalesces the call into the key's trailing run
+    /// and resolves `false` at once.
+    ///
+    /// A coalesced call never sees the trailing run's outcome; use
+    /// [`TrailingThrottle::call_and_wait`] for that. A leading call that
+    /// loses the window race to another instance sharing the store is
+    /// coalesced too (`false`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`], [`Error::TooManyKeys`], [`Error::ShutDown`]
+    /// (destroyed or shut down), and for a leading call [`Error::Failed`] or
+    /// [`Error::Panicked`] from the function, or [`Error::Discarded`] if the
+    /// throttle was destroyed before it ran.
+    pub async fn call<F, Fut, E>(&self, key: &str, f: F) -> Result<bool, Error>
+    where
+        F: FnOnce(Phase) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    {
+        match self.shared.submit(key, boxed(f), false)? {
+            Submitted::Coalesced(_) => Ok(false),
+            Submitted::Lead(rx) => match rx.await {
+                Ok(Led::Ran(result)) => result.map(|_| true),
+                Ok(Led::Coalesced(_)) => Ok(false),
+                Err(_) => Err(self.shared.exit_error(key)),
+            },
+        }
+    }
+
+    /// Like [`TrailingThrottle::call`], then waits for the run that covers
+    /// this call (its own leading run, or the trailing run it was coalesced
+    /// into) and resolves with that run's value or error.
+    ///
+    /// The trailing run uses the latest function passed for the key, so the
+    /// value may come from a newer closure than `f`. Don't wait on a key from
+    /// inside that key's own function: the covering run cannot start until
+    /// the current one ends.
+    ///
+    /// # Errors
+    ///
+    /// As [`TrailingThrottle::call`], plus the covering run's
+    /// [`Error::Failed`] or [`Error::Panicked`], and [`Error::Discarded`]
+    /// when the throttle is destroyed (or loses the window race to other
+    /// instances 10 times in a row) before that run starts.
+    pub async fn call_and_wait<F, Fut, E>(&self, key: &str, f: F) -> Result<T, Error>
+    where
+        F: FnOnce(Phase) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    {
+        let submitted = self.shared.submit(key, boxed(f), true)?;
+        self.covering(key, submitted).await
+    }
+
+    /// [`TrailingThrottle::call_and_wait`] giving up after `timeout`. The run
+    /// is not cancelled: it still happens and still covers the call.
+    ///
+    /// # Errors
+    ///
+    /// As [`TrailingThrottle::call_and_wait`], plus [`Error::Timeout`] naming
+    /// the key and the timeout, and [`Error::InvalidArgument`] for a zero
+    /// timeout or one too large to schedule (checked before anything runs).
+    pub async fn call_and_wait_timeout<F, Fut, E>(
+        &self,
+        key: &str,
+        timeout: Duration,
+        f: F,
+    ) -> Result<T, Error>
+    where
+        F: FnOnce(Phase) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    {
+        check_key(key)?;
+        check_timer(key, "timeout", timeout)?;
+        let deadline = Instant::now() + timeout;
+        let submitted = self.shared.submit(key, boxed(f), true)?;
+        tokio::time::timeout_at(deadline, self.covering(key, submitted))
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::Timeout {
+                    key: shown(key),
+                    after: timeout,
+                })
+            })
+    }
+
+    async fn covering(&self, key: &str, submitted: Submitted<T>) -> Result<T, Error> {
+        let cell = match submitted {
+            Submitted::Coalesced(Some(cell)) => cell,
+            Submitted::Coalesced(None) => return Err(self.shared.exit_error(key)),
+            Submitted::Lead(rx) => match rx.await {
+                Ok(Led::Ran(result)) => return result,
+                Ok(Led::Coalesced(cell)) => cell,
+                Err(_) => return Err(self.shared.exit_error(key)),
+            },
+        };
+        cell.wait().await
+    }
+
+    /// Live figures.
+    #[must_use]
+    pub fn stats(&self) -> TrailingStats {
+        let gauges = &self.shared.gauges;
+        TrailingStats {
+            active: gauges.active.load(Ordering::Relaxed),
+            pending: gauges.pending.load(Ordering::Relaxed),
+            keys: self.shared.registry.len(),
+            timers: gauges.timers.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The key namespace.
+    #[must_use]
+    pub fn prefix(&self) -> &str {
+        &self.shared.prefix
+    }
+
+    /// The tag used in tracing events.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The window that follows every run.
+    #[must_use]
+    pub fn window(&self) -> Duration {
+        self.shared.window
+    }
+
+    /// Whether [`destroy`](TrailingThrottle::destroy) or
+    /// [`shutdown`](TrailingThrottle::shutdown) has begun.
+    #[must_use]
+    pub fn is_shut_down(&self) -> bool {
+        self.shared.mode() != OPEN
+    }
+
+    /// Whether the throttle is destroyed (after a shutdown's deadline too).
+    #[must_use]
+    pub fn is_destroyed(&self) -> bool {
+        self.shared.mode() == DESTROYED
+    }
+
+    /// Stops the throttle now.
+    ///
+    /// Calls that have not run yet fail with [`Error::Discarded`] (reason
+    /// `"destroyed"`, naming the key); functions already running are not
+    /// cancelled and their waiters still get their values; every timer is
+    /// cleared; later calls fail at once with [`Error::ShutDown`]. The
+    /// throttle's own [`MemoryWindowStore`] is cleared; a store passed to
+    /// [`TrailingThrottleBuilder::with_store`] is left alone. Calling it
+    /// again is harmless.
+    pub async fn destroy(&self) {
+        self.shared.destroy().await;
+    }
+
+    /// Stops the throttle gracefully within `grace`.
+    ///
+    /// Later calls fail at once with [`Error::ShutDown`]; trailing runs
+    /// already pending still run when their windows end (windows are kept,
+    /// so runs of a key still never come closer than the window); then, or at
+    /// the deadline, the throttle is [destroyed](TrailingThrottle::destroy):
+    /// whatever is still pending fails with [`Error::Discarded`].
+    /// [`Runtime::shutdown`] does this for every throttle of the runtime
+    /// (or a plain destroy under [`ShutdownPolicy::Drop`](crate::ShutdownPolicy::Drop)).
+    pub async fn shutdown(&self, grace: Duration) {
+        let now = Instant::now();
+        let deadline = now
+            .checked_add(grace)
+            .unwrap_or_else(|| now + crate::key::MAX_TIMER);
+        self.shared.drain(deadline).await;
+    }
+}

@@ -1,0 +1,1389 @@
+//! Behaviour of the leading + trailing (coalescing) throttle: scenarios W1–W11
+//! on paused tokio time, the window store contract (S1) and store failures.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use throttlebeam::{
+    Error, MemoryWindowStore, Phase, Runtime, SetOptions, ShutdownPolicy, TrailingStats,
+    TrailingThrottle, WindowStore, WindowStoreFuture,
+};
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep, sleep_until};
+use tracing::Level;
+use tracing_subscriber::layer::{Context, SubscriberExt};
+
+// ---------------------------------------------------------------- helpers
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+async fn runtime() -> Runtime {
+    Runtime::builder().start().await.expect("runtime starts")
+}
+
+async fn throttle<T: Clone + Send + Sync + 'static>(
+    runtime: &Runtime,
+    window: u64,
+) -> TrailingThrottle<T> {
+    runtime
+        .trailing_throttle("sync:")
+        .with_window(ms(window))
+        .build()
+        .expect("valid throttle")
+}
+
+/// Lets spawned tasks run without moving paused time.
+async fn settle() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Oops(&'static str);
+
+impl std::fmt::Display for Oops {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "oops: {}", self.0)
+    }
+}
+
+impl std::error::Error for Oops {}
+
+/// One run of a function: which closure, which phase, when (ms since t0).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Ran {
+    tag: &'static str,
+    phase: Phase,
+    start: u64,
+    end: Option<u64>,
+}
+
+/// Records every run against the test's start instant.
+#[derive(Clone)]
+struct Log {
+    t0: Instant,
+    runs: Arc<Mutex<Vec<Ran>>>,
+    running: Arc<AtomicUsize>,
+    max_running: Arc<AtomicUsize>,
+}
+
+type Fut<T> = Pin<Box<dyn Future<Output = Result<T, Oops>> + Send>>;
+
+impl Log {
+    fn new() -> Self {
+        Self {
+            t0: Instant::now(),
+            runs: Arc::default(),
+            running: Arc::default(),
+            max_running: Arc::default(),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        u64::try_from(self.t0.elapsed().as_millis()).unwrap()
+    }
+
+    /// Asserts that exactly `n` ms of paused time passed since t0.
+    fn at(&self, n: u64) {
+        assert_eq!(self.t0.elapsed(), ms(n), "expected to be at t={n}");
+    }
+
+    async fn until(&self, n: u64) {
+        sleep_until(self.t0 + ms(n)).await;
+    }
+
+    fn runs(&self) -> Vec<Ran> {
+        self.runs.lock().unwrap().clone()
+    }
+
+    /// A function tagged `tag` that takes `took` ms and returns `Ok(tag)`.
+    fn work(
+        &self,
+        tag: &'static str,
+        took: u64,
+    ) -> impl FnOnce(Phase) -> Fut<&'static str> + 'static {
+        self.work_with(tag, took, Ok(tag))
+    }
+
+    /// A function that takes `took` ms and returns `Err(Oops(tag))`.
+    fn fail(
+        &self,
+        tag: &'static str,
+        took: u64,
+    ) -> impl FnOnce(Phase) -> Fut<&'static str> + 'static {
+        self.work_with(tag, took, Err(Oops(tag)))
+    }
+
+    fn work_with(
+        &self,
+        tag: &'static str,
+        took: u64,
+        out: Result<&'static str, Oops>,
+    ) -> impl FnOnce(Phase) -> Fut<&'static str> + 'static {
+        let log = self.clone();
+        move |phase| {
+            Box::pin(async move {
+                let index = {
+                    let mut runs = log.runs.lock().unwrap();
+                    runs.push(Ran {
+                        tag,
+                        phase,
+                        start: log.now(),
+                        end: None,
+                    });
+                    runs.len() - 1
+                };
+                let now = log.running.fetch_add(1, Ordering::SeqCst) + 1;
+                log.max_running.fetch_max(now, Ordering::SeqCst);
+                sleep(ms(took)).await;
+                log.running.fetch_sub(1, Ordering::SeqCst);
+                log.runs.lock().unwrap()[index].end = Some(log.now());
+                out
+            })
+        }
+    }
+}
+
+/// Spawns `call` (plain form) and returns its outcome with the instant it resolved.
+fn spawn_call(
+    t: &TrailingThrottle<&'static str>,
+    key: &'static str,
+    f: impl FnOnce(Phase) -> Fut<&'static str> + Send + 'static,
+) -> JoinHandle<(Result<bool, Error>, Instant)> {
+    let t = t.clone();
+    tokio::spawn(async move {
+        let out = t.call(key, f).await;
+        (out, Instant::now())
+    })
+}
+
+/// Spawns `call_and_wait` and returns its outcome with the instant it resolved.
+fn spawn_wait(
+    t: &TrailingThrottle<&'static str>,
+    key: &'static str,
+    f: impl FnOnce(Phase) -> Fut<&'static str> + Send + 'static,
+) -> JoinHandle<(Result<&'static str, Error>, Instant)> {
+    let t = t.clone();
+    tokio::spawn(async move {
+        let out = t.call_and_wait(key, f).await;
+        (out, Instant::now())
+    })
+}
+
+fn idle() -> TrailingStats {
+    TrailingStats::default()
+}
+
+fn stats(active: usize, pending: usize, keys: usize, timers: usize) -> TrailingStats {
+    let mut s = TrailingStats::default();
+    s.active = active;
+    s.pending = pending;
+    s.keys = keys;
+    s.timers = timers;
+    s
+}
+
+/// Captures tracing events: level, target and message.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<(Level, String, String)>>>);
+
+struct Message(String);
+
+impl tracing::field::Visit for Message {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Captured {
+    fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
+        let mut message = Message(String::new());
+        event.record(&mut message);
+        let meta = event.metadata();
+        self.0
+            .lock()
+            .unwrap()
+            .push((*meta.level(), meta.target().to_owned(), message.0));
+    }
+}
+
+impl Captured {
+    /// Installs the layer for this (current-thread) test.
+    fn install(&self) -> tracing::subscriber::DefaultGuard {
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
+    }
+
+    /// Events from this crate at `level`.
+    fn ours(&self, level: Level) -> Vec<String> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(l, target, _)| *l == level && target.starts_with("throttlebeam"))
+            .map(|(_, _, m)| m.clone())
+            .collect()
+    }
+}
+
+// ---------------------------------------------------------------- W1–W4
+
+/// W1: the full timeline of the reference, with exact instants.
+#[tokio::test(start_paused = true)]
+async fn w1_full_timeline() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+
+    // t=0: call #1 leads and resolves `true` when its run ends at 300.
+    let c1 = spawn_call(&t, "room", log.work("f1", 300));
+    settle().await;
+    // Running: active, holding its lease on one timer.
+    assert_eq!(t.stats(), stats(1, 0, 1, 1));
+
+    // t=500 and t=900: coalesced, `false` at once; their waiters wait.
+    log.until(500).await;
+    let (first, at) = c1.await.unwrap();
+    assert!(first.unwrap());
+    assert_eq!(at, log.t0 + ms(300));
+    assert!(!t.call("room", log.work("f2", 300)).await.unwrap());
+    log.at(500);
+    let w2 = spawn_wait(&t, "room", log.work("f2b", 300));
+    log.until(900).await;
+    assert!(!t.call("room", log.work("f3", 300)).await.unwrap());
+    log.at(900);
+    let w3 = spawn_wait(&t, "room", log.work("f3b", 300));
+    settle().await;
+    assert_eq!(t.stats(), stats(0, 1, 1, 1));
+
+    // One trailing run starts at 1300 (the latest closure) and ends at 1600.
+    let (v2, at2) = w2.await.unwrap();
+    let (v3, at3) = w3.await.unwrap();
+    assert_eq!((v2.unwrap(), at2), ("f3b", log.t0 + ms(1600)));
+    assert_eq!((v3.unwrap(), at3), ("f3b", log.t0 + ms(1600)));
+
+    // The window [1600, 2600) passes with no calls: the key closes at 2600.
+    log.until(2599).await;
+    assert_eq!(t.stats(), stats(0, 0, 1, 1));
+    log.until(2600).await;
+    settle().await;
+    assert_eq!(t.stats(), idle());
+    assert_eq!(rt.stats().keys, 0);
+    assert_eq!(rt.stats().processes, 0);
+
+    // Call #4 at 3000 leads again and completes at 3300.
+    log.until(3000).await;
+    let v4 = t.call_and_wait("room", log.work("f4", 300)).await.unwrap();
+    assert_eq!(v4, "f4");
+    log.at(3300);
+
+    let runs = log.runs();
+    let expect = |tag, phase, start, end| Ran {
+        tag,
+        phase,
+        start,
+        end: Some(end),
+    };
+    assert_eq!(
+        runs,
+        vec![
+            expect("f1", Phase::Leading, 0, 300),
+            expect("f3b", Phase::Trailing, 1300, 1600),
+            expect("f4", Phase::Leading, 3000, 3300),
+        ]
+    );
+}
+
+/// W2: the trailing run uses the latest function; every waiter gets its value.
+#[tokio::test(start_paused = true)]
+async fn w2_latest_closure_wins() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 200).await;
+    let log = Log::new();
+    assert!(t.call("k", log.work("lead", 10)).await.unwrap());
+    let tags = ["a", "b", "c", "d", "e"];
+    let waiters: Vec<_> = tags
+        .iter()
+        .map(|tag| spawn_wait(&t, "k", log.work(tag, 10)))
+        .collect();
+    for w in waiters {
+        assert_eq!(w.await.unwrap().0.unwrap(), "e");
+    }
+    let ran: Vec<_> = log.runs().iter().map(|r| r.tag).collect();
+    assert_eq!(ran, ["lead", "e"]);
+}
+
+/// W3: a call that arrives while a function runs is covered by the next
+/// trailing run, never by the one already running.
+#[tokio::test(start_paused = true)]
+async fn w3_call_during_a_run_is_covered_by_the_next_run() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    let lead = spawn_wait(&t, "k", log.work("lead", 300));
+    log.until(100).await; // the leading function is executing
+    let during_lead = spawn_wait(&t, "k", log.work("t1", 300));
+    log.until(1400).await; // the first trailing run is executing (1300..1600)
+    assert_eq!(t.stats().active, 1);
+    let during_trailing = spawn_wait(&t, "k", log.work("t2", 300));
+
+    let (v, at) = lead.await.unwrap();
+    assert_eq!((v.unwrap(), at), ("lead", log.t0 + ms(300)));
+    let (v, at) = during_lead.await.unwrap();
+    assert_eq!((v.unwrap(), at), ("t1", log.t0 + ms(1600)));
+    let (v, at) = during_trailing.await.unwrap();
+    assert_eq!((v.unwrap(), at), ("t2", log.t0 + ms(2900)));
+    let starts: Vec<_> = log
+        .runs()
+        .iter()
+        .map(|r| (r.tag, r.phase, r.start))
+        .collect();
+    assert_eq!(
+        starts,
+        [
+            ("lead", Phase::Leading, 0),
+            ("t1", Phase::Trailing, 1300),
+            ("t2", Phase::Trailing, 2600)
+        ]
+    );
+}
+
+/// W4: every window starts when a run finishes, so runs never overlap, even
+/// when functions take longer than the window.
+#[tokio::test(start_paused = true)]
+async fn w4_runs_never_overlap() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 500).await;
+    let log = Log::new();
+    let mut handles = Vec::new();
+    for i in 0..100u64 {
+        log.until(i * 50).await;
+        let took = if i % 3 == 0 { 700 } else { 120 };
+        handles.push(spawn_call(&t, "k", log.work("f", took)));
+    }
+    for h in handles {
+        h.await.unwrap().0.unwrap();
+    }
+    log.until(20_000).await;
+    let runs = log.runs();
+    assert!(runs.len() >= 5, "runs: {runs:?}");
+    assert_eq!(log.max_running.load(Ordering::SeqCst), 1);
+    for pair in runs.windows(2) {
+        let gap = pair[1].start - pair[0].end.unwrap();
+        assert!(
+            gap >= 500,
+            "run started {gap} ms after the previous one ended"
+        );
+    }
+    assert_eq!(t.stats(), idle());
+}
+
+// ---------------------------------------------------------------- W5–W7
+
+/// W5: 10,000 calls on one key in one tick: exactly two runs; every
+/// coalesced plain call returns false; every waiter gets the trailing value.
+#[tokio::test(start_paused = true)]
+async fn w5_ten_thousand_calls_in_one_tick() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    let lead = spawn_wait(&t, "hot", log.work("lead", 100));
+    settle().await;
+    let mut waiters = Vec::new();
+    for i in 0..9_999 {
+        if i % 2 == 0 {
+            assert!(!t.call("hot", log.work("plain", 100)).await.unwrap());
+        } else {
+            waiters.push(spawn_wait(&t, "hot", log.work("last", 100)));
+        }
+    }
+    log.at(0);
+    assert_eq!(t.stats(), stats(1, 1, 1, 1));
+    assert_eq!(lead.await.unwrap().0.unwrap(), "lead");
+    assert_eq!(waiters.len(), 4_999);
+    for w in waiters {
+        let (v, at) = w.await.unwrap();
+        assert_eq!(v.unwrap(), "last");
+        assert_eq!(at, log.t0 + ms(1200));
+    }
+    let phases: Vec<_> = log.runs().iter().map(|r| (r.tag, r.phase)).collect();
+    assert_eq!(
+        phases,
+        [("lead", Phase::Leading), ("last", Phase::Trailing)]
+    );
+}
+
+/// W6: 10,000 distinct keys, one call each: each runs once; afterwards no
+/// keys, no timers, no processes.
+#[tokio::test(start_paused = true)]
+async fn w6_ten_thousand_keys() {
+    let rt = runtime().await;
+    let t: TrailingThrottle<usize> = throttle(&rt, 1000).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let mut handles = Vec::new();
+    for i in 0..10_000usize {
+        let t = t.clone();
+        let runs = runs.clone();
+        handles.push(tokio::spawn(async move {
+            t.call_and_wait(&format!("key-{i}"), move |phase| async move {
+                assert_eq!(phase, Phase::Leading);
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Oops>(i)
+            })
+            .await
+        }));
+    }
+    for (i, h) in handles.into_iter().enumerate() {
+        assert_eq!(h.await.unwrap().unwrap(), i);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 10_000);
+    assert_eq!(t.stats(), stats(0, 0, 10_000, 10_000));
+    assert_eq!(rt.stats().processes, 10_000);
+    // Every window ends at 1000; one more tick lets all 10,000 processes exit.
+    sleep(ms(1001)).await;
+    assert_eq!(runs.load(Ordering::SeqCst), 10_000);
+    assert_eq!(t.stats(), idle());
+    let s = rt.stats();
+    assert_eq!((s.keys, s.timers, s.processes), (0, 0, 0));
+}
+
+/// W7: a wait with a timeout fails with a timeout error naming the key and
+/// the duration; the run is not cancelled.
+#[tokio::test(start_paused = true)]
+async fn w7_timeout_does_not_cancel_the_run() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    let err = t
+        .call_and_wait_timeout("slow", ms(30), log.work("lead", 100))
+        .await
+        .unwrap_err();
+    log.at(30);
+    assert!(
+        matches!(&err, Error::Timeout { key, after } if key == "slow" && *after == ms(30)),
+        "{err:?}"
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains("slow") && message.contains("30ms"),
+        "{message}"
+    );
+    assert_eq!(t.stats().active, 1, "the run goes on");
+
+    // A coalesced waiter times out too; its trailing run still happens.
+    let err = t
+        .call_and_wait_timeout("slow", ms(50), log.work("trail", 100))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }));
+    log.at(80);
+    log.until(1300).await;
+    let runs = log.runs();
+    assert_eq!(runs.len(), 2);
+    assert_eq!((runs[0].tag, runs[0].end), ("lead", Some(100)));
+    assert_eq!(
+        (runs[1].tag, runs[1].phase, runs[1].start),
+        ("trail", Phase::Trailing, 1100)
+    );
+    assert_eq!(runs[1].end, Some(1200));
+}
+
+// ---------------------------------------------------------------- W8, panics, W11
+
+/// W8: a failing leading run fails its own caller and is not logged at error.
+#[tokio::test(start_paused = true)]
+async fn w8_failing_leading_run_fails_its_caller() {
+    let captured = Captured::default();
+    let _guard = captured.install();
+    let rt = runtime().await;
+    let t = throttle(&rt, 100).await;
+    let log = Log::new();
+    let err = t.call("k", log.fail("boom", 10)).await.unwrap_err();
+    match &err {
+        Error::Failed { key, source } => {
+            assert_eq!(key, "k");
+            assert_eq!(source.to_string(), "oops: boom");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(std::error::Error::source(&err).is_some());
+    // The window still opens after a failed run.
+    assert!(!t.call("k", log.work("next", 10)).await.unwrap());
+    sleep(ms(500)).await;
+    assert_eq!(log.runs().len(), 2);
+    assert!(captured.ours(Level::ERROR).is_empty());
+}
+
+/// W8: a failing trailing run fails every waiter it covered and emits
+/// exactly one error event.
+#[tokio::test(start_paused = true)]
+async fn w8_failing_trailing_run_fails_every_waiter_and_logs_once() {
+    let captured = Captured::default();
+    let _guard = captured.install();
+    let rt = runtime().await;
+    let t = throttle(&rt, 100).await;
+    let log = Log::new();
+    assert!(t.call("k", log.work("lead", 10)).await.unwrap());
+    let waiters: Vec<_> = (0..5)
+        .map(|_| spawn_wait(&t, "k", log.fail("bad", 10)))
+        .collect();
+    assert!(!t.call("k", log.fail("bad", 10)).await.unwrap());
+    for w in waiters {
+        let err = w.await.unwrap().0.unwrap_err();
+        assert!(
+            matches!(&err, Error::Failed { key, .. } if key == "k"),
+            "{err:?}"
+        );
+    }
+    assert_eq!(captured.ours(Level::ERROR), ["trailing run failed"]);
+    // The key recovers: after the window a call leads again.
+    sleep(ms(200)).await;
+    assert_eq!(
+        t.call_and_wait("k", log.work("again", 10)).await.unwrap(),
+        "again"
+    );
+    assert_eq!(log.runs().last().unwrap().phase, Phase::Leading);
+    assert_eq!(captured.ours(Level::ERROR).len(), 1);
+}
+
+/// A panicking function: its waiters get an error, the runtime survives,
+/// the key recovers after the window.
+#[tokio::test(start_paused = true)]
+async fn panicking_functions_fail_their_waiters_and_the_key_recovers() {
+    let captured = Captured::default();
+    let _guard = captured.install();
+    let rt = runtime().await;
+    let t: TrailingThrottle<u32> = throttle(&rt, 100).await;
+    let err = t
+        .call("p", |_| async {
+            panic!("lead went wrong") as Result<u32, Oops>
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Panicked { key, message } if key == "p" && message == "lead went wrong"),
+        "{err:?}"
+    );
+    let waiter = {
+        let t = t.clone();
+        tokio::spawn(async move {
+            t.call_and_wait("p", |_| async {
+                panic!("trail went wrong") as Result<u32, Oops>
+            })
+            .await
+        })
+    };
+    let err = waiter.await.unwrap().unwrap_err();
+    assert!(matches!(&err, Error::Panicked { message, .. } if message == "trail went wrong"));
+    assert_eq!(captured.ours(Level::ERROR).len(), 1);
+    sleep(ms(100)).await;
+    settle().await;
+    assert_eq!(t.stats(), idle());
+    let value = t
+        .call_and_wait("p", |phase| async move {
+            assert_eq!(phase, Phase::Leading);
+            Ok::<_, Oops>(7)
+        })
+        .await
+        .unwrap();
+    assert_eq!(value, 7);
+    assert!(!rt.is_shut_down());
+}
+
+/// W11: nothing above debug level is emitted by a healthy timeline; debug
+/// events are there for whoever asks.
+#[tokio::test(start_paused = true)]
+async fn w11_quiet_unless_asked() {
+    let captured = Captured::default();
+    let _guard = captured.install();
+    let rt = runtime().await;
+    let t = throttle(&rt, 100).await;
+    let log = Log::new();
+    assert!(t.call("k", log.work("a", 10)).await.unwrap());
+    assert!(!t.call("k", log.work("b", 10)).await.unwrap());
+    sleep(ms(500)).await;
+    assert_eq!(log.runs().len(), 2);
+    for level in [Level::ERROR, Level::WARN, Level::INFO] {
+        assert!(captured.ours(level).is_empty(), "{level} events emitted");
+    }
+    let debug = captured.ours(Level::DEBUG);
+    assert!(debug.iter().any(|m| m == "run started"), "{debug:?}");
+    assert!(debug.iter().any(|m| m == "window closed"), "{debug:?}");
+    assert!(!captured.ours(Level::TRACE).is_empty());
+}
+
+// ---------------------------------------------------------------- W9
+
+/// W9: the four counters through a whole cycle, back to zero when idle.
+#[tokio::test(start_paused = true)]
+async fn w9_counters_return_to_zero() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    assert_eq!(t.stats(), idle());
+    let lead = spawn_call(&t, "a", log.work("a", 300));
+    let other = spawn_call(&t, "b", log.work("b", 300));
+    settle().await;
+    // Two runs in progress, each holding its lease on one timer.
+    assert_eq!(t.stats(), stats(2, 0, 2, 2));
+    assert!(!t.call("a", log.work("a2", 300)).await.unwrap());
+    assert_eq!(t.stats(), stats(2, 1, 2, 2));
+    lead.await.unwrap().0.unwrap();
+    other.await.unwrap().0.unwrap();
+    settle().await;
+    // Both in their windows (one timer each); `a` has a pending call.
+    assert_eq!(t.stats(), stats(0, 1, 2, 2));
+    assert_eq!(rt.stats().timers, 2);
+    log.until(1300).await;
+    settle().await;
+    // `a` runs its trailing run; `b` closed.
+    assert_eq!(t.stats(), stats(1, 0, 1, 1));
+    log.until(2600).await;
+    settle().await;
+    assert_eq!(t.stats(), idle());
+    let s = rt.stats();
+    assert_eq!((s.keys, s.timers, s.processes), (0, 0, 0));
+}
+
+/// A long run holds its lease with one timer; the key counts as active.
+#[tokio::test(start_paused = true)]
+async fn a_long_run_extends_its_lease_in_the_store() {
+    let rt = runtime().await;
+    let store = MemoryWindowStore::new();
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("lease:")
+        .with_window(ms(1000))
+        .with_store(store.clone())
+        .build()
+        .unwrap();
+    let log = Log::new();
+    let run = spawn_call(&t, "k", log.work("long", 5000));
+    // Claimed with a lease TTL of max(window, 2 × 500) = 1000 ms, extended
+    // every 500 ms: the key stays taken all through the run.
+    for at in (100..5000).step_by(400) {
+        log.until(at).await;
+        assert!(
+            store.get("lease:k").await.unwrap().is_some(),
+            "lease lapsed at {at}"
+        );
+        assert_eq!(t.stats().timers, 1);
+    }
+    assert!(run.await.unwrap().0.unwrap());
+    // Then the window: written to end exactly when the in-memory one does.
+    log.until(5999).await;
+    assert!(store.get("lease:k").await.unwrap().is_some());
+    log.until(6000).await;
+    assert!(store.get("lease:k").await.unwrap().is_none());
+}
+
+// ---------------------------------------------------------------- W10
+
+/// W10: destroy while a function runs: it is not cancelled and its caller
+/// gets the value; pending calls fail as destroyed naming the key; later
+/// calls fail at once; destroying twice is harmless.
+#[tokio::test(start_paused = true)]
+async fn w10_destroy_during_a_running_function() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    let lead = spawn_wait(&t, "k", log.work("lead", 300));
+    log.until(100).await;
+    let pending = spawn_wait(&t, "k", log.work("never", 300));
+    settle().await;
+    assert_eq!(t.stats().pending, 1);
+
+    t.destroy().await;
+    assert!(t.is_destroyed());
+    let (err, at) = pending.await.unwrap();
+    let err = err.unwrap_err();
+    assert!(
+        matches!(&err, Error::Discarded { key, reason } if key == "k" && *reason == "destroyed"),
+        "{err:?}"
+    );
+    assert_eq!(at, log.t0 + ms(100));
+    assert!(err.to_string().contains("\"k\""));
+
+    let later = t.call("k", log.work("later", 1)).await.unwrap_err();
+    assert!(matches!(later, Error::ShutDown { ref key } if key == "k"));
+    let later = t.call("fresh", log.work("later", 1)).await.unwrap_err();
+    assert!(matches!(later, Error::ShutDown { .. }));
+    log.at(100);
+    t.destroy().await;
+
+    let (v, at) = lead.await.unwrap();
+    assert_eq!((v.unwrap(), at), ("lead", log.t0 + ms(300)));
+    settle().await;
+    assert_eq!(t.stats(), idle());
+    assert_eq!(rt.stats().processes, 0);
+    assert_eq!(log.runs().len(), 1);
+}
+
+/// W10: destroy while a trailing run is pending: it never runs, its waiters
+/// fail at once, every timer goes.
+#[tokio::test(start_paused = true)]
+async fn w10_destroy_during_a_pending_trailing_run() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    assert!(t.call("k", log.work("lead", 10)).await.unwrap());
+    let w = spawn_wait(&t, "k", log.work("never", 10));
+    log.until(500).await;
+    assert_eq!(t.stats(), stats(0, 1, 1, 1));
+    t.destroy().await;
+    let (err, at) = w.await.unwrap();
+    assert!(matches!(
+        err,
+        Err(Error::Discarded {
+            reason: "destroyed",
+            ..
+        })
+    ));
+    assert_eq!(at, log.t0 + ms(500));
+    settle().await;
+    assert_eq!(t.stats(), idle());
+    assert_eq!(rt.stats().timers, 0);
+    sleep(ms(5000)).await;
+    assert_eq!(log.runs().len(), 1);
+}
+
+/// W10: a call still claiming its window when the throttle is destroyed has
+/// not run: it fails as destroyed and its function never runs.
+#[tokio::test(start_paused = true)]
+async fn w10_destroy_while_claiming() {
+    let rt = runtime().await;
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("slow:")
+        .with_store(SlowStore(MemoryWindowStore::new(), ms(50)))
+        .build()
+        .unwrap();
+    let log = Log::new();
+    let lead = spawn_call(&t, "k", log.work("never", 10));
+    log.until(20).await;
+    assert_eq!(t.stats().active, 1);
+    t.destroy().await;
+    let err = lead.await.unwrap().0.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Discarded {
+                reason: "destroyed",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    settle().await;
+    assert!(log.runs().is_empty());
+    assert_eq!(t.stats(), idle());
+}
+
+/// W10: the throttle's own store is cleared; a store passed in is not.
+#[tokio::test(start_paused = true)]
+async fn w10_destroy_clears_only_an_owned_store() {
+    let rt = runtime().await;
+    let shared = MemoryWindowStore::new();
+    let passed: TrailingThrottle<u8> = rt
+        .trailing_throttle("passed:")
+        .with_store(shared.clone())
+        .build()
+        .unwrap();
+    passed
+        .call("k", |_| async { Ok::<_, Oops>(1) })
+        .await
+        .unwrap();
+    assert_eq!(shared.len(), 1);
+    passed.destroy().await;
+    assert_eq!(shared.len(), 1);
+    assert!(shared.get("passed:k").await.unwrap().is_some());
+
+    // An owned store: observe it through a wrapper that records `clear`.
+    let cleared = Arc::new(AtomicBool::new(false));
+    let recorder = ClearRecorder(cleared.clone());
+    let kept: TrailingThrottle<u8> = rt
+        .trailing_throttle("kept:")
+        .with_store(recorder)
+        .build()
+        .unwrap();
+    kept.destroy().await;
+    assert!(
+        !cleared.load(Ordering::SeqCst),
+        "a store passed in is never cleared"
+    );
+}
+
+/// W10, graceful: pending trailing runs still run when their windows end;
+/// new calls fail; the shutdown returns once they are done.
+#[tokio::test(start_paused = true)]
+async fn w10_graceful_shutdown_runs_pending_trailing_runs() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    assert!(t.call("a", log.work("a", 100)).await.unwrap());
+    assert!(t.call("b", log.work("b", 100)).await.unwrap());
+    let w = spawn_wait(&t, "a", log.work("a-trail", 100));
+    settle().await;
+    log.at(200);
+    t.shutdown(ms(5000)).await;
+    // `a`'s window ended at 1100; its trailing run ended at 1200. `b` had
+    // nothing pending, so it did not hold the shutdown up.
+    log.at(1200);
+    let (v, at) = w.await.unwrap();
+    assert_eq!((v.unwrap(), at), ("a-trail", log.t0 + ms(1200)));
+    assert!(matches!(
+        t.call("a", log.work("x", 1)).await,
+        Err(Error::ShutDown { .. })
+    ));
+    assert_eq!(t.stats(), idle());
+    assert!(t.is_destroyed());
+}
+
+/// W10, graceful with a short deadline: what cannot run by then is discarded.
+#[tokio::test(start_paused = true)]
+async fn w10_graceful_shutdown_discards_at_the_deadline() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    assert!(t.call("a", log.work("a", 100)).await.unwrap());
+    let w = spawn_wait(&t, "a", log.work("late", 100));
+    settle().await;
+    t.shutdown(ms(300)).await;
+    log.at(400);
+    let err = w.await.unwrap().0.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Discarded {
+                reason: "destroyed",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    settle().await;
+    assert_eq!(t.stats(), idle());
+    assert_eq!(log.runs().len(), 1);
+}
+
+/// Runtime::shutdown drains every coalescing throttle (graceful under the
+/// default flush policy).
+#[tokio::test(start_paused = true)]
+async fn runtime_shutdown_drains_the_throttle() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 500).await;
+    let log = Log::new();
+    assert!(t.call("k", log.work("lead", 100)).await.unwrap());
+    let w = spawn_wait(&t, "k", log.work("trail", 100));
+    settle().await;
+    let report = rt.shutdown(ms(10_000)).await;
+    assert_eq!(report.still_running, 0);
+    assert_eq!(w.await.unwrap().0.unwrap(), "trail");
+    assert_eq!(log.runs().len(), 2);
+    assert!(t.is_destroyed());
+    assert!(matches!(
+        t.call("k", log.work("x", 1)).await,
+        Err(Error::ShutDown { .. })
+    ));
+}
+
+/// Runtime::shutdown under the drop policy destroys the throttle: pending
+/// trailing runs fail as destroyed, running functions still finish.
+#[tokio::test(start_paused = true)]
+async fn runtime_shutdown_with_the_drop_policy_destroys_the_throttle() {
+    let rt = Runtime::builder()
+        .with_shutdown_policy(ShutdownPolicy::Drop)
+        .start()
+        .await
+        .unwrap();
+    let t = throttle(&rt, 500).await;
+    let log = Log::new();
+    let lead = spawn_wait(&t, "k", log.work("lead", 100));
+    settle().await;
+    let w = spawn_wait(&t, "k", log.work("never", 100));
+    settle().await;
+    let report = rt.shutdown(ms(10_000)).await;
+    assert_eq!(report.still_running, 0);
+    log.at(100);
+    assert_eq!(lead.await.unwrap().0.unwrap(), "lead");
+    let err = w.await.unwrap().0.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Discarded {
+                reason: "destroyed",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(log.runs().len(), 1);
+    assert!(t.is_destroyed());
+}
+
+// ---------------------------------------------------------------- bad input
+
+#[tokio::test(start_paused = true)]
+async fn bad_input_is_a_typed_error_and_schedules_nothing() {
+    let rt = runtime().await;
+    for window in [
+        ms(0),
+        Duration::from_micros(999),
+        ms(1 << 31),
+        Duration::MAX,
+    ] {
+        let err = rt
+            .trailing_throttle("w:")
+            .with_window(window)
+            .build::<u8>()
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { what: "window", .. }),
+            "{err:?}"
+        );
+    }
+    for window in [ms(1), ms((1 << 31) - 1)] {
+        assert!(
+            rt.trailing_throttle("w:")
+                .with_window(window)
+                .build::<u8>()
+                .is_ok()
+        );
+    }
+    let err = rt.trailing_throttle("").build::<u8>().unwrap_err();
+    assert!(matches!(err, Error::InvalidKey { .. }), "{err:?}");
+
+    let t: TrailingThrottle<u8> = throttle(&rt, 100).await;
+    let ran = Arc::new(AtomicBool::new(false));
+    let job = |ran: &Arc<AtomicBool>| {
+        let ran = ran.clone();
+        move |_| async move {
+            ran.store(true, Ordering::SeqCst);
+            Ok::<_, Oops>(1)
+        }
+    };
+    let err = t.call("", job(&ran)).await.unwrap_err();
+    assert!(matches!(err, Error::InvalidKey { .. }));
+    let err = t
+        .call_and_wait(&"x".repeat(1025), job(&ran))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidKey { .. }));
+    let err = t
+        .call_and_wait_timeout("k", Duration::ZERO, job(&ran))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidArgument { key, what: "timeout", .. } if key == "k"),
+        "{err:?}"
+    );
+    let err = t
+        .call_and_wait_timeout("k", Duration::MAX, job(&ran))
+        .await
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::InvalidArgument {
+            what: "timeout",
+            ..
+        }
+    ));
+    settle().await;
+    assert!(!ran.load(Ordering::SeqCst));
+    assert_eq!(t.stats(), idle());
+}
+
+#[tokio::test(start_paused = true)]
+async fn defaults_and_names() {
+    let rt = runtime().await;
+    let t: TrailingThrottle<u8> = rt.trailing_throttle("sync:room:").build().unwrap();
+    assert_eq!(t.window(), ms(1000));
+    assert_eq!(t.prefix(), "sync:room:");
+    assert_eq!(t.name(), "sync:room");
+    let named: TrailingThrottle<u8> = rt
+        .trailing_throttle("x:")
+        .with_name("rooms")
+        .build()
+        .unwrap();
+    assert_eq!(named.name(), "rooms");
+    assert!(format!("{named:?}").contains("rooms"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_runtime_key_cap_applies() {
+    let rt = Runtime::builder().with_max_keys(2).start().await.unwrap();
+    let t: TrailingThrottle<u8> = throttle(&rt, 100).await;
+    for key in ["a", "b"] {
+        assert!(t.call(key, |_| async { Ok::<_, Oops>(1) }).await.unwrap());
+    }
+    // Coalescing into a tracked key needs no new slot.
+    assert!(!t.call("a", |_| async { Ok::<_, Oops>(1) }).await.unwrap());
+    let err = t
+        .call("c", |_| async { Ok::<_, Oops>(1) })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::TooManyKeys { ref key, cap: 2 } if key == "c"),
+        "{err:?}"
+    );
+    sleep(ms(300)).await;
+    assert!(t.call("c", |_| async { Ok::<_, Oops>(1) }).await.unwrap());
+}
+
+// ---------------------------------------------------------------- stores
+
+/// S1: the memory store contract.
+#[tokio::test(start_paused = true)]
+async fn memory_store_contract() {
+    let store = MemoryWindowStore::with_sweep_interval(ms(1000)).unwrap();
+    let px = |n| SetOptions::px(ms(n));
+    assert!(!store.is_sweeping());
+
+    // get of a missing key creates nothing.
+    assert_eq!(store.get("missing").await.unwrap(), None);
+    assert!(store.is_empty());
+    assert!(!store.is_sweeping());
+
+    // NX on a live key fails; it succeeds once the key expired.
+    assert!(store.set("k", "1", px(100).nx()).await.unwrap());
+    assert!(store.is_sweeping());
+    assert!(!store.set("k", "2", px(100).nx()).await.unwrap());
+    assert_eq!(store.get("k").await.unwrap().as_deref(), Some("1"));
+    sleep(ms(99)).await;
+    assert!(!store.set("k", "2", px(100).nx()).await.unwrap());
+    sleep(ms(1)).await;
+    assert_eq!(
+        store.get("k").await.unwrap(),
+        None,
+        "expired keys are never returned"
+    );
+    assert!(store.set("k", "3", px(100).nx()).await.unwrap());
+    assert_eq!(store.get("k").await.unwrap().as_deref(), Some("3"));
+
+    // Without NX, set always overwrites and resets the expiry.
+    assert!(store.set("k", "4", px(500)).await.unwrap());
+    sleep(ms(400)).await;
+    assert_eq!(store.get("k").await.unwrap().as_deref(), Some("4"));
+
+    // del and clear; the store keeps working after clear.
+    store.del("k").await.unwrap();
+    assert_eq!(store.get("k").await.unwrap(), None);
+    store.set("a", "1", px(100)).await.unwrap();
+    store.set("b", "1", px(100)).await.unwrap();
+    store.clear().await.unwrap();
+    assert!(store.is_empty());
+    assert!(store.set("a", "2", px(100).nx()).await.unwrap());
+    assert_eq!(store.get("a").await.unwrap().as_deref(), Some("2"));
+}
+
+/// S1: the sweeper removes expired keys and runs only while keys exist.
+#[tokio::test(start_paused = true)]
+async fn memory_store_sweeper_runs_only_while_keys_exist() {
+    let store = MemoryWindowStore::with_sweep_interval(ms(1000)).unwrap();
+    let px = |n| SetOptions::px(ms(n));
+    store.set("short", "1", px(100)).await.unwrap();
+    store.set("long", "1", px(1500)).await.unwrap();
+    assert!(store.is_sweeping());
+    assert_eq!(store.len(), 2);
+    sleep(ms(1000)).await;
+    settle().await;
+    // First sweep: the expired key is gone without being read.
+    assert_eq!(store.sweeps(), 1);
+    assert_eq!(store.len(), 1);
+    assert!(store.is_sweeping());
+    sleep(ms(1000)).await;
+    settle().await;
+    assert_eq!(store.sweeps(), 2);
+    assert!(store.is_empty());
+    assert!(!store.is_sweeping());
+    // Dormant: no more sweeps while empty.
+    sleep(ms(10_000)).await;
+    settle().await;
+    assert_eq!(store.sweeps(), 2);
+    // A new key wakes it again.
+    store.set("again", "1", px(10)).await.unwrap();
+    assert!(store.is_sweeping());
+    sleep(ms(1000)).await;
+    settle().await;
+    assert_eq!(store.sweeps(), 3);
+    assert!(!store.is_sweeping());
+    assert!(MemoryWindowStore::with_sweep_interval(Duration::ZERO).is_err());
+}
+
+/// A store that always fails: runs still happen (fail open) and in-memory
+/// state keeps throttling; store errors are never logged above debug.
+#[tokio::test(start_paused = true)]
+async fn a_failing_store_never_stops_a_run() {
+    let captured = Captured::default();
+    let _guard = captured.install();
+    let rt = runtime().await;
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("down:")
+        .with_window(ms(1000))
+        .with_store(DownStore)
+        .build()
+        .unwrap();
+    let log = Log::new();
+    assert!(t.call("k", log.work("lead", 300)).await.unwrap());
+    assert!(!t.call("k", log.work("skip", 300)).await.unwrap());
+    let w = spawn_wait(&t, "k", log.work("trail", 300));
+    let (v, at) = w.await.unwrap();
+    assert_eq!((v.unwrap(), at), ("trail", log.t0 + ms(1600)));
+    log.until(2600).await;
+    settle().await;
+    assert_eq!(t.stats(), idle());
+    let runs: Vec<_> = log
+        .runs()
+        .iter()
+        .map(|r| (r.tag, r.phase, r.start))
+        .collect();
+    assert_eq!(
+        runs,
+        [
+            ("lead", Phase::Leading, 0),
+            ("trail", Phase::Trailing, 1300)
+        ]
+    );
+    assert!(captured.ours(Level::ERROR).is_empty());
+    assert!(
+        captured
+            .ours(Level::DEBUG)
+            .iter()
+            .any(|m| m.contains("window store failed"))
+    );
+    t.destroy().await; // clear is never called on a store passed in
+}
+
+/// S5 on a shared memory store: two instances, one key. Exactly one leads;
+/// the other's call runs as a trailing run after the window, and runs never
+/// overlap across instances, even when a run outlasts the window (lease).
+#[tokio::test(start_paused = true)]
+async fn two_instances_sharing_a_store_never_overlap() {
+    let rt_a = runtime().await;
+    let rt_b = runtime().await;
+    let store = MemoryWindowStore::new();
+    let build = |rt: &Runtime| -> TrailingThrottle<&'static str> {
+        rt.trailing_throttle("s:")
+            .with_window(ms(1000))
+            .with_store(store.clone())
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (build(&rt_a), build(&rt_b));
+    let log = Log::new();
+    // A runs for 2500 ms, longer than the window: its lease keeps B out.
+    let lead_a = spawn_call(&a, "k", log.work("a", 2500));
+    log.until(100).await;
+    // B's leading call loses the race: coalesced, `false`.
+    assert!(!b.call("k", log.work("b", 100)).await.unwrap());
+    let wait_b = spawn_wait(&b, "k", log.work("b2", 100));
+    assert!(lead_a.await.unwrap().0.unwrap());
+    let (v, _) = wait_b.await.unwrap();
+    assert_eq!(v.unwrap(), "b2");
+    let runs = log.runs();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert_eq!(
+        (runs[0].tag, runs[0].start, runs[0].end),
+        ("a", 0, Some(2500))
+    );
+    assert_eq!((runs[1].tag, runs[1].phase), ("b2", Phase::Trailing));
+    // B ran only after A's window [2500, 3500) ended.
+    assert!(runs[1].start >= 3500, "{runs:?}");
+    assert_eq!(log.max_running.load(Ordering::SeqCst), 1);
+}
+
+/// A store slower than the window: the window recorded after a run always
+/// replaces the run's lease, so this instance never loses a race to itself.
+#[tokio::test(start_paused = true)]
+async fn a_store_slower_than_the_window_never_blocks_its_own_instance() {
+    let rt = runtime().await;
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("slow:")
+        .with_window(ms(1))
+        .with_store(SlowStore(MemoryWindowStore::new(), ms(3)))
+        .build()
+        .unwrap();
+    let log = Log::new();
+    for round in 0..20 {
+        let lead = spawn_wait(&t, "k", log.work("lead", 0));
+        settle().await;
+        let trail = spawn_wait(&t, "k", log.work("trail", 0));
+        assert_eq!(lead.await.unwrap().0.unwrap(), "lead", "round {round}");
+        assert_eq!(trail.await.unwrap().0.unwrap(), "trail", "round {round}");
+        sleep(ms(50)).await;
+        assert_eq!(t.stats(), idle(), "round {round}");
+    }
+    assert_eq!(log.runs().len(), 40);
+}
+
+/// Two instances with calls pending on one key all the time: the one that
+/// lost a race claims first when the window ends, so neither starves (no
+/// dropped calls) and runs still never overlap or come closer than a window.
+#[tokio::test(start_paused = true)]
+async fn two_busy_instances_take_turns() {
+    let store = MemoryWindowStore::new();
+    let (rt_a, rt_b) = (runtime().await, runtime().await);
+    let build = |rt: &Runtime| -> TrailingThrottle<&'static str> {
+        rt.trailing_throttle("s:")
+            .with_window(ms(100))
+            .with_store(store.clone())
+            .build()
+            .unwrap()
+    };
+    let (a, b) = (build(&rt_a), build(&rt_b));
+    let log = Log::new();
+    let mut waits = Vec::new();
+    for i in 0..300u64 {
+        let (t, tag) = if i % 2 == 0 { (&a, "a") } else { (&b, "b") };
+        waits.push(spawn_wait(t, "hot", log.work(tag, 10)));
+        sleep(ms(10)).await;
+    }
+    for w in waits {
+        let (v, _) = w.await.unwrap();
+        assert!(v.is_ok(), "{v:?}");
+    }
+    let runs = log.runs();
+    assert_eq!(log.max_running.load(Ordering::SeqCst), 1);
+    for pair in runs.windows(2) {
+        assert!(pair[1].start - pair[0].end.unwrap() >= 100, "{pair:?}");
+    }
+    let by_b = runs.iter().filter(|r| r.tag == "b").count();
+    let by_a = runs.len() - by_b;
+    assert!(by_a >= 5 && by_b >= 5, "a ran {by_a} times, b {by_b} times");
+}
+
+/// S4: after 10 lost window races in a row, pending calls fail as dropped.
+#[tokio::test(start_paused = true)]
+async fn ten_lost_races_in_a_row_drop_the_pending_calls() {
+    let rt = runtime().await;
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("taken:")
+        .with_window(ms(100))
+        .with_store(TakenStore)
+        .build()
+        .unwrap();
+    let log = Log::new();
+    assert!(!t.call("k", log.work("never", 1)).await.unwrap());
+    let err = t
+        .call_and_wait("k", log.work("never", 1))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Discarded { ref key, .. } if key == "k"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("lost the window race"), "{err}");
+    // Unreadable window ends fall back to the window length: lost at 0,
+    // 100, …, 900, the tenth loss drops the calls.
+    log.at(900);
+    assert!(log.runs().is_empty());
+    sleep(ms(200)).await;
+    settle().await;
+    assert_eq!(t.stats(), idle());
+}
+
+// ---------------------------------------------------------------- test stores
+
+/// Every command fails.
+struct DownStore;
+
+impl WindowStore for DownStore {
+    fn get<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
+        Box::pin(async { Err("connection refused".into()) })
+    }
+    fn set<'a>(
+        &'a self,
+        _key: &'a str,
+        _value: &'a str,
+        _o: SetOptions,
+    ) -> WindowStoreFuture<'a, bool> {
+        Box::pin(async { Err("connection refused".into()) })
+    }
+    fn del<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, ()> {
+        Box::pin(async { Err("connection refused".into()) })
+    }
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
+        Box::pin(async { panic!("clear is only called on an owned store") })
+    }
+}
+
+/// Another instance always holds the window, and its value is unreadable.
+struct TakenStore;
+
+impl WindowStore for TakenStore {
+    fn get<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
+        Box::pin(async { Ok(Some("not a number".to_owned())) })
+    }
+    fn set<'a>(
+        &'a self,
+        _key: &'a str,
+        _value: &'a str,
+        o: SetOptions,
+    ) -> WindowStoreFuture<'a, bool> {
+        Box::pin(async move { Ok(!o.nx) })
+    }
+    fn del<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, ()> {
+        Box::pin(async { Ok(()) })
+    }
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// A memory store whose commands take a while.
+struct SlowStore(MemoryWindowStore, Duration);
+
+impl WindowStore for SlowStore {
+    fn get<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
+        Box::pin(async move {
+            sleep(self.1).await;
+            self.0.get(key).await
+        })
+    }
+    fn set<'a>(
+        &'a self,
+        key: &'a str,
+        value: &'a str,
+        o: SetOptions,
+    ) -> WindowStoreFuture<'a, bool> {
+        Box::pin(async move {
+            sleep(self.1).await;
+            self.0.set(key, value, o).await
+        })
+    }
+    fn del<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, ()> {
+        self.0.del(key)
+    }
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
+        self.0.clear()
+    }
+}
+
+/// Records whether `clear` was called.
+struct ClearRecorder(Arc<AtomicBool>);
+
+impl WindowStore for ClearRecorder {
+    fn get<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
+        Box::pin(async { Ok(None) })
+    }
+    fn set<'a>(
+        &'a self,
+        _key: &'a str,
+        _value: &'a str,
+        _o: SetOptions,
+    ) -> WindowStoreFuture<'a, bool> {
+        Box::pin(async { Ok(true) })
+    }
+    fn del<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, ()> {
+        Box::pin(async { Ok(()) })
+    }
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
+        self.0.store(true, Ordering::SeqCst);
+        Box::pin(async { Ok(()) })
+    }
+}
