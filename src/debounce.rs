@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use crate::cell::RunCell;
 use crate::error::Error;
-use crate::key::{check_key, check_timer, shown};
+use crate::key::{InlineKey, check_key, check_timer, shown};
 use crate::runtime::{Core, Runtime, ShutdownPolicy};
 
 type Value = Arc<dyn Any + Send + Sync>;
@@ -132,7 +132,7 @@ impl Slot {
 }
 
 pub(crate) struct State {
-    registry: Arc<Registry<Box<str>, Slot>>,
+    registry: Arc<Registry<InlineKey, Slot>>,
     hasher: ahash::RandomState,
     wakeups: AtomicU64,
 }
@@ -187,7 +187,7 @@ async fn process(
         let now = Instant::now();
         let step = state
             .registry
-            .with_slot(&*key, |slot| {
+            .with_slot(key.as_bytes(), |slot| {
                 if slot.generation() != generation {
                     return Step::Gone;
                 }
@@ -241,7 +241,7 @@ async fn process(
             Step::TryExit => {
                 if state
                     .registry
-                    .remove_if(&*key, generation, |s| s.pending.is_none())
+                    .remove_if(key.as_bytes(), generation, |s| s.pending.is_none())
                     .is_some()
                 {
                     return;
@@ -421,7 +421,7 @@ impl Debouncer {
         let type_id = TypeId::of::<T>();
         let now = Instant::now();
         let state = &core.debounce;
-        let started = state.registry.update(key, |entry| match entry {
+        let started = state.registry.update(key.as_bytes(), |entry| match entry {
             SlotEntry::Occupied(slot) => {
                 let s = &mut slot.state;
                 if s.type_id != type_id {
@@ -488,7 +488,7 @@ impl Debouncer {
         if let Some((key, generation, leading)) = spawn {
             let process = process(Arc::clone(core), Arc::clone(&key), generation, leading);
             if let Err(e) = core.start_process(&key, state.route(&key), process) {
-                state.registry.remove_if(&*key, generation, |_| true);
+                state.registry.remove_if(key.as_bytes(), generation, |_| true);
                 return Err(e);
             }
         }
@@ -506,7 +506,7 @@ impl Debouncer {
             .core
             .debounce
             .registry
-            .with_slot(key, |slot| {
+            .with_slot(key.as_bytes(), |slot| {
                 let s = &mut slot.state;
                 s.max_deadline = None;
                 s.flush = false;
@@ -530,7 +530,7 @@ impl Debouncer {
             .core
             .debounce
             .registry
-            .with_slot(key, |slot| {
+            .with_slot(key.as_bytes(), |slot| {
                 let s = &mut slot.state;
                 if s.pending.is_some() {
                     s.flush = true;
@@ -550,7 +550,7 @@ impl Debouncer {
             .core
             .debounce
             .registry
-            .with_slot(key, |slot| slot.state.pending.is_some())
+            .with_slot(key.as_bytes(), |slot| slot.state.pending.is_some())
             .unwrap_or(false)
     }
 

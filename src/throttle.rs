@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::error::Error;
-use crate::key::{check_key, check_timer, shown};
+use crate::key::{InlineKey, check_key, check_timer, shown};
 use crate::runtime::Runtime;
 
 /// What a leading-edge throttle did with a call.
@@ -53,7 +53,7 @@ pub(crate) struct State {
 }
 
 struct Windows {
-    registry: Registry<Box<str>, Window>,
+    registry: Registry<InlineKey, Window>,
     hasher: ahash::RandomState,
 }
 
@@ -87,12 +87,12 @@ impl State {
     ) -> Result<Option<Duration>, Error> {
         let now = Instant::now();
         // Inside a window nothing changes: a shared lock is enough.
-        if let Some(Some(left)) = self.windows.registry.read(key, |slot| {
+        if let Some(Some(left)) = self.windows.registry.read(key.as_bytes(), |slot| {
             (slot.state.until > now).then(|| slot.state.until - now)
         }) {
             return Ok(Some(left));
         }
-        self.windows.registry.update(key, |slot| match slot {
+        self.windows.registry.update(key.as_bytes(), |slot| match slot {
             SlotEntry::Occupied(slot) => {
                 if slot.state.until > now {
                     Ok(Some(slot.state.until - now))

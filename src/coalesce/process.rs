@@ -154,7 +154,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         // Calls arriving until the window is recorded coalesce all the same
         // (the key still reads as running).
         let until = self.shared.write_window(&self.key).await;
-        self.shared.registry.with_slot(&*self.key, |slot| {
+        self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
             slot.state.running = false;
             slot.state.until = until;
         });
@@ -166,7 +166,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
     fn finish_without_run(&mut self, result: Result<T, Error>) {
         drop(self.job.take());
         let now = Instant::now();
-        self.shared.registry.with_slot(&*self.key, |slot| {
+        self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
             slot.state.running = false;
             slot.state.until = now;
         });
@@ -191,7 +191,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             let dropped = self
                 .shared
                 .registry
-                .with_slot(&*self.key, |slot| {
+                .with_slot(self.key.as_bytes(), |slot| {
                     slot.state.running = false;
                     slot.state.until = until;
                     slot.state.pending.take()
@@ -212,7 +212,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         let mut waiters = self.waiters.take();
         let gauges = &self.shared.gauges;
         let mut coalesced_lead = None;
-        self.shared.registry.with_slot(&*self.key, |slot| {
+        self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
             let state: &mut KeyState<T> = &mut slot.state;
             state.running = false;
             state.until = until;
@@ -264,7 +264,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                 return false;
             }
             let now = Instant::now();
-            let step = self.shared.registry.with_slot(&*self.key, |slot| {
+            let step = self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
                 let state = &mut slot.state;
                 // While draining, a window with nothing pending protects nothing.
                 let idle_drain = mode == DRAINING && state.pending.is_none();
@@ -286,7 +286,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                     let closed = self
                         .shared
                         .registry
-                        .remove_if(&*self.key, self.generation, |s| s.pending.is_none());
+                        .remove_if(self.key.as_bytes(), self.generation, |s| s.pending.is_none());
                     if closed.is_some() {
                         self.closed = true;
                         tracing::debug!(throttle = %self.shared.name, key = %self.key, "window closed");
@@ -355,7 +355,7 @@ impl<T: Clone + Send + Sync + 'static> Drop for Driver<T> {
         } else {
             shared
                 .registry
-                .remove_if(&*self.key, self.generation, |_| true)
+                .remove_if(self.key.as_bytes(), self.generation, |_| true)
         };
         if self.waiters.is_some() || left.as_ref().is_some_and(|s| s.pending.is_some()) {
             let error = shared.exit_error(&self.key);

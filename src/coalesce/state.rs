@@ -15,7 +15,7 @@ use super::Phase;
 use super::store::{SetOptions, WindowStore};
 use crate::cell::RunCell;
 use crate::error::Error;
-use crate::key::{check_key, shown};
+use crate::key::{InlineKey, check_key, shown};
 use crate::runtime::{Runtime, ShutdownHook};
 
 /// A user function, boxed so the latest one can replace an older one.
@@ -175,7 +175,7 @@ pub(super) struct Shared<T> {
     pub(super) lease_ttl: Duration,
     pub(super) store: Box<dyn WindowStore>,
     pub(super) owns_store: bool,
-    pub(super) registry: Registry<Box<str>, KeyState<T>>,
+    pub(super) registry: Registry<InlineKey, KeyState<T>>,
     hasher: ahash::RandomState,
     mode: AtomicU8,
     /// Wakes processes sleeping through a window when the mode changes.
@@ -266,7 +266,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         core.check_open(key)?;
         // The mode is read under the shard lock, so `destroy` (mode first,
         // then a pass over every shard) never misses a pending call.
-        let decision = self.registry.update(key, |entry| match entry {
+        let decision = self.registry.update(key.as_bytes(), |entry| match entry {
             _ if self.mode() != OPEN => Decision::Refused(self.refused(key), job),
             SlotEntry::Occupied(slot) => match &mut slot.state.pending {
                 Some(pending) => Decision::Coalesced {
@@ -484,7 +484,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         let mut dropped = Vec::new();
         self.registry.retain(|key, state| {
             if let Some(pending) = state.pending.take() {
-                dropped.push((key.clone(), pending));
+                dropped.push((String::from_utf8_lossy(key.as_bytes()).into_owned(), pending));
             }
             true
         });

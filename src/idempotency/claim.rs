@@ -25,7 +25,7 @@ use super::options::IdempotencyOptions;
 use super::store::{Pending, Record, ResultStore};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
-use crate::key::shown;
+use crate::key::{InlineKey, shown};
 
 /// How a claim ended, as its waiters see it.
 #[derive(Debug, Clone)]
@@ -70,7 +70,7 @@ enum Joined<T> {
 
 /// Keys in flight plus the store of completed results.
 pub(crate) struct Ledger {
-    claims: Registry<Box<str>, Claim>,
+    claims: Registry<InlineKey, Claim>,
     store: Box<dyn ResultStore>,
     tokens: AtomicU64,
     hasher: ahash::RandomState,
@@ -145,7 +145,7 @@ impl Ledger {
             completing: false,
             cell: Arc::clone(&cell),
         };
-        let joined = self.claims.update(full, |slot| match slot {
+        let joined = self.claims.update(full.as_bytes(), |slot| match slot {
             SlotEntry::Occupied(slot) => {
                 let generation = slot.generation();
                 let claim = &mut slot.state;
@@ -254,7 +254,7 @@ impl Ticket {
         let (generation, token) = (self.generation, self.token);
         let ours = ledger
             .claims
-            .with_slot(&*self.full, |slot| {
+            .with_slot(self.full.as_bytes(), |slot| {
                 let ours = slot.generation() == generation && slot.state.token == token;
                 if ours {
                     slot.state.completing = true;
@@ -298,7 +298,7 @@ impl Ticket {
         }
         ledger
             .claims
-            .remove_if(&*self.full, generation, |claim| claim.token == token);
+            .remove_if(self.full.as_bytes(), generation, |claim| claim.token == token);
         self.held = false;
         self.cell.set(Ok(Settled::Done(record)));
         Ok(())
@@ -316,7 +316,7 @@ impl Ticket {
         let token = self.token;
         self.ledger
             .claims
-            .remove_if(&*self.full, self.generation, |claim| claim.token == token);
+            .remove_if(self.full.as_bytes(), self.generation, |claim| claim.token == token);
         self.cell.set(Ok(Settled::Released));
     }
 }

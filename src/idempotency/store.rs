@@ -17,6 +17,7 @@ use throttlebeam_supervisors::{Counters, Sweeper, TtlTable};
 use tokio::time::Instant;
 
 use crate::error::BoxError;
+use crate::key::InlineKey;
 
 /// bincode settings of encoded results: part of the format a shared store
 /// keeps, so changing them orphans stored results.
@@ -144,7 +145,7 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
 
 /// Results in a [`TtlTable`] swept by the runtime's sweeper.
 pub(crate) struct MemoryStore {
-    table: Arc<TtlTable<Box<str>, Arc<Record>>>,
+    table: Arc<TtlTable<InlineKey, Arc<Record>>>,
 }
 
 impl MemoryStore {
@@ -161,7 +162,7 @@ impl ResultStore for MemoryStore {
     }
 
     fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Arc<Record>>, BoxError>> {
-        Pending::Ready(Ok(self.table.get_at(key, now)))
+        Pending::Ready(Ok(self.table.get_at(key.as_bytes(), now)))
     }
 
     fn put(
@@ -170,7 +171,7 @@ impl ResultStore for MemoryStore {
         record: Arc<Record>,
         ttl: Duration,
     ) -> Pending<'_, Result<(), BoxError>> {
-        self.table.insert(key.into(), record, ttl);
+        self.table.insert(InlineKey::new(key), record, ttl);
         Pending::Ready(Ok(()))
     }
 

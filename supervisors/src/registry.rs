@@ -16,6 +16,13 @@ use dashmap::mapref::entry::Entry;
 use crate::stats::Counters;
 use crate::sweeper::Sweeper;
 
+/// Shards of a registry's map: at least 64, so two threads rarely meet on
+/// one shard lock; more on machines with many threads.
+pub(crate) fn shard_amount() -> usize {
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    (threads * 4).next_power_of_two().max(64)
+}
+
 /// Identifies one incarnation of a key's slot.
 ///
 /// A slot removed and created again for the same key gets a new generation,
@@ -171,7 +178,7 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     #[must_use]
     pub fn new(counters: Arc<Counters>, cap: usize) -> Self {
         Self {
-            map: DashMap::with_hasher(ahash::RandomState::new()),
+            map: DashMap::with_hasher_and_shard_amount(ahash::RandomState::new(), shard_amount()),
             shared: Shared {
                 counters,
                 cap,

@@ -52,7 +52,10 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
     #[must_use]
     pub fn new(counters: Arc<Counters>) -> Self {
         Self {
-            map: DashMap::with_hasher(ahash::RandomState::new()),
+            map: DashMap::with_hasher_and_shard_amount(
+                ahash::RandomState::new(),
+                crate::registry::shard_amount(),
+            ),
             len: AtomicUsize::new(0),
             counters,
             sweeper: None,

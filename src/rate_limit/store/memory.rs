@@ -1,7 +1,5 @@
 //! The in-memory store: a sharded map with TTLs and a key bound.
 
-use std::borrow::Borrow;
-use std::hash::{Hash, Hasher};
 use std::num::NonZeroUsize;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,6 +8,7 @@ use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 
 use super::{Store, Transition};
+use crate::key::InlineKey;
 use crate::rate_limit::RateLimitError;
 use crate::rate_limit::strategy::Update;
 
@@ -19,67 +18,6 @@ const DEFAULT_MAX_KEYS: usize = 1_000_000;
 const DEFAULT_SHARDS: usize = 64;
 /// When full and nothing has expired, evict this fraction of `max_keys` (at least one key).
 const EVICT_FRACTION: usize = 64;
-
-/// Keys up to this many bytes live inside the map entry.
-const INLINE_KEY: usize = 22;
-
-/// A stored key. Short keys (IPs, user ids) are kept inline so a lookup compares them without
-/// chasing a pointer to another cache line; longer ones go to the heap.
-#[derive(Debug, Clone)]
-enum StoreKey {
-    Inline { len: u8, bytes: [u8; INLINE_KEY] },
-    Heap(Box<[u8]>),
-}
-
-impl StoreKey {
-    #[inline]
-    fn new(key: &str) -> Self {
-        let raw = key.as_bytes();
-        if raw.len() <= INLINE_KEY {
-            let mut bytes = [0; INLINE_KEY];
-            bytes[..raw.len()].copy_from_slice(raw);
-            // At most INLINE_KEY, so it fits a u8.
-            Self::Inline {
-                len: raw.len() as u8,
-                bytes,
-            }
-        } else {
-            Self::Heap(raw.into())
-        }
-    }
-
-    #[inline]
-    fn as_bytes(&self) -> &[u8] {
-        match self {
-            Self::Inline { len, bytes } => &bytes[..usize::from(*len)],
-            Self::Heap(bytes) => bytes,
-        }
-    }
-}
-
-// Hash and equality go through the bytes, as `Borrow<[u8]>` requires.
-impl Hash for StoreKey {
-    #[inline]
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.as_bytes().hash(state);
-    }
-}
-
-impl PartialEq for StoreKey {
-    #[inline]
-    fn eq(&self, other: &Self) -> bool {
-        self.as_bytes() == other.as_bytes()
-    }
-}
-
-impl Eq for StoreKey {}
-
-impl Borrow<[u8]> for StoreKey {
-    #[inline]
-    fn borrow(&self) -> &[u8] {
-        self.as_bytes()
-    }
-}
 
 /// A key's state with its bookkeeping in whole seconds, so a GCRA entry (key and slot) stays
 /// at 40 bytes and a read that changes nothing writes nothing.
@@ -125,7 +63,7 @@ fn secs_up(ms: u64) -> u32 {
 /// ```
 #[derive(Debug)]
 pub struct MemoryStore<S> {
-    map: DashMap<StoreKey, Slot<S>, ahash::RandomState>,
+    map: DashMap<InlineKey, Slot<S>, ahash::RandomState>,
     len: AtomicUsize,
     max_keys: usize,
     evicting: Mutex<()>,
@@ -204,7 +142,7 @@ impl<S> MemoryStore<S> {
         }
         let nth = batch.min(ages.len()) - 1;
         let (_, &mut oldest, _) = ages.select_nth_unstable(nth);
-        let victims: Vec<StoreKey> = self
+        let victims: Vec<InlineKey> = self
             .map
             .iter()
             .filter(|e| e.used_at <= oldest)
@@ -245,7 +183,7 @@ impl<S: Copy + Send + Sync + 'static> MemoryStore<S> {
         if self.len() >= self.max_keys {
             self.make_room(now_ms);
         }
-        match self.map.entry(StoreKey::new(key)) {
+        match self.map.entry(InlineKey::new(key)) {
             // Inserted by another thread since our lookup.
             Entry::Occupied(mut e) => run_on(e.get_mut(), now_ms, transition),
             Entry::Vacant(e) => {
@@ -272,7 +210,7 @@ impl<S: Copy + Send + Sync + 'static> Store<S> for MemoryStore<S> {
         now_ms: u64,
         transition: &T,
     ) -> Result<T::Output, RateLimitError> {
-        // Looked up by bytes: building a `StoreKey` on the stack to compare against measured
+        // Looked up by bytes: building a `InlineKey` on the stack to compare against measured
         // slower (its byte-wise stores stall the wide loads that hash and compare it).
         let found = self.map.get_mut(key.as_bytes());
         if let Some(mut slot) = found {
@@ -292,6 +230,7 @@ impl<S: Copy + Send + Sync + 'static> Store<S> for MemoryStore<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::key::INLINE_KEY;
     use crate::rate_limit::strategy::Outcome;
 
     /// Adds one to a counter that lives `ttl` ms.
@@ -359,9 +298,9 @@ mod tests {
         for (key, expected) in [(&long, 1), (&exact, 1), (&long, 2), (&exact, 2)] {
             assert_eq!(store.apply(key, 0, &Bump(1_000)).unwrap(), expected);
         }
-        assert!(matches!(StoreKey::new(&long), StoreKey::Heap(_)));
-        assert!(matches!(StoreKey::new(&exact), StoreKey::Inline { .. }));
-        assert_eq!(StoreKey::new(""), StoreKey::new(""));
+        assert!(matches!(InlineKey::new(&long), InlineKey::Heap(_)));
+        assert!(matches!(InlineKey::new(&exact), InlineKey::Inline { .. }));
+        assert_eq!(InlineKey::new(""), InlineKey::new(""));
     }
 
     #[test]
