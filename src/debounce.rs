@@ -184,7 +184,7 @@ async fn process(
             execute(state, &key, run).await;
             continue;
         }
-        let now = Instant::now();
+        let now = core.now();
         let step = state
             .registry
             .with_slot(key.as_bytes(), |slot| {
@@ -419,7 +419,7 @@ impl Debouncer {
             })
         });
         let type_id = TypeId::of::<T>();
-        let now = Instant::now();
+        let now = core.now();
         let state = &core.debounce;
         let started = state.registry.update(key.as_bytes(), |entry| match entry {
             SlotEntry::Occupied(slot) => {
@@ -488,7 +488,9 @@ impl Debouncer {
         if let Some((key, generation, leading)) = spawn {
             let process = process(Arc::clone(core), Arc::clone(&key), generation, leading);
             if let Err(e) = core.start_process(&key, state.route(&key), process) {
-                state.registry.remove_if(key.as_bytes(), generation, |_| true);
+                state
+                    .registry
+                    .remove_if(key.as_bytes(), generation, |_| true);
                 return Err(e);
             }
         }

@@ -19,7 +19,6 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Sweeper, catch_panic};
 use tokio::sync::oneshot;
-use tokio::time::Instant;
 
 use self::claim::{Ledger, Settled, Step, Ticket, replay};
 pub use self::options::IdempotencyOptions;
@@ -289,6 +288,23 @@ enum Acquired<T> {
 
 /// Looks at the key until it replays, is held by this caller, or the wait
 /// timeout passes.
+/// The replay fast path, before any future is built: validates, then reads
+/// a completed result straight from a store that can answer at once.
+fn fast_replay<T>(
+    core: &Core,
+    ledger: &Ledger,
+    key: &str,
+    options: &IdempotencyOptions,
+) -> Result<Option<T>, Error>
+where
+    T: DeserializeOwned + Clone + 'static,
+{
+    check_key(key)?;
+    options.check(key)?;
+    core.check_open(key)?;
+    ledger.try_replay(key, options, core.now()).transpose()
+}
+
 async fn acquire<T>(
     core: &Core,
     ledger: &Arc<Ledger>,
@@ -301,7 +317,7 @@ where
     check_key(key)?;
     options.check(key)?;
     // One clock read per look: the replay path is a lookup, not a timer.
-    let mut now = Instant::now();
+    let mut now = core.now();
     let deadline = now + options.wait_timeout();
     loop {
         core.check_open(key)?;
@@ -316,9 +332,9 @@ where
                 return replay(&record, key, options.fingerprint()).map(Acquired::Replay);
             }
             // Released, failed, taken over or shut down: look again.
-            Ok(_) => now = Instant::now(),
+            Ok(_) => now = core.now(),
             Err(_) => {
-                now = Instant::now();
+                now = core.now();
                 if now >= deadline {
                     return Err(Error::Timeout {
                         key: shown(key),
@@ -344,6 +360,9 @@ where
     T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
     E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
 {
+    if let Some(value) = fast_replay(core, ledger, key, &options)? {
+        return Ok(Outcome::Replay(value));
+    }
     let ticket = match acquire(core, ledger, key, &options).await? {
         Acquired::Replay(value) => return Ok(Outcome::Replay(value)),
         Acquired::Owner(ticket) => ticket,
@@ -391,6 +410,9 @@ async fn reserve_in<T>(
 where
     T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
 {
+    if let Some(value) = fast_replay(core, ledger, key, &options)? {
+        return Ok(Reserved::Replay(value));
+    }
     Ok(match acquire(core, ledger, key, &options).await? {
         Acquired::Replay(value) => Reserved::Replay(value),
         Acquired::Owner(ticket) => Reserved::Fresh(Reservation::new(ticket)),
@@ -403,6 +425,7 @@ mod tests {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::time::Duration;
+    use tokio::time::Instant;
 
     use super::store::{Form, Pending, Record, ResultStore};
     use super::*;

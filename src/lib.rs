@@ -72,7 +72,7 @@ pub use idempotency::{
     Deduplicator, Idempotency, IdempotencyOptions, Outcome, Reservation, Reserved,
 };
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
-pub use runtime::{Runtime, RuntimeBuilder, ShutdownPolicy, ShutdownReport, Stats};
+pub use runtime::{Runtime, RuntimeBuilder, RuntimeClock, ShutdownPolicy, ShutdownReport, Stats};
 pub use throttle::{Throttle, Throttled, Throttler};
 
 #[cfg(doctest)]

@@ -13,6 +13,11 @@ use tokio::time::Instant;
 
 use crate::error::Error;
 use crate::key::shown;
+
+mod clock;
+
+pub(crate) use self::clock::Clock;
+pub use self::clock::RuntimeClock;
 use crate::{debounce, idempotency, throttle};
 
 /// What [`Runtime::shutdown`] does with debounced calls still waiting for
@@ -54,6 +59,7 @@ pub struct RuntimeBuilder {
     max_keys: Option<usize>,
     policy: ShutdownPolicy,
     partitions: Option<usize>,
+    clock: RuntimeClock,
 }
 
 impl Default for RuntimeBuilder {
@@ -63,6 +69,7 @@ impl Default for RuntimeBuilder {
             max_keys: None,
             policy: ShutdownPolicy::Flush,
             partitions: None,
+            clock: RuntimeClock::Auto,
         }
     }
 }
@@ -85,6 +92,13 @@ impl RuntimeBuilder {
     /// What shutdown does with pending debounced work (default flush).
     pub fn with_shutdown_policy(mut self, policy: ShutdownPolicy) -> Self {
         self.policy = policy;
+        self
+    }
+
+    /// The clock of the hot paths (default [`RuntimeClock::Auto`]: the CPU's
+    /// timestamp counter, or tokio's clock when it is paused at start).
+    pub fn with_clock(mut self, clock: RuntimeClock) -> Self {
+        self.clock = clock;
         self
     }
 
@@ -145,7 +159,9 @@ impl RuntimeBuilder {
         .map_err(|e| Error::Start(Arc::new(e)))?;
         let cap = self.max_keys.unwrap_or(usize::MAX);
         let sweeper = tree.sweeper().clone();
+        let clock = Clock::new(self.clock);
         let core = Arc::new(Core {
+            clock,
             debounce: debounce::State::new(counters.clone(), cap),
             throttle: throttle::State::new(counters.clone(), cap, &sweeper),
             idempotency: idempotency::State::new(counters.clone(), cap, &sweeper),
@@ -171,6 +187,7 @@ pub(crate) trait ShutdownHook: Send + Sync + 'static {
 }
 
 pub(crate) struct Core {
+    pub(crate) clock: Clock,
     pub(crate) tree: Tree,
     pub(crate) counters: Arc<Counters>,
     pub(crate) cap: usize,
@@ -183,6 +200,12 @@ pub(crate) struct Core {
 }
 
 impl Core {
+    /// The time on the runtime's clock.
+    #[inline]
+    pub(crate) fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
@@ -275,6 +298,7 @@ impl std::fmt::Debug for Runtime {
         f.debug_struct("Runtime")
             .field("stats", &self.stats())
             .field("closed", &self.core.is_closed())
+            .field("tsc_clock", &self.core.clock.is_tsc())
             .finish_non_exhaustive()
     }
 }

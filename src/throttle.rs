@@ -84,33 +84,35 @@ impl State {
         key: &str,
         interval: Duration,
         cap: usize,
+        now: Instant,
     ) -> Result<Option<Duration>, Error> {
-        let now = Instant::now();
         // Inside a window nothing changes: a shared lock is enough.
         if let Some(Some(left)) = self.windows.registry.read(key.as_bytes(), |slot| {
             (slot.state.until > now).then(|| slot.state.until - now)
         }) {
             return Ok(Some(left));
         }
-        self.windows.registry.update(key.as_bytes(), |slot| match slot {
-            SlotEntry::Occupied(slot) => {
-                if slot.state.until > now {
-                    Ok(Some(slot.state.until - now))
-                } else {
-                    slot.state.until = now + interval;
-                    Ok(None)
+        self.windows
+            .registry
+            .update(key.as_bytes(), |slot| match slot {
+                SlotEntry::Occupied(slot) => {
+                    if slot.state.until > now {
+                        Ok(Some(slot.state.until - now))
+                    } else {
+                        slot.state.until = now + interval;
+                        Ok(None)
+                    }
                 }
-            }
-            SlotEntry::Vacant(vacant) => vacant
-                .insert(Window {
-                    until: now + interval,
-                })
-                .map(|_| None)
-                .map_err(|_| Error::TooManyKeys {
-                    key: shown(key),
-                    cap,
-                }),
-        })
+                SlotEntry::Vacant(vacant) => vacant
+                    .insert(Window {
+                        until: now + interval,
+                    })
+                    .map(|_| None)
+                    .map_err(|_| Error::TooManyKeys {
+                        key: shown(key),
+                        cap,
+                    }),
+            })
     }
 
     fn route(&self, key: &str) -> u64 {
@@ -182,7 +184,7 @@ impl Throttler {
         let core = &self.runtime.core;
         core.check_open(key)?;
         let state = &core.throttle;
-        if let Some(retry_after) = state.try_open(key, interval, core.cap)? {
+        if let Some(retry_after) = state.try_open(key, interval, core.cap, core.now())? {
             return Ok(Throttled::Throttled { retry_after });
         }
         let (tx, rx) = oneshot::channel();

@@ -283,10 +283,12 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                 None => return false,
                 Some(Step::Sleep(until)) => self.shared.nap(until, mode).await,
                 Some(Step::Close) => {
-                    let closed = self
-                        .shared
-                        .registry
-                        .remove_if(self.key.as_bytes(), self.generation, |s| s.pending.is_none());
+                    let closed =
+                        self.shared
+                            .registry
+                            .remove_if(self.key.as_bytes(), self.generation, |s| {
+                                s.pending.is_none()
+                            });
                     if closed.is_some() {
                         self.closed = true;
                         tracing::debug!(throttle = %self.shared.name, key = %self.key, "window closed");

@@ -484,7 +484,10 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         let mut dropped = Vec::new();
         self.registry.retain(|key, state| {
             if let Some(pending) = state.pending.take() {
-                dropped.push((String::from_utf8_lossy(key.as_bytes()).into_owned(), pending));
+                dropped.push((
+                    String::from_utf8_lossy(key.as_bytes()).into_owned(),
+                    pending,
+                ));
             }
             true
         });

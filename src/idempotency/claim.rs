@@ -90,6 +90,26 @@ impl Ledger {
         }
     }
 
+    /// Replays a completed key at once when the store can answer without a
+    /// round trip: no claim, no future, one map read.
+    pub(crate) fn try_replay<T>(
+        &self,
+        key: &str,
+        options: &IdempotencyOptions,
+        now: Instant,
+    ) -> Option<Result<T, Error>>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        with_full_key(options.scope(), key, |full| {
+            let mut out = None;
+            self.store.read_now(full, now, &mut |record| {
+                out = Some(replay(record, key, options.fingerprint()));
+            });
+            out
+        })
+    }
+
     /// One look at the key: replay it, claim it, or wait for its holder.
     pub(crate) async fn attempt<T>(
         self: &Arc<Self>,
@@ -298,7 +318,9 @@ impl Ticket {
         }
         ledger
             .claims
-            .remove_if(self.full.as_bytes(), generation, |claim| claim.token == token);
+            .remove_if(self.full.as_bytes(), generation, |claim| {
+                claim.token == token
+            });
         self.held = false;
         self.cell.set(Ok(Settled::Done(record)));
         Ok(())
@@ -316,7 +338,9 @@ impl Ticket {
         let token = self.token;
         self.ledger
             .claims
-            .remove_if(self.full.as_bytes(), self.generation, |claim| claim.token == token);
+            .remove_if(self.full.as_bytes(), self.generation, |claim| {
+                claim.token == token
+            });
         self.cell.set(Ok(Settled::Released));
     }
 }

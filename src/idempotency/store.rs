@@ -32,12 +32,15 @@ pub(crate) enum Form {
     Encoded,
 }
 
+#[derive(Clone)]
 enum Value {
-    Typed(Box<dyn Any + Send + Sync>),
-    Encoded(Box<[u8]>),
+    Typed(Arc<dyn Any + Send + Sync>),
+    Encoded(Arc<[u8]>),
 }
 
 /// A completed result with the fingerprint of the request that produced it.
+/// Cloning it is two reference counts.
+#[derive(Clone)]
 pub(crate) struct Record {
     fingerprint: Option<Arc<str>>,
     value: Value,
@@ -54,10 +57,8 @@ impl Record {
         T: Serialize + Send + Sync + 'static,
     {
         let value = match form {
-            Form::Typed => Value::Typed(Box::new(value)),
-            Form::Encoded => {
-                Value::Encoded(bincode::serde::encode_to_vec(&value, CODEC)?.into_boxed_slice())
-            }
+            Form::Typed => Value::Typed(Arc::new(value)),
+            Form::Encoded => Value::Encoded(bincode::serde::encode_to_vec(&value, CODEC)?.into()),
         };
         Ok(Self { fingerprint, value })
     }
@@ -127,6 +128,14 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
     /// The form [`Record::new`] must produce for this store.
     fn form(&self) -> Form;
 
+    /// Runs `read` on the live record for `key` as of `now` without a
+    /// round trip, if this store can: `Some(found)`, or `None` when only
+    /// [`ResultStore::get`] can answer. The replay fast path.
+    fn read_now(&self, key: &str, now: Instant, read: &mut dyn FnMut(&Record)) -> Option<bool> {
+        let _ = (key, now, read);
+        None
+    }
+
     /// The live record for `key` as of `now`.
     fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Arc<Record>>, BoxError>>;
 
@@ -145,7 +154,8 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
 
 /// Results in a [`TtlTable`] swept by the runtime's sweeper.
 pub(crate) struct MemoryStore {
-    table: Arc<TtlTable<InlineKey, Arc<Record>>>,
+    // Records inline in the table: a replay touches the entry and the value.
+    table: Arc<TtlTable<InlineKey, Record>>,
 }
 
 impl MemoryStore {
@@ -161,8 +171,16 @@ impl ResultStore for MemoryStore {
         Form::Typed
     }
 
+    fn read_now(&self, key: &str, now: Instant, read: &mut dyn FnMut(&Record)) -> Option<bool> {
+        Some(
+            self.table
+                .read_at(key.as_bytes(), now, |record| read(record))
+                .is_some(),
+        )
+    }
+
     fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Arc<Record>>, BoxError>> {
-        Pending::Ready(Ok(self.table.get_at(key.as_bytes(), now)))
+        Pending::Ready(Ok(self.table.get_at(key.as_bytes(), now).map(Arc::new)))
     }
 
     fn put(
@@ -171,7 +189,8 @@ impl ResultStore for MemoryStore {
         record: Arc<Record>,
         ttl: Duration,
     ) -> Pending<'_, Result<(), BoxError>> {
-        self.table.insert(InlineKey::new(key), record, ttl);
+        self.table
+            .insert(InlineKey::new(key), Arc::unwrap_or_clone(record), ttl);
         Pending::Ready(Ok(()))
     }
 

@@ -292,10 +292,15 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
+        // Uncount under the shard lock, as `insert` counts, so the count
+        // never runs ahead of the map for one key.
         let (_, slot) = self.map.remove_if(key, |_, slot| {
-            slot.generation == generation && pred(&slot.state)
+            let remove = slot.generation == generation && pred(&slot.state);
+            if remove {
+                self.forget(1);
+            }
+            remove
         })?;
-        self.forget(1);
         Some(slot.state)
     }
 

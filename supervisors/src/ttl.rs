@@ -114,6 +114,31 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
         None
     }
 
+    /// Runs `f` on the live value for `key` as of `now`, under a shared lock
+    /// and without cloning it; an expired entry is removed and `f` not run.
+    ///
+    /// Keep `f` short: it holds the shard's read lock.
+    pub fn read_at<Q, R>(&self, key: &Q, now: Instant, f: impl FnOnce(&V) -> R) -> Option<R>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        {
+            let entry = self.map.get(key)?;
+            if entry.expires_at > now {
+                return Some(f(&entry.value));
+            }
+        }
+        if self
+            .map
+            .remove_if(key, |_, e| e.expires_at <= now)
+            .is_some()
+        {
+            self.forget(1);
+        }
+        None
+    }
+
     /// Stores `value` for `ttl`, replacing any entry for `key` (a replaced
     /// entry still counts once). A `ttl` too large to represent means about
     /// thirty years.
