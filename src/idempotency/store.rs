@@ -32,18 +32,17 @@ pub(crate) enum Form {
     Encoded,
 }
 
-#[derive(Clone)]
-enum Value {
-    Typed(Arc<dyn Any + Send + Sync>),
-    Encoded(Arc<[u8]>),
-}
+/// A value in bincode bytes, readable by another process.
+struct Encoded(Box<[u8]>);
 
 /// A completed result with the fingerprint of the request that produced it.
 /// Cloning it is two reference counts.
 #[derive(Clone)]
 pub(crate) struct Record {
     fingerprint: Option<Arc<str>>,
-    value: Value,
+    /// The typed value, or [`Encoded`] bytes: one pointer either way, so a
+    /// table entry stays within a cache line.
+    value: Arc<dyn Any + Send + Sync>,
 }
 
 impl Record {
@@ -56,9 +55,11 @@ impl Record {
     where
         T: Serialize + Send + Sync + 'static,
     {
-        let value = match form {
-            Form::Typed => Value::Typed(Arc::new(value)),
-            Form::Encoded => Value::Encoded(bincode::serde::encode_to_vec(&value, CODEC)?.into()),
+        let value: Arc<dyn Any + Send + Sync> = match form {
+            Form::Typed => Arc::new(value),
+            Form::Encoded => Arc::new(Encoded(
+                bincode::serde::encode_to_vec(&value, CODEC)?.into_boxed_slice(),
+            )),
         };
         Ok(Self { fingerprint, value })
     }
@@ -75,23 +76,22 @@ impl Record {
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        match &self.value {
-            Value::Typed(any) => any.downcast_ref::<T>().cloned(),
-            Value::Encoded(bytes) => {
-                match bincode::serde::decode_from_slice::<T, _>(bytes, CODEC) {
-                    Ok((value, read)) if read == bytes.len() => Some(value),
-                    _ => None,
-                }
-            }
+        if let Some(Encoded(bytes)) = self.value.downcast_ref::<Encoded>() {
+            return match bincode::serde::decode_from_slice::<T, _>(bytes, CODEC) {
+                Ok((value, read)) if read == bytes.len() => Some(value),
+                _ => None,
+            };
         }
+        self.value.downcast_ref::<T>().cloned()
     }
 }
 
 impl std::fmt::Debug for Record {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let form = match self.value {
-            Value::Typed(_) => Form::Typed,
-            Value::Encoded(_) => Form::Encoded,
+        let form = if self.value.is::<Encoded>() {
+            Form::Encoded
+        } else {
+            Form::Typed
         };
         f.debug_struct("Record")
             .field("fingerprint", &self.fingerprint)
@@ -228,7 +228,7 @@ mod tests {
             note: "paid".into(),
         };
         let record = Record::new(Form::Encoded, None, charge.clone()).unwrap();
-        assert!(matches!(record.value, Value::Encoded(_)));
+        assert!(record.value.is::<Encoded>());
         assert_eq!(record.value::<Charge>(), Some(charge));
         // Trailing bytes left over mean the stored value was of another type.
         assert_eq!(record.value::<u8>(), None);

@@ -16,7 +16,9 @@ use crate::sweeper::{Sweep, Sweeper};
 #[derive(Debug)]
 struct TtlEntry<V> {
     value: V,
-    expires_at: Instant,
+    /// Nanoseconds after the table's base instant: 8 bytes instead of 16
+    /// keeps small entries within one cache line.
+    expires_at: u64,
 }
 
 /// A map whose entries live for a TTL.
@@ -45,6 +47,7 @@ pub struct TtlTable<K, V> {
     len: AtomicUsize,
     counters: Arc<Counters>,
     sweeper: Option<Sweeper>,
+    base: Instant,
 }
 
 impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> TtlTable<K, V> {
@@ -58,6 +61,7 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
             ),
             len: AtomicUsize::new(0),
             counters,
+            base: Instant::now(),
             sweeper: None,
         }
     }
@@ -100,13 +104,13 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
     {
         {
             let entry = self.map.get(key)?;
-            if entry.expires_at > now {
+            if entry.expires_at > self.tick(now) {
                 return Some(entry.value.clone());
             }
         }
         if self
             .map
-            .remove_if(key, |_, e| e.expires_at <= now)
+            .remove_if(key, |_, e| e.expires_at <= self.tick(now))
             .is_some()
         {
             self.forget(1);
@@ -125,13 +129,13 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
     {
         {
             let entry = self.map.get(key)?;
-            if entry.expires_at > now {
+            if entry.expires_at > self.tick(now) {
                 return Some(f(&entry.value));
             }
         }
         if self
             .map
-            .remove_if(key, |_, e| e.expires_at <= now)
+            .remove_if(key, |_, e| e.expires_at <= self.tick(now))
             .is_some()
         {
             self.forget(1);
@@ -143,7 +147,7 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
     /// entry still counts once). A `ttl` too large to represent means about
     /// thirty years.
     pub fn insert(&self, key: K, value: V, ttl: Duration) {
-        let expires_at = expiry(Instant::now(), ttl);
+        let expires_at = self.tick(expiry(Instant::now(), ttl));
         let entry = TtlEntry { value, expires_at };
         // Count a new entry before it becomes visible, under its shard lock,
         // so a concurrent remove never decrements below zero.
@@ -172,7 +176,7 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
     {
         let (_, entry) = self.map.remove(key)?;
         self.forget(1);
-        (entry.expires_at > Instant::now()).then_some(entry.value)
+        (entry.expires_at > self.tick(Instant::now())).then_some(entry.value)
     }
 
     /// Removes every entry.
@@ -203,6 +207,14 @@ impl<K, V> Drop for TtlTable<K, V> {
     }
 }
 
+impl<K, V> TtlTable<K, V> {
+    /// `t` as nanoseconds after the table's base (0 before it).
+    #[inline]
+    fn tick(&self, t: Instant) -> u64 {
+        u64::try_from(t.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
 /// `now + ttl`, capped instead of overflowing on huge TTLs.
 fn expiry(now: Instant, ttl: Duration) -> Instant {
     const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
@@ -218,6 +230,7 @@ where
 {
     fn sweep(&self, now: Instant) -> usize {
         let mut removed = 0;
+        let now = self.tick(now);
         self.map.retain(|_, e| {
             let keep = e.expires_at > now;
             removed += usize::from(!keep);
