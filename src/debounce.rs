@@ -184,7 +184,7 @@ async fn process(
             execute(state, &key, run).await;
             continue;
         }
-        let now = core.now();
+        let now = Instant::now();
         let step = state
             .registry
             .with_slot(key.as_bytes(), |slot| {
@@ -419,7 +419,7 @@ impl Debouncer {
             })
         });
         let type_id = TypeId::of::<T>();
-        let now = core.now();
+        let now = Instant::now();
         let state = &core.debounce;
         let started = state.registry.update(key.as_bytes(), |entry| match entry {
             SlotEntry::Occupied(slot) => {

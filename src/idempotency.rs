@@ -19,6 +19,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Sweeper, catch_panic};
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use self::claim::{Ledger, Settled, Step, Ticket, replay};
 pub use self::options::IdempotencyOptions;
@@ -302,7 +303,7 @@ where
     check_key(key)?;
     options.check(key)?;
     core.check_open(key)?;
-    ledger.try_replay(key, options, core.now()).transpose()
+    ledger.try_replay(key, options, Instant::now()).transpose()
 }
 
 async fn acquire<T>(
@@ -317,7 +318,7 @@ where
     check_key(key)?;
     options.check(key)?;
     // One clock read per look: the replay path is a lookup, not a timer.
-    let mut now = core.now();
+    let mut now = Instant::now();
     let deadline = now + options.wait_timeout();
     loop {
         core.check_open(key)?;
@@ -332,9 +333,9 @@ where
                 return replay(&record, key, options.fingerprint()).map(Acquired::Replay);
             }
             // Released, failed, taken over or shut down: look again.
-            Ok(_) => now = core.now(),
+            Ok(_) => now = Instant::now(),
             Err(_) => {
-                now = core.now();
+                now = Instant::now();
                 if now >= deadline {
                     return Err(Error::Timeout {
                         key: shown(key),

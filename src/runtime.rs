@@ -95,8 +95,8 @@ impl RuntimeBuilder {
         self
     }
 
-    /// The clock of the hot paths (default [`RuntimeClock::Auto`]: the CPU's
-    /// timestamp counter, or tokio's clock when it is paused at start).
+    /// The clock of throttle windows (default [`RuntimeClock::Auto`]: the
+    /// CPU's timestamp counter, or tokio's clock when it is paused at start).
     pub fn with_clock(mut self, clock: RuntimeClock) -> Self {
         self.clock = clock;
         self
@@ -161,9 +161,8 @@ impl RuntimeBuilder {
         let sweeper = tree.sweeper().clone();
         let clock = Clock::new(self.clock);
         let core = Arc::new(Core {
-            clock,
             debounce: debounce::State::new(counters.clone(), cap),
-            throttle: throttle::State::new(counters.clone(), cap, &sweeper),
+            throttle: throttle::State::new(counters.clone(), cap, &sweeper, clock.clone()),
             idempotency: idempotency::State::new(counters.clone(), cap, &sweeper),
             tree,
             counters,
@@ -187,7 +186,6 @@ pub(crate) trait ShutdownHook: Send + Sync + 'static {
 }
 
 pub(crate) struct Core {
-    pub(crate) clock: Clock,
     pub(crate) tree: Tree,
     pub(crate) counters: Arc<Counters>,
     pub(crate) cap: usize,
@@ -200,12 +198,6 @@ pub(crate) struct Core {
 }
 
 impl Core {
-    /// The time on the runtime's clock.
-    #[inline]
-    pub(crate) fn now(&self) -> Instant {
-        self.clock.now()
-    }
-
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
@@ -298,7 +290,7 @@ impl std::fmt::Debug for Runtime {
         f.debug_struct("Runtime")
             .field("stats", &self.stats())
             .field("closed", &self.core.is_closed())
-            .field("tsc_clock", &self.core.clock.is_tsc())
+            .field("tsc_clock", &self.core.throttle.uses_tsc())
             .finish_non_exhaustive()
     }
 }

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, check_timer, shown};
-use crate::runtime::Runtime;
+use crate::runtime::{Clock, Runtime};
 
 /// What a leading-edge throttle did with a call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,24 +53,37 @@ pub(crate) struct State {
 }
 
 struct Windows {
+    // Windows are opened, checked and swept on this one clock.
+    clock: Clock,
     registry: Registry<InlineKey, Window>,
     hasher: ahash::RandomState,
 }
 
 impl Sweep for Windows {
-    fn sweep(&self, now: Instant) -> usize {
+    fn sweep(&self, _: Instant) -> usize {
+        let now = self.clock.now();
         self.registry.retain(|_, w| w.until > now)
     }
 }
 
 impl State {
-    pub(crate) fn new(counters: Arc<Counters>, cap: usize, sweeper: &Sweeper) -> Self {
+    pub(crate) fn new(
+        counters: Arc<Counters>,
+        cap: usize,
+        sweeper: &Sweeper,
+        clock: Clock,
+    ) -> Self {
         Self {
             windows: Arc::new(Windows {
+                clock,
                 registry: Registry::with_sweeper(counters, cap, sweeper),
                 hasher: ahash::RandomState::new(),
             }),
         }
+    }
+
+    pub(crate) fn uses_tsc(&self) -> bool {
+        self.windows.clock.is_tsc()
     }
 
     pub(crate) fn register(&self, sweeper: &Sweeper) {
@@ -84,8 +97,8 @@ impl State {
         key: &str,
         interval: Duration,
         cap: usize,
-        now: Instant,
     ) -> Result<Option<Duration>, Error> {
+        let now = self.windows.clock.now();
         // Inside a window nothing changes: a shared lock is enough.
         if let Some(Some(left)) = self.windows.registry.read(key.as_bytes(), |slot| {
             (slot.state.until > now).then(|| slot.state.until - now)
@@ -184,7 +197,7 @@ impl Throttler {
         let core = &self.runtime.core;
         core.check_open(key)?;
         let state = &core.throttle;
-        if let Some(retry_after) = state.try_open(key, interval, core.cap, core.now())? {
+        if let Some(retry_after) = state.try_open(key, interval, core.cap)? {
             return Ok(Throttled::Throttled { retry_after });
         }
         let (tx, rx) = oneshot::channel();

@@ -253,3 +253,40 @@ async fn key_cap_is_enforced_with_a_clear_error() {
         Err(Error::InvalidConfig { .. })
     ));
 }
+
+#[tokio::test]
+async fn windows_on_the_timestamp_counter_behave_the_same() {
+    let rt = throttlebeam::Runtime::builder()
+        .with_clock(throttlebeam::RuntimeClock::Tsc)
+        .start()
+        .await
+        .unwrap();
+    let t = rt.throttler();
+    let ok = || async { Ok::<_, Oops>(1) };
+    assert_eq!(
+        t.call("k", ms(60_000), ok).await.unwrap(),
+        Throttled::Executed(1)
+    );
+    match t.call("k", ms(60_000), ok).await.unwrap() {
+        Throttled::Throttled { retry_after } => {
+            assert!(
+                retry_after <= ms(60_000) && retry_after > ms(59_000),
+                "{retry_after:?}"
+            );
+        }
+        other => panic!("expected throttled, got {other:?}"),
+    }
+    // A one-millisecond window really closes.
+    assert!(!t.call("short", ms(1), ok).await.unwrap().is_throttled());
+    let start = std::time::Instant::now();
+    loop {
+        if !t.call("short", ms(1), ok).await.unwrap().is_throttled() {
+            break;
+        }
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(5),
+            "window never closed"
+        );
+        tokio::task::yield_now().await;
+    }
+}

@@ -1,19 +1,20 @@
 //! The runtime's clock: tokio's, or the CPU's timestamp counter.
 //!
-//! Hot paths (a throttled call, an idempotency replay) read the time once.
-//! Measured on a 2-vCPU VM: reading `CLOCK_MONOTONIC` through the vDSO costs
-//! 20 ns in a tight loop but about 200 ns when the call also walks a large
-//! map, because the clock's shared page falls out of cache and TLB; the
-//! timestamp counter (through `quanta`, the clock governor uses) touches no
-//! memory. Timers always run on tokio's clock; a TSC reading is converted to
-//! a `tokio::time::Instant` against a base pair taken at start.
+//! A throttled call reads the time once, on its hottest path. Measured on a
+//! 2-vCPU VM over 100,000 keys: a throttled call took 150 ns reading tokio's
+//! clock (the vDSO) and 96 ns reading the timestamp counter (through
+//! `quanta`, the clock governor uses). Throttle windows are opened, checked
+//! and swept on this one clock, so its drift against tokio's clock only
+//! scales window lengths by parts per million. Everything that arms a timer
+//! (debounce, leases, waits) stays on tokio's clock. A TSC reading is
+//! converted to a `tokio::time::Instant` against a base pair taken at start.
 
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// Which clock a [`crate::Runtime`] reads on its hot paths.
+/// Which clock a [`crate::Runtime`]'s leading-edge throttle windows use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum RuntimeClock {
