@@ -233,18 +233,33 @@ impl Actor for Host {
     }
 }
 
-#[tokio::test]
-async fn embedded_under_a_host_supervisor() {
+/// A host supervisor with a runtime started under it, past its start event.
+async fn embedded() -> (
+    Runtime,
+    ActorRef<()>,
+    tokio::task::JoinHandle<()>,
+    mpsc::UnboundedReceiver<String>,
+) {
     let (tx, mut events) = mpsc::unbounded_channel();
     let (host, host_join) = Actor::spawn(None, Host { events: tx }, ()).await.unwrap();
     let rt = Runtime::builder()
         .start_linked(host.get_cell())
         .await
         .unwrap();
-    let started = tokio::time::timeout(Duration::from_secs(5), events.recv())
+    assert_eq!(next_event(&mut events).await, "started");
+    (rt, host, host_join, events)
+}
+
+async fn next_event(events: &mut mpsc::UnboundedReceiver<String>) -> String {
+    tokio::time::timeout(Duration::from_secs(5), events.recv())
         .await
-        .unwrap();
-    assert_eq!(started.as_deref(), Some("started"));
+        .expect("an event within 5 s")
+        .expect("the host is alive")
+}
+
+#[tokio::test]
+async fn embedded_under_a_host_supervisor() {
+    let (rt, host, host_join, mut events) = embedded().await;
 
     // A crash inside a key stays inside the key.
     let d = rt.debouncer();
@@ -271,10 +286,7 @@ async fn embedded_under_a_host_supervisor() {
 
     // The runtime's own exit reaches the host.
     rt.shutdown(ms(100)).await;
-    let event = tokio::time::timeout(Duration::from_secs(5), events.recv())
-        .await
-        .unwrap()
-        .unwrap();
+    let event = next_event(&mut events).await;
     assert!(event.starts_with("terminated"), "{event}");
     host.stop(None);
     host_join.await.unwrap();
@@ -282,21 +294,9 @@ async fn embedded_under_a_host_supervisor() {
 
 #[tokio::test]
 async fn runtime_failure_is_reported_to_the_host() {
-    let (tx, mut events) = mpsc::unbounded_channel();
-    let (host, _join) = Actor::spawn(None, Host { events: tx }, ()).await.unwrap();
-    let rt = Runtime::builder()
-        .start_linked(host.get_cell())
-        .await
-        .unwrap();
-    let started = tokio::time::timeout(Duration::from_secs(5), events.recv())
-        .await
-        .unwrap();
-    assert_eq!(started.as_deref(), Some("started"));
+    let (rt, host, _join, mut events) = embedded().await;
     rt.root_actor().kill();
-    let event = tokio::time::timeout(Duration::from_secs(5), events.recv())
-        .await
-        .unwrap()
-        .unwrap();
+    let event = next_event(&mut events).await;
     // A killed root is reported as terminated; a root that exceeds its
     // restart intensity is reported as failed (see the supervisors crate's
     // tree tests).
