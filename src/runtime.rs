@@ -314,7 +314,9 @@ impl Runtime {
     ///
     /// Its supervision tree and sweeper live on a small background thread of
     /// their own, so it outlives whichever tokio runtime touched it first;
-    /// per-key processes run on the caller's tokio runtime.
+    /// per-key processes run on the caller's tokio runtime. It runs on real
+    /// time: tests with paused tokio time should build their own runtime,
+    /// which then follows the paused clock.
     ///
     /// # Errors
     ///
