@@ -133,7 +133,6 @@ impl Slot {
 
 pub(crate) struct State {
     registry: Arc<Registry<InlineKey, Slot>>,
-    hasher: ahash::RandomState,
     wakeups: AtomicU64,
 }
 
@@ -141,7 +140,6 @@ impl State {
     pub(crate) fn new(counters: Arc<Counters>, cap: usize) -> Self {
         Self {
             registry: Arc::new(Registry::new(counters, cap)),
-            hasher: ahash::RandomState::new(),
             wakeups: AtomicU64::new(0),
         }
     }
@@ -157,10 +155,6 @@ impl State {
             slot.wake.notify_one();
             true
         });
-    }
-
-    fn route(&self, key: &str) -> u64 {
-        self.hasher.hash_one(key)
     }
 }
 
@@ -259,10 +253,7 @@ async fn execute(_state: &State, key: &Arc<str>, run: Pending) {
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let result = match catch_panic(job(Arc::clone(key))).await {
         Ok(result) => result,
-        Err(panic) => Err(Error::Panicked {
-            key: shown(key),
-            message: panic.message().to_owned(),
-        }),
+        Err(panic) => Err(Error::panicked(key, &panic)),
     };
     if let Err(error) = &result {
         tracing::debug!(key = %shown(key), %error, "debounced function failed");
@@ -487,7 +478,7 @@ impl Debouncer {
         let (cell, spawn) = started;
         if let Some((key, generation, leading)) = spawn {
             let process = process(Arc::clone(core), Arc::clone(&key), generation, leading);
-            if let Err(e) = core.start_process(&key, state.route(&key), process) {
+            if let Err(e) = core.start_process(&key, process) {
                 state
                     .registry
                     .remove_if(key.as_bytes(), generation, |_| true);

@@ -146,6 +146,37 @@ impl Error {
         }
     }
 
+    /// The user function panicked with `panic`.
+    pub(crate) fn panicked(key: &str, panic: &throttlebeam_supervisors::Panic) -> Self {
+        Self::Panicked {
+            key: crate::key::shown(key),
+            message: panic.message().to_owned(),
+        }
+    }
+
+    /// A per-key process ended without handing back the result it owed.
+    pub(crate) fn process_lost(key: &str) -> Self {
+        Self::Panicked {
+            key: crate::key::shown(key),
+            message: "per-key process exited without a result".to_owned(),
+        }
+    }
+
+    /// The outcome of a user function run under `catch_panic`.
+    pub(crate) fn from_run<T, E>(
+        key: &str,
+        caught: Result<Result<T, E>, throttlebeam_supervisors::Panic>,
+    ) -> Result<T, Self>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    {
+        match caught {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(Self::failed(key, e)),
+            Err(panic) => Err(Self::panicked(key, &panic)),
+        }
+    }
+
     pub(crate) fn failed<E>(key: &str, source: E) -> Self
     where
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,

@@ -369,24 +369,15 @@ where
         Acquired::Owner(ticket) => ticket,
     };
     let (tx, rx) = oneshot::channel();
-    let route = ticket.route();
     // If the process never starts, dropping it drops the ticket: released.
-    core.start_process(key, route, async move {
-        let result = match catch_panic(async move { f().await }).await {
-            Ok(Ok(value)) => match ticket.complete(value.clone()).await {
+    core.start_process(key, async move {
+        let caught = catch_panic(async move { f().await }).await;
+        let result = match Error::from_run(ticket.key(), caught) {
+            Ok(value) => match ticket.complete(value.clone()).await {
                 Ok(()) | Err(Error::ShutDown { .. }) => Ok(value),
                 Err(e) => Err(e),
             },
-            Ok(Err(e)) => {
-                let e = Error::failed(ticket.key(), e);
-                ticket.release();
-                Err(e)
-            }
-            Err(panic) => {
-                let e = Error::Panicked {
-                    key: ticket.key().to_owned(),
-                    message: panic.message().to_owned(),
-                };
+            Err(e) => {
                 ticket.release();
                 Err(e)
             }
@@ -395,10 +386,7 @@ where
     })?;
     match rx.await {
         Ok(result) => result.map(Outcome::Fresh),
-        Err(_) => Err(Error::Panicked {
-            key: shown(key),
-            message: "per-key process exited without a result".to_owned(),
-        }),
+        Err(_) => Err(Error::process_lost(key)),
     }
 }
 

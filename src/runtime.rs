@@ -161,6 +161,7 @@ impl RuntimeBuilder {
         let sweeper = tree.sweeper().clone();
         let clock = Clock::new(self.clock);
         let core = Arc::new(Core {
+            router: ahash::RandomState::new(),
             debounce: debounce::State::new(counters.clone(), cap),
             throttle: throttle::State::new(counters.clone(), cap, &sweeper, clock.clone()),
             idempotency: idempotency::State::new(counters.clone(), cap, &sweeper),
@@ -186,6 +187,8 @@ pub(crate) trait ShutdownHook: Send + Sync + 'static {
 }
 
 pub(crate) struct Core {
+    /// Hashes keys to supervisor partitions.
+    router: ahash::RandomState,
     pub(crate) tree: Tree,
     pub(crate) counters: Arc<Counters>,
     pub(crate) cap: usize,
@@ -210,14 +213,15 @@ impl Core {
         Ok(())
     }
 
-    /// Starts a per-key process under the partitioned supervisor.
-    pub(crate) fn start_process<F>(&self, key: &str, route: u64, process: F) -> Result<(), Error>
+    /// Starts a per-key process under the partitioned supervisor; the key
+    /// picks the partition.
+    pub(crate) fn start_process<F>(&self, key: &str, process: F) -> Result<(), Error>
     where
         F: Future<Output = ()> + Send + 'static,
     {
         self.tree
             .supervisor()
-            .start_child(route, process)
+            .start_child(self.router.hash_one(key), process)
             .map_err(|e| match e {
                 StartError::NoRuntime => Error::NoTokio,
                 _ => Error::ShutDown { key: shown(key) },

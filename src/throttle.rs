@@ -56,7 +56,6 @@ struct Windows {
     // Windows are opened, checked and swept on this one clock.
     clock: Clock,
     registry: Registry<InlineKey, Window>,
-    hasher: ahash::RandomState,
 }
 
 impl Sweep for Windows {
@@ -77,7 +76,6 @@ impl State {
             windows: Arc::new(Windows {
                 clock,
                 registry: Registry::with_sweeper(counters, cap, sweeper),
-                hasher: ahash::RandomState::new(),
             }),
         }
     }
@@ -126,10 +124,6 @@ impl State {
                         cap,
                     }),
             })
-    }
-
-    fn route(&self, key: &str) -> u64 {
-        self.windows.hasher.hash_one(key)
     }
 }
 
@@ -202,23 +196,13 @@ impl Throttler {
         }
         let (tx, rx) = oneshot::channel();
         let owned_key: Box<str> = key.into();
-        core.start_process(key, state.route(key), async move {
-            let outcome = match catch_panic(async move { f().await }).await {
-                Ok(Ok(value)) => Ok(value),
-                Ok(Err(e)) => Err(Error::failed(&owned_key, e)),
-                Err(panic) => Err(Error::Panicked {
-                    key: shown(&owned_key),
-                    message: panic.message().to_owned(),
-                }),
-            };
-            let _ = tx.send(outcome);
+        core.start_process(key, async move {
+            let caught = catch_panic(async move { f().await }).await;
+            let _ = tx.send(Error::from_run(&owned_key, caught));
         })?;
         match rx.await {
             Ok(outcome) => outcome.map(Throttled::Executed),
-            Err(_) => Err(Error::Panicked {
-                key: shown(key),
-                message: "per-key process exited without a result".to_owned(),
-            }),
+            Err(_) => Err(Error::process_lost(key)),
         }
     }
 }

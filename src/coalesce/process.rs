@@ -337,14 +337,7 @@ async fn run_job<T: Clone + Send + Sync + 'static>(
             }
         }
     };
-    match caught {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(error)) => Err(Error::failed(key, error)),
-        Err(panic) => Err(Error::Panicked {
-            key: shown(key),
-            message: panic.message().to_owned(),
-        }),
-    }
+    Error::from_run(key, caught)
 }
 
 impl<T: Clone + Send + Sync + 'static> Drop for Driver<T> {

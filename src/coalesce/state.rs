@@ -176,7 +176,6 @@ pub(super) struct Shared<T> {
     pub(super) store: Box<dyn WindowStore>,
     pub(super) owns_store: bool,
     pub(super) registry: Registry<InlineKey, KeyState<T>>,
-    hasher: ahash::RandomState,
     mode: AtomicU8,
     /// Wakes processes sleeping through a window when the mode changes.
     pub(super) wake: Notify,
@@ -210,7 +209,6 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             },
             lease_every,
             lease_ttl: config.window.max(lease_every * 2),
-            hasher: ahash::RandomState::new(),
             mode: AtomicU8::new(OPEN),
             wake: Notify::new(),
             epoch: EpochClock::new(),
@@ -243,10 +241,6 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         store_key.push_str(&self.prefix);
         store_key.push_str(key);
         store_key
-    }
-
-    fn route(&self, key: &str) -> u64 {
-        self.hasher.hash_one(key)
     }
 
     fn refused(&self, key: &str) -> Error {
@@ -321,7 +315,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             Decision::Lead(generation, job) => {
                 let (tx, rx) = oneshot::channel();
                 let driver = super::process::Driver::new(self.clone(), key, generation, job, tx);
-                core.start_process(key, self.route(key), driver.drive())?;
+                core.start_process(key, driver.drive())?;
                 Ok(Submitted::Lead(rx))
             }
         }
@@ -340,10 +334,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 reason: "dropped at shutdown",
             }
         } else {
-            Error::Panicked {
-                key: shown(key),
-                message: "per-key process exited without a result".to_owned(),
-            }
+            Error::process_lost(key)
         }
     }
 

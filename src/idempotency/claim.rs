@@ -73,7 +73,6 @@ pub(crate) struct Ledger {
     claims: Registry<InlineKey, Claim>,
     store: Box<dyn ResultStore>,
     tokens: AtomicU64,
-    hasher: ahash::RandomState,
     cap: usize,
     closed: AtomicBool,
 }
@@ -84,7 +83,6 @@ impl Ledger {
             claims: Registry::new(counters, cap),
             store,
             tokens: AtomicU64::new(1),
-            hasher: ahash::RandomState::new(),
             cap,
             closed: AtomicBool::new(false),
         }
@@ -253,11 +251,6 @@ impl Ticket {
     /// The caller's key, shortened for messages.
     pub(crate) fn key(&self) -> &str {
         &self.key
-    }
-
-    /// Which supervisor partition runs this key's process.
-    pub(crate) fn route(&self) -> u64 {
-        self.ledger.hasher.hash_one(&*self.full)
     }
 
     /// Stores `value` as the key's result and wakes the waiters.
