@@ -102,20 +102,7 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        {
-            let entry = self.map.get(key)?;
-            if entry.expires_at > self.tick(now) {
-                return Some(entry.value.clone());
-            }
-        }
-        if self
-            .map
-            .remove_if(key, |_, e| e.expires_at <= self.tick(now))
-            .is_some()
-        {
-            self.forget(1);
-        }
-        None
+        self.read_at(key, now, V::clone)
     }
 
     /// Runs `f` on the live value for `key` as of `now`, under a shared lock
