@@ -19,7 +19,7 @@ use criterion::Criterion;
 use dashmap::DashMap;
 use governor::{Quota, RateLimiter};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use throttlebeam::{IdempotencyOptions, Outcome, Runtime, RuntimeClock, Throttled};
+use throttlebeam::{IdempotencyOptions, IdempotencyOutcome, Runtime, RuntimeClock, Throttled};
 
 const KEYS: usize = 100_000;
 const HOUR: Duration = Duration::from_secs(3600);
@@ -217,11 +217,9 @@ fn idempotency_replay(c: &mut Criterion, lines: &mut Vec<Line>) {
     rt.block_on(async {
         for (i, key) in keys.iter().enumerate() {
             let first = dedup
-                .run(
-                    key,
-                    move || async move { Ok::<_, Infallible>(i as u64) },
-                    IdempotencyOptions::new(),
-                )
+                .run_with(key, IdempotencyOptions::new(), move || async move {
+                    Ok::<_, Infallible>(i as u64)
+                })
                 .await
                 .expect("run");
             assert!(first.is_fresh());
@@ -233,12 +231,10 @@ fn idempotency_replay(c: &mut Criterion, lines: &mut Vec<Line>) {
     }
     let ours = |i: u64| {
         let key = &keys[i as usize % KEYS];
-        let outcome = poll_once(dedup.run(
-            key,
-            || async { Ok::<u64, Infallible>(u64::MAX) },
-            IdempotencyOptions::new(),
-        ));
-        debug_assert!(matches!(outcome, Some(Ok(Outcome::Replay(_)))));
+        let outcome = poll_once(dedup.run_with(key, IdempotencyOptions::new(), || async {
+            Ok::<u64, Infallible>(u64::MAX)
+        }));
+        debug_assert!(matches!(outcome, Some(Ok(IdempotencyOutcome::Replay(_)))));
         black_box(outcome);
     };
     let anchor = |i: u64| {
