@@ -804,6 +804,162 @@ mod tests {
         assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 
+    const SEC: Duration = Duration::from_secs(1);
+
+    #[tokio::test(start_paused = true)]
+    async fn a_holder_that_stops_renewing_is_taken_over_once_and_its_late_completion_is_fenced() {
+        let runtime = Runtime::builder().start().await.unwrap();
+        let ledger = Arc::clone(&runtime.core.idempotency.ledger);
+        let options = IdempotencyOptions::new().with_lease(SEC);
+        // A holder that claimed the key, then stopped renewing without
+        // releasing it: what a cut-off instance of a shared store looks like.
+        let Step::Owner(gone) = ledger
+            .attempt::<Charge>("k", &options, Instant::now())
+            .await
+            .unwrap()
+        else {
+            panic!("k is new");
+        };
+        let start = Instant::now();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let duplicates: Vec<_> = (1..=3)
+            .map(|id| {
+                let (runtime, ledger, f) =
+                    (runtime.clone(), Arc::clone(&ledger), counted(&runs, id));
+                let options = options.clone();
+                tokio::spawn(async move { run_in(&runtime.core, &ledger, "k", f, options).await })
+            })
+            .collect();
+        tokio::time::sleep(SEC + Duration::from_millis(5)).await;
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "one duplicate took over at 1 s"
+        );
+
+        // The old holder wakes up while the new one runs: fenced off.
+        let late = gone
+            .complete(Charge {
+                id: 9,
+                note: "stale".to_owned(),
+            })
+            .await;
+        assert!(
+            matches!(late, Err(Error::LeaseLost { ref key }) if key == "k"),
+            "{late:?}"
+        );
+
+        let mut outcomes = Vec::new();
+        for duplicate in duplicates {
+            outcomes.push(duplicate.await.unwrap().unwrap());
+        }
+        assert_eq!(start.elapsed(), SEC + Duration::from_millis(10));
+        assert_eq!(outcomes.iter().filter(|o| o.is_fresh()).count(), 1);
+        assert!(
+            outcomes.iter().all(|o| o.value().id != 9),
+            "the stale value was not handed out"
+        );
+        let value = outcomes[0].value().clone();
+        assert!(outcomes.iter().all(|o| *o.value() == value));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        let stats = stats_of(&ledger);
+        assert_eq!(
+            (stats.takeovers, stats.fresh, stats.replays),
+            (1, 1, 2),
+            "{stats:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_one_mib_fingerprint_is_kept_as_its_32_byte_digest() {
+        use sha2::{Digest, Sha256};
+
+        let runtime = Runtime::builder().start().await.unwrap();
+        let core = &runtime.core;
+        let ledger = Arc::clone(&core.idempotency.ledger);
+        let body = vec![b'x'; 1 << 20];
+        let options = IdempotencyOptions::new().with_fingerprint(&body);
+        assert!(std::mem::size_of_val(&options) <= 128);
+
+        let fresh = run_in(
+            core,
+            &ledger,
+            "k",
+            || async { Ok::<_, std::io::Error>(7_u64) },
+            options.clone(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(fresh, IdempotencyOutcome::Fresh(7));
+
+        let record = claim::with_full_key(None, "k", |full| ledger.store.get(full, Instant::now()))
+            .resolve()
+            .await
+            .unwrap()
+            .unwrap();
+        let digest: [u8; 32] = Sha256::digest(&body).into();
+        assert_eq!(record.fingerprint(), Some(&digest));
+        // Digest and value in one allocation: 33 + 8 bytes, padded.
+        assert!(record.footprint() <= 48, "{} bytes", record.footprint());
+    }
+
+    /// Collects what a `tracing` subscriber writes.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn evictions_are_logged_at_warn_at_most_once_a_minute() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let warnings = || {
+            String::from_utf8(captured.0.lock().unwrap().clone())
+                .unwrap()
+                .matches("idempotency results evicted")
+                .count()
+        };
+        let idem = Runtime::builder()
+            .with_max_idempotency_results(1)
+            .start()
+            .await
+            .unwrap()
+            .idempotency();
+        let run = |key: String| {
+            let idem = idem.clone();
+            async move {
+                idem.run(&key, || async { Ok::<_, std::io::Error>(1_u8) })
+                    .await
+                    .unwrap()
+            }
+        };
+
+        for i in 0..10 {
+            let _ = run(format!("a{i}")).await;
+        }
+        assert_eq!((idem.stats().evictions, warnings()), (9, 1));
+        tokio::time::sleep(Duration::from_secs(59)).await;
+        let _ = run("b".to_owned()).await;
+        assert_eq!((idem.stats().evictions, warnings()), (10, 1));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let _ = run("c".to_owned()).await;
+        assert_eq!((idem.stats().evictions, warnings()), (11, 2));
+    }
+
     /// Lets a test keep a handle on the store it gives the ledger.
     struct Shared(Arc<RemoteLike>);
 

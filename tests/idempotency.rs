@@ -1053,3 +1053,133 @@ async fn racing_callers_on_two_threads_run_each_key_exactly_once() {
         "{stats:?}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn i4_a_one_mib_fingerprint_matches_and_mismatches_like_a_short_one() {
+    let (_rt, idem) = idempotency().await;
+    let runs = runs();
+    let body = vec![7_u8; 1 << 20];
+    let mut other = body.clone();
+    other[(1 << 20) - 1] = 8;
+
+    let first = idem
+        .run_with(
+            "upload:1",
+            opts().with_fingerprint(&body),
+            op(&runs, MS, 1_u32),
+        )
+        .await;
+    let same = idem
+        .run_with(
+            "upload:1",
+            opts().with_fingerprint(body.clone()),
+            op(&runs, MS, 2_u32),
+        )
+        .await;
+    let changed = idem
+        .run_with(
+            "upload:1",
+            opts().with_fingerprint(&other),
+            op(&runs, MS, 3_u32),
+        )
+        .await;
+
+    assert_eq!(first.unwrap(), IdempotencyOutcome::Fresh(1));
+    assert_eq!(same.unwrap(), IdempotencyOutcome::Replay(1));
+    assert!(
+        matches!(changed, Err(Error::FingerprintMismatch { ref key }) if key == "upload:1"),
+        "{changed:?}"
+    );
+    assert_eq!(count(&runs), 1);
+    assert_eq!(
+        opts().with_fingerprint(&body).fingerprint_digest(),
+        opts().with_fingerprint(body.clone()).fingerprint_digest()
+    );
+    let stats = idem.stats();
+    assert_eq!(
+        (stats.fresh, stats.replays, stats.fingerprint_mismatches),
+        (1, 1, 1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn i12_past_the_cap_the_oldest_results_are_evicted_first_and_counted() {
+    let runtime = Runtime::builder()
+        .with_max_idempotency_results(3)
+        .start()
+        .await
+        .unwrap();
+    let idem = runtime.idempotency();
+    let runs = runs();
+    for (i, key) in ["r:0", "r:1", "r:2", "r:3", "r:4"].into_iter().enumerate() {
+        let fresh = idem.run(key, op(&runs, MS, i)).await.unwrap();
+        assert_eq!(fresh, IdempotencyOutcome::Fresh(i));
+    }
+    let stats = idem.stats();
+    assert_eq!((stats.stored_results, stats.evictions), (3, 2), "{stats:?}");
+    assert_eq!(runtime.stats().ttl_entries, 3);
+
+    // The newest three replay; the two oldest were evicted: they run again.
+    for (i, key) in [(2_usize, "r:2"), (3, "r:3"), (4, "r:4")] {
+        assert_eq!(
+            idem.run(key, op(&runs, MS, 99_usize)).await.unwrap(),
+            IdempotencyOutcome::Replay(i)
+        );
+    }
+    assert_eq!(
+        idem.run("r:0", op(&runs, MS, 10_usize)).await.unwrap(),
+        IdempotencyOutcome::Fresh(10)
+    );
+    assert_eq!(count(&runs), 6);
+    let stats = idem.stats();
+    assert_eq!(
+        (stats.stored_results, stats.evictions, stats.replays),
+        (3, 3, 3),
+        "r:2, the oldest left, made room for r:0"
+    );
+    assert_eq!(
+        idem.run("r:2", op(&runs, MS, 20_usize)).await.unwrap(),
+        IdempotencyOutcome::Fresh(20)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_results_cap_has_a_documented_default_and_rejects_zero() {
+    assert_eq!(throttlebeam::DEFAULT_MAX_IDEMPOTENCY_RESULTS, 100_000);
+    let zero = Runtime::builder()
+        .with_max_idempotency_results(0)
+        .start()
+        .await;
+    assert!(
+        matches!(
+            zero,
+            Err(Error::InvalidConfig {
+                what: "max idempotency results",
+                ..
+            })
+        ),
+        "{zero:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn stats_serialize_with_every_counter() {
+    let (_rt, idem) = idempotency().await;
+    let runs = runs();
+    let _ = idem.run("s:1", op(&runs, MS, 1_u32)).await.unwrap();
+    let json = serde_json::to_value(idem.stats()).unwrap();
+    for field in [
+        "fresh",
+        "replays",
+        "fingerprint_mismatches",
+        "takeovers",
+        "in_flight_rejections",
+        "timeouts",
+        "evictions",
+        "stored_results",
+    ] {
+        assert!(json.get(field).is_some(), "{field} missing from {json}");
+    }
+    assert_eq!(json["fresh"], 1);
+    assert_eq!(json["stored_results"], 1);
+}
