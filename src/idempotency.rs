@@ -36,9 +36,10 @@ use crate::runtime::{Core, Runtime};
 /// Completed results a runtime keeps by default, see
 /// [`RuntimeBuilder::with_max_idempotency_results`](crate::RuntimeBuilder::with_max_idempotency_results).
 ///
-/// 100,000 results cost about 10 MiB plus what the results' values hold,
-/// and keep every key of a service taking one new key a second for its
-/// whole default 24 h TTL. Past the cap the oldest results are evicted
+/// A stored result costs roughly 200 bytes (table entry, digest, value
+/// cell, insertion-order slot) plus what its value holds, so 100,000 cost
+/// about 20 MiB: bounded for any host, and enough to keep every key of a
+/// service taking one new key a second for its whole default 24 h TTL. Past the cap the oldest results are evicted
 /// first, which is an early expiry: a retry of an evicted key runs again.
 pub const DEFAULT_MAX_IDEMPOTENCY_RESULTS: usize = 100_000;
 
@@ -236,7 +237,8 @@ impl IdempotencyHandle {
     ///   its value was not stored.
     /// - [`Error::TypeMismatch`]: the key's stored result is of another type.
     /// - [`Error::TooManyKeys`], [`Error::ShutDown`],
-    ///   [`Error::StoreUnavailable`].
+    ///   [`Error::StoreUnavailable`], [`Error::NoTokio`] (polled outside a
+    ///   tokio runtime).
     ///
     /// After shutdown began, a run whose `f` still finishes gets its value
     /// as [`IdempotencyOutcome::Fresh`], but nothing is stored.
@@ -577,7 +579,7 @@ where
     }
     Ok(match acquire(core, ledger, key, &options).await? {
         Acquired::Replay(value) => IdempotencyReserved::Replay(value),
-        Acquired::Owner(ticket) => IdempotencyReserved::Fresh(IdempotencyReservation::new(ticket)),
+        Acquired::Owner(ticket) => IdempotencyReserved::Fresh(IdempotencyReservation::new(ticket)?),
     })
 }
 

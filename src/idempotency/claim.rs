@@ -188,7 +188,7 @@ impl Ledger {
         let cell = RunCell::new();
         let fresh = Claim {
             token,
-            fingerprint: fingerprint.clone(),
+            fingerprint,
             lease_until: now + options.lease(),
             completing: false,
             cell: Arc::clone(&cell),

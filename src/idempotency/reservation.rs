@@ -60,17 +60,19 @@ impl<T> IdempotencyReservation<T>
 where
     T: Serialize + Send + Sync + 'static,
 {
-    /// Holds `ticket` and starts renewing its lease.
-    pub(crate) fn new(ticket: Ticket) -> Self {
+    /// Holds `ticket` and starts renewing its lease on the current tokio
+    /// runtime; without one, the ticket is dropped (released).
+    pub(crate) fn new(ticket: Ticket) -> Result<Self, Error> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| Error::NoTokio)?;
         let (renewing, stopped) = oneshot::channel();
         // A heartbeat, not work: it ends with the reservation (or once the
         // claim is no longer its own), and shutdown has nothing to wait for.
-        tokio::spawn(renew_until(ticket.renewer(), stopped));
-        Self {
+        runtime.spawn(renew_until(ticket.renewer(), stopped));
+        Ok(Self {
             ticket,
             _renewing: renewing,
             _result: PhantomData,
-        }
+        })
     }
 
     /// The key this reservation holds (shortened if very long).
