@@ -1183,3 +1183,71 @@ async fn stats_serialize_with_every_counter() {
     assert_eq!(json["fresh"], 1);
     assert_eq!(json["stored_results"], 1);
 }
+
+/// Item 8 of issue 7, idempotency part: ten million distinct keys on the
+/// default settings stay within the documented bound on stored results.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow (10 million keys): run with `cargo test --release --test idempotency -- --ignored`"]
+async fn ten_million_distinct_keys_stay_within_the_default_results_cap() {
+    const KEYS: u64 = 10_000_000;
+    let (rt, idem) = idempotency().await;
+    let callers: Vec<_> = (0..4_u64)
+        .map(|caller| {
+            let idem = idem.clone();
+            tokio::spawn(async move {
+                let mut key = String::new();
+                for i in (caller..KEYS).step_by(4) {
+                    key.clear();
+                    key.push_str("flood:");
+                    key.push_str(&i.to_string());
+                    let outcome = idem
+                        .run(&key, move || async move { Ok::<_, io::Error>(i) })
+                        .await
+                        .unwrap();
+                    assert_eq!(outcome, IdempotencyOutcome::Fresh(i));
+                }
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    let cap = throttlebeam::DEFAULT_MAX_IDEMPOTENCY_RESULTS;
+    let stats = idem.stats();
+    assert_eq!(stats.stored_results, cap, "{stats:?}");
+    assert_eq!(stats.evictions, KEYS - cap as u64);
+    assert_eq!(stats.fresh, KEYS);
+    let runtime = rt.stats();
+    assert_eq!(
+        (runtime.keys, runtime.processes, runtime.ttl_entries),
+        (0, 0, cap)
+    );
+    // Uncapped, 10 million results would hold about 2 GB; capped, the whole
+    // test process stays far below that.
+    if let Some(rss) = resident_bytes() {
+        println!("resident after 10 million keys: {} MiB", rss >> 20);
+        assert!(rss < 256 << 20, "{} MiB resident", rss >> 20);
+    }
+    // The newest results are the ones kept.
+    let last = idem
+        .run(&format!("flood:{}", KEYS - 1), || async {
+            Ok::<_, io::Error>(0)
+        })
+        .await
+        .unwrap();
+    assert_eq!(last, IdempotencyOutcome::Replay(KEYS - 1));
+}
+
+/// Resident memory of this process, where `/proc` tells it.
+fn resident_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse::<usize>()
+        .ok()?;
+    Some(kib * 1024)
+}

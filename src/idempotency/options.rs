@@ -135,7 +135,9 @@ impl IdempotencyOptions {
     /// when its holder is gone without releasing the key (its process
     /// ended, or, with a store shared by several instances, its instance
     /// stopped renewing). Shorter leases notice a gone holder sooner and
-    /// cost more renewals.
+    /// cost more renewals. Renewal runs on the holder's tokio runtime: a
+    /// function that blocks its worker thread for longer than the lease
+    /// keeps it from renewing.
     ///
     /// [`IdempotencyReservation`]: crate::IdempotencyReservation
     pub fn with_lease(mut self, lease: Duration) -> Self {
