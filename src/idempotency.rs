@@ -145,6 +145,12 @@ impl State {
     pub(crate) fn shutdown(&self) {
         self.ledger.shutdown();
     }
+
+    /// This runtime's idempotency counters (also what the runtime's own
+    /// stats can aggregate).
+    pub(crate) fn stats(&self) -> IdempotencyStats {
+        stats_of(&self.ledger)
+    }
 }
 
 /// Idempotent calls on an explicit [`Runtime`]; from [`Runtime::idempotency`].
@@ -325,7 +331,7 @@ impl IdempotencyHandle {
     /// Counters of this runtime's idempotent calls and its stored results.
     #[must_use]
     pub fn stats(&self) -> IdempotencyStats {
-        stats_of(&self.runtime.core.idempotency.ledger)
+        self.runtime.core.idempotency.stats()
     }
 }
 
