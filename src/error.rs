@@ -101,8 +101,10 @@ pub enum Error {
         /// The key.
         key: String,
     },
-    /// An idempotency lease lapsed before completion; another caller may
-    /// have taken the key over, so this result was not stored.
+    /// An idempotency holder stopped renewing its lease before completing
+    /// (a live run or reservation renews it; this one's tokio runtime ended,
+    /// say) and another caller took the key over, so this result was not
+    /// stored.
     #[error("lease on idempotency key {key:?} lapsed before completion")]
     LeaseLost {
         /// The key.
