@@ -101,12 +101,25 @@ pub enum Error {
         /// The key.
         key: String,
     },
-    /// An idempotency lease lapsed before completion; another caller may
-    /// have taken the key over, so this result was not stored.
+    /// An idempotency holder stopped renewing its lease before completing
+    /// (a live run or reservation renews it; this one's tokio runtime ended,
+    /// say) and another caller took the key over, so this result was not
+    /// stored.
     #[error("lease on idempotency key {key:?} lapsed before completion")]
     LeaseLost {
         /// The key.
         key: String,
+    },
+    /// Another call holds this idempotency key and is still running, and
+    /// this call asked not to wait
+    /// ([`InFlight::Reject`](crate::InFlight::Reject)); try again after
+    /// `retry_after` (Stripe's `idempotency_key_in_use`, HTTP 409).
+    #[error("idempotency key {key:?} is in flight; retry after {retry_after:?}")]
+    InFlight {
+        /// The key.
+        key: String,
+        /// When a retry may find the key completed (or free to take over).
+        retry_after: Duration,
     },
     /// The call was made outside a tokio runtime.
     #[error("no tokio runtime: throttlebeam must be called from inside a tokio runtime")]
@@ -141,6 +154,7 @@ impl Error {
             | Self::FingerprintMismatch { key }
             | Self::TypeMismatch { key }
             | Self::LeaseLost { key }
+            | Self::InFlight { key, .. }
             | Self::StoreUnavailable { key, .. } => Some(key),
             Self::InvalidConfig { .. } | Self::NoTokio | Self::Start(_) => None,
         }
