@@ -294,7 +294,15 @@ fn main() {
     if quick {
         return;
     }
+    // `cargo bench --bench http -- http_idempotency` compares only the matching names.
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     for cmp in &COMPARISONS {
+        if filter
+            .as_ref()
+            .is_some_and(|f| !cmp.name.contains(f.as_str()))
+        {
+            continue;
+        }
         let (ours, anchor, ratio) = compare(cmp, &f, 21);
         println!(
             "compare {}: ours {ours:.1} ns, anchor {anchor:.1} ns, ratio {ratio:.2}",

@@ -26,15 +26,13 @@ use crate::rate_limit::{
 
 pub(super) type PendingEnforcement = Pin<Box<dyn Future<Output = Enforcement> + Send + 'static>>;
 
-/// One enforcement, at once (a store in memory) or later (a store behind a network).
-pub(super) enum Checked {
-    Now(Enforcement),
-    Later(PendingEnforcement),
-}
-
 /// An [`Enforcer`] of any strategy and store, behind one object.
 trait Enforce: Send + Sync + 'static {
-    fn enforce(self: Arc<Self>, key: String) -> Checked;
+    /// The enforcement, when the store answers at once.
+    fn enforce_now(&self, key: &str) -> Option<Enforcement>;
+
+    /// The enforcement, from a store behind a network.
+    fn enforce_later(self: Arc<Self>, key: String) -> PendingEnforcement;
 }
 
 struct Immediate<G: Strategy, St>(Enforcer<G, St>);
@@ -44,8 +42,12 @@ where
     G: Strategy + Send + Sync + 'static,
     St: Store<G::State>,
 {
-    fn enforce(self: Arc<Self>, key: String) -> Checked {
-        Checked::Now(self.0.enforce(&key))
+    fn enforce_now(&self, key: &str) -> Option<Enforcement> {
+        Some(self.0.enforce(key))
+    }
+
+    fn enforce_later(self: Arc<Self>, key: String) -> PendingEnforcement {
+        Box::pin(std::future::ready(self.0.enforce(&key)))
     }
 }
 
@@ -56,10 +58,12 @@ where
     G: Strategy + Send + Sync + 'static,
     St: AsyncStore<G::State>,
 {
-    fn enforce(self: Arc<Self>, key: String) -> Checked {
-        Checked::Later(Box::pin(async move {
-            self.0.enforce_async(&key, NonZeroU32::MIN).await
-        }))
+    fn enforce_now(&self, _key: &str) -> Option<Enforcement> {
+        None
+    }
+
+    fn enforce_later(self: Arc<Self>, key: String) -> PendingEnforcement {
+        Box::pin(async move { self.0.enforce_async(&key, NonZeroU32::MIN).await })
     }
 }
 
@@ -194,17 +198,16 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        let (parts, body) = req.into_parts();
-        let key = self.key.key(&parts);
-        let req = Request::from_parts(parts, body);
-        match Arc::clone(&self.enforcer).enforce(key) {
-            Checked::Now(enforcement) => match RateLimitDenial::new(enforcement) {
+        let (key, req) = self.key.key_of(req);
+        match self.enforcer.enforce_now(&key) {
+            Some(enforcement) => match RateLimitDenial::new(enforcement) {
                 Ok(enforcement) => {
                     RateLimitFuture::calling(self.inner.call(req), enforcement.headers)
                 }
                 Err(denial) => RateLimitFuture::denied(denial),
             },
-            Checked::Later(pending) => {
+            None => {
+                let pending = Arc::clone(&self.enforcer).enforce_later(key);
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 RateLimitFuture::checking(pending, inner, req)

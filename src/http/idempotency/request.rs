@@ -1,7 +1,5 @@
 //! What the idempotency layer reads from a request: the key, the scope and the fingerprint.
 
-use std::fmt::Write as _;
-
 use bytes::Bytes;
 use http::HeaderMap;
 use http::header::{AUTHORIZATION, COOKIE, HeaderName};
@@ -103,9 +101,10 @@ pub(super) fn fingerprint(parts: &Parts, body: &Bytes) -> String {
 }
 
 fn push_hex(out: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     for byte in bytes {
-        // Writing to a String cannot fail.
-        let _ = write!(out, "{byte:02x}");
+        out.push(char::from(HEX[usize::from(byte >> 4)]));
+        out.push(char::from(HEX[usize::from(byte & 0x0f)]));
     }
 }
 

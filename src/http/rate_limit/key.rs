@@ -4,9 +4,9 @@ use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use http::HeaderName;
 use http::header::FORWARDED;
 use http::request::Parts;
+use http::{Extensions, HeaderMap, HeaderName, Request};
 
 use crate::rate_limit::ClientIp;
 
@@ -96,39 +96,60 @@ impl RateLimitKey {
     #[must_use]
     pub fn key(&self, parts: &Parts) -> String {
         let found = match &self.0 {
-            Kind::ClientIp(client_ip) => peer(parts).map(|peer| {
-                let forwarded: Vec<String> = parts
-                    .headers
-                    .get_all(FORWARDED)
-                    .iter()
-                    .flat_map(|v| v.to_str().map(forwarded_for).unwrap_or_default())
-                    .collect();
-                if forwarded.is_empty() {
-                    client_ip.key_from_headers(peer, &parts.headers)
-                } else {
-                    client_ip.key(peer, forwarded)
-                }
-            }),
-            Kind::Header(name) => parts
-                .headers
-                .get(name)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned),
+            Kind::ClientIp(client_ip) => client_key(client_ip, &parts.headers, &parts.extensions),
+            Kind::Header(name) => header_key(&parts.headers, name),
             Kind::Custom(f) => f(parts),
         };
         found.unwrap_or_else(|| UNKNOWN.to_owned())
     }
+
+    /// The key of `req`, and `req`; splits the request only for a function key.
+    pub(super) fn key_of<B>(&self, req: Request<B>) -> (String, Request<B>) {
+        let (found, req) = match &self.0 {
+            Kind::ClientIp(client_ip) => {
+                (client_key(client_ip, req.headers(), req.extensions()), req)
+            }
+            Kind::Header(name) => (header_key(req.headers(), name), req),
+            Kind::Custom(f) => {
+                let (parts, body) = req.into_parts();
+                (f(&parts), Request::from_parts(parts, body))
+            }
+        };
+        (found.unwrap_or_else(|| UNKNOWN.to_owned()), req)
+    }
 }
 
-fn peer(parts: &Parts) -> Option<IpAddr> {
-    if let Some(addr) = parts.extensions.get::<SocketAddr>() {
+fn client_key(
+    client_ip: &ClientIp,
+    headers: &HeaderMap,
+    extensions: &Extensions,
+) -> Option<String> {
+    let peer = peer(extensions)?;
+    let forwarded: Vec<String> = headers
+        .get_all(FORWARDED)
+        .iter()
+        .flat_map(|v| v.to_str().map(forwarded_for).unwrap_or_default())
+        .collect();
+    Some(if forwarded.is_empty() {
+        client_ip.key_from_headers(peer, headers)
+    } else {
+        client_ip.key(peer, forwarded)
+    })
+}
+
+fn header_key(headers: &HeaderMap, name: &HeaderName) -> Option<String> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+fn peer(extensions: &Extensions) -> Option<IpAddr> {
+    if let Some(addr) = extensions.get::<SocketAddr>() {
         return Some(addr.ip());
     }
     #[cfg(feature = "axum")]
-    if let Some(info) = parts
-        .extensions
-        .get::<axum::extract::ConnectInfo<SocketAddr>>()
-    {
+    if let Some(info) = extensions.get::<axum::extract::ConnectInfo<SocketAddr>>() {
         return Some(info.0.ip());
     }
     None
