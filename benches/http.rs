@@ -19,7 +19,6 @@
 use std::convert::Infallible;
 use std::hint::black_box;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -282,7 +281,7 @@ fn compare(cmp: &Comparison, f: &Fixture, rounds: u64) -> (f64, f64, f64) {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--test");
-    let f = Arc::new(fixture());
+    let f = fixture();
     let mut c = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))

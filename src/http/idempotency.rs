@@ -109,7 +109,7 @@ impl Config {
 /// # Examples
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use std::convert::Infallible;
 /// use bytes::Bytes;
 /// use http::{Request, Response};
