@@ -903,3 +903,30 @@ async fn a_denial_is_an_axum_response() {
     );
     assert_eq!(denied.json()["type"], "tag:throttlebeam,2026:rate-limited");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_does_not_cancel_the_handler_and_its_retry_replays() {
+    let runtime = Runtime::start().await.unwrap();
+    let shop = Shop::new();
+    let router = app(IdempotencyLayer::new(&runtime), &shop);
+    shop.close();
+    let request = || {
+        Request::post("/pay")
+            .header("idempotency-key", "k-hangup")
+            .body(axum::body::Body::from("1"))
+            .unwrap()
+    };
+    // The client gives up while the handler is still running.
+    let gave_up =
+        tokio::time::timeout(Duration::from_millis(20), router.clone().oneshot(request())).await;
+    assert!(gave_up.is_err());
+    assert_eq!(shop.runs(), 1);
+
+    shop.open();
+    let retry = router.oneshot(request()).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::CREATED);
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    let body = retry.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, charge(1, "1"));
+    assert_eq!(shop.runs(), 1);
+}

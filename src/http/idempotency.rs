@@ -41,6 +41,7 @@ enum Scope {
     Tenant(Arc<ScopeFn>),
 }
 
+#[derive(Clone)]
 struct Config {
     runtime: Runtime,
     methods: Vec<Method>,
@@ -189,17 +190,7 @@ impl IdempotencyLayer {
     }
 
     fn map(self, f: impl FnOnce(&mut Config)) -> Self {
-        let mut config = Arc::try_unwrap(self.config).unwrap_or_else(|shared| Config {
-            runtime: shared.runtime.clone(),
-            methods: shared.methods.clone(),
-            required: shared.required,
-            scope: shared.scope.clone(),
-            max_body: shared.max_body,
-            max_stored: shared.max_stored,
-            keep: Arc::clone(&shared.keep),
-            options: shared.options.clone(),
-            fail_fast: shared.fail_fast,
-        });
+        let mut config = Arc::unwrap_or_clone(self.config);
         f(&mut config);
         Self {
             config: Arc::new(config),
