@@ -390,6 +390,11 @@ where
     if let Some(scope) = config.scope(&parts) {
         options = options.with_scope(scope);
     }
+    match backend::try_replay(&config.runtime, &key, &options) {
+        Ok(Some(stored)) => return Ok(replay(&stored)),
+        Ok(None) => {}
+        Err(err) => return Ok(refuse(&backend::refusal(&err, config.fail_fast), &key)),
+    }
     let (tx, mut rx) = oneshot::channel::<Handed<ResB, S::Error>>();
     let request = Request::from_parts(parts, RequestBody::buffered(bytes));
     let max_stored = config.max_stored;

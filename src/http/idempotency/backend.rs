@@ -90,7 +90,17 @@ where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = Result<StoredResponse, NotStored>> + Send + 'static,
 {
-    runtime.idempotency().run(key, f, options).await
+    // Boxed: the run is the slow path; it keeps the future of every request small.
+    Box::pin(runtime.idempotency().run(key, f, options)).await
+}
+
+/// The stored response of `key`, when it has one that can be read at once.
+pub(super) fn try_replay(
+    runtime: &Runtime,
+    key: &str,
+    options: &IdempotencyOptions,
+) -> Result<Option<StoredResponse>, Error> {
+    runtime.idempotency().try_replay(key, options)
 }
 
 /// The handler's response was handed back but not stored (a 5xx, too large, or its body
