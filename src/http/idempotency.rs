@@ -269,6 +269,10 @@ impl<S> Layer<S> for IdempotencyLayer {
 }
 
 /// The service of [`IdempotencyLayer`]: runs keyed requests once and replays them.
+///
+/// The inner service gets a [`RequestBody`] (the buffered bytes of a guarded request) and
+/// must be `Clone`; its response body must be `Unpin` to be buffered for storage (the bodies
+/// of axum, hyper and `http-body-util` are).
 #[derive(Clone)]
 pub struct Idempotent<S> {
     inner: S,
