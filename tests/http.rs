@@ -887,7 +887,7 @@ async fn a_denial_is_an_axum_response() {
     let handler = move || {
         let enforcer = Arc::clone(&enforcer);
         async move {
-            RateLimitDenial::new(enforcer.enforce("by-hand"))?;
+            RateLimitDenial::check(enforcer.enforce("by-hand"))?;
             Ok::<_, RateLimitDenial>("done")
         }
     };

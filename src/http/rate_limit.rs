@@ -200,7 +200,7 @@ where
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let (key, req) = self.key.key_of(req);
         match self.enforcer.enforce_now(&key) {
-            Some(enforcement) => match RateLimitDenial::new(enforcement) {
+            Some(enforcement) => match RateLimitDenial::check(enforcement) {
                 Ok(enforcement) => {
                     RateLimitFuture::calling(self.inner.call(req), enforcement.headers)
                 }
@@ -229,8 +229,8 @@ where
 /// use throttlebeam::rate_limit::{Enforcer, Gcra, Limiter};
 ///
 /// let enforcer = Enforcer::new(Limiter::new(Gcra::new(1, Duration::from_secs(10))?));
-/// assert!(RateLimitDenial::new(enforcer.enforce("alice")).is_ok());
-/// let denial = RateLimitDenial::new(enforcer.enforce("alice")).unwrap_err();
+/// assert!(RateLimitDenial::check(enforcer.enforce("alice")).is_ok());
+/// let denial = RateLimitDenial::check(enforcer.enforce("alice")).unwrap_err();
 /// let response = denial.into_response();
 /// assert_eq!(response.status(), 429);
 /// assert_eq!(response.headers()["retry-after"], "10");
@@ -243,13 +243,14 @@ pub struct RateLimitDenial {
 }
 
 impl RateLimitDenial {
-    /// `Ok(enforcement)` when the request may proceed, the denial otherwise.
+    /// `Ok(enforcement)` when the request may proceed, the denial otherwise: a handler that
+    /// enforces by hand writes `RateLimitDenial::check(enforcer.enforce(key))?`.
     ///
     /// # Errors
     ///
     /// The denial, when `enforcement` does not allow the request.
     #[allow(clippy::result_large_err)]
-    pub fn new(enforcement: Enforcement) -> Result<Enforcement, Self> {
+    pub fn check(enforcement: Enforcement) -> Result<Enforcement, Self> {
         if enforcement.allowed {
             Ok(enforcement)
         } else {

@@ -78,7 +78,7 @@ where
                     request,
                 } => {
                     let enforcement = ready!(pending.as_mut().poll(cx));
-                    let next = match RateLimitDenial::new(enforcement) {
+                    let next = match RateLimitDenial::check(enforcement) {
                         Ok(enforcement) => {
                             let (Some(mut inner), Some(request)) = (inner.take(), request.take())
                             else {
