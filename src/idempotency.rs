@@ -281,6 +281,22 @@ impl IdempotencyHandle {
         run_in(core, &core.idempotency.ledger, key, f, options).await
     }
 
+    /// The completed result of `key`, read at once without building a future
+    /// (the replay fast path of [`Deduplicator::run`]); `None` when the key has
+    /// no result yet or the store cannot answer at once.
+    #[cfg(feature = "http")]
+    pub(crate) fn try_replay<T>(
+        &self,
+        key: &str,
+        options: &IdempotencyOptions,
+    ) -> Result<Option<T>, Error>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        let core = &self.runtime.core;
+        fast_replay(core, &core.idempotency.ledger, key, options)
+    }
+
     /// Claims `key` by hand, for a result produced somewhere other than one
     /// function call: returns the stored result as
     /// [`IdempotencyReserved::Replay`], or an [`IdempotencyReservation`] to

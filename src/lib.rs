@@ -28,6 +28,7 @@
 //! | [`TrailingThrottle`] | leading + trailing throttle: calls in a window coalesce into one trailing run whose value every covered caller can await |
 //! | [`Idempotency`] / [`IdempotencyHandle`] | run at most once per key; duplicates in flight wait and share the result (or fail fast with a retry hint); a live run is never taken over; results replayed for a TTL, capped |
 //! | [`rate_limit`] | pure strategies (GCRA, token bucket, fixed and sliding window, leaky-bucket shaper), decisions, forecasts, the decision algebra, headers, an enforcer, client-IP and HMAC keys |
+//! | `http` (feature) | tower layers: `IdempotencyLayer` (`Idempotency-Key`) and `RateLimitLayer` |
 //! | [`Runtime`] | the runtime: a default one that starts itself, or explicit instances a host can supervise |
 //!
 //! # How it works
@@ -56,6 +57,8 @@ pub mod clock;
 mod coalesce;
 mod debounce;
 mod error;
+#[cfg(feature = "http")]
+pub mod http;
 mod idempotency;
 mod key;
 pub mod rate_limit;
