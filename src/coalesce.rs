@@ -86,8 +86,8 @@ pub struct TrailingStats {
     pub leading_runs: u64,
     /// Trailing runs started.
     pub trailing_runs: u64,
-    /// Calls coalesced into a run they did not start (a leading call that
-    /// lost the window race to another instance included).
+    /// Calls coalesced into a run they did not start (`calls` minus the
+    /// calls that led).
     pub coalesced: u64,
     /// Window store calls that failed or panicked (the throttle failed open).
     pub store_errors: u64,
@@ -204,7 +204,10 @@ impl TrailingThrottleBuilder {
                 },
             ));
         }
-        for (what, d) in [("window", self.window), ("store timeout", self.store_timeout)] {
+        for (what, d) in [
+            ("window", self.window),
+            ("store timeout", self.store_timeout),
+        ] {
             if d < Duration::from_millis(1) || d > MAX_TIMER {
                 return Err(invalid(what, "must be between 1 ms and 2^36 - 1 ms"));
             }
@@ -481,7 +484,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
             keys: self.shared.registry.len(),
             timers: gauges.timers.load(Ordering::Relaxed),
             store_keys: store.keys,
-            calls: count(&gauges.calls),
+            calls: count(&gauges.leads) + count(&gauges.coalesced),
             leading_runs: count(&gauges.leading_runs),
             trailing_runs: count(&gauges.trailing_runs),
             coalesced: count(&gauges.coalesced),

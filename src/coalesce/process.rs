@@ -206,7 +206,6 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                     if next.demote() {
                         // Counted under the lock, before anyone can take it.
                         gauges.pending.fetch_add(1, Ordering::Relaxed);
-                        gauges.coalesced.fetch_add(1, Ordering::Relaxed);
                     }
                 }
                 None

@@ -150,7 +150,8 @@ pub(super) struct Gauges {
     pub(super) live: AtomicUsize,
     pub(super) idle: Notify,
     pub(super) runtime: Arc<Counters>,
-    pub(super) calls: AtomicU64,
+    /// Calls that led (accepted calls are these plus the coalesced ones).
+    pub(super) leads: AtomicU64,
     pub(super) coalesced: AtomicU64,
     pub(super) leading_runs: AtomicU64,
     pub(super) trailing_runs: AtomicU64,
@@ -180,7 +181,7 @@ impl Drop for Armed<'_> {
 /// start, then monotonic (and paused along with tokio's time in tests).
 pub(super) struct EpochClock {
     base_ms: u64,
-    base: Instant,
+    pub(super) base: Instant,
 }
 
 impl EpochClock {
@@ -234,6 +235,9 @@ pub(super) struct Shared<T> {
     /// Owner tokens: random per throttle, distinct per claim.
     tokens: ahash::RandomState,
     next_token: AtomicU64,
+    /// When the key cap last made `submit` sweep, in ms after the epoch
+    /// clock's base, plus one (0: never).
+    full_sweep_at: AtomicU64,
 }
 
 enum Decision<T> {
@@ -269,7 +273,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 live: AtomicUsize::new(0),
                 idle: Notify::new(),
                 runtime: core.counters.clone(),
-                calls: AtomicU64::new(0),
+                leads: AtomicU64::new(0),
                 coalesced: AtomicU64::new(0),
                 leading_runs: AtomicU64::new(0),
                 trailing_runs: AtomicU64::new(0),
@@ -283,6 +287,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             epoch: EpochClock::new(),
             tokens: ahash::RandomState::new(),
             next_token: AtomicU64::new(1),
+            full_sweep_at: AtomicU64::new(0),
             runtime: config.runtime,
             name: config.name,
             prefix: config.prefix,
@@ -339,11 +344,51 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         check_key(key)?;
         let core = &self.runtime.core;
         core.check_open(key)?;
-        self.gauges.calls.fetch_add(1, Ordering::Relaxed);
+        let mut job = job;
+        let mut swept = false;
+        let decision = loop {
+            match self.decide(key, job, wants_cell) {
+                // Full: windows that are over may be what fills it.
+                Decision::Refused(Error::TooManyKeys { .. }, back)
+                    if !swept && self.sweep_when_full() =>
+                {
+                    swept = true;
+                    job = back;
+                }
+                decision => break decision,
+            }
+        };
+        self.settle(key, decision)
+    }
+
+    /// Forgets windows that are over when the key cap refused a key; at most
+    /// once every 10 ms (it is a pass over every key). Returns whether it ran.
+    fn sweep_when_full(&self) -> bool {
+        let now = Instant::now();
+        let at = u64::try_from(now.saturating_duration_since(self.epoch.base).as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1);
+        let last = self.full_sweep_at.load(Ordering::Relaxed);
+        if last != 0 && at.saturating_sub(last) < 10 {
+            return false;
+        }
+        if self
+            .full_sweep_at
+            .compare_exchange(last, at, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+        {
+            return false;
+        }
+        self.registry
+            .retain(|_, state| state.busy || state.until > now);
+        true
+    }
+
+    fn decide(&self, key: &str, job: Job<T>, wants_cell: bool) -> Decision<T> {
         let gauges = &self.gauges;
         // The mode is read under the shard lock, so `destroy` (mode first,
         // then a pass over every shard) never misses a pending call.
-        let decision = self.registry.update(key.as_bytes(), |entry| match entry {
+        self.registry.update(key.as_bytes(), |entry| match entry {
             _ if self.mode() != OPEN => Decision::Refused(self.refused(key), job),
             SlotEntry::Occupied(slot) => {
                 let generation = slot.generation();
@@ -403,7 +448,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                     ),
                 }
             }
-        });
+        })
+    }
+
+    fn settle(self: &Arc<Self>, key: &str, decision: Decision<T>) -> Result<Submitted<T>, Error> {
+        let core = &self.runtime.core;
         match decision {
             Decision::Refused(error, job) => {
                 drop(job);
@@ -420,12 +469,15 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             Decision::Wake(generation, epoch, cell) => {
                 self.gauges.coalesced.fetch_add(1, Ordering::Relaxed);
                 tracing::trace!(throttle = %self.name, key, "call coalesced");
-                let driver = super::process::Driver::new(self.clone(), key, generation, epoch, false);
+                let driver =
+                    super::process::Driver::new(self.clone(), key, generation, epoch, false);
                 core.start_process(key, driver.drive(false))?;
                 Ok(Submitted::Coalesced(cell))
             }
             Decision::Lead(generation, epoch, rx) => {
-                let driver = super::process::Driver::new(self.clone(), key, generation, epoch, true);
+                self.gauges.leads.fetch_add(1, Ordering::Relaxed);
+                let driver =
+                    super::process::Driver::new(self.clone(), key, generation, epoch, true);
                 core.start_process(key, driver.drive(true))?;
                 Ok(Submitted::Lead(rx))
             }
@@ -631,10 +683,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         self.registry.retain(|key, state| {
             if let Some(next) = state.next.take() {
                 trailing += usize::from(next.is_trailing());
-                dropped.push((
-                    String::from_utf8_lossy(key.as_bytes()).into_owned(),
-                    next,
-                ));
+                dropped.push((String::from_utf8_lossy(key.as_bytes()).into_owned(), next));
             }
             // A slot with a process is removed by that process.
             state.busy

@@ -410,14 +410,13 @@ impl MemoryWindowStore {
     /// Makes room before a write that may add a key.
     fn make_room(&self, now: Instant) {
         let inner = &*self.inner;
-        if inner.table.len() < inner.max_keys
-            || inner.evicting.swap(true, Ordering::Acquire)
-        {
+        if inner.table.len() < inner.max_keys || inner.evicting.swap(true, Ordering::Acquire) {
             return;
         }
         if inner.table.sweep(now) >= inner.max_keys {
             let evicted = inner.table.evict_soonest((inner.max_keys / 16).max(1));
-            let total = inner.evictions.fetch_add(evicted as u64, Ordering::Relaxed) + evicted as u64;
+            let total =
+                inner.evictions.fetch_add(evicted as u64, Ordering::Relaxed) + evicted as u64;
             let at = u64::try_from(now.saturating_duration_since(inner.base).as_millis())
                 .unwrap_or(u64::MAX - 1);
             let last = inner.warned_at.load(Ordering::Relaxed);
