@@ -364,6 +364,113 @@ async fn w3_call_during_a_run_is_covered_by_the_next_run() {
     );
 }
 
+/// W3 (issue 7 item 4): a run covers every call that arrived before it
+/// started executing its function, including calls that land while the
+/// leading run is still claiming its window in the store: one run, and the
+/// early callers get its value (the latest function, as for any run).
+#[tokio::test(start_paused = true)]
+async fn w3_calls_while_the_leading_run_claims_its_window_are_covered_by_it() {
+    let rt = runtime().await;
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("slow:")
+        .with_window(ms(1000))
+        .with_store(scripted(|op| match op {
+            "claim" => Act::Delay(ms(50)),
+            _ => Act::Pass,
+        }))
+        .build()
+        .unwrap();
+    let log = Log::new();
+    let lead = spawn_wait(&t, "k", log.work("lead", 300));
+    log.until(10).await;
+    assert_eq!(
+        gauges(&t),
+        (1, 0, 1, 0),
+        "claiming: active, nothing pending"
+    );
+    // A burst while the claim is in flight.
+    assert!(!t.call("k", log.work("plain", 300)).await.unwrap());
+    let early: Vec<_> = (0..100)
+        .map(|_| spawn_wait(&t, "k", log.work("early", 300)))
+        .collect();
+    settle().await;
+    assert_eq!(
+        gauges(&t).1,
+        0,
+        "covered by the leading run: no trailing run pending"
+    );
+
+    let (v, at) = lead.await.unwrap();
+    assert_eq!((v.unwrap(), at), ("early", log.t0 + ms(350)));
+    for w in early {
+        let (v, at) = w.await.unwrap();
+        assert_eq!((v.unwrap(), at), ("early", log.t0 + ms(350)));
+    }
+    log.until(5000).await;
+    let runs: Vec<_> = log
+        .runs()
+        .iter()
+        .map(|r| (r.tag, r.phase, r.start))
+        .collect();
+    assert_eq!(runs, [("early", Phase::Leading, 50)], "one run, not two");
+    let s = t.stats();
+    assert_eq!(
+        (s.calls, s.leading_runs, s.trailing_runs, s.coalesced),
+        (102, 1, 0, 101)
+    );
+}
+
+/// Issue 7 item 9: a key whose window is open with nothing pending is a
+/// timestamp in its slot, with no process and no timer; a call on it starts
+/// a process only to wait for the window's end and run the trailing run; a
+/// call once the window is over leads at once, before any sweep.
+#[tokio::test(start_paused = true)]
+async fn an_open_window_with_nothing_pending_costs_no_process() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    assert!(t.call("k", log.work("lead", 100)).await.unwrap());
+    settle().await;
+    assert_eq!(gauges(&t), (0, 0, 1, 0));
+    assert_eq!((rt.stats().processes, rt.stats().keys), (0, 1));
+
+    // A call inside the window: a process starts, with one timer until the
+    // window ends at 1100.
+    log.until(400).await;
+    let w = spawn_wait(&t, "k", log.work("trail", 100));
+    settle().await;
+    assert_eq!(gauges(&t), (0, 1, 1, 1));
+    assert_eq!(rt.stats().processes, 1);
+    let (v, at) = w.await.unwrap();
+    assert_eq!((v.unwrap(), at), ("trail", log.t0 + ms(1200)));
+    settle().await;
+    assert_eq!(gauges(&t), (0, 0, 1, 0));
+    assert_eq!(rt.stats().processes, 0);
+
+    // The window [1200, 2200) is over: the next call leads at once, though
+    // the slot has not been swept.
+    log.until(2200).await;
+    assert_eq!(gauges(&t), (0, 0, 1, 0));
+    assert_eq!(
+        t.call_and_wait("k", log.work("again", 100)).await.unwrap(),
+        "again"
+    );
+    log.at(2300);
+    let runs: Vec<_> = log
+        .runs()
+        .iter()
+        .map(|r| (r.tag, r.phase, r.start))
+        .collect();
+    assert_eq!(
+        runs,
+        [
+            ("lead", Phase::Leading, 0),
+            ("trail", Phase::Trailing, 1100),
+            ("again", Phase::Leading, 2200)
+        ]
+    );
+}
+
 /// W4: every window starts when a run finishes, so runs never overlap, even
 /// when functions take longer than the window.
 #[tokio::test(start_paused = true)]
@@ -1242,6 +1349,248 @@ async fn a_failing_store_never_stops_a_run() {
     t.destroy().await; // clear is never called on a store passed in
 }
 
+/// Issue 7 item 10: a store whose calls never complete: every call is
+/// bounded by the store timeout, the leading caller still completes (fail
+/// open), and a shutdown returns by its deadline, ending store I/O then.
+#[tokio::test(start_paused = true)]
+async fn a_store_that_never_answers_is_timed_out_and_shutdown_keeps_its_deadline() {
+    let rt = runtime().await;
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("hang:")
+        .with_window(ms(1000))
+        .with_store_timeout(ms(20))
+        .with_store(scripted(|_| Act::Hang))
+        .build()
+        .unwrap();
+    let log = Log::new();
+    // Claim times out at 20; the run goes ahead (20..120).
+    assert!(t.call("k", log.work("lead", 100)).await.unwrap());
+    log.at(120);
+    let w = spawn_wait(&t, "k", log.work("trail", 100));
+    // Record times out at 140: the window is [140, 1140) in memory.
+    let (v, at) = w.await.unwrap();
+    // Trailing: claim 1140..1160 (timed out), run 1160..1260.
+    assert_eq!((v.unwrap(), at), ("trail", log.t0 + ms(1260)));
+    let s = t.stats();
+    assert_eq!((s.store_timeouts, s.store_errors), (3, 0));
+    let runs: Vec<_> = log.runs().iter().map(|r| r.start).collect();
+    assert_eq!(runs, [20, 1160], "the window still holds in memory");
+
+    // With the default timeout (1 s), a shutdown whose grace is shorter
+    // still returns at its deadline, with nothing left running.
+    let slow: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("hang2:")
+        .with_store(scripted(|_| Act::Hang))
+        .build()
+        .unwrap();
+    assert_eq!(slow.store_timeout(), throttlebeam::DEFAULT_STORE_TIMEOUT);
+    let lead = spawn_call(&slow, "k", log.work("never", 10));
+    let waiting = spawn_wait(&slow, "k", log.work("never", 10));
+    settle().await;
+    let started = Instant::now();
+    let report = rt.shutdown(ms(50)).await;
+    assert_eq!(started.elapsed(), ms(50));
+    assert_eq!(report.still_running, 0);
+    for err in [lead.await.unwrap().0.err(), waiting.await.unwrap().0.err()] {
+        assert!(
+            matches!(
+                err,
+                Some(Error::Discarded {
+                    reason: "destroyed",
+                    ..
+                })
+            ),
+            "{err:?}"
+        );
+    }
+    assert_eq!(log.runs().len(), 2);
+}
+
+/// Issue 7 item 10: a store that panics is a store failure under the
+/// fail-open policy: waiters get their values (never "the function
+/// panicked"), and runs never come closer than the window.
+#[tokio::test(start_paused = true)]
+async fn a_store_that_panics_is_a_store_failure() {
+    let captured = Captured::default();
+    let _guard = captured.install();
+    let rt = runtime().await;
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("bug:")
+        .with_window(ms(500))
+        .with_store(scripted(|_| Act::Panic))
+        .build()
+        .unwrap();
+    let log = Log::new();
+    let mut waits = Vec::new();
+    for i in 0..40u64 {
+        log.until(i * 50).await;
+        waits.push(spawn_wait(&t, "k", log.work("f", 100)));
+    }
+    for w in waits {
+        let (v, _) = w.await.unwrap();
+        assert_eq!(v.unwrap(), "f");
+    }
+    let runs = log.runs();
+    assert!(runs.len() >= 3, "{runs:?}");
+    for pair in runs.windows(2) {
+        let gap = pair[1].start - pair[0].end.unwrap();
+        assert!(gap >= 500, "runs {gap} ms apart: {runs:?}");
+    }
+    assert_eq!(log.max_running.load(Ordering::SeqCst), 1);
+    let s = t.stats();
+    assert!(s.store_errors >= 2 * runs.len() as u64, "{s:?}");
+    assert!(
+        captured
+            .ours(Level::WARN)
+            .iter()
+            .all(|m| m.contains("window store panicked"))
+    );
+    assert!(!captured.ours(Level::WARN).is_empty());
+}
+
+/// Issue 8 item 4 (seam): a run whose lease lapsed (its store calls failed
+/// while it ran) never overwrites the window of the run that took the key
+/// over: extend and record compare the owner's token.
+#[tokio::test(start_paused = true)]
+async fn a_lapsed_holder_never_overwrites_the_new_holder() {
+    let store = MemoryWindowStore::new();
+    let (rt_a, rt_b) = (runtime().await, runtime().await);
+    // A cannot extend its lease (its link to the store is flaky then).
+    let a: TrailingThrottle<&'static str> = rt_a
+        .trailing_throttle("s:")
+        .with_window(ms(1000))
+        .with_store(scripted_on(store.clone(), |op| match op {
+            "extend" => Act::Fail,
+            _ => Act::Pass,
+        }))
+        .build()
+        .unwrap();
+    // B's lease: 2000 ms, extended every 1000 ms.
+    let b: TrailingThrottle<&'static str> = rt_b
+        .trailing_throttle("s:")
+        .with_window(ms(2000))
+        .with_store(store.clone())
+        .build()
+        .unwrap();
+    let log = Log::new();
+    let lead_a = spawn_call(&a, "k", log.work("a", 3000));
+    // A's lease (1000 ms) lapses at 1000; B takes the key over at 1500 and
+    // holds it, extending its lease at 2500 and 3500.
+    log.until(1500).await;
+    let lead_b = spawn_call(&b, "k", log.work("b", 3000));
+    settle().await;
+    let held = store.read("s:k").await.unwrap().expect("B holds the key");
+    log.until(2999).await;
+    let before = store.read("s:k").await.unwrap().unwrap();
+    assert_eq!(before.token, held.token);
+    // A finishes at 3000 and tries to record its window: refused.
+    assert!(lead_a.await.unwrap().0.unwrap());
+    log.at(3000);
+    settle().await;
+    let after = store
+        .read("s:k")
+        .await
+        .unwrap()
+        .expect("B still holds the key");
+    assert_eq!(after, before, "A's late record left B's lease alone");
+    assert!(lead_b.await.unwrap().0.unwrap());
+    let after_b = store.read("s:k").await.unwrap().unwrap();
+    assert_eq!(after_b.token, held.token, "B recorded its window");
+}
+
+/// Issue 7 item 8: the memory window store is capped; when full it sweeps
+/// expired keys first, then evicts the keys that expire soonest, counts
+/// them, and warns at most once a minute.
+#[tokio::test(start_paused = true)]
+async fn the_memory_window_store_is_capped() {
+    let captured = Captured::default();
+    let _guard = captured.install();
+    assert_eq!(
+        MemoryWindowStore::new().max_keys(),
+        throttlebeam::DEFAULT_WINDOW_STORE_KEYS
+    );
+    let store = MemoryWindowStore::with_max_keys(32).unwrap();
+    let entry = |n: u64| WindowEntry::new(n, n + 1);
+    // Expired keys make room without an eviction.
+    for n in 0..32 {
+        store
+            .claim(&format!("old{n}"), entry(n), ms(10))
+            .await
+            .unwrap();
+    }
+    sleep(ms(10)).await;
+    store.claim("fresh", entry(99), ms(1000)).await.unwrap();
+    assert_eq!((store.len(), store.evictions()), (1, 0));
+    // Live keys: the two that expire soonest (32 / 16) go first.
+    for n in 0..31 {
+        store
+            .claim(&format!("live{n}"), entry(n), ms(2000 + n * 10))
+            .await
+            .unwrap();
+    }
+    assert_eq!(store.len(), 32);
+    store.claim("one-more", entry(7), ms(5000)).await.unwrap();
+    assert_eq!((store.len(), store.evictions()), (31, 2));
+    assert_eq!(store.read("fresh").await.unwrap(), None, "expired soonest");
+    assert_eq!(store.read("live0").await.unwrap(), None);
+    assert!(store.read("live1").await.unwrap().is_some());
+    assert!(store.read("one-more").await.unwrap().is_some());
+    assert_eq!(captured.ours(Level::WARN).len(), 1);
+    // Full again within the minute: evicted and counted, not logged again.
+    store.claim("two", entry(8), ms(5000)).await.unwrap();
+    store.claim("three", entry(9), ms(5000)).await.unwrap();
+    assert_eq!(store.evictions(), 4);
+    assert_eq!(captured.ours(Level::WARN).len(), 1);
+    sleep(ms(60_000)).await;
+    for n in 0..40 {
+        store
+            .claim(&format!("late{n}"), entry(n), ms(5000))
+            .await
+            .unwrap();
+    }
+    assert_eq!(captured.ours(Level::WARN).len(), 2);
+
+    // Seen through a throttle's stats.
+    let rt = runtime().await;
+    let small = MemoryWindowStore::with_max_keys(16).unwrap();
+    let t: TrailingThrottle<u8> = rt
+        .trailing_throttle("c:")
+        .with_window(ms(1000))
+        .with_store(small.clone())
+        .build()
+        .unwrap();
+    for n in 0..17 {
+        t.call(&format!("k{n}"), |_| async { Ok::<_, Oops>(1) })
+            .await
+            .unwrap();
+    }
+    let s = t.stats();
+    assert_eq!((s.store_keys, s.evictions), (16, 1));
+    assert!(MemoryWindowStore::with_max_keys(0).is_err());
+}
+
+/// Issue 7 item 19: the counters, serializable.
+#[tokio::test(start_paused = true)]
+async fn stats_count_calls_runs_and_coalesced_calls() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 100).await;
+    let log = Log::new();
+    assert!(t.call("a", log.work("a", 10)).await.unwrap());
+    for _ in 0..3 {
+        assert!(!t.call("a", log.work("a", 10)).await.unwrap());
+    }
+    assert!(t.call("b", log.work("b", 10)).await.unwrap());
+    sleep(ms(500)).await;
+    let s = t.stats();
+    assert_eq!(
+        (s.calls, s.leading_runs, s.trailing_runs, s.coalesced),
+        (5, 2, 1, 3)
+    );
+    assert_eq!((s.store_errors, s.store_timeouts, s.evictions), (0, 0, 0));
+    let bytes = bincode::serde::encode_to_vec(s, bincode::config::standard()).unwrap();
+    assert!(!bytes.is_empty());
+}
+
 /// S5 on a shared memory store: two instances, one key. Exactly one leads;
 /// the other's call runs as a trailing run after the window, and runs never
 /// overlap across instances, even when a run outlasts the window (lease).
@@ -1399,8 +1748,15 @@ struct Scripted<F> {
 }
 
 fn scripted<F: Fn(&'static str) -> Act + Send + Sync + 'static>(act: F) -> Scripted<F> {
+    scripted_on(MemoryWindowStore::new(), act)
+}
+
+fn scripted_on<F: Fn(&'static str) -> Act + Send + Sync + 'static>(
+    memory: MemoryWindowStore,
+    act: F,
+) -> Scripted<F> {
     Scripted {
-        memory: MemoryWindowStore::new(),
+        memory,
         act,
         cleared: Arc::default(),
     }

@@ -157,6 +157,27 @@ pub(super) struct Gauges {
     pub(super) trailing_runs: AtomicU64,
     pub(super) store_errors: AtomicU64,
     pub(super) store_timeouts: AtomicU64,
+    /// Store calls in flight that a destroy abandons, and who waits for them.
+    in_store: AtomicUsize,
+    store_idle: Notify,
+}
+
+/// Counts a store call in flight while it lives.
+struct InStore<'a>(&'a Gauges);
+
+impl<'a> InStore<'a> {
+    fn new(gauges: &'a Gauges) -> Self {
+        gauges.in_store.fetch_add(1, Ordering::AcqRel);
+        Self(gauges)
+    }
+}
+
+impl Drop for InStore<'_> {
+    fn drop(&mut self) {
+        if self.0.in_store.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.store_idle.notify_waiters();
+        }
+    }
 }
 
 /// A timer counted in the throttle's and the runtime's gauges while it lives.
@@ -279,6 +300,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 trailing_runs: AtomicU64::new(0),
                 store_errors: AtomicU64::new(0),
                 store_timeouts: AtomicU64::new(0),
+                in_store: AtomicUsize::new(0),
+                store_idle: Notify::new(),
             },
             lease_every,
             lease_ttl: config.window.max(lease_every * 2),
@@ -529,6 +552,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         // `clear` runs after the mode went to destroyed: bounded by the
         // timeout only.
         let abandonable = what != "clear";
+        let _in_store = abandonable.then(|| InStore::new(&self.gauges));
         let bounded = tokio::time::timeout(self.store_timeout, catch_panic(call));
         tokio::pin!(bounded);
         let gauges = &self.gauges;
@@ -699,6 +723,17 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         }
         self.wake.notify_waiters();
         tracing::debug!(throttle = %self.name, "destroyed");
+        // Store calls in flight were abandoned: let them unwind, so their
+        // processes are gone when a shutdown's deadline is checked.
+        loop {
+            let idle = self.gauges.store_idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.gauges.in_store.load(Ordering::Acquire) == 0 {
+                break;
+            }
+            idle.await;
+        }
         if self.owns_store {
             let call = self.store.clear();
             let _ = self.store_call(&self.prefix, "clear", call).await;

@@ -407,10 +407,13 @@ impl MemoryWindowStore {
         self.inner.table.sweep(Instant::now())
     }
 
-    /// Makes room before a write that may add a key.
-    fn make_room(&self, now: Instant) {
+    /// Makes room before a write that would add `key`.
+    fn make_room(&self, key: &str, now: Instant) {
         let inner = &*self.inner;
-        if inner.table.len() < inner.max_keys || inner.evicting.swap(true, Ordering::Acquire) {
+        if inner.table.len() < inner.max_keys
+            || inner.table.read_at(key.as_bytes(), now, |_| ()).is_some()
+            || inner.evicting.swap(true, Ordering::Acquire)
+        {
             return;
         }
         if inner.table.sweep(now) >= inner.max_keys {
@@ -440,7 +443,7 @@ impl MemoryWindowStore {
 
     fn claim_now(&self, key: &str, entry: WindowEntry, ttl: Duration) -> WindowClaim {
         let now = Instant::now();
-        self.make_room(now);
+        self.make_room(key, now);
         self.inner
             .table
             .upsert_at(InlineKey::new(key), now, |live| match live {
@@ -457,7 +460,7 @@ impl MemoryWindowStore {
     /// Writes unless another token holds the key.
     fn cas_now(&self, key: &str, entry: WindowEntry, ttl: Duration) -> bool {
         let now = Instant::now();
-        self.make_room(now);
+        self.make_room(key, now);
         self.inner
             .table
             .upsert_at(InlineKey::new(key), now, |live| match live {
