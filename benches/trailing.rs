@@ -7,6 +7,10 @@
 //!   and one throttled call per key; with peak memory per key while windows
 //!   are open. Each side runs in a fresh child process so RSS figures are
 //!   not skewed by memory the other side freed.
+//! - `idle_window`: memory per key whose window is open with nothing
+//!   pending (one leading call each, every run finished): a timestamp in
+//!   the registry and the store's entry, no process. Target: at most 256
+//!   bytes, against the leading-only throttle's open window.
 //!
 //! Run: `cargo bench --bench trailing`
 
@@ -68,6 +72,7 @@ fn main() {
         drop(rt);
         spawn_child("ours", 1_000);
         spawn_child("anchor", 1_000);
+        spawn_child("idle", 1_000);
         return;
     }
 
@@ -83,6 +88,7 @@ fn main() {
 
     let ours_keys = spawn_child("ours", KEYS);
     let anchor_keys = spawn_child("anchor", KEYS);
+    let idle_keys = spawn_child("idle", KEYS);
     println!();
     println!(
         "compare coalesce: ours {o:.1} ns, anchor {a:.1} ns, ratio {:.2}",
@@ -106,6 +112,11 @@ fn main() {
         (ours_keys.ns_per_key * KEYS as f64 / 1e6) + 2.0 * KEY_WINDOW.as_secs_f64() * 1e3,
         ours_keys.bytes_per_key,
         anchor_keys.bytes_per_key,
+    );
+    println!(
+        "idle_window: {:.0} bytes per key whose window is open with nothing pending ({KEYS} keys, \
+         no process; target 256), leading-only open window {:.0} bytes/key",
+        idle_keys.bytes_per_key, anchor_keys.bytes_per_key,
     );
 }
 
@@ -242,21 +253,27 @@ fn keys_child(side: &str) {
         let (warm_keys, keys) = (make("warm:", 1_000), make("user:", n));
         // Warm the runtime and allocator paths on other keys first.
         let warm = match side {
-            "ours" => ours_keys(&runtime, &warm_keys, "warm:").await,
+            "ours" => ours_keys(&runtime, &warm_keys, "warm:", true).await,
+            "idle" => ours_keys(&runtime, &warm_keys, "warm:", false).await,
             _ => anchor_keys(&runtime, &warm_keys).await,
         };
         if let Some(t) = &warm {
-            while t.stats().keys > 0 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            closed(&runtime, t).await;
         }
         let before = rss();
         let start = Instant::now();
         let throttle = match side {
-            "ours" => ours_keys(&runtime, &keys, "keys:").await,
+            "ours" => ours_keys(&runtime, &keys, "keys:", true).await,
+            "idle" => ours_keys(&runtime, &keys, "keys:", false).await,
             _ => anchor_keys(&runtime, &keys).await,
         };
         let calls = start.elapsed();
+        if side == "idle" {
+            // Every run finished: the processes are gone, the windows stay.
+            while runtime.stats().processes > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
         let peak = rss();
         assert!(
             calls < KEY_WINDOW,
@@ -264,9 +281,7 @@ fn keys_child(side: &str) {
         );
         if let Some(t) = throttle {
             // Trailing runs at the end of the windows, then the windows close.
-            while t.stats().keys > 0 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            closed(&runtime, &t).await;
         }
         let end_to_end = start.elapsed();
         (
@@ -281,10 +296,25 @@ fn keys_child(side: &str) {
     );
 }
 
+/// Waits until every window of `t` is over and swept.
+async fn closed(runtime: &Runtime, t: &TrailingThrottle<u64>) {
+    loop {
+        let s = t.stats();
+        if s.active + s.pending == 0 {
+            runtime.sweep_now();
+            if t.stats().keys == 0 {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
 async fn ours_keys(
     runtime: &Runtime,
     keys: &std::sync::Arc<Vec<String>>,
     prefix: &str,
+    coalesce: bool,
 ) -> Option<TrailingThrottle<u64>> {
     let throttle: TrailingThrottle<u64> = runtime
         .trailing_throttle(prefix)
@@ -302,6 +332,9 @@ async fn ours_keys(
                     .call(key, move |_| async move { Ok::<_, Infallible>(1) })
                     .await;
                 assert_eq!(led.ok(), Some(true));
+                if !coalesce {
+                    continue;
+                }
                 let coalesced = t
                     .call(key, move |_| async move { Ok::<_, Infallible>(2) })
                     .await;
