@@ -145,7 +145,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             gauges.leading_runs.fetch_add(1, Ordering::Relaxed);
             Phase::Leading
         };
-        let (job, waiters) = next.start();
+        let (job, waiters) = (*next).start();
         self.waiters = Some(waiters);
         tracing::debug!(throttle = %self.shared.name, key = %self.key, ?phase, "run started");
         let result = run_job(&self.shared, &self.key, token, job, phase).await;
@@ -213,7 +213,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             .flatten();
         self.set_active(false);
         if let Some(next) = dropped {
-            next.fail(&Error::Discarded {
+            (*next).fail(&Error::Discarded {
                 key: shown(&self.key),
                 reason: "lost the window race 10 times in a row",
             });
@@ -334,7 +334,7 @@ impl<T: Clone + Send + Sync + 'static> Drop for Driver<T> {
                 if next.is_trailing() {
                     shared.gauges.pending.fetch_sub(1, Ordering::Relaxed);
                 }
-                next.fail(&error);
+                (*next).fail(&error);
             }
         }
         if shared.gauges.live.fetch_sub(1, Ordering::AcqRel) == 1 {

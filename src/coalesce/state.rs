@@ -108,14 +108,14 @@ impl<T: Clone> Pending<T> {
         true
     }
 
-    pub(super) fn start(self: Box<Self>) -> (Job<T>, Waiters<T>) {
-        let Self { job, cells, lead } = *self;
+    pub(super) fn start(self) -> (Job<T>, Waiters<T>) {
+        let Self { job, cells, lead } = self;
         let job = job.into_inner().unwrap_or_else(PoisonError::into_inner);
         (job, Waiters { lead, cells })
     }
 
     /// Fails every caller waiting here; the function is dropped.
-    pub(super) fn fail(self: Box<Self>, error: &Error) {
+    pub(super) fn fail(self, error: &Error) {
         let (job, waiters) = self.start();
         drop(job);
         waiters.publish(Err(error.clone()));
@@ -719,7 +719,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 key: shown(&key),
                 reason: "destroyed",
             };
-            next.fail(&error);
+            (*next).fail(&error);
         }
         self.wake.notify_waiters();
         tracing::debug!(throttle = %self.name, "destroyed");
