@@ -5,6 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::Poll;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry, Sweep, catch_panic};
@@ -271,6 +272,12 @@ enum Decision<T> {
     },
     /// Not accepted; the function comes back out to be dropped unlocked.
     Refused(Error, Job<T>),
+}
+
+/// Why a store call was cut short.
+enum StoreStop {
+    TimedOut,
+    Abandoned,
 }
 
 /// What a store call came to once bounded and guarded.
@@ -552,24 +559,17 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         // `clear` runs after the mode went to destroyed: bounded by the
         // timeout only.
         let abandonable = what != "clear";
-        let _in_store = abandonable.then(|| InStore::new(&self.gauges));
-        let bounded = tokio::time::timeout(self.store_timeout, catch_panic(call));
-        tokio::pin!(bounded);
-        let gauges = &self.gauges;
-        let out = loop {
-            let stopped = self.wake.notified();
-            tokio::pin!(stopped);
-            stopped.as_mut().enable();
-            if abandonable && self.mode() == DESTROYED {
-                tracing::debug!(throttle = %self.name, key, what, "window store call abandoned: destroyed");
-                return StoreOutcome::Failed;
-            }
-            tokio::select! {
-                biased;
-                out = &mut bounded => break out,
-                () = stopped, if abandonable => {}
-            }
+        if abandonable && self.mode() == DESTROYED {
+            return StoreOutcome::Failed;
+        }
+        let mut call = catch_panic(call);
+        // An in-memory store answers on the first poll: no timer for it.
+        let first = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut call).poll(cx))).await;
+        let out = match first {
+            Poll::Ready(out) => Ok(out),
+            Poll::Pending => self.store_wait(abandonable, call).await,
         };
+        let gauges = &self.gauges;
         match out {
             Ok(Ok(Ok(value))) => StoreOutcome::Done(value),
             Ok(Ok(Err(error))) => {
@@ -582,10 +582,39 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 tracing::warn!(throttle = %self.name, key, what, panic = panic.message(), "window store panicked; treated as a store failure");
                 StoreOutcome::Failed
             }
-            Err(_) => {
+            Err(StoreStop::TimedOut) => {
                 gauges.store_timeouts.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(throttle = %self.name, key, what, timeout = ?self.store_timeout, "window store failed: timed out");
                 StoreOutcome::Failed
+            }
+            Err(StoreStop::Abandoned) => {
+                tracing::debug!(throttle = %self.name, key, what, "window store call abandoned: destroyed");
+                StoreOutcome::Failed
+            }
+        }
+    }
+
+    /// The rest of a store call that did not answer at once: bounded by the
+    /// store timeout, abandoned when the throttle is destroyed.
+    async fn store_wait<F: Future + Unpin>(
+        &self,
+        abandonable: bool,
+        call: F,
+    ) -> Result<F::Output, StoreStop> {
+        let _in_store = abandonable.then(|| InStore::new(&self.gauges));
+        let bounded = tokio::time::timeout(self.store_timeout, call);
+        tokio::pin!(bounded);
+        loop {
+            let stopped = self.wake.notified();
+            tokio::pin!(stopped);
+            stopped.as_mut().enable();
+            if abandonable && self.mode() == DESTROYED {
+                return Err(StoreStop::Abandoned);
+            }
+            tokio::select! {
+                biased;
+                out = &mut bounded => return out.map_err(|_| StoreStop::TimedOut),
+                () = stopped, if abandonable => {}
             }
         }
     }
