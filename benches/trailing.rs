@@ -115,8 +115,12 @@ fn main() {
     );
     println!(
         "idle_window: {:.0} bytes per key whose window is open with nothing pending ({KEYS} keys, \
-         no process; target 256), leading-only open window {:.0} bytes/key",
-        idle_keys.bytes_per_key, anchor_keys.bytes_per_key,
+         no process; target 256), leading-only open window {:.0} bytes/key; once swept, \
+         {:.0} bytes/key still held (coalescing run: {:.0})",
+        idle_keys.bytes_per_key,
+        anchor_keys.bytes_per_key,
+        idle_keys.kept_per_key,
+        ours_keys.kept_per_key,
     );
 }
 
@@ -197,6 +201,8 @@ struct KeysResult {
     ns_per_key: f64,
     end_to_end: Duration,
     bytes_per_key: f64,
+    /// Still held once every window is over and swept.
+    kept_per_key: f64,
 }
 
 fn spawn_child(side: &str, keys: usize) -> KeysResult {
@@ -226,6 +232,7 @@ fn spawn_child(side: &str, keys: usize) -> KeysResult {
         ns_per_key: field("ns_per_key"),
         end_to_end: Duration::from_secs_f64(field("end_to_end_s")),
         bytes_per_key: field("bytes_per_key"),
+        kept_per_key: field("kept_per_key"),
     }
 }
 
@@ -245,7 +252,7 @@ fn keys_child(side: &str) {
         .and_then(|v| v.parse().ok())
         .unwrap_or(KEYS);
     let rt = tokio_runtime();
-    let (ns_per_key, end_to_end, bytes_per_key) = rt.block_on(async {
+    let (ns_per_key, end_to_end, bytes_per_key, kept_per_key) = rt.block_on(async {
         let runtime = Runtime::builder().start().await.expect("runtime");
         let make = |prefix: &str, n: usize| {
             std::sync::Arc::new((0..n).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>())
@@ -284,14 +291,17 @@ fn keys_child(side: &str) {
             closed(&runtime, &t).await;
         }
         let end_to_end = start.elapsed();
+        let kept = rss();
         (
             calls.as_nanos() as f64 / n as f64,
             end_to_end,
             (peak - before) / n as f64,
+            (kept - before) / n as f64,
         )
     });
     println!(
-        "RESULT ns_per_key={ns_per_key} end_to_end_s={} bytes_per_key={bytes_per_key}",
+        "RESULT ns_per_key={ns_per_key} end_to_end_s={} bytes_per_key={bytes_per_key} \
+         kept_per_key={kept_per_key}",
         end_to_end.as_secs_f64()
     );
 }
