@@ -567,7 +567,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         let first = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut call).poll(cx))).await;
         let out = match first {
             Poll::Ready(out) => Ok(out),
-            Poll::Pending => self.store_wait(abandonable, call).await,
+            // Boxed: the slow path stays out of every process's future.
+            Poll::Pending => Box::pin(self.store_wait(abandonable, call)).await,
         };
         let gauges = &self.gauges;
         match out {
