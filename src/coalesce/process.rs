@@ -30,7 +30,10 @@ use crate::key::shown;
 const MAX_LOST_RACES: u32 = 10;
 
 enum Step {
+    /// Retrying a lost window race: this process keeps count and waits.
     Sleep(Instant),
+    /// A run is pending inside the window: the sleeper takes over.
+    Schedule(Instant),
     Claim,
     /// Window open, nothing pending: leave it as a timestamp.
     Release,
@@ -225,6 +228,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
     /// (`false`).
     async fn next_run(&mut self) -> bool {
         let epoch = self.epoch;
+        let retrying = self.lost_races > 0;
         loop {
             let mode = self.shared.mode();
             if mode == DESTROYED {
@@ -238,7 +242,12 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                 }
                 let open = now < state.until;
                 match (&state.next, open) {
-                    (Some(_), true) => Some(Step::Sleep(state.until)),
+                    (Some(_), true) if retrying => Some(Step::Sleep(state.until)),
+                    (Some(_), true) => {
+                        state.busy = false;
+                        state.scheduled = true;
+                        Some(Step::Schedule(state.until))
+                    }
                     (Some(_), false) => Some(Step::Claim),
                     // While draining, a window with nothing pending protects
                     // nothing: close it.
@@ -256,6 +265,12 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                     return false;
                 }
                 Some(Step::Sleep(until)) => self.shared.nap(until, mode).await,
+                Some(Step::Schedule(until)) => {
+                    self.released = true;
+                    self.shared
+                        .schedule(&self.key, self.generation, epoch, until);
+                    return false;
+                }
                 Some(Step::Claim) => return true,
                 Some(Step::Release) => {
                     self.released = true;

@@ -1,6 +1,8 @@
 //! What a coalescing throttle shares between its callers and its per-key
 //! processes: the registry of key slots, the store, the mode and the gauges.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
@@ -134,9 +136,50 @@ pub(super) struct KeyState<T> {
     /// Which process owns the key (bumped on every start), so an exiting
     /// process never touches its successor's slot.
     pub(super) epoch: u32,
-    /// A process owns the key: claiming, running, or sleeping until its
-    /// next run.
+    /// A process owns the key: claiming or running.
     pub(super) busy: bool,
+    /// No process: the throttle's sleeper starts one for the next run when
+    /// the window ends.
+    pub(super) scheduled: bool,
+}
+
+/// A key whose next run waits for its window to end, in the sleeper.
+struct Wakeup {
+    at: Instant,
+    seq: u64,
+    key: InlineKey,
+    generation: Generation,
+    epoch: u32,
+}
+
+impl PartialEq for Wakeup {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+
+impl Eq for Wakeup {}
+
+impl PartialOrd for Wakeup {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Wakeup {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(other.at, other.seq))
+    }
+}
+
+/// One timer for every key of a throttle whose trailing run waits for its
+/// window: a pending trailing run costs a heap entry, not a process.
+#[derive(Default)]
+struct Sleeper {
+    heap: BinaryHeap<Reverse<Wakeup>>,
+    seq: u64,
+    /// The sleeper process is alive.
+    running: bool,
 }
 
 pub(super) const OPEN: u8 = 0;
@@ -260,12 +303,16 @@ pub(super) struct Shared<T> {
     /// When the key cap last made `submit` sweep, in ms after the epoch
     /// clock's base, plus one (0: never).
     full_sweep_at: AtomicU64,
+    sleeper: Mutex<Sleeper>,
+    /// Wakes the sleeper for an earlier wake-up or a destroy.
+    sleeper_wake: Notify,
 }
 
 enum Decision<T> {
     Lead(Generation, u32, oneshot::Receiver<Led<T>>),
-    /// Coalesced into a window with no process: start one to run it.
-    Wake(Generation, u32, Option<Arc<RunCell<T>>>),
+    /// Coalesced into a window with no process: the sleeper starts one
+    /// when the window ends.
+    Schedule(Generation, u32, Instant, Option<Arc<RunCell<T>>>),
     Coalesced {
         cell: Option<Arc<RunCell<T>>>,
         stale: Option<Job<T>>,
@@ -318,6 +365,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             tokens: ahash::RandomState::new(),
             next_token: AtomicU64::new(1),
             full_sweep_at: AtomicU64::new(0),
+            sleeper: Mutex::new(Sleeper::default()),
+            sleeper_wake: Notify::new(),
             runtime: config.runtime,
             name: config.name,
             prefix: config.prefix,
@@ -410,7 +459,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             return false;
         }
         self.registry
-            .retain(|_, state| state.busy || state.until > now);
+            .retain(|_, state| state.busy || state.scheduled || state.until > now);
         true
     }
 
@@ -449,11 +498,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 if state.busy {
                     Decision::Coalesced { cell, stale: None }
                 } else {
-                    // An open window with no process: one starts to wait
-                    // for its end.
-                    state.busy = true;
+                    // An open window with no process: the sleeper starts one
+                    // when it ends.
+                    state.scheduled = true;
                     state.epoch = state.epoch.wrapping_add(1);
-                    Decision::Wake(generation, state.epoch, cell)
+                    Decision::Schedule(generation, state.epoch, state.until, cell)
                 }
             }
             SlotEntry::Vacant(vacant) => {
@@ -462,6 +511,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                     next: None,
                     epoch: 0,
                     busy: true,
+                    scheduled: false,
                 };
                 match vacant.insert(state) {
                     Ok(mut slot) => {
@@ -496,12 +546,10 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 tracing::trace!(throttle = %self.name, key, "call coalesced");
                 Ok(Submitted::Coalesced(cell))
             }
-            Decision::Wake(generation, epoch, cell) => {
+            Decision::Schedule(generation, epoch, at, cell) => {
                 self.gauges.coalesced.fetch_add(1, Ordering::Relaxed);
                 tracing::trace!(throttle = %self.name, key, "call coalesced");
-                let driver =
-                    super::process::Driver::new(self.clone(), key, generation, epoch, false);
-                core.start_process(key, driver.drive(false))?;
+                self.schedule(key, generation, epoch, at);
                 Ok(Submitted::Coalesced(cell))
             }
             Decision::Lead(generation, epoch, rx) => {
@@ -531,7 +579,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         }
     }
 
-    /// Sleeps until `until`, or until the mode moves on from `seen`.
+    /// Sleeps until `until`, or until the mode moves on from `seen` (a
+    /// process retrying a lost window race keeps its own timer).
     pub(super) async fn nap(&self, until: Instant, seen: u8) {
         let _timer = Armed::new(&self.gauges);
         let woken = self.wake.notified();
@@ -544,6 +593,140 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             () = tokio::time::sleep_until(until) => {}
             () = woken => {}
         }
+    }
+
+    /// Hands a key whose next run waits for `at` to the sleeper (its slot
+    /// is marked scheduled): one heap entry, counted as a timer and as live
+    /// work until it fires.
+    pub(super) fn schedule(
+        self: &Arc<Self>,
+        key: &str,
+        generation: Generation,
+        epoch: u32,
+        at: Instant,
+    ) {
+        let gauges = &self.gauges;
+        gauges.live.fetch_add(1, Ordering::AcqRel);
+        gauges.timers.fetch_add(1, Ordering::Relaxed);
+        gauges.runtime.timer_armed();
+        let (start, earlier) = {
+            let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
+            sleeper.seq += 1;
+            let earlier = sleeper.heap.peek().is_some_and(|top| at < top.0.at);
+            let seq = sleeper.seq;
+            sleeper.heap.push(Reverse(Wakeup {
+                at,
+                seq,
+                key: InlineKey::new(key),
+                generation,
+                epoch,
+            }));
+            let start = !sleeper.running;
+            sleeper.running = true;
+            (start, earlier)
+        };
+        if start {
+            let sleeper = Arc::clone(self).sleep_loop();
+            if self
+                .runtime
+                .core
+                .start_process(&self.prefix, sleeper)
+                .is_err()
+            {
+                // No runtime to sleep on: fire now; the processes fail their
+                // callers as they cannot start either.
+                let due = {
+                    let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
+                    sleeper.running = false;
+                    std::mem::take(&mut sleeper.heap)
+                };
+                for Reverse(wakeup) in due {
+                    self.fire(wakeup);
+                }
+            }
+        } else if earlier {
+            self.sleeper_wake.notify_one();
+        }
+    }
+
+    /// Forgets `n` wake-ups that will never fire.
+    fn unschedule(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let gauges = &self.gauges;
+        gauges.timers.fetch_sub(n, Ordering::Relaxed);
+        for _ in 0..n {
+            gauges.runtime.timer_disarmed();
+        }
+        if gauges.live.fetch_sub(n, Ordering::AcqRel) == n {
+            gauges.idle.notify_waiters();
+        }
+    }
+
+    /// The sleeper process: starts each scheduled key's process when its
+    /// window ends; exits when nothing is scheduled.
+    async fn sleep_loop(self: Arc<Self>) {
+        loop {
+            let woken = self.sleeper_wake.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let now = Instant::now();
+            let (due, next) = {
+                let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut due = Vec::new();
+                while sleeper.heap.peek().is_some_and(|top| top.0.at <= now) {
+                    if let Some(Reverse(wakeup)) = sleeper.heap.pop() {
+                        due.push(wakeup);
+                    }
+                }
+                let next = sleeper.heap.peek().map(|top| top.0.at);
+                if next.is_none() {
+                    sleeper.running = false;
+                }
+                (due, next)
+            };
+            for wakeup in due {
+                self.fire(wakeup);
+            }
+            let Some(at) = next else { return };
+            tokio::select! {
+                () = tokio::time::sleep_until(at) => {}
+                () = woken => {}
+            }
+        }
+    }
+
+    /// Starts the process of a scheduled key, if its slot is still the one
+    /// that was scheduled.
+    fn fire(self: &Arc<Self>, wakeup: Wakeup) {
+        let Wakeup {
+            key,
+            generation,
+            epoch,
+            ..
+        } = wakeup;
+        let started = self
+            .registry
+            .with_slot(key.as_bytes(), |slot| {
+                let same = slot.generation() == generation;
+                let state = &mut slot.state;
+                let ours = same && state.epoch == epoch && state.scheduled;
+                if ours {
+                    state.scheduled = false;
+                    state.busy = true;
+                }
+                ours
+            })
+            .unwrap_or(false);
+        if started {
+            let key = String::from_utf8_lossy(key.as_bytes());
+            let driver = super::process::Driver::new(self.clone(), &key, generation, epoch, false);
+            // On failure the driver is dropped: it releases the slot and
+            // fails the callers.
+            let _ = self.runtime.core.start_process(&key, driver.drive(false));
+        }
+        self.unschedule(1);
     }
 
     /// Runs one store call bounded by the store timeout, with a panic
@@ -742,6 +925,12 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             // A slot with a process is removed by that process.
             state.busy
         });
+        let unscheduled = {
+            let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
+            std::mem::take(&mut sleeper.heap).len()
+        };
+        self.unschedule(unscheduled);
+        self.sleeper_wake.notify_one();
         self.registry.shrink_to_fit();
         self.gauges.pending.fetch_sub(trailing, Ordering::Relaxed);
         for (key, next) in dropped {
@@ -816,7 +1005,7 @@ impl<T: Clone + Send + Sync + 'static> Sweep for Shared<T> {
         let before = self.registry.len();
         let left = self
             .registry
-            .retain(|_, state| state.busy || state.until > now);
+            .retain(|_, state| state.busy || state.scheduled || state.until > now);
         if left < before {
             self.registry.shrink_to_fit();
         }
