@@ -16,11 +16,12 @@
 //! ```
 //!
 //! The key's slot in a registry owns its state (the latest function, the
-//! cell its waiters share, the window end); one per-key process owns its time
-//! and work while it has a run to claim or execute, or a pending trailing
-//! run. A key whose window is open with nothing pending is a timestamp in
-//! its slot, with no process. Coalescing a call is a registry update: no
-//! message, no wake-up.
+//! cell its waiters share, the window end); a per-key process owns its work
+//! only while it has a run to claim or execute. A key whose window is open
+//! is a timestamp in its slot, with no process; when a trailing run is
+//! pending, one sleeper per throttle (a heap of window ends on one timer)
+//! starts the key's process when the window ends. Coalescing a call is a
+//! registry update: no message, no wake-up.
 
 mod process;
 mod state;
@@ -75,7 +76,7 @@ pub struct TrailingStats {
     /// are over but not swept yet included.
     pub keys: usize,
     /// Per-key timers scheduled now (one per key at most: a window with a
-    /// trailing run pending, or a lease).
+    /// trailing run pending, held by the throttle's sleeper, or a lease).
     pub timers: usize,
     /// Keys held by the window store, as it reports them
     /// ([`WindowStore::stats`]; 0 for a store that does not say).
@@ -253,9 +254,10 @@ impl TrailingThrottleBuilder {
 ///   claims its window is covered by that run); a call arriving while a
 ///   function runs is covered by the next trailing run. Every run uses the
 ///   latest function passed by the calls it covers.
-/// - A key whose window is open with nothing pending costs a timestamp in
-///   the registry and no process; windows that are over are swept by the
-///   runtime's sweeper.
+/// - A key whose window is open costs a timestamp in the registry and no
+///   process (with a trailing run pending, also an entry in the throttle's
+///   sleeper, which starts the key's process when the window ends); windows
+///   that are over are swept by the runtime's sweeper.
 ///
 /// Functions run in the key's own process: dropping a caller's future or a
 /// timeout never cancels them. A failed trailing run fails every waiter it

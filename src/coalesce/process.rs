@@ -1,16 +1,16 @@
-//! The per-key process: owns a key's time and work while it has a run to
-//! claim or execute, or a trailing run waiting for its window to end.
+//! The per-key process: owns a key's work while it has a run to claim or
+//! execute.
 //!
 //! One tokio task per busy key, started under the runtime's partitioned
 //! supervisor. It claims the window in the store, takes the key's next run
 //! from the slot (from that instant on, new calls go to the following run),
 //! runs it (holding a lease), publishes the result and records the window.
-//! Then, if a trailing run is pending, it sleeps on one timer until the
-//! window ends and goes round again; if not, it leaves the window in the
-//! slot as a timestamp and exits, and a later call starts a process only
-//! if it needs one. A window that is over with nothing pending closes the
-//! key with a generation-gated compare-and-remove, so a call that races the
-//! exit is never lost.
+//! Then it exits, leaving the window in the slot as a timestamp: if a
+//! trailing run is pending, the throttle's sleeper starts the key's next
+//! process when the window ends (a process retrying a lost window race
+//! keeps its own timer, to count its losses). A window that is over with
+//! nothing pending closes the key with a generation-gated
+//! compare-and-remove, so a call that races the exit is never lost.
 
 use std::future::Future;
 use std::pin::Pin;
