@@ -471,6 +471,43 @@ async fn an_open_window_with_nothing_pending_costs_no_process() {
     );
 }
 
+/// Pending trailing runs wait for their windows in the throttle's one
+/// sleeper: no process per waiting key; each runs when its window ends.
+#[tokio::test(start_paused = true)]
+async fn pending_trailing_runs_wait_without_a_process_each() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    let keys: Vec<&'static str> = (0..100)
+        .map(|i| &*Box::leak(format!("k{i}").into_boxed_str()))
+        .collect();
+    for key in &keys {
+        assert!(t.call(key, log.work("lead", 10)).await.unwrap());
+    }
+    log.at(1000);
+    let waits: Vec<_> = keys
+        .iter()
+        .map(|key| spawn_wait(&t, key, log.work("trail", 10)))
+        .collect();
+    settle().await;
+    // One timer per waiting key, held by one sleeper process.
+    assert_eq!(gauges(&t), (0, 100, 100, 100));
+    assert_eq!(rt.stats().processes, 1);
+    for w in waits {
+        let (v, _) = w.await.unwrap();
+        assert_eq!(v.unwrap(), "trail");
+    }
+    settle().await;
+    assert_eq!(gauges(&t), (0, 0, 100, 0));
+    assert_eq!(rt.stats().processes, 0);
+    // Each trailing run started when its own window ended (10 ms after its
+    // leading run began, plus the window).
+    let runs = log.runs();
+    for (lead, trail) in runs[..100].iter().zip(&runs[100..]) {
+        assert_eq!(trail.start, lead.end.unwrap() + 1000, "{lead:?} {trail:?}");
+    }
+}
+
 /// W4: every window starts when a run finishes, so runs never overlap, even
 /// when functions take longer than the window.
 #[tokio::test(start_paused = true)]
