@@ -188,22 +188,34 @@ pub(super) const DESTROYED: u8 = 2;
 
 /// Live figures and counters of one throttle, plus the runtime's counters.
 pub(super) struct Gauges {
-    pub(super) active: AtomicUsize,
-    pub(super) pending: AtomicUsize,
-    pub(super) timers: AtomicUsize,
-    pub(super) live: AtomicUsize,
+    pub(super) active: Padded<AtomicUsize>,
+    pub(super) pending: Padded<AtomicUsize>,
+    pub(super) timers: Padded<AtomicUsize>,
+    pub(super) live: Padded<AtomicUsize>,
     pub(super) idle: Notify,
     pub(super) runtime: Arc<Counters>,
     /// Calls that led (accepted calls are these plus the coalesced ones).
-    pub(super) leads: AtomicU64,
-    pub(super) coalesced: AtomicU64,
-    pub(super) leading_runs: AtomicU64,
+    pub(super) leads: Padded<AtomicU64>,
+    pub(super) coalesced: Padded<AtomicU64>,
+    pub(super) leading_runs: Padded<AtomicU64>,
     pub(super) trailing_runs: AtomicU64,
     pub(super) store_errors: AtomicU64,
     pub(super) store_timeouts: AtomicU64,
     /// Store calls in flight that a destroy abandons, and who waits for them.
     in_store: AtomicUsize,
     store_idle: Notify,
+}
+
+/// A counter on a cache line of its own: the gauges are written from every
+/// worker, and a shared line would make each write evict its neighbours.
+#[repr(align(64))]
+pub(super) struct Padded<A>(A);
+
+impl<A> std::ops::Deref for Padded<A> {
+    type Target = A;
+    fn deref(&self) -> &A {
+        &self.0
+    }
 }
 
 /// Counts a store call in flight while it lives.
@@ -342,15 +354,15 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         let shared = Arc::new(Self {
             registry: Registry::with_sweeper(core.counters.clone(), core.cap, &sweeper),
             gauges: Gauges {
-                active: AtomicUsize::new(0),
-                pending: AtomicUsize::new(0),
-                timers: AtomicUsize::new(0),
-                live: AtomicUsize::new(0),
+                active: Padded(AtomicUsize::new(0)),
+                pending: Padded(AtomicUsize::new(0)),
+                timers: Padded(AtomicUsize::new(0)),
+                live: Padded(AtomicUsize::new(0)),
                 idle: Notify::new(),
                 runtime: core.counters.clone(),
-                leads: AtomicU64::new(0),
-                coalesced: AtomicU64::new(0),
-                leading_runs: AtomicU64::new(0),
+                leads: Padded(AtomicU64::new(0)),
+                coalesced: Padded(AtomicU64::new(0)),
+                leading_runs: Padded(AtomicU64::new(0)),
                 trailing_runs: AtomicU64::new(0),
                 store_errors: AtomicU64::new(0),
                 store_timeouts: AtomicU64::new(0),
