@@ -47,7 +47,7 @@ use crate::runtime::Runtime;
 const DEFAULT_WINDOW: Duration = Duration::from_millis(1000);
 
 /// Default bound on every window store call of a coalescing throttle.
-pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(1);
+pub const DEFAULT_WINDOW_STORE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Which edge of the window a run is for; passed to the function.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -145,7 +145,7 @@ impl TrailingThrottleBuilder {
             prefix: prefix.to_owned(),
             window: DEFAULT_WINDOW,
             store: None,
-            store_timeout: DEFAULT_STORE_TIMEOUT,
+            store_timeout: DEFAULT_WINDOW_STORE_TIMEOUT,
             name: None,
         }
     }
@@ -165,7 +165,7 @@ impl TrailingThrottleBuilder {
         self
     }
 
-    /// Bounds every window store call (default [`DEFAULT_STORE_TIMEOUT`],
+    /// Bounds every window store call (default [`DEFAULT_WINDOW_STORE_TIMEOUT`],
     /// 1 s; 1 ms to [`MAX_TIMER`](crate::MAX_TIMER)). A call that takes
     /// longer is abandoned and counts as a store failure: the throttle fails
     /// open, as for an error.

@@ -63,9 +63,9 @@ mod runtime;
 mod throttle;
 
 pub use coalesce::{
-    DEFAULT_STORE_TIMEOUT, DEFAULT_WINDOW_STORE_KEYS, MemoryWindowStore, Phase, TrailingStats,
-    TrailingThrottle, TrailingThrottleBuilder, WindowClaim, WindowEntry, WindowStore,
-    WindowStoreError, WindowStoreFuture, WindowStoreStats,
+    DEFAULT_WINDOW_STORE_KEYS, DEFAULT_WINDOW_STORE_TIMEOUT, MemoryWindowStore, Phase,
+    TrailingStats, TrailingThrottle, TrailingThrottleBuilder, WindowClaim, WindowEntry,
+    WindowStore, WindowStoreError, WindowStoreFuture, WindowStoreStats,
 };
 pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
 pub use error::{BoxError, Error};

@@ -1417,7 +1417,10 @@ async fn a_store_that_never_answers_is_timed_out_and_shutdown_keeps_its_deadline
         .with_store(scripted(|_| Act::Hang))
         .build()
         .unwrap();
-    assert_eq!(slow.store_timeout(), throttlebeam::DEFAULT_STORE_TIMEOUT);
+    assert_eq!(
+        slow.store_timeout(),
+        throttlebeam::DEFAULT_WINDOW_STORE_TIMEOUT
+    );
     let lead = spawn_call(&slow, "k", log.work("never", 10));
     let waiting = spawn_wait(&slow, "k", log.work("never", 10));
     settle().await;
