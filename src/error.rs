@@ -33,6 +33,17 @@ pub enum Error {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// A setting of a prefixed primitive (a coalescing throttle's prefix,
+    /// window or store timeout) is out of range.
+    #[error("{}", setting_message(prefix, what, reason))]
+    InvalidSetting {
+        /// The prefix (truncated to 64 bytes).
+        prefix: String,
+        /// Which setting (`"prefix"`, `"window"`, …).
+        what: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// Runtime configuration is out of range.
     #[error("invalid runtime configuration: {what} {reason}")]
     InvalidConfig {
@@ -156,6 +167,7 @@ impl Error {
             | Self::LeaseLost { key }
             | Self::InFlight { key, .. }
             | Self::StoreUnavailable { key, .. } => Some(key),
+            Self::InvalidSetting { prefix, .. } => Some(prefix),
             Self::InvalidConfig { .. } | Self::NoTokio | Self::Start(_) => None,
         }
     }
@@ -199,5 +211,13 @@ impl Error {
             key: key.to_owned(),
             source: Arc::from(source.into()),
         }
+    }
+}
+
+fn setting_message(prefix: &str, what: &str, reason: &str) -> String {
+    if what == "prefix" {
+        format!("invalid prefix {prefix:?}: {reason}")
+    } else {
+        format!("invalid {what} for prefix {prefix:?}: {reason}")
     }
 }

@@ -66,8 +66,9 @@ mod runtime;
 mod throttle;
 
 pub use coalesce::{
-    MemoryWindowStore, Phase, SetOptions, TrailingStats, TrailingThrottle, TrailingThrottleBuilder,
-    WindowStore, WindowStoreError, WindowStoreFuture,
+    DEFAULT_WINDOW_STORE_KEYS, DEFAULT_WINDOW_STORE_TIMEOUT, MemoryWindowStore, Phase,
+    TrailingStats, TrailingThrottle, TrailingThrottleBuilder, WindowClaim, WindowEntry,
+    WindowStore, WindowStoreError, WindowStoreFuture, WindowStoreStats,
 };
 pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
 pub use error::{BoxError, Error};

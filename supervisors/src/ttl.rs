@@ -272,6 +272,129 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
         evicted
     }
 
+    /// Reads and conditionally writes `key` in one step under its shard lock:
+    /// `f` sees the live value as of `now` (`None` when missing or expired)
+    /// and returns what to store, with its TTL from `now`, if anything, plus
+    /// a result. This is set-if-absent and compare-and-set in one primitive.
+    ///
+    /// Keep `f` short: it holds the shard's write lock.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap().block_on(async {
+    /// use std::{sync::Arc, time::Duration};
+    /// use throttlebeam_supervisors::{Counters, TtlTable};
+    /// use tokio::time::Instant;
+    ///
+    /// let table: TtlTable<&str, u32> = TtlTable::new(Arc::new(Counters::new()));
+    /// let ttl = Duration::from_secs(1);
+    /// // Set if absent: the first writer wins, the second sees its value.
+    /// let nx = |v| move |live: Option<&u32>| match live {
+    ///     Some(held) => (None, Err(*held)),
+    ///     None => (Some((v, ttl)), Ok(())),
+    /// };
+    /// assert_eq!(table.upsert_at("k", Instant::now(), nx(1)), Ok(()));
+    /// assert_eq!(table.upsert_at("k", Instant::now(), nx(2)), Err(1));
+    /// # });
+    /// ```
+    pub fn upsert_at<R>(
+        &self,
+        key: K,
+        now: Instant,
+        f: impl FnOnce(Option<&V>) -> (Option<(V, Duration)>, R),
+    ) -> R {
+        let tick = self.tick(now);
+        // A capped table records every write in its order queue, under the
+        // order lock taken before the shard lock (as `insert` does).
+        let seq = match self.bound {
+            Some(_) => self.inserts.fetch_add(1, Ordering::Relaxed),
+            None => 0,
+        };
+        let mut order = self.bound.as_ref().map(|bound| {
+            (
+                bound.order.lock().unwrap_or_else(PoisonError::into_inner),
+                key.clone(),
+            )
+        });
+        let (out, first, written) = match self.map.entry(key) {
+            Entry::Occupied(mut occupied) => {
+                let live = (occupied.get().expires_at > tick).then(|| &occupied.get().value);
+                let (write, out) = f(live);
+                let written = write.is_some();
+                if let Some((value, ttl)) = write {
+                    let expires_at = self.tick(expiry(now, ttl));
+                    drop(occupied.insert(TtlEntry {
+                        value,
+                        expires_at,
+                        seq,
+                    }));
+                }
+                (out, false, written)
+            }
+            Entry::Vacant(vacant) => {
+                let (write, out) = f(None);
+                let mut first = false;
+                let written = write.is_some();
+                if let Some((value, ttl)) = write {
+                    let expires_at = self.tick(expiry(now, ttl));
+                    self.counters.ttl_added();
+                    first = self.len.fetch_add(1, Ordering::AcqRel) == 0;
+                    vacant.insert(TtlEntry {
+                        value,
+                        expires_at,
+                        seq,
+                    });
+                }
+                (out, first, written)
+            }
+        };
+        if let (Some(bound), Some((order, key))) = (&self.bound, order.as_mut()) {
+            if written {
+                order.push_back((key.clone(), seq));
+                self.evict(bound.max_len, order);
+            }
+        }
+        drop(order);
+        if first {
+            if let Some(sweeper) = &self.sweeper {
+                sweeper.kick();
+            }
+        }
+        out
+    }
+
+    /// Removes up to `n` entries, those that expire soonest first (expired
+    /// ones included); returns how many were removed. For caps: evicting
+    /// what would expire first is the least harmful early expiry. One pass
+    /// over the table, so evict in batches.
+    pub fn evict_soonest(&self, n: usize) -> usize {
+        if n == 0 {
+            return 0;
+        }
+        let mut ends: Vec<u64> = self.map.iter().map(|e| e.expires_at).collect();
+        if ends.is_empty() {
+            return 0;
+        }
+        let nth = n.min(ends.len()) - 1;
+        let (_, threshold, _) = ends.select_nth_unstable(nth);
+        let threshold = *threshold;
+        drop(ends);
+        let mut removed = 0;
+        self.map.retain(|_, e| {
+            let evict = removed < n && e.expires_at <= threshold;
+            removed += usize::from(evict);
+            !evict
+        });
+        self.forget(removed);
+        removed
+    }
+
+    /// Releases capacity the table retains beyond what its entries need.
+    pub fn shrink_to_fit(&self) {
+        self.map.shrink_to_fit();
+    }
+
     /// Removes `key`, returning its value if it was live.
     pub fn remove<Q>(&self, key: &Q) -> Option<V>
     where
@@ -353,6 +476,10 @@ where
             let mut order = bound.order.lock().unwrap_or_else(PoisonError::into_inner);
             self.evict(bound.max_len, &mut order);
         }
+        if removed > 0 {
+            // Give back what a flood left behind once it is swept.
+            self.map.shrink_to_fit();
+        }
         self.len()
     }
 }
@@ -429,6 +556,85 @@ mod tests {
         assert_eq!(
             (table.len(), table.evictions(), table.max_len()),
             (10_000, 0, None)
+        );
+    }
+
+    fn table() -> TtlTable<u32, u32> {
+        TtlTable::new(Arc::new(Counters::new()))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn upsert_sees_only_live_values_and_counts_new_entries() {
+        let t = table();
+        let ttl = Duration::from_millis(100);
+        let nx = |v: u32| {
+            move |live: Option<&u32>| match live {
+                Some(_) => (None, false),
+                None => (Some((v, ttl)), true),
+            }
+        };
+        assert!(t.upsert_at(1, Instant::now(), nx(10)));
+        assert!(!t.upsert_at(1, Instant::now(), nx(11)));
+        assert_eq!(t.get(&1), Some(10));
+        assert_eq!(t.len(), 1);
+        // Expired: absent for `f`, replaced without counting twice.
+        tokio::time::advance(ttl).await;
+        assert!(t.upsert_at(1, Instant::now(), nx(12)));
+        assert_eq!(
+            (t.get(&1), t.len(), t.counters.ttl_entries()),
+            (Some(12), 1, 1)
+        );
+        // Compare-and-set: writes only when `f` says so.
+        let cas = |expect: u32, v: u32| {
+            move |live: Option<&u32>| {
+                if live == Some(&expect) {
+                    (Some((v, ttl)), true)
+                } else {
+                    (None, false)
+                }
+            }
+        };
+        assert!(!t.upsert_at(1, Instant::now(), cas(99, 13)));
+        assert!(t.upsert_at(1, Instant::now(), cas(12, 13)));
+        assert_eq!(t.get(&1), Some(13));
+        // Nothing written for a missing key when `f` declines.
+        assert!(!t.upsert_at(2, Instant::now(), cas(0, 1)));
+        assert_eq!(t.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn evict_soonest_removes_the_earliest_expiries_first() {
+        let t = table();
+        for k in 0..10u32 {
+            t.insert(k, k, Duration::from_secs(u64::from(10 - k)));
+        }
+        assert_eq!(t.evict_soonest(3), 3);
+        assert_eq!(t.len(), 7);
+        assert_eq!(t.counters.ttl_entries(), 7);
+        for k in 7..10 {
+            assert_eq!(t.get(&k), None, "{k} expires soonest");
+        }
+        for k in 0..7 {
+            assert_eq!(t.get(&k), Some(k));
+        }
+        assert_eq!(t.evict_soonest(100), 7);
+        assert!(t.is_empty());
+        assert_eq!(t.evict_soonest(1), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sweep_gives_back_capacity() {
+        let t = table();
+        for k in 0..10_000u32 {
+            t.insert(k, k, Duration::from_millis(10));
+        }
+        let grown = t.map.capacity();
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert_eq!(t.sweep(Instant::now()), 0);
+        assert!(
+            t.map.capacity() < grown / 10,
+            "{} of {grown}",
+            t.map.capacity()
         );
     }
 }
