@@ -51,30 +51,51 @@
 //! per-key process crashing outside user code. ractor logs a span per actor
 //! at INFO: hosts usually filter with `ractor=warn`.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+#[cfg(feature = "runtime")]
 mod cell;
 pub mod clock;
+#[cfg(feature = "runtime")]
 mod coalesce;
+#[cfg(feature = "runtime")]
 mod debounce;
+#[cfg(feature = "runtime")]
 mod error;
+#[cfg(feature = "runtime")]
 mod idempotency;
 mod key;
 pub mod rate_limit;
+#[cfg(feature = "runtime")]
 mod runtime;
+#[cfg(feature = "runtime")]
 mod throttle;
 
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use coalesce::{
     MemoryWindowStore, Phase, SetOptions, TrailingStats, TrailingThrottle, TrailingThrottleBuilder,
     WindowStore, WindowStoreError, WindowStoreFuture,
 };
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use error::{BoxError, Error};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use idempotency::{
     Deduplicator, Idempotency, IdempotencyOptions, Outcome, Reservation, Reserved,
 };
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use runtime::{Runtime, RuntimeBuilder, RuntimeClock, ShutdownPolicy, ShutdownReport, Stats};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use throttle::{Throttle, Throttled, Throttler};
 
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "runtime", feature = "http"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
