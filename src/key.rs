@@ -186,7 +186,10 @@ mod tests {
 
     #[test]
     fn one_duration_range() {
-        assert_eq!(duration_problem(Duration::ZERO), Some("must be greater than zero"));
+        assert_eq!(
+            duration_problem(Duration::ZERO),
+            Some("must be greater than zero")
+        );
         assert_eq!(
             duration_problem(Duration::from_micros(999)),
             Some("must be at least 1 ms")

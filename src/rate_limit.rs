@@ -79,7 +79,8 @@ pub use leaky::{LeakyBucket, LeakyState};
 pub use limiter::{Limiter, LimiterBuilder, LimiterStats};
 pub use sliding_window::{SlidingWindow, SlidingWindowState};
 pub use store::{
-    AsyncRateLimitStore, DEFAULT_LIMITER_MAX_KEYS, MemoryRateLimitStore, RateLimitRequest, RateLimitStore,
+    AsyncRateLimitStore, DEFAULT_LIMITER_MAX_KEYS, MemoryRateLimitStore, RateLimitRequest,
+    RateLimitStore,
 };
 pub use strategy::{
     Applied, InsufficientCapacity, RateLimitOp, RateLimitReply, ShaperReservation, Strategy,

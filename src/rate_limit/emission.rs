@@ -77,7 +77,10 @@ impl Emission {
     /// How far `tat` runs ahead of `now`, in `1/per` µs (saturating).
     #[inline]
     fn ahead(&self, tat: &Tat, now: u64) -> u64 {
-        tat.us.saturating_sub(now).saturating_mul(self.per).saturating_add(tat.rem)
+        tat.us
+            .saturating_sub(now)
+            .saturating_mul(self.per)
+            .saturating_add(tat.rem)
     }
 
     /// Units spendable at `now`.
@@ -93,7 +96,8 @@ impl Emission {
         let at = if need <= self.tolerance {
             tat.us.saturating_sub((self.tolerance - need) / self.per)
         } else {
-            tat.us.saturating_add((need - self.tolerance).div_ceil(self.per))
+            tat.us
+                .saturating_add((need - self.tolerance).div_ceil(self.per))
         };
         at.max(now)
     }
@@ -111,7 +115,9 @@ impl Emission {
 
     /// How long the TAT runs ahead of `now`, in µs rounded up.
     pub(crate) fn delay(&self, tat: &Tat, now: u64) -> u64 {
-        tat.us.saturating_sub(now).saturating_add(u64::from(tat.rem > 0))
+        tat.us
+            .saturating_sub(now)
+            .saturating_add(u64::from(tat.rem > 0))
     }
 }
 
@@ -124,9 +130,24 @@ mod tests {
         // 3 per second: 333,333.33 µs each; three of them are exactly one second.
         let e = Emission::new(1_000_000, 3, 3_000_000, "burst").unwrap();
         let (tat, at) = e.consume(Tat { us: 0, rem: 0 }, 1);
-        assert_eq!((tat, at), (Tat { us: 333_333, rem: 1 }, 333_334));
+        assert_eq!(
+            (tat, at),
+            (
+                Tat {
+                    us: 333_333,
+                    rem: 1
+                },
+                333_334
+            )
+        );
         let (tat, _) = e.consume(tat, 2);
-        assert_eq!(tat, Tat { us: 1_000_000, rem: 0 });
+        assert_eq!(
+            tat,
+            Tat {
+                us: 1_000_000,
+                rem: 0
+            }
+        );
         assert_eq!(e.available(&tat, 0), 0);
         assert_eq!(e.earliest(&tat, 0, 1), 333_334);
         assert_eq!(e.available(&tat, 333_334), 1);

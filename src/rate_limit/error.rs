@@ -62,7 +62,9 @@ pub enum RateLimitError {
     },
     /// A cost larger than the limiter can ever admit at once (its burst, capacity, quota or
     /// queue slots): waiting would never help, so it is an error rather than a denial.
-    #[error("cost {cost} for key {key:?} exceeds the capacity {capacity}: it can never be admitted")]
+    #[error(
+        "cost {cost} for key {key:?} exceeds the capacity {capacity}: it can never be admitted"
+    )]
     InsufficientCapacity {
         /// The key of the call (truncated to 64 bytes).
         key: String,

@@ -98,8 +98,7 @@ impl Gcra {
     #[must_use]
     pub fn with_burst(self, burst: NonZeroU32) -> Self {
         let period_us = self.emission.period_us;
-        let burst =
-            u64::from(burst.get()).min(Emission::max_tolerance(period_us) / period_us);
+        let burst = u64::from(burst.get()).min(Emission::max_tolerance(period_us) / period_us);
         Self {
             emission: Emission {
                 tolerance: burst * period_us,

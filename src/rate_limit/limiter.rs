@@ -11,9 +11,7 @@ use dashmap::DashMap;
 use serde::Serialize;
 
 use super::leaky::LeakyBucket;
-use super::store::{
-    AsyncRateLimitStore, MemoryRateLimitStore, RateLimitRequest, RateLimitStore,
-};
+use super::store::{AsyncRateLimitStore, MemoryRateLimitStore, RateLimitRequest, RateLimitStore};
 use super::strategy::{RateLimitOp, RateLimitReply, ShaperReservation, Strategy};
 use super::{Decision, Forecast, RateLimitError};
 use crate::clock::{Clock, TokioClock};
@@ -136,7 +134,10 @@ impl Counters {
     }
 
     fn sum(&self, field: impl Fn(&Stripe) -> &AtomicU64) -> u64 {
-        self.0.iter().map(|s| field(s).load(Ordering::Relaxed)).sum()
+        self.0
+            .iter()
+            .map(|s| field(s).load(Ordering::Relaxed))
+            .sum()
     }
 }
 
@@ -295,7 +296,8 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
                 reason,
             });
         }
-        let handle = tokio::runtime::Handle::try_current().map_err(|_| RateLimitError::NoRuntime)?;
+        let handle =
+            tokio::runtime::Handle::try_current().map_err(|_| RateLimitError::NoRuntime)?;
         let weak: Weak<Inner<S, St>> = Arc::downgrade(&self.inner);
         Ok(handle.spawn(async move {
             let mut ticks = tokio::time::interval(every);
@@ -468,7 +470,11 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
     }
 
     /// Runs a read-only or reset `op` for `key` now.
-    fn read(&self, key: &str, op: impl FnOnce(&S) -> Result<RateLimitOp, RateLimitError>) -> Result<RateLimitReply, RateLimitError> {
+    fn read(
+        &self,
+        key: &str,
+        op: impl FnOnce(&S) -> Result<RateLimitOp, RateLimitError>,
+    ) -> Result<RateLimitReply, RateLimitError> {
         let result = RateLimitError::check_key(key).and_then(|()| {
             let strategy = self.strategy_for(key);
             let op = op(&strategy)?;

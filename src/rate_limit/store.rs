@@ -10,8 +10,8 @@ use serde::Serialize;
 
 pub use memory::{DEFAULT_LIMITER_MAX_KEYS, MemoryRateLimitStore};
 
-use super::strategy::{RateLimitOp, RateLimitReply, Strategy};
 use super::RateLimitError;
+use super::strategy::{RateLimitOp, RateLimitReply, Strategy};
 
 /// One operation on one key, as plain data: what a store receives.
 ///

@@ -4,13 +4,14 @@
 //! # Time
 //!
 //! Callers and decisions speak integer epoch **milliseconds**; inside, the strategies keep time
-//! in integer **microseconds**, so an emission interval of 1 µs (1,000,000 per second) is exact.
-//! Microsecond timestamps stay below 2^53 until the year 2255, so a Lua number (a double)
-//! holds every value exactly and a Redis script reproduces every decision bit for bit.
+//! in integer **microseconds**, and emission intervals as exact fractions of a microsecond, so
+//! every quota up to 1,000,000 per second is exact. Microsecond timestamps stay below 2^53
+//! (until the year 2255), so a Lua number (a double) holds every value exactly and a Redis
+//! script reproduces every decision bit for bit.
 //!
-//! All time arithmetic saturates: `now` is clamped to [`TIME_CEILING_US`] (in 2255), after
-//! which time stands still for the strategies. A limited key then stays limited; nothing is
-//! ever granted because a sum overflowed.
+//! All time arithmetic saturates: `now` is clamped to [`TIME_CEILING_US`] (4·10^9 epoch
+//! seconds, in 2096), after which time stands still for the strategies and the memory store.
+//! A limited key then stays limited; nothing is ever granted because a sum overflowed.
 
 use std::fmt::Debug;
 use std::num::NonZeroU32;
@@ -27,9 +28,13 @@ pub(crate) const MAX_EXACT: u64 = 1 << 53;
 /// Microseconds per millisecond.
 pub(crate) const US_PER_MS: u64 = 1_000;
 
-/// The latest instant the strategies distinguish, in epoch µs (a whole millisecond, in the
-/// year 2255): a later `now` is treated as this one.
-pub const TIME_CEILING_US: u64 = (MAX_EXACT / US_PER_MS) * US_PER_MS;
+/// The latest instant the strategies distinguish, in epoch µs: 4·10^9 seconds (in 2096), a
+/// whole second below what a `u32` of seconds holds, so stores may keep seconds in 32 bits.
+/// A later `now` is treated as this one.
+pub const TIME_CEILING_US: u64 = 4_000_000_000 * 1_000_000;
+
+/// [`TIME_CEILING_US`] in milliseconds.
+pub(crate) const TIME_CEILING_MS: u64 = TIME_CEILING_US / US_PER_MS;
 
 /// `now_ms` in microseconds, clamped to [`TIME_CEILING_US`].
 #[inline]
@@ -185,14 +190,7 @@ pub enum ShaperReservation {
 /// ```
 pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
     /// The per-key state: small, `Copy`, and serializable for remote stores.
-    type State: Copy
-        + Debug
-        + PartialEq
-        + Send
-        + Sync
-        + Serialize
-        + DeserializeOwned
-        + 'static;
+    type State: Copy + Debug + PartialEq + Send + Sync + Serialize + DeserializeOwned + 'static;
 
     /// A stable identifier, e.g. `"gcra"`.
     fn name(&self) -> &'static str;
@@ -299,14 +297,7 @@ pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
 /// Every method must saturate rather than overflow; `now` is at most [`TIME_CEILING_US`].
 pub trait Transition: Clone + Debug + Send + Sync + Serialize + 'static {
     /// Stored state.
-    type State: Copy
-        + Debug
-        + PartialEq
-        + Send
-        + Sync
-        + Serialize
-        + DeserializeOwned
-        + 'static;
+    type State: Copy + Debug + PartialEq + Send + Sync + Serialize + DeserializeOwned + 'static;
     /// State brought forward to `now` (refilled, rotated).
     type View: Copy;
 
@@ -471,7 +462,13 @@ fn step<T: Transition>(
 }
 
 #[cold]
-fn denied<T: Transition>(model: &T, view: &T::View, now: u64, available: u64, cost: u64) -> Decision {
+fn denied<T: Transition>(
+    model: &T,
+    view: &T::View,
+    now: u64,
+    available: u64,
+    cost: u64,
+) -> Decision {
     Decision {
         allowed: false,
         limit: model.limit(),
@@ -495,7 +492,10 @@ pub(crate) fn exact(value: u128, what: &'static str) -> Result<u64, RateLimitErr
 
 /// A period or window in microseconds, within the crate's one duration range
 /// (1 ms ..= 2^36 - 1 ms).
-pub(crate) fn period_us(what: &'static str, period: std::time::Duration) -> Result<u64, RateLimitError> {
+pub(crate) fn period_us(
+    what: &'static str,
+    period: std::time::Duration,
+) -> Result<u64, RateLimitError> {
     if let Some(reason) = crate::key::duration_problem(period) {
         return Err(RateLimitError::InvalidDuration { what, reason });
     }

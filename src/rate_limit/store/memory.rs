@@ -11,7 +11,7 @@ use dashmap::mapref::entry::Entry;
 use super::{RateLimitRequest, RateLimitStore};
 use crate::key::InlineKey;
 use crate::rate_limit::RateLimitError;
-use crate::rate_limit::strategy::{RateLimitOp, RateLimitReply, Strategy, Update};
+use crate::rate_limit::strategy::{RateLimitOp, RateLimitReply, Strategy, TIME_CEILING_MS, Update};
 
 /// Default bound on the number of keys: one million.
 pub const DEFAULT_LIMITER_MAX_KEYS: usize = 1_000_000;
@@ -36,10 +36,11 @@ struct Slot<S> {
     used_at: u32,
 }
 
-/// The epoch second of `ms`, saturating in 2106.
+/// The epoch second of `ms`, with time standing still at the strategies' ceiling (in 2096,
+/// below `u32::MAX` seconds, so a key's expiry can always lie after now).
 #[inline]
 fn secs(ms: u64) -> u32 {
-    u32::try_from(ms / 1_000).unwrap_or(u32::MAX)
+    u32::try_from(ms.min(TIME_CEILING_MS) / 1_000).unwrap_or(u32::MAX)
 }
 
 /// `ms` as an epoch second, rounded up.
