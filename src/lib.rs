@@ -30,6 +30,17 @@
 //! | [`rate_limit`] | pure strategies (GCRA, token bucket, fixed and sliding window, leaky-bucket shaper), decisions, forecasts, the decision algebra, headers, an enforcer, client-IP and HMAC keys |
 //! | [`Runtime`] | the runtime: a default one that starts itself, or explicit instances a host can supervise |
 //!
+//! # Cargo features
+//!
+//! | feature | default | what it adds |
+//! |---|---|---|
+//! | `runtime` | yes | the actor-per-key runtime and its primitives (ractor, bincode) |
+//! | `http` | yes | rate-limit headers, the [`Enforcer`](rate_limit::Enforcer), client-IP and HMAC keys |
+//! | `test-util` | no | tokio's `test-util`, for tests of code that uses throttlebeam |
+//! | `async-trait`, `cluster` | no | forward ractor's modes (imply `runtime`) |
+//!
+//! Rate limiting alone ([`rate_limit`], [`clock`]) builds with `default-features = false`.
+//!
 //! # How it works
 //!
 //! Every busy key gets a short-lived process (one tokio task) under a
