@@ -25,6 +25,16 @@
 //! Keys follow the crate's one rule (not empty, at most [`MAX_KEY_LEN`](crate::MAX_KEY_LEN)
 //! bytes), and durations its one range (1 ms ..= [`MAX_TIMER`](crate::MAX_TIMER)).
 //!
+//! # Time
+//!
+//! Callers, decisions and stores speak integer epoch **milliseconds**; inside, the strategies
+//! keep time in integer **microseconds** and emission intervals as exact fractions of a
+//! microsecond, so every quota up to 1,000,000 per second is exact (a finer one is
+//! [`RateLimitError::TooFine`]). Every value stays below 2^53, so a Lua number holds it exactly
+//! and a Redis script reproduces each decision bit for bit. All time arithmetic saturates:
+//! `now` is clamped to [`TIME_CEILING_US`] (in 2096), after which time stands still; a limited
+//! key stays limited and nothing is granted by an overflow.
+//!
 //! # Examples
 //!
 //! ```

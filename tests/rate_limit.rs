@@ -957,10 +957,7 @@ fn r14_bad_config_is_a_typed_error() {
         Gcra::new(1, throttlebeam::MAX_TIMER + Duration::from_millis(1)),
         Err(RateLimitError::InvalidDuration { what: "period", .. })
     ));
-    assert!(matches!(
-        SlidingWindow::new(1, Duration::from_micros(1_500)),
-        Ok(_)
-    ));
+    assert!(SlidingWindow::new(1, Duration::from_micros(1_500)).is_ok());
     assert!(matches!(
         LeakyBucket::new(1, second, Duration::from_micros(500)),
         Err(RateLimitError::InvalidDuration {

@@ -164,13 +164,16 @@ pub enum ShaperReservation {
 /// and a strategy is plain data (`Serialize`) that a remote store can map to a script.
 /// `None` stands for a key that has no state (never seen, expired or reset); a strategy
 /// treats it as full. Times are epoch milliseconds outside and all maths is integer (see the
-/// [module docs](self) on microseconds and saturation).
+/// [module docs](crate::rate_limit#time) on microseconds and saturation).
 ///
 /// When `now_ms` is earlier than a time already recorded in the state (a clock that went
 /// backwards), every strategy behaves as if no time had passed: it never grants extra capacity.
 ///
-/// The built-in strategies implement it through one generic implementation; implement it
-/// directly for a strategy of your own.
+/// Implemented by [`Gcra`](super::Gcra), [`TokenBucket`](super::TokenBucket),
+/// [`FixedWindow`](super::FixedWindow), [`SlidingWindow`](super::SlidingWindow) and
+/// [`LeakyBucket`](super::LeakyBucket) through one generic implementation (over a sealed
+/// per-strategy transition), and by [`Tiered`](super::Tiered). Implement it directly for a
+/// strategy of your own.
 ///
 /// # Examples
 ///
