@@ -93,7 +93,7 @@ pub use store::{
     RateLimitStore,
 };
 pub use strategy::{
-    Applied, InsufficientCapacity, RateLimitOp, RateLimitReply, ShaperReservation, Strategy,
-    TIME_CEILING_US, Update,
+    Applied, InsufficientCapacity, RateLimitOp, RateLimitReply, ShaperReservation, StateUpdate,
+    Strategy, TIME_CEILING_US,
 };
 pub use token_bucket::{TokenBucket, TokenBucketState};

@@ -13,8 +13,8 @@ use throttlebeam::clock::{Clock, ManualClock, TokioClock};
 use throttlebeam::rate_limit::{
     ALLOW_FULL, ClientIp, Decision, EnforceOutcome, Enforcer, FailMode, FixedWindow, Gcra,
     HeaderOptions, KeyHasher, LeakyBucket, Limiter, LimiterStats, MemoryRateLimitStore, PolicyName,
-    RateLimitError, RateLimitReply, RateLimitRequest, RateLimitStore, SlidingWindow, Strategy,
-    Tiered, TokenBucket, TrustProxy, Update, combine,
+    RateLimitError, RateLimitReply, RateLimitRequest, RateLimitStore, SlidingWindow, StateUpdate,
+    Strategy, Tiered, TokenBucket, TrustProxy, combine,
 };
 use vectors::{Expect, Op, Vector};
 
@@ -36,7 +36,7 @@ fn run_pure<S: Strategy>(v: &Vector<S>) {
         let got = match step.op {
             Op::Check(cost) => match strategy.check(state, step.at, nz(cost)) {
                 Ok(outcome) => {
-                    if let Update::Set { state: next, .. } = outcome.update {
+                    if let StateUpdate::Set { state: next, .. } = outcome.update {
                         state = Some(next);
                     }
                     Expect::Decision(outcome.result)
@@ -215,7 +215,7 @@ fn r6_leaky_bucket_reservations() {
     let mut state = None;
     for &(at, cost, expected) in vectors::leaky::R6_RESERVATIONS {
         let outcome = shaper.reserve(state, at, nz(cost)).unwrap();
-        if let Update::Set { state: next, .. } = outcome.update {
+        if let StateUpdate::Set { state: next, .. } = outcome.update {
             state = Some(next);
         }
         assert_eq!(outcome.result, expected, "pure at {at}");
@@ -401,7 +401,7 @@ fn r9_same_inputs_give_bit_identical_decisions() {
                 .0
         });
         assert_eq!(strategy.check(decoded, at, nz(cost)).unwrap(), direct);
-        if let Update::Set { state: next, .. } = direct.update {
+        if let StateUpdate::Set { state: next, .. } = direct.update {
             state = Some(next);
         }
     }

@@ -8,7 +8,7 @@ use proptest::strategy::Strategy as _;
 use throttlebeam::clock::ManualClock;
 use throttlebeam::rate_limit::{
     ALLOW_FULL, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, RateLimitError, SlidingWindow,
-    Strategy, Tiered, TokenBucket, Update, combine,
+    StateUpdate, Strategy, Tiered, TokenBucket, combine,
 };
 
 fn nz(n: u32) -> NonZeroU32 {
@@ -121,7 +121,7 @@ fn assert_consistent<S: Strategy>(
         );
         if !d.allowed {
             prop_assert!(
-                matches!(outcome.update, Update::Keep),
+                matches!(outcome.update, StateUpdate::Keep),
                 "a denial never consumes"
             );
             let at = now + d.retry_after_ms;
@@ -136,7 +136,7 @@ fn assert_consistent<S: Strategy>(
                 );
             }
         }
-        if let Update::Set { state: next, .. } = outcome.update {
+        if let StateUpdate::Set { state: next, .. } = outcome.update {
             state = Some(next);
         }
     }
@@ -155,7 +155,7 @@ fn assert_backwards_grants_nothing<S: Strategy>(
     for &(dt, cost) in calls {
         now += dt;
         if let Ok(outcome) = strategy.check(state, now, nz(cost)) {
-            if let Update::Set { state: next, .. } = outcome.update {
+            if let StateUpdate::Set { state: next, .. } = outcome.update {
                 state = Some(next);
             }
         }

@@ -5,7 +5,7 @@ use std::num::NonZeroU32;
 
 use serde::{Deserialize, Serialize};
 
-use super::strategy::{Applied, InsufficientCapacity, Strategy, Update};
+use super::strategy::{Applied, InsufficientCapacity, StateUpdate, Strategy};
 use super::{Decision, Forecast};
 
 /// The identity of [`combine`]: allows, with unlimited `limit` and `remaining` and nothing to
@@ -69,7 +69,7 @@ const fn max(a: u64, b: u64) -> u64 {
 /// ```
 /// use std::num::NonZeroU32;
 /// use std::time::Duration;
-/// use throttlebeam::rate_limit::{FixedWindow, Gcra, Strategy, Tiered, Update};
+/// use throttlebeam::rate_limit::{FixedWindow, Gcra, Strategy, Tiered, StateUpdate};
 ///
 /// let tiers = Tiered::new(
 ///     Gcra::per_second(NonZeroU32::new(5).unwrap()),
@@ -78,10 +78,10 @@ const fn max(a: u64, b: u64) -> u64 {
 /// let one = NonZeroU32::MIN;
 /// let first = tiers.check(None, 0, one)?;
 /// assert!(first.result.allowed);
-/// let Update::Set { state, .. } = first.update else { unreachable!() };
+/// let StateUpdate::Set { state, .. } = first.update else { unreachable!() };
 /// let second = tiers.check(Some(state), 0, one)?;
 /// assert!(!second.result.allowed);
-/// assert_eq!(second.update, Update::Keep); // the per-second tier was not charged
+/// assert_eq!(second.update, StateUpdate::Keep); // the per-second tier was not charged
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -127,11 +127,11 @@ impl<A: Strategy, B: Strategy> Tiered<A, B> {
 
 /// The state a tier ends with after an allowed check, its remaining lifetime and how long it
 /// stays limited.
-fn settle<S: Copy>(before: Option<S>, update: Update<S>) -> (Option<S>, u64, u64) {
+fn settle<S: Copy>(before: Option<S>, update: StateUpdate<S>) -> (Option<S>, u64, u64) {
     match update {
-        Update::Keep => (before, 0, 0),
-        Update::Remove => (None, 0, 0),
-        Update::Set {
+        StateUpdate::Keep => (before, 0, 0),
+        StateUpdate::Remove => (None, 0, 0),
+        StateUpdate::Set {
             state,
             ttl_ms,
             limited_ms,
@@ -181,7 +181,7 @@ impl<A: Strategy, B: Strategy> Strategy for Tiered<A, B> {
                 let (second, ttl_b, limited_b) = settle(b, ob.update);
                 Applied {
                     result: combine(oa.result, ob.result),
-                    update: Update::Set {
+                    update: StateUpdate::Set {
                         state: TieredState { first, second },
                         ttl_ms: ttl_a.max(ttl_b),
                         limited_ms: limited_a.max(limited_b),
@@ -202,7 +202,7 @@ impl<A: Strategy, B: Strategy> Strategy for Tiered<A, B> {
                 };
                 Applied {
                     result: combine(da, db),
-                    update: Update::Keep,
+                    update: StateUpdate::Keep,
                 }
             }
         })

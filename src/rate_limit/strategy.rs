@@ -50,7 +50,7 @@ pub(crate) fn ms_up(us: u64) -> u64 {
 
 /// What a store must do with a key's state after a transition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Update<S> {
+pub enum StateUpdate<S> {
     /// Leave the stored state as it was (denials and reads never write).
     Keep,
     /// Store `state`.
@@ -74,7 +74,7 @@ pub struct Applied<S, R = Decision> {
     /// What the caller gets back.
     pub result: R,
     /// What happens to the stored state.
-    pub update: Update<S>,
+    pub update: StateUpdate<S>,
 }
 
 /// A cost larger than a strategy can ever admit at once (its burst, capacity, quota or queue
@@ -179,13 +179,13 @@ pub enum ShaperReservation {
 ///
 /// ```
 /// use std::num::NonZeroU32;
-/// use throttlebeam::rate_limit::{Gcra, Strategy, Update};
+/// use throttlebeam::rate_limit::{Gcra, Strategy, StateUpdate};
 ///
 /// let gcra = Gcra::new(2, std::time::Duration::from_secs(1))?;
 /// let one = NonZeroU32::MIN;
 /// let first = gcra.check(None, 0, one)?;
 /// assert!(first.result.allowed);
-/// let Update::Set { state, .. } = first.update else { unreachable!() };
+/// let StateUpdate::Set { state, .. } = first.update else { unreachable!() };
 /// assert_eq!(gcra.check(Some(state), 0, one)?.result.remaining, 0);
 /// // Three at once can never pass a burst of two: an error, not a denial.
 /// assert!(gcra.check(None, 0, NonZeroU32::new(3).unwrap()).is_err());
@@ -265,7 +265,7 @@ pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
     ) -> Result<Applied<Self::State, RateLimitReply>, InsufficientCapacity> {
         let read = |result| Applied {
             result,
-            update: Update::Keep,
+            update: StateUpdate::Keep,
         };
         Ok(match op {
             RateLimitOp::Check { cost } => {
@@ -288,7 +288,7 @@ pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
             }
             RateLimitOp::Reset => Applied {
                 result: RateLimitReply::Reset,
-                update: Update::Remove,
+                update: StateUpdate::Remove,
             },
         })
     }
@@ -430,7 +430,7 @@ fn step<T: Transition>(
         return Ok((
             Applied {
                 result,
-                update: Update::Keep,
+                update: StateUpdate::Keep,
             },
             0,
         ));
@@ -454,7 +454,7 @@ fn step<T: Transition>(
                 reset_at_ms,
                 retry_after_ms: 0,
             },
-            update: Update::Set {
+            update: StateUpdate::Set {
                 state,
                 ttl_ms: reset_at_ms.saturating_sub(now_ms),
                 limited_ms,

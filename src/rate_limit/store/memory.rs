@@ -11,7 +11,9 @@ use dashmap::mapref::entry::Entry;
 use super::{RateLimitRequest, RateLimitStore};
 use crate::key::InlineKey;
 use crate::rate_limit::RateLimitError;
-use crate::rate_limit::strategy::{RateLimitOp, RateLimitReply, Strategy, TIME_CEILING_MS, Update};
+use crate::rate_limit::strategy::{
+    RateLimitOp, RateLimitReply, StateUpdate, Strategy, TIME_CEILING_MS,
+};
 
 /// Default bound on the number of keys: one million.
 pub const DEFAULT_LIMITER_MAX_KEYS: usize = 1_000_000;
@@ -227,12 +229,12 @@ impl<S> MemoryRateLimitStore<S> {
 
 /// Applies `update` to a live slot at `now_ms`.
 #[inline]
-fn write<S: Copy>(slot: &mut Slot<S>, now_ms: u64, update: Update<S>) {
+fn write<S: Copy>(slot: &mut Slot<S>, now_ms: u64, update: StateUpdate<S>) {
     let now = secs(now_ms);
     if slot.used_at != now {
         slot.used_at = now;
     }
-    if let Update::Set {
+    if let StateUpdate::Set {
         state,
         ttl_ms,
         limited_ms,
@@ -265,7 +267,7 @@ impl<S: Copy + Send + Sync + 'static> MemoryRateLimitStore<S> {
                     .strategy
                     .apply(None, now_ms, request.op)
                     .map_err(|err| err.for_key(request.key))?;
-                if let Update::Set {
+                if let StateUpdate::Set {
                     state,
                     ttl_ms,
                     limited_ms,
@@ -414,6 +416,19 @@ mod tests {
         check(&store, &one, "c", 2_000);
         assert_eq!(store.len(), 2);
         assert_eq!((store.evictions(), store.limited_evictions()), (1, 1));
+    }
+
+    #[test]
+    fn a_sweep_gives_retained_capacity_back() {
+        let store = MemoryRateLimitStore::new();
+        let w = window(3, 1);
+        for i in 0..20_000 {
+            check(&store, &w, &format!("k{i}"), 0);
+        }
+        let full = store.map.capacity();
+        assert!(full >= 20_000);
+        assert_eq!(store.sweep(1_000), 20_000);
+        assert!(store.map.capacity() < full / 4, "{}", store.map.capacity());
     }
 
     #[test]
