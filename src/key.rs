@@ -71,17 +71,11 @@ pub(crate) fn check_key(key: &str) -> Result<(), Error> {
     }
 }
 
-/// Checks a duration that arms a timer: non-zero and schedulable.
+/// Checks a duration that arms a timer: within the one duration range,
+/// [`MIN_DURATION`] ..= [`MAX_TIMER`].
 #[cfg(feature = "runtime")]
-///
-/// Sub-millisecond timers are accepted here (tokio rounds them up to its 1 ms tick), so this
-/// checks only the zero and upper bounds of [`duration_problem`].
 pub(crate) fn check_timer(key: &str, what: &'static str, d: Duration) -> Result<(), Error> {
-    let problem = match duration_problem(d) {
-        Some(_) if !d.is_zero() && d < MIN_DURATION => None,
-        problem => problem,
-    };
-    match problem {
+    match duration_problem(d) {
         None => Ok(()),
         Some(reason) => Err(Error::InvalidArgument {
             key: shown(key),
@@ -182,6 +176,14 @@ mod tests {
         );
         #[cfg(feature = "runtime")]
         assert!(matches!(check_key(""), Err(Error::InvalidKey { .. })));
+        #[cfg(feature = "runtime")]
+        assert!(matches!(
+            check_timer("k", "delay", Duration::from_micros(50)),
+            Err(Error::InvalidArgument {
+                reason: "must be at least 1 ms",
+                ..
+            })
+        ));
     }
 
     #[test]
