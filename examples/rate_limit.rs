@@ -40,6 +40,7 @@ async fn main() -> Result<(), RateLimitError> {
             EnforceOutcome::Limited => 429,
             EnforceOutcome::Error => 503,
             EnforceOutcome::Invalid => 400,
+            _ => 500,
         };
         println!("request {i}: {status} {:?}", result.headers);
     }

@@ -22,6 +22,7 @@ pub enum FailMode {
 
 /// How an enforcement ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum EnforceOutcome {
     /// The limiter allowed the request.
     Ok,

@@ -80,6 +80,41 @@ impl<S: Strategy> RateLimitRequest<'_, S> {
 /// assert!(limiter.check("user:1")?.allowed);
 /// # Ok::<(), throttlebeam::rate_limit::RateLimitError>(())
 /// ```
+///
+/// A store of your own sees plain data, as a remote one would send it:
+///
+/// ```
+/// use std::sync::Mutex;
+/// use std::time::Duration;
+/// use throttlebeam::rate_limit::{
+///     Gcra, GcraState, Limiter, MemoryRateLimitStore, RateLimitError, RateLimitReply,
+///     RateLimitRequest, RateLimitStore,
+/// };
+///
+/// #[derive(Default)]
+/// struct Logged {
+///     inner: MemoryRateLimitStore<GcraState>,
+///     wire: Mutex<Vec<String>>,
+/// }
+///
+/// impl RateLimitStore<Gcra> for Logged {
+///     fn apply(&self, request: RateLimitRequest<'_, Gcra>) -> Result<RateLimitReply, RateLimitError> {
+///         self.wire.lock().unwrap().push(serde_json::to_string(&request).unwrap());
+///         self.inner.apply(request)
+///     }
+/// }
+///
+/// let limiter = Limiter::builder(Gcra::new(10, Duration::from_secs(1))?)
+///     .with_store(Logged::default())
+///     .with_clock(throttlebeam::clock::ManualClock::new(0))
+///     .build();
+/// limiter.check("user:1")?;
+/// assert_eq!(
+///     limiter.store().wire.lock().unwrap()[0],
+///     r#"{"key":"user:1","now_ms":0,"strategy":{"period_us":1000000,"per":10,"tolerance":10000000,"burst":10},"op":{"op":"check","cost":1}}"#
+/// );
+/// # Ok::<(), RateLimitError>(())
+/// ```
 pub trait RateLimitStore<S: Strategy>: Send + Sync + 'static {
     /// Runs `request` on its key atomically and stores the resulting state.
     ///

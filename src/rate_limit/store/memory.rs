@@ -25,7 +25,7 @@ const EVICT_FRACTION: usize = 64;
 const WARN_EVERY_SECS: u32 = 60;
 
 /// A key's state with its bookkeeping in whole seconds, so a GCRA entry (key and slot) stays
-/// at 48 bytes and a read that changes nothing writes nothing.
+/// at 56 bytes and a read that changes nothing writes nothing.
 #[derive(Debug, Clone, Copy)]
 struct Slot<S> {
     state: S,
@@ -52,8 +52,10 @@ fn secs_up(ms: u64) -> u32 {
 }
 
 /// An in-memory [`RateLimitStore`]: a sharded hash map (one short write lock per request),
-/// bounded by `max_keys` (default [`DEFAULT_LIMITER_MAX_KEYS`], one million), whose entries expire
-/// when their strategy is full again.
+/// bounded by `max_keys` (default [`DEFAULT_LIMITER_MAX_KEYS`], one million), whose entries
+/// expire when their strategy is full again. An entry holds its key inline up to 22 bytes
+/// (longer keys add a heap allocation) and takes 56 bytes of table space for GCRA, so the
+/// default bound is about 60–120 MB of table for GCRA keys, depending on the table's load.
 ///
 /// Expired entries (keys at rest: their state is that of a fresh key) read as absent and are
 /// dropped by [`MemoryRateLimitStore::sweep`] (see `Limiter::spawn_sweeper`), which also gives
@@ -416,6 +418,12 @@ mod tests {
         check(&store, &one, "c", 2_000);
         assert_eq!(store.len(), 2);
         assert_eq!((store.evictions(), store.limited_evictions()), (1, 1));
+    }
+
+    #[test]
+    fn a_gcra_entry_takes_56_bytes() {
+        use crate::rate_limit::GcraState;
+        assert_eq!(size_of::<(InlineKey, Slot<GcraState>)>(), 56);
     }
 
     #[test]
