@@ -22,7 +22,7 @@ pub struct Tat {
 }
 
 /// An emission interval of `period_us / per` µs with a tolerance of `tolerance / per` µs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub(crate) struct Emission {
     /// The period, µs: one unit costs `period_us / per` µs.
     pub(crate) period_us: u64,
@@ -30,6 +30,10 @@ pub(crate) struct Emission {
     pub(crate) per: u64,
     /// How far ahead of now the TAT may run after a unit is admitted, in `1/per` µs.
     pub(crate) tolerance: u64,
+    /// `period_us / per` when it is a whole number of microseconds (the usual case), else 0:
+    /// lets `consume` skip a division.
+    #[serde(skip)]
+    pub(crate) whole_us: u64,
 }
 
 impl Emission {
@@ -48,11 +52,22 @@ impl Emission {
             });
         }
         exact(u128::from(tolerance) + u128::from(period_us), what)?;
-        Ok(Self {
+        Ok(Self::from_parts(period_us, per, tolerance))
+    }
+
+    /// Trusted parts: `per <= period_us`, `tolerance + period_us <= 2^53`.
+    pub(crate) fn from_parts(period_us: u64, per: u64, tolerance: u64) -> Self {
+        let whole_us = if period_us % per == 0 {
+            period_us / per
+        } else {
+            0
+        };
+        Self {
             period_us,
             per,
             tolerance,
-        })
+            whole_us,
+        }
     }
 
     /// The largest tolerance for this interval, in `1/per` µs.
@@ -105,6 +120,10 @@ impl Emission {
     /// The TAT after `units` more, and the µs (rounded up) at which it is reached.
     #[inline]
     pub(crate) fn consume(&self, tat: Tat, units: u64) -> (Tat, u64) {
+        if self.whole_us > 0 && tat.rem == 0 {
+            let us = tat.us.saturating_add(units.saturating_mul(self.whole_us));
+            return (Tat { us, rem: 0 }, us);
+        }
         let total = tat.rem.saturating_add(units.saturating_mul(self.period_us));
         let next = Tat {
             us: tat.us.saturating_add(total / self.per),

@@ -81,11 +81,7 @@ impl Gcra {
 
     fn clamped(limit: NonZeroU32, period_us: u64) -> Self {
         let per = u64::from(limit.get()).min(period_us);
-        let emission = Emission {
-            period_us,
-            per,
-            tolerance: per * period_us,
-        };
+        let emission = Emission::from_parts(period_us, per, per * period_us);
         Self {
             emission,
             burst: per,
@@ -100,10 +96,7 @@ impl Gcra {
         let period_us = self.emission.period_us;
         let burst = u64::from(burst.get()).min(Emission::max_tolerance(period_us) / period_us);
         Self {
-            emission: Emission {
-                tolerance: burst * period_us,
-                ..self.emission
-            },
+            emission: Emission::from_parts(period_us, self.emission.per, burst * period_us),
             burst,
         }
     }

@@ -257,6 +257,7 @@ pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
     ///
     /// [`InsufficientCapacity`] for a check or reservation whose cost exceeds
     /// [`Strategy::limit`].
+    #[inline]
     fn apply(
         &self,
         state: Option<Self::State>,
