@@ -48,6 +48,14 @@ fn run_pure<S: Strategy>(v: &Vector<S>) {
             },
             Op::Peek => Expect::Decision(strategy.peek(state, step.at)),
             Op::Forecast(cost) => Expect::Forecast(strategy.forecast(state, step.at, nz(cost))),
+            Op::Reset => {
+                let applied = strategy
+                    .apply(state, step.at, throttlebeam::rate_limit::RateLimitOp::Reset)
+                    .unwrap();
+                assert_eq!(applied.update, StateUpdate::Remove);
+                state = None;
+                Expect::Reset
+            }
         };
         assert_eq!(got, step.expect, "{} step {i} (pure)", v.name);
     }
@@ -69,6 +77,10 @@ fn run_limiter<S: Strategy>(v: &Vector<S>) {
             },
             Op::Peek => Expect::Decision(limiter.peek("k").unwrap()),
             Op::Forecast(cost) => Expect::Forecast(limiter.forecast("k", cost).unwrap()),
+            Op::Reset => {
+                limiter.reset("k").unwrap();
+                Expect::Reset
+            }
         };
         assert_eq!(got, step.expect, "{} step {i} (limiter)", v.name);
     }

@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use throttlebeam::rate_limit::Gcra;
 
-use super::{Vector, allow, check, deny, forecast, insufficient, peek};
+use super::{Vector, allow, check, deny, forecast, insufficient, peek, reset};
 
 fn two_per_second() -> Gcra {
     Gcra::new(2, Duration::from_secs(1)).expect("valid")
@@ -76,6 +76,10 @@ pub const R7: Vector<Gcra> = Vector {
         peek(100, deny(2, 0, 1_000, 400)),
         forecast(500, 1, 1, 1_000, 1_000),
         forecast(1_000, 1, 2, 1_000, 1_000),
+        // A reset forgets a spent key: full again at once.
+        check(1_000, 2, allow(2, 0, 2_000)),
+        reset(1_000),
+        peek(1_000, allow(2, 2, 1_000)),
     ],
 };
 

@@ -21,6 +21,8 @@ pub enum Op {
     Peek,
     /// Forecast requests of this cost.
     Forecast(u32),
+    /// Forget the key.
+    Reset,
 }
 
 /// What a step must return.
@@ -30,6 +32,8 @@ pub enum Expect {
     Forecast(Forecast),
     /// The cost exceeds what the strategy can ever admit, this capacity: an error.
     Insufficient(u64),
+    /// The key was forgotten.
+    Reset,
 }
 
 /// One call at one time.
@@ -92,6 +96,14 @@ pub const fn deny(limit: u64, remaining: u64, reset_at_ms: u64, retry_after_ms: 
         remaining,
         reset_at_ms,
         retry_after_ms,
+    }
+}
+
+pub const fn reset(at: u64) -> Step {
+    Step {
+        at,
+        op: Op::Reset,
+        expect: Expect::Reset,
     }
 }
 
