@@ -258,7 +258,7 @@ impl<S: Strategy> Limiter<S> {
     }
 }
 
-impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
+impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
     /// Spawns a task on the current tokio runtime that drops the store's keys at rest every
     /// `every`, until the limiter is dropped.
     ///
@@ -305,7 +305,7 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
             loop {
                 ticks.tick().await;
                 let Some(inner) = weak.upgrade() else { break };
-                inner.store.sweep(inner.clock.now_ms());
+                AsyncRateLimitStore::sweep(&inner.store, inner.clock.now_ms());
             }
         }))
     }
@@ -318,8 +318,8 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
             allowed: c.sum(|s| &s.allowed),
             denied: c.sum(|s| &s.denied),
             errors: c.sum(|s| &s.errors),
-            evictions: self.inner.store.evictions(),
-            keys: self.inner.store.keys().unwrap_or(0),
+            evictions: AsyncRateLimitStore::evictions(&self.inner.store),
+            keys: AsyncRateLimitStore::keys(&self.inner.store).unwrap_or(0),
         }
     }
 }

@@ -153,6 +153,21 @@ pub trait AsyncRateLimitStore<S: Strategy>: Send + Sync + 'static {
         &self,
         request: RateLimitRequest<'_, S>,
     ) -> impl Future<Output = Result<RateLimitReply, RateLimitError>> + Send;
+
+    /// See [`RateLimitStore::keys`].
+    fn keys(&self) -> Option<usize> {
+        None
+    }
+
+    /// See [`RateLimitStore::evictions`].
+    fn evictions(&self) -> u64 {
+        0
+    }
+
+    /// See [`RateLimitStore::sweep`].
+    fn sweep(&self, _now_ms: u64) -> usize {
+        0
+    }
 }
 
 impl<S: Strategy, St: RateLimitStore<S>> AsyncRateLimitStore<S> for St {
@@ -161,5 +176,17 @@ impl<S: Strategy, St: RateLimitStore<S>> AsyncRateLimitStore<S> for St {
         request: RateLimitRequest<'_, S>,
     ) -> impl Future<Output = Result<RateLimitReply, RateLimitError>> + Send {
         std::future::ready(self.apply(request))
+    }
+
+    fn keys(&self) -> Option<usize> {
+        RateLimitStore::keys(self)
+    }
+
+    fn evictions(&self) -> u64 {
+        RateLimitStore::evictions(self)
+    }
+
+    fn sweep(&self, now_ms: u64) -> usize {
+        RateLimitStore::sweep(self, now_ms)
     }
 }

@@ -253,6 +253,25 @@ pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
     /// Runs `op` on a key's state: what a store does with a [`RateLimitOp`], through the same
     /// pure functions.
     ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::num::NonZeroU32;
+    /// use throttlebeam::rate_limit::{
+    ///     FixedWindow, RateLimitOp, RateLimitReply, StateUpdate, Strategy,
+    /// };
+    ///
+    /// let window = FixedWindow::new(10, std::time::Duration::from_secs(1))?;
+    /// let check = window.apply(None, 0, RateLimitOp::Check { cost: NonZeroU32::new(4).unwrap() })?;
+    /// assert!(matches!(check.result, RateLimitReply::Decision(d) if d.remaining == 6));
+    /// let StateUpdate::Set { state, .. } = check.update else { unreachable!() };
+    /// let peek = window.apply(Some(state), 0, RateLimitOp::Peek)?;
+    /// assert_eq!(peek.update, StateUpdate::Keep); // reads never write
+    /// let reset = window.apply(Some(state), 0, RateLimitOp::Reset)?;
+    /// assert_eq!(reset.update, StateUpdate::Remove);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
     /// # Errors
     ///
     /// [`InsufficientCapacity`] for a check or reservation whose cost exceeds
