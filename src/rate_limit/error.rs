@@ -131,13 +131,20 @@ impl RateLimitError {
     }
 
     /// `key`'s problem under the crate's one key rule, if any.
+    #[inline]
     pub(crate) fn check_key(key: &str) -> Result<(), Self> {
         match crate::key::key_problem(key) {
             None => Ok(()),
-            Some(reason) => Err(Self::InvalidKey {
-                key: crate::key::shown(key),
-                reason,
-            }),
+            Some(reason) => Err(Self::invalid_key(key, reason)),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn invalid_key(key: &str, reason: &'static str) -> Self {
+        Self::InvalidKey {
+            key: crate::key::shown(key),
+            reason,
         }
     }
 

@@ -129,6 +129,17 @@ impl Counters {
     }
 
     #[inline]
+    fn decided(&self, allowed: bool) {
+        let stripe = self.stripe();
+        let counter = if allowed {
+            &stripe.allowed
+        } else {
+            &stripe.denied
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    #[inline]
     fn error(&self) {
         self.stripe().errors.fetch_add(1, Ordering::Relaxed);
     }
@@ -445,17 +456,15 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
         cost: u32,
         now_ms: u64,
     ) -> Result<Decision, RateLimitError> {
-        let result = self.decide(key, cost, now_ms);
-        self.inner.counters.count(&result, |d| d.allowed);
-        result
-    }
-
-    #[inline]
-    fn decide(&self, key: &str, cost: u32, now_ms: u64) -> Result<Decision, RateLimitError> {
-        RateLimitError::check_key(key)?;
+        if let Err(err) = RateLimitError::check_key(key) {
+            return Err(self.failed(err));
+        }
         let overridden = self.override_for(key);
         let strategy = overridden.as_ref().unwrap_or(&self.inner.strategy);
-        let cost = cost_for(strategy, key, cost)?;
+        let cost = match cost_for(strategy, key, cost) {
+            Ok(cost) => cost,
+            Err(err) => return Err(self.failed(err)),
+        };
         let store_key = self.store_key(key);
         let request = RateLimitRequest {
             key: &store_key,
@@ -463,10 +472,22 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
             strategy,
             op: RateLimitOp::Check { cost },
         };
-        match self.inner.store.apply(request)? {
-            RateLimitReply::Decision(d) => Ok(d),
-            other => Err(wrong_reply(key, other)),
+        match self.inner.store.apply(request) {
+            Ok(RateLimitReply::Decision(d)) => {
+                self.inner.counters.decided(d.allowed);
+                Ok(d)
+            }
+            Ok(other) => Err(self.failed(wrong_reply(key, other))),
+            Err(err) => Err(self.failed(err)),
         }
+    }
+
+    /// Counts an error and returns it.
+    #[cold]
+    #[inline(never)]
+    fn failed(&self, err: RateLimitError) -> RateLimitError {
+        self.inner.counters.error();
+        err
     }
 
     /// Runs a read-only or reset `op` for `key` now.
