@@ -39,9 +39,15 @@ async fn main() -> Result<(), RateLimitError> {
             EnforceOutcome::Ok => 200,
             EnforceOutcome::Limited => 429,
             EnforceOutcome::Error => 503,
+            EnforceOutcome::Invalid => 400,
+            _ => 500,
         };
         println!("request {i}: {status} {:?}", result.headers);
     }
+    // A cost no quota can ever admit is refused as bad input, never a 429 with an absurd
+    // Retry-After.
+    let too_big = enforcer.enforce_n(&key, NonZeroU32::new(6).expect("non-zero"));
+    println!("a request costing 6: {:?}", too_big.outcome);
 
     // 2. A hashed API key with two tiers: 2 per second and 3 per day, charged together.
     let hasher = KeyHasher::new("change me: a server-side secret")?;
@@ -70,5 +76,10 @@ async fn main() -> Result<(), RateLimitError> {
             Err(err) => println!("outbound {i}: {err}"),
         }
     }
+    let stats = tiers.stats();
+    println!(
+        "tiers: {} allowed, {} denied, {} keys",
+        stats.allowed, stats.denied, stats.keys
+    );
     Ok(())
 }

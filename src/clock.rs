@@ -1,6 +1,7 @@
 //! Time sources for rate limiting.
 //!
-//! Strategies never read a clock: they are pure functions of `(state, now_ms, cost)`.
+//! Strategies never read a clock: they are pure functions of `(state, now_ms, cost)`. All
+//! readings are epoch milliseconds and saturate at `u64::MAX` rather than wrap.
 //! A [`Limiter`](crate::rate_limit::Limiter) reads its [`Clock`] once per call and hands the
 //! timestamp down, so a batch such as `check_many` is decided at one instant.
 
@@ -160,14 +161,20 @@ impl ManualClock {
         }
     }
 
-    /// Moves the clock forward by `by` (whole milliseconds).
+    /// Moves the clock forward by `by` (whole milliseconds), saturating at `u64::MAX`.
     pub fn advance(&self, by: Duration) {
         self.advance_ms(duration_ms(by));
     }
 
-    /// Moves the clock forward by `ms` milliseconds.
+    /// Moves the clock forward by `ms` milliseconds, saturating at `u64::MAX`: it never wraps
+    /// around to the past.
     pub fn advance_ms(&self, ms: u64) {
-        self.now.fetch_add(ms, Ordering::Relaxed);
+        // The closure always returns `Some`, so the update always succeeds.
+        let _ = self
+            .now
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
+                Some(now.saturating_add(ms))
+            });
     }
 
     /// Sets the clock to `now_ms`, which may be in the past.
@@ -202,6 +209,15 @@ mod tests {
     fn duration_ms_truncates_and_saturates() {
         assert_eq!(duration_ms(Duration::from_micros(1_999)), 1);
         assert_eq!(duration_ms(Duration::MAX), u64::MAX);
+    }
+
+    #[test]
+    fn manual_clock_saturates_instead_of_wrapping() {
+        let clock = ManualClock::new(u64::MAX - 5);
+        clock.advance_ms(10);
+        assert_eq!(clock.now_ms(), u64::MAX);
+        clock.advance(Duration::MAX);
+        assert_eq!(clock.now_ms(), u64::MAX);
     }
 
     #[test]

@@ -284,7 +284,7 @@ impl IdempotencyHandle {
     /// The completed result of `key`, read at once without building a future
     /// (the replay fast path of [`Deduplicator::run`]); `None` when the key has
     /// no result yet or the store cannot answer at once.
-    #[cfg(feature = "http")]
+    #[cfg(feature = "tower")]
     pub(crate) fn try_replay<T>(
         &self,
         key: &str,

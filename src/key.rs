@@ -4,6 +4,7 @@ use std::borrow::Borrow;
 use std::hash::{Hash, Hasher};
 use std::time::Duration;
 
+#[cfg(feature = "runtime")]
 use crate::error::Error;
 
 /// Longest key accepted, in bytes.
@@ -12,52 +13,76 @@ pub const MAX_KEY_LEN: usize = 1024;
 /// Longest delay a timer accepts (tokio's timer wheel horizon, about 2.2 years).
 pub const MAX_TIMER: Duration = Duration::from_millis((1 << 36) - 1);
 
-/// A key shortened for error messages.
+/// Longest prefix of a key quoted in an error message, in bytes.
+pub(crate) const SHOWN_KEY_LEN: usize = 64;
+
+/// The shortest duration accepted anywhere: timers, windows, periods.
+pub(crate) const MIN_DURATION: Duration = Duration::from_millis(1);
+
+/// A key shortened for error messages: at most [`SHOWN_KEY_LEN`] bytes (cut on a character
+/// boundary) and an ellipsis. Every message quotes it as `{key:?}`.
 pub(crate) fn shown(key: &str) -> String {
-    if key.len() <= 64 {
+    if key.len() <= SHOWN_KEY_LEN {
         return key.to_owned();
     }
-    let mut end = 64;
+    let mut end = SHOWN_KEY_LEN;
     while !key.is_char_boundary(end) {
         end -= 1;
     }
     format!("{}…", &key[..end])
 }
 
-/// Checks a key: not empty, at most [`MAX_KEY_LEN`] bytes.
-pub(crate) fn check_key(key: &str) -> Result<(), Error> {
+/// What is wrong with `key`, if anything: the one key rule of the crate (not empty, at most
+/// [`MAX_KEY_LEN`] bytes). Each area maps the reason into its own error type.
+#[inline]
+pub(crate) fn key_problem(key: &str) -> Option<&'static str> {
     if key.is_empty() {
-        return Err(Error::InvalidKey {
-            key: String::new(),
-            reason: "key is empty",
-        });
+        Some("key is empty")
+    } else if key.len() > MAX_KEY_LEN {
+        Some("key is longer than 1024 bytes")
+    } else {
+        None
     }
-    if key.len() > MAX_KEY_LEN {
-        return Err(Error::InvalidKey {
-            key: shown(key),
-            reason: "key is longer than 1024 bytes",
-        });
-    }
-    Ok(())
 }
 
-/// Checks a duration that arms a timer: non-zero and schedulable.
-pub(crate) fn check_timer(key: &str, what: &'static str, d: Duration) -> Result<(), Error> {
+/// What is wrong with a duration, if anything: the one duration range of the crate,
+/// [`MIN_DURATION`] ..= [`MAX_TIMER`].
+pub(crate) fn duration_problem(d: Duration) -> Option<&'static str> {
     if d.is_zero() {
-        return Err(Error::InvalidArgument {
+        Some("must be greater than zero")
+    } else if d < MIN_DURATION {
+        Some("must be at least 1 ms")
+    } else if d > MAX_TIMER {
+        Some("too large to schedule (over 2^36 - 1 ms)")
+    } else {
+        None
+    }
+}
+
+/// Checks a key: not empty, at most [`MAX_KEY_LEN`] bytes.
+#[cfg(feature = "runtime")]
+pub(crate) fn check_key(key: &str) -> Result<(), Error> {
+    match key_problem(key) {
+        None => Ok(()),
+        Some(reason) => Err(Error::InvalidKey {
+            key: shown(key),
+            reason,
+        }),
+    }
+}
+
+/// Checks a duration that arms a timer: within the one duration range,
+/// [`MIN_DURATION`] ..= [`MAX_TIMER`].
+#[cfg(feature = "runtime")]
+pub(crate) fn check_timer(key: &str, what: &'static str, d: Duration) -> Result<(), Error> {
+    match duration_problem(d) {
+        None => Ok(()),
+        Some(reason) => Err(Error::InvalidArgument {
             key: shown(key),
             what,
-            reason: "must be greater than zero",
-        });
+            reason,
+        }),
     }
-    if d > MAX_TIMER {
-        return Err(Error::InvalidArgument {
-            key: shown(key),
-            what,
-            reason: "too large to schedule (over 2^36 - 1 ms)",
-        });
-    }
-    Ok(())
 }
 
 /// Keys up to this many bytes live inside the map entry.
@@ -134,5 +159,53 @@ impl Borrow<[u8]> for InlineKey {
     #[inline]
     fn borrow(&self) -> &[u8] {
         self.as_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_key_rule() {
+        assert_eq!(key_problem(""), Some("key is empty"));
+        assert_eq!(key_problem(&"k".repeat(MAX_KEY_LEN)), None);
+        assert_eq!(
+            key_problem(&"k".repeat(MAX_KEY_LEN + 1)),
+            Some("key is longer than 1024 bytes")
+        );
+        #[cfg(feature = "runtime")]
+        assert!(matches!(check_key(""), Err(Error::InvalidKey { .. })));
+        #[cfg(feature = "runtime")]
+        assert!(matches!(
+            check_timer("k", "delay", Duration::from_micros(50)),
+            Err(Error::InvalidArgument {
+                reason: "must be at least 1 ms",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn one_duration_range() {
+        assert_eq!(
+            duration_problem(Duration::ZERO),
+            Some("must be greater than zero")
+        );
+        assert_eq!(
+            duration_problem(Duration::from_micros(999)),
+            Some("must be at least 1 ms")
+        );
+        assert_eq!(duration_problem(MIN_DURATION), None);
+        assert_eq!(duration_problem(MAX_TIMER), None);
+        assert!(duration_problem(MAX_TIMER + Duration::from_millis(1)).is_some());
+    }
+
+    #[test]
+    fn shown_cuts_long_keys_on_a_char_boundary() {
+        let key = format!("{}é{}", "a".repeat(63), "b".repeat(100));
+        let s = shown(&key);
+        assert_eq!(s, format!("{}…", "a".repeat(63)));
+        assert_eq!(shown("short"), "short");
     }
 }

@@ -28,8 +28,21 @@
 //! | [`TrailingThrottle`] | leading + trailing throttle: calls in a window coalesce into one trailing run whose value every covered caller can await |
 //! | [`Idempotency`] / [`IdempotencyHandle`] | run at most once per key; duplicates in flight wait and share the result (or fail fast with a retry hint); a live run is never taken over; results replayed for a TTL, capped |
 //! | [`rate_limit`] | pure strategies (GCRA, token bucket, fixed and sliding window, leaky-bucket shaper), decisions, forecasts, the decision algebra, headers, an enforcer, client-IP and HMAC keys |
-//! | `http` (feature) | tower layers: `IdempotencyLayer` (`Idempotency-Key`) and `RateLimitLayer` |
+//! | `http` (feature `tower`) | tower layers: `IdempotencyLayer` (`Idempotency-Key`) and `RateLimitLayer` |
 //! | [`Runtime`] | the runtime: a default one that starts itself, or explicit instances a host can supervise |
+//!
+//! # Cargo features
+//!
+//! | feature | default | what it adds |
+//! |---|---|---|
+//! | `runtime` | yes | the actor-per-key runtime and its primitives (ractor, bincode) |
+//! | `http` | yes | rate-limit headers, the [`Enforcer`](rate_limit::Enforcer), client-IP and HMAC keys |
+//! | `tower` | no | the `http` module's tower layers: `IdempotencyLayer`, `RateLimitLayer` (implies `runtime`, `http`) |
+//! | `axum` | no | `IntoResponse` for a rate-limit denial and axum's `ConnectInfo` as the client address (implies `tower`) |
+//! | `test-util` | no | tokio's `test-util`, for tests of code that uses throttlebeam |
+//! | `async-trait`, `cluster` | no | forward ractor's modes (imply `runtime`) |
+//!
+//! Rate limiting alone ([`rate_limit`], [`clock`]) builds with `default-features = false`.
 //!
 //! # How it works
 //!
@@ -52,34 +65,56 @@
 //! per-key process crashing outside user code. ractor logs a span per actor
 //! at INFO: hosts usually filter with `ractor=warn`.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+#[cfg(feature = "runtime")]
 mod cell;
 pub mod clock;
+#[cfg(feature = "runtime")]
 mod coalesce;
+#[cfg(feature = "runtime")]
 mod debounce;
+#[cfg(feature = "runtime")]
 mod error;
-#[cfg(feature = "http")]
+#[cfg(feature = "tower")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
 pub mod http;
+#[cfg(feature = "runtime")]
 mod idempotency;
 mod key;
 pub mod rate_limit;
+#[cfg(feature = "runtime")]
 mod runtime;
+#[cfg(feature = "runtime")]
 mod throttle;
 
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use coalesce::{
     DEFAULT_WINDOW_STORE_KEYS, DEFAULT_WINDOW_STORE_TIMEOUT, MemoryWindowStore, Phase,
     TrailingStats, TrailingThrottle, TrailingThrottleBuilder, WindowClaim, WindowEntry,
     WindowStore, WindowStoreError, WindowStoreFuture, WindowStoreStats,
 };
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use error::{BoxError, Error};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use idempotency::{
     DEFAULT_MAX_IDEMPOTENCY_RESULTS, Idempotency, IdempotencyHandle, IdempotencyOptions,
     IdempotencyOutcome, IdempotencyReservation, IdempotencyReserved, IdempotencyStats, InFlight,
 };
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use runtime::{Runtime, RuntimeBuilder, RuntimeClock, ShutdownPolicy, ShutdownReport, Stats};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use throttle::{Throttle, Throttled, Throttler};
 
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "runtime", feature = "http"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;

@@ -1,18 +1,39 @@
-//! Rate limiting: pure strategies over a store with one atomic primitive.
+//! Rate limiting: pure strategies over a store that receives plain data.
 //!
 //! - **Strategies** ([`Gcra`], [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`],
 //!   [`LeakyBucket`]) are pure functions of `(state, now_ms, cost)` over a small `Copy`,
-//!   serde-serializable state, in integer milliseconds, so a remote store can reproduce every
-//!   decision bit for bit. Each can `check` (consume), `peek` and `forecast` (never consume).
+//!   serde-serializable state. Time is integer milliseconds outside and integer microseconds
+//!   inside, so every quota up to 1,000,000 per second per key is exact and a remote store can
+//!   reproduce every decision bit for bit; all time arithmetic saturates. Each can `check`
+//!   (consume), `peek` and `forecast` (never consume). A cost above what a strategy can ever
+//!   admit is an error ([`InsufficientCapacity`]), never a denial.
 //! - **Values**: a [`Decision`] (a denial is an outcome, not an error) and a [`Forecast`].
 //! - **Algebra**: [`combine`] with identity [`ALLOW_FULL`]; [`Tiered`] enforces several
-//!   limits atomically (all tiers are charged, or none).
-//! - **Stores**: the [`Store`] trait has one primitive, `apply` a [`Transition`] to a key;
-//!   [`MemoryStore`] is sharded, bounded and TTL-swept.
+//!   limits atomically (all tiers are charged, or none) in one store call.
+//! - **Stores**: a [`RateLimitStore`] receives a [`RateLimitRequest`]: the strategy's
+//!   parameters and a [`RateLimitOp`] (check, peek, forecast, reserve, reset), all plain
+//!   `Serialize` data a remote store maps to one script. [`MemoryRateLimitStore`] runs them
+//!   through [`Strategy::apply`]; it is sharded, TTL-swept and bounded (one million keys by
+//!   default), and its eviction never grants capacity.
 //! - **[`Limiter`]**: strategy + store + namespace + clock, with `check`, `check_n`,
-//!   `check_many`, `peek`, `forecast`, `reset`, per-key overrides and a fair `until_ready`.
-//! - **Transport helpers**: [`HeaderOptions`] (draft, structured and legacy headers,
-//!   `Retry-After`), an [`Enforcer`] with a [`FailMode`], [`ClientIp`] and [`KeyHasher`] keys.
+//!   `check_many`, `peek`, `forecast`, `reset`, per-key overrides, a fair `until_ready`
+//!   and [`LimiterStats`].
+//! - **Transport helpers** (feature `http`): [`HeaderOptions`] (draft, structured and legacy
+//!   headers, `Retry-After`), an [`Enforcer`] with a [`FailMode`], [`ClientIp`] and
+//!   [`KeyHasher`] keys.
+//!
+//! Keys follow the crate's one rule (not empty, at most [`MAX_KEY_LEN`](crate::MAX_KEY_LEN)
+//! bytes), and durations its one range (1 ms ..= [`MAX_TIMER`](crate::MAX_TIMER)).
+//!
+//! # Time
+//!
+//! Callers, decisions and stores speak integer epoch **milliseconds**; inside, the strategies
+//! keep time in integer **microseconds** and emission intervals as exact fractions of a
+//! microsecond, so every quota up to 1,000,000 per second is exact (a finer one is
+//! [`RateLimitError::TooFine`]). Every value stays below 2^53, so a Lua number holds it exactly
+//! and a Redis script reproduces each decision bit for bit. All time arithmetic saturates:
+//! `now` is clamped to [`TIME_CEILING_US`] (in 2096), after which time stands still; a limited
+//! key stays limited and nothing is granted by an overflow.
 //!
 //! # Examples
 //!
@@ -29,11 +50,15 @@
 
 mod algebra;
 mod decision;
+mod emission;
+#[cfg(feature = "http")]
 mod enforcer;
 mod error;
 mod fixed_window;
 mod gcra;
+#[cfg(feature = "http")]
 mod headers;
+#[cfg(feature = "http")]
 mod keys;
 mod leaky;
 mod limiter;
@@ -44,18 +69,31 @@ mod token_bucket;
 
 pub use algebra::{ALLOW_FULL, Tiered, TieredState, combine};
 pub use decision::{Decision, Forecast, RateLimited};
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use enforcer::{EnforceOutcome, Enforcement, Enforcer, FailMode};
 pub use error::RateLimitError;
 pub use fixed_window::{FixedWindow, FixedWindowState};
 pub use gcra::{Gcra, GcraState};
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use headers::{
-    HeaderOptions, PolicyName, RATELIMIT, RATELIMIT_LIMIT, RATELIMIT_POLICY, RATELIMIT_REMAINING,
-    RATELIMIT_RESET, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET, retry_after_secs,
+    HeaderOptions, MAX_HEADER_SECS, PolicyName, RATELIMIT, RATELIMIT_LIMIT, RATELIMIT_POLICY,
+    RATELIMIT_REMAINING, RATELIMIT_RESET, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING,
+    X_RATELIMIT_RESET, retry_after_secs,
 };
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use keys::{ClientIp, KeyHasher, TrustProxy};
-pub use leaky::{LeakyBucket, LeakyState, Reservation};
-pub use limiter::{Limiter, LimiterBuilder};
+pub use leaky::{LeakyBucket, LeakyState};
+pub use limiter::{Limiter, LimiterBuilder, LimiterStats};
 pub use sliding_window::{SlidingWindow, SlidingWindowState};
-pub use store::{AsyncStore, MemoryStore, Store, Transition};
-pub use strategy::{Outcome, Strategy, Update};
+pub use store::{
+    AsyncRateLimitStore, DEFAULT_LIMITER_MAX_KEYS, MemoryRateLimitStore, RateLimitRequest,
+    RateLimitStore,
+};
+pub use strategy::{
+    Applied, InsufficientCapacity, RateLimitOp, RateLimitReply, ShaperReservation, StateUpdate,
+    Strategy, TIME_CEILING_US,
+};
 pub use token_bucket::{TokenBucket, TokenBucketState};

@@ -19,8 +19,8 @@ use support::{Chunks, Reply, Server, problem, serve};
 use throttlebeam::clock::ManualClock;
 use throttlebeam::http::{IdempotencyLayer, RateLimitDenial, RateLimitKey, RateLimitLayer};
 use throttlebeam::rate_limit::{
-    ClientIp, Enforcer, FailMode, Gcra, GcraState, HeaderOptions, Limiter, PolicyName,
-    RateLimitError, Store, Transition,
+    ClientIp, Enforcer, FailMode, Gcra, HeaderOptions, Limiter, PolicyName, RateLimitError,
+    RateLimitReply, RateLimitRequest, RateLimitStore,
 };
 use throttlebeam::{IdempotencyOptions, Runtime};
 use tokio::sync::watch;
@@ -805,18 +805,9 @@ async fn clients_keyed_by_header_are_independent_and_keyless_requests_share_a_bu
 /// A store that is down.
 struct DownStore;
 
-impl Store<GcraState> for DownStore {
-    fn apply<T: Transition<GcraState>>(
-        &self,
-        key: &str,
-        _now_ms: u64,
-        _t: &T,
-    ) -> Result<T::Output, RateLimitError> {
-        Err(RateLimitError::store(key, "connection refused"))
-    }
-
-    fn remove(&self, key: &str) -> Result<(), RateLimitError> {
-        Err(RateLimitError::store(key, "connection refused"))
+impl RateLimitStore<Gcra> for DownStore {
+    fn apply(&self, request: RateLimitRequest<'_, Gcra>) -> Result<RateLimitReply, RateLimitError> {
+        Err(RateLimitError::store(request.key, "connection refused"))
     }
 }
 

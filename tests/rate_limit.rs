@@ -1,4 +1,4 @@
-//! Behaviour of the rate-limiting area: scenarios R1–R14 with exact numbers.
+//! Behaviour of the rate-limiting area: scenarios R1–R15 with exact numbers.
 
 mod vectors;
 
@@ -12,8 +12,9 @@ use http::HeaderMap;
 use throttlebeam::clock::{Clock, ManualClock, TokioClock};
 use throttlebeam::rate_limit::{
     ALLOW_FULL, ClientIp, Decision, EnforceOutcome, Enforcer, FailMode, FixedWindow, Gcra,
-    HeaderOptions, KeyHasher, LeakyBucket, Limiter, MemoryStore, PolicyName, RateLimitError,
-    SlidingWindow, Store, Strategy, Tiered, TokenBucket, Transition, TrustProxy, Update, combine,
+    HeaderOptions, KeyHasher, LeakyBucket, Limiter, LimiterStats, MemoryRateLimitStore, PolicyName,
+    RateLimitError, RateLimitReply, RateLimitRequest, RateLimitStore, SlidingWindow, StateUpdate,
+    Strategy, Tiered, TokenBucket, TrustProxy, combine,
 };
 use vectors::{Expect, Op, Vector};
 
@@ -33,15 +34,28 @@ fn run_pure<S: Strategy>(v: &Vector<S>) {
     let mut state = None;
     for (i, step) in v.steps.iter().enumerate() {
         let got = match step.op {
-            Op::Check(cost) => {
-                let outcome = strategy.check(state, step.at, nz(cost));
-                if let Update::Set { state: next, .. } = outcome.update {
-                    state = Some(next);
+            Op::Check(cost) => match strategy.check(state, step.at, nz(cost)) {
+                Ok(outcome) => {
+                    if let StateUpdate::Set { state: next, .. } = outcome.update {
+                        state = Some(next);
+                    }
+                    Expect::Decision(outcome.result)
                 }
-                Expect::Decision(outcome.result)
-            }
+                Err(err) => {
+                    assert_eq!(err.cost, cost);
+                    Expect::Insufficient(err.capacity)
+                }
+            },
             Op::Peek => Expect::Decision(strategy.peek(state, step.at)),
             Op::Forecast(cost) => Expect::Forecast(strategy.forecast(state, step.at, nz(cost))),
+            Op::Reset => {
+                let applied = strategy
+                    .apply(state, step.at, throttlebeam::rate_limit::RateLimitOp::Reset)
+                    .unwrap();
+                assert_eq!(applied.update, StateUpdate::Remove);
+                state = None;
+                Expect::Reset
+            }
         };
         assert_eq!(got, step.expect, "{} step {i} (pure)", v.name);
     }
@@ -53,9 +67,20 @@ fn run_limiter<S: Strategy>(v: &Vector<S>) {
     for (i, step) in v.steps.iter().enumerate() {
         clock.set(step.at);
         let got = match step.op {
-            Op::Check(cost) => Expect::Decision(limiter.check_n("k", cost).unwrap()),
+            Op::Check(cost) => match limiter.check_n("k", cost) {
+                Ok(d) => Expect::Decision(d),
+                Err(RateLimitError::InsufficientCapacity { key, capacity, .. }) => {
+                    assert_eq!(key, "k");
+                    Expect::Insufficient(capacity)
+                }
+                Err(err) => panic!("{} step {i}: {err}", v.name),
+            },
             Op::Peek => Expect::Decision(limiter.peek("k").unwrap()),
             Op::Forecast(cost) => Expect::Forecast(limiter.forecast("k", cost).unwrap()),
+            Op::Reset => {
+                limiter.reset("k").unwrap();
+                Expect::Reset
+            }
         };
         assert_eq!(got, step.expect, "{} step {i} (limiter)", v.name);
     }
@@ -87,9 +112,112 @@ fn r3_cost_n_consumes_n_units() {
     let (limiter, _clock) = manual(Gcra::new(10, Duration::from_secs(10)).unwrap());
     assert_eq!(limiter.check_n("k", 4).unwrap().remaining, 6);
     assert_eq!(limiter.check_n("k", 6).unwrap().remaining, 0);
-    let denied = limiter.check_n("k", 11).unwrap();
-    assert!(!denied.allowed);
-    assert!(!denied.is_admissible());
+}
+
+#[test]
+fn r3_a_cost_above_the_capacity_is_an_error_naming_key_and_capacity() {
+    let (limiter, _clock) = manual(Gcra::new(10, Duration::from_secs(10)).unwrap());
+    let err = limiter.check_n("user:7", 11).unwrap_err();
+    assert!(matches!(
+        err,
+        RateLimitError::InsufficientCapacity {
+            cost: 11,
+            capacity: 10,
+            ..
+        }
+    ));
+    assert_eq!(
+        err.to_string(),
+        r#"cost 11 for key "user:7" exceeds the capacity 10: it can never be admitted"#
+    );
+    // Nothing was spent, and the error is counted.
+    assert_eq!(limiter.peek("user:7").unwrap().remaining, 10);
+    assert_eq!(limiter.stats().errors, 1);
+    assert!(matches!(
+        limiter.forecast("user:7", 11),
+        Err(RateLimitError::InsufficientCapacity { .. })
+    ));
+    // Every strategy, and tiers (the smaller capacity binds).
+    let minute = Duration::from_secs(60);
+    let tiers = Tiered::new(
+        Gcra::new(5, minute).unwrap(),
+        FixedWindow::new(3, minute).unwrap(),
+    );
+    assert!(matches!(
+        tiers.check(None, 0, nz(4)),
+        Err(e) if e.capacity == 3
+    ));
+    let (limiter, _clock) = manual(TokenBucket::new(5, 1, minute).unwrap());
+    assert!(limiter.check_n("k", 6).is_err());
+    let (limiter, _clock) = manual(SlidingWindow::new(5, minute).unwrap());
+    assert!(limiter.check_n("k", 6).is_err());
+}
+
+/// Units a greedy client gets in each of `seconds` simulated seconds, asking every
+/// millisecond for everything the limiter can give, after draining the initial burst.
+fn per_second<S: Strategy>(strategy: S, burst: u32, seconds: u64) -> Vec<u64> {
+    let (limiter, clock) = manual(strategy);
+    let start = 1_000_000;
+    clock.set(start);
+    assert!(limiter.check_n("k", burst).unwrap().allowed);
+    let mut counts = vec![0; usize::try_from(seconds).unwrap()];
+    for ms in 1..=seconds * 1_000 {
+        clock.set(start + ms);
+        let spendable = limiter.forecast("k", 1).unwrap().spendable_now;
+        if spendable > 0 {
+            let n = u32::try_from(spendable).unwrap();
+            assert!(limiter.check_n("k", n).unwrap().allowed);
+            counts[usize::try_from((ms - 1) / 1_000).unwrap()] += spendable;
+        }
+    }
+    counts
+}
+
+#[test]
+fn r3_quotas_up_to_a_million_per_second_are_exact() {
+    // Before, emission intervals were whole milliseconds: 5,000 per second admitted 1,000.
+    for rate in [5_000u32, 333_333, 700_000, 999_999, 1_000_000] {
+        let second = Duration::from_secs(1);
+        let tolerance = u64::from(rate) / 1_000;
+        let gcra = per_second(Gcra::new(rate, second).unwrap(), rate, 10);
+        let bucket = per_second(TokenBucket::new(rate, rate, second).unwrap(), rate, 10);
+        for counts in [gcra, bucket] {
+            for (s, &n) in counts.iter().enumerate() {
+                assert!(
+                    n.abs_diff(u64::from(rate)) <= tolerance,
+                    "{rate}/s admitted {n} in second {s}: {counts:?}"
+                );
+            }
+        }
+    }
+    let gcra = per_second(Gcra::new(5_000, Duration::from_secs(1)).unwrap(), 5_000, 30);
+    assert!(gcra.iter().all(|&n| n.abs_diff(5_000) <= 5), "{gcra:?}");
+}
+
+#[test]
+fn r3_a_quota_finer_than_a_microsecond_is_refused() {
+    let second = Duration::from_secs(1);
+    let err = Gcra::new(1_000_001, second).unwrap_err();
+    assert!(matches!(
+        err,
+        RateLimitError::TooFine {
+            units: 1_000_001,
+            ..
+        }
+    ));
+    assert_eq!(
+        err.to_string(),
+        "limit of 1000001 per 1000000 µs is finer than one per microsecond"
+    );
+    assert!(Gcra::new(1_000_000, second).is_ok());
+    assert!(matches!(
+        LeakyBucket::new(2_000, Duration::from_millis(1), second),
+        Err(RateLimitError::TooFine { .. })
+    ));
+    assert!(matches!(
+        TokenBucket::new(1, 1_000_001, second),
+        Err(RateLimitError::TooFine { .. })
+    ));
 }
 
 #[test]
@@ -113,8 +241,8 @@ fn r6_leaky_bucket_reservations() {
     let (limiter, clock) = manual(shaper);
     let mut state = None;
     for &(at, cost, expected) in vectors::leaky::R6_RESERVATIONS {
-        let outcome = shaper.reserve(state, at, nz(cost));
-        if let Update::Set { state: next, .. } = outcome.update {
+        let outcome = shaper.reserve(state, at, nz(cost)).unwrap();
+        if let StateUpdate::Set { state: next, .. } = outcome.update {
             state = Some(next);
         }
         assert_eq!(outcome.result, expected, "pure at {at}");
@@ -135,6 +263,17 @@ fn r6_leaky_bucket_reservations() {
             "no queue at {at}"
         );
     }
+    let (at, cost, capacity) = vectors::leaky::R6_TOO_LARGE;
+    let (limiter, clock) = manual(shaper);
+    clock.set(at);
+    assert!(matches!(
+        limiter.try_reserve("k", cost),
+        Err(RateLimitError::InsufficientCapacity { capacity: c, .. }) if c == capacity
+    ));
+    assert_eq!(
+        shaper.reserve(None, at, nz(cost)).unwrap_err().capacity,
+        capacity
+    );
     for v in &vectors::leaky::ALL {
         run(v);
     }
@@ -281,15 +420,15 @@ fn r9_same_inputs_give_bit_identical_decisions() {
     // it encoded decides the same.
     let mut state = None;
     for &(at, cost) in &script {
-        let direct = strategy.check(state, at, nz(cost));
+        let direct = strategy.check(state, at, nz(cost)).unwrap();
         let decoded = state.map(|s| {
             let bytes = bincode::serde::encode_to_vec(s, bincode::config::standard()).unwrap();
             bincode::serde::decode_from_slice(&bytes, bincode::config::standard())
                 .unwrap()
                 .0
         });
-        assert_eq!(strategy.check(decoded, at, nz(cost)), direct);
-        if let Update::Set { state: next, .. } = direct.update {
+        assert_eq!(strategy.check(decoded, at, nz(cost)).unwrap(), direct);
+        if let StateUpdate::Set { state: next, .. } = direct.update {
             state = Some(next);
         }
     }
@@ -509,21 +648,10 @@ fn r11_every_denial_gets_retry_after_in_whole_seconds_at_least_one() {
 /// A store that is down.
 struct DownStore;
 
-impl<S> Store<S> for DownStore {
-    fn apply<T: Transition<S>>(
-        &self,
-        key: &str,
-        _now_ms: u64,
-        _t: &T,
-    ) -> Result<T::Output, RateLimitError> {
+impl<S: Strategy> RateLimitStore<S> for DownStore {
+    fn apply(&self, request: RateLimitRequest<'_, S>) -> Result<RateLimitReply, RateLimitError> {
         Err(RateLimitError::store(
-            key,
-            std::io::Error::other("connection refused"),
-        ))
-    }
-    fn remove(&self, key: &str) -> Result<(), RateLimitError> {
-        Err(RateLimitError::store(
-            key,
+            request.key,
             std::io::Error::other("connection refused"),
         ))
     }
@@ -559,6 +687,24 @@ fn r12_store_failure_fails_open_or_closed_and_reports_once() {
     assert_eq!(closed.outcome, EnforceOutcome::Error);
     assert!(closed.headers.is_empty());
     assert_eq!(errors.load(Ordering::Relaxed), 2);
+}
+
+#[test]
+fn r12_bad_input_is_refused_whatever_the_fail_mode() {
+    let errors = Arc::new(AtomicUsize::new(0));
+    let enforcer = Enforcer::new(Limiter::new(Gcra::new(2, Duration::from_secs(1)).unwrap()))
+        .with_fail_mode(FailMode::Open)
+        .on_error({
+            let errors = Arc::clone(&errors);
+            move |_, _| {
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+    for e in [enforcer.enforce(""), enforcer.enforce_n("k", nz(3))] {
+        assert_eq!((e.allowed, e.outcome), (false, EnforceOutcome::Invalid));
+        assert!(e.headers.is_empty());
+    }
+    assert_eq!(errors.load(Ordering::Relaxed), 0);
 }
 
 #[tokio::test]
@@ -768,15 +914,21 @@ fn r14_bad_config_is_a_typed_error() {
     ));
     assert!(matches!(
         Gcra::new(1, Duration::ZERO),
-        Err(RateLimitError::ZeroPeriod)
+        Err(RateLimitError::InvalidDuration {
+            reason: "must be greater than zero",
+            ..
+        })
     ));
     assert!(matches!(
         Gcra::new(1, Duration::from_micros(999)),
-        Err(RateLimitError::ZeroPeriod)
+        Err(RateLimitError::InvalidDuration {
+            reason: "must be at least 1 ms",
+            ..
+        })
     ));
     assert!(matches!(
         Gcra::new(1, Duration::MAX),
-        Err(RateLimitError::TooLarge { .. })
+        Err(RateLimitError::InvalidDuration { .. })
     ));
     assert!(matches!(
         TokenBucket::new(0, 1, second),
@@ -788,7 +940,10 @@ fn r14_bad_config_is_a_typed_error() {
     ));
     assert!(matches!(
         TokenBucket::new(1, 1, Duration::ZERO),
-        Err(RateLimitError::ZeroPeriod)
+        Err(RateLimitError::InvalidDuration {
+            reason: "must be greater than zero",
+            ..
+        })
     ));
     assert!(matches!(
         FixedWindow::new(0, second),
@@ -796,10 +951,13 @@ fn r14_bad_config_is_a_typed_error() {
     ));
     assert!(matches!(
         FixedWindow::new(1, Duration::ZERO),
-        Err(RateLimitError::ZeroPeriod)
+        Err(RateLimitError::InvalidDuration {
+            reason: "must be greater than zero",
+            ..
+        })
     ));
     assert!(matches!(
-        FixedWindow::new(u32::MAX, Duration::from_secs(86_400 * 365)),
+        FixedWindow::new(u32::MAX, Duration::from_secs(86_400 * 365 * 2)),
         Err(RateLimitError::TooLarge { .. })
     ));
     assert!(matches!(
@@ -822,6 +980,18 @@ fn r14_bad_config_is_a_typed_error() {
         .with_trusted_proxies(["10.0.0.0/33"])
         .unwrap_err();
     assert_eq!(err.to_string(), "invalid trusted proxy `10.0.0.0/33`");
+    assert!(matches!(
+        Gcra::new(1, throttlebeam::MAX_TIMER + Duration::from_millis(1)),
+        Err(RateLimitError::InvalidDuration { what: "period", .. })
+    ));
+    assert!(SlidingWindow::new(1, Duration::from_micros(1_500)).is_ok());
+    assert!(matches!(
+        LeakyBucket::new(1, second, Duration::from_micros(500)),
+        Err(RateLimitError::InvalidDuration {
+            what: "max queue",
+            ..
+        })
+    ));
     assert!(std::error::Error::source(&err).is_some());
 }
 
@@ -830,7 +1000,10 @@ fn r14_zero_cost_is_a_typed_error_naming_the_key() {
     let (limiter, _clock) = manual(Gcra::new(1, Duration::from_secs(1)).unwrap());
     let err = limiter.check_n("user:7", 0).unwrap_err();
     assert!(matches!(err, RateLimitError::ZeroCost { ref key } if key == "user:7"));
-    assert_eq!(err.to_string(), "cost must be at least 1 for key `user:7`");
+    assert_eq!(
+        err.to_string(),
+        r#"invalid cost for key "user:7": must be at least 1"#
+    );
     assert!(limiter.forecast("user:7", 0).is_err());
     let shaper = Limiter::new(vectors::leaky::ten_per_second_queue_150());
     assert!(matches!(
@@ -860,7 +1033,9 @@ fn reset_forgets_a_key() {
 #[test]
 fn per_key_overrides_change_the_quota_of_some_keys() {
     let (limiter, _clock) = manual(Gcra::new(1, Duration::from_secs(1)).unwrap());
-    limiter.set_override("vip", Gcra::new(3, Duration::from_secs(1)).unwrap());
+    limiter
+        .set_override("vip", Gcra::new(3, Duration::from_secs(1)).unwrap())
+        .unwrap();
     assert_eq!(limiter.check("vip").unwrap().limit, 3);
     assert_eq!(limiter.check("vip").unwrap().remaining, 1);
     assert_eq!(limiter.check("someone").unwrap().limit, 1);
@@ -873,23 +1048,20 @@ fn per_key_overrides_change_the_quota_of_some_keys() {
 /// A store that records the keys it is asked for.
 #[derive(Default)]
 struct Recording {
-    inner: MemoryStore<throttlebeam::rate_limit::GcraState>,
+    inner: MemoryRateLimitStore<throttlebeam::rate_limit::GcraState>,
     keys: Mutex<Vec<String>>,
 }
 
-impl Store<throttlebeam::rate_limit::GcraState> for Recording {
-    fn apply<T: Transition<throttlebeam::rate_limit::GcraState>>(
-        &self,
-        key: &str,
-        now_ms: u64,
-        t: &T,
-    ) -> Result<T::Output, RateLimitError> {
-        self.keys.lock().unwrap().push(key.to_owned());
-        self.inner.apply(key, now_ms, t)
-    }
-    fn remove(&self, key: &str) -> Result<(), RateLimitError> {
-        self.keys.lock().unwrap().push(format!("-{key}"));
-        self.inner.remove(key)
+impl RateLimitStore<Gcra> for Recording {
+    fn apply(&self, request: RateLimitRequest<'_, Gcra>) -> Result<RateLimitReply, RateLimitError> {
+        // What a remote store would send: plain data.
+        let wire = serde_json::to_value(request).unwrap();
+        let op = wire["op"]["op"].as_str().unwrap().to_owned();
+        self.keys
+            .lock()
+            .unwrap()
+            .push(format!("{op} {}", request.key));
+        self.inner.apply(request)
     }
 }
 
@@ -909,9 +1081,9 @@ fn the_namespace_prefixes_store_keys_and_hashed_keys_hide_identifiers() {
     assert_eq!(
         keys,
         [
-            format!("api:{key}"),
-            format!("api:{key}"),
-            format!("-api:{key}")
+            format!("check api:{key}"),
+            format!("peek api:{key}"),
+            format!("reset api:{key}")
         ]
     );
     assert!(keys.iter().all(|k| !k.contains("alice")));
@@ -956,7 +1128,7 @@ async fn until_ready_refuses_a_cost_that_can_never_pass() {
         err,
         RateLimitError::InsufficientCapacity {
             cost: 3,
-            limit: 2,
+            capacity: 2,
             ..
         }
     ));
@@ -973,7 +1145,7 @@ async fn the_sweeper_drops_expired_keys() {
         limiter.check(&format!("k{i}")).unwrap();
     }
     assert_eq!(limiter.store().len(), 100);
-    let sweeper = limiter.spawn_sweeper(Duration::from_secs(5));
+    let sweeper = limiter.spawn_sweeper(Duration::from_secs(5)).unwrap();
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert!(limiter.store().is_empty());
     drop(limiter);
@@ -981,9 +1153,186 @@ async fn the_sweeper_drops_expired_keys() {
     assert!(sweeper.is_finished());
 }
 
+#[tokio::test]
+async fn a_sweeper_with_a_zero_interval_is_a_typed_error() {
+    let limiter = Limiter::new(Gcra::new(1, Duration::from_secs(1)).unwrap());
+    for every in [Duration::ZERO, Duration::from_micros(10), Duration::MAX] {
+        let err = limiter.spawn_sweeper(every).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                RateLimitError::InvalidDuration {
+                    what: "sweep interval",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+    }
+    assert_eq!(
+        limiter
+            .spawn_sweeper(Duration::ZERO)
+            .unwrap_err()
+            .to_string(),
+        "invalid sweep interval: must be greater than zero"
+    );
+}
+
+#[test]
+fn a_sweeper_outside_a_runtime_is_a_typed_error() {
+    let limiter = Limiter::new(Gcra::new(1, Duration::from_secs(1)).unwrap());
+    assert!(matches!(
+        limiter.spawn_sweeper(Duration::from_secs(1)),
+        Err(RateLimitError::NoRuntime)
+    ));
+}
+
+#[test]
+fn r14_keys_follow_the_one_key_rule() {
+    let (limiter, _clock) = manual(Gcra::new(5, Duration::from_secs(1)).unwrap());
+    let long = "k".repeat(throttlebeam::MAX_KEY_LEN + 1);
+    let err = limiter.check("").unwrap_err();
+    assert_eq!(err.to_string(), r#"invalid key "": key is empty"#);
+    let err = limiter.check_n(&long, 1).unwrap_err();
+    assert!(matches!(
+        &err,
+        RateLimitError::InvalidKey { key, reason: "key is longer than 1024 bytes" }
+            if key == &format!("{}…", "k".repeat(64))
+    ));
+    for result in [
+        limiter.peek("").map(drop),
+        limiter.forecast(&long, 1).map(drop),
+        limiter.reset("").map(drop),
+        limiter.check_many(&["ok", ""], 1).map(drop),
+        limiter.set_override("", Gcra::new(1, Duration::from_secs(1)).unwrap()),
+    ] {
+        assert!(matches!(result, Err(RateLimitError::InvalidKey { .. })));
+    }
+    // Nothing was stored for bad keys; the exact maximum is fine.
+    assert_eq!(limiter.store().len(), 1); // "ok" from check_many
+    assert!(
+        limiter
+            .check(&"k".repeat(throttlebeam::MAX_KEY_LEN))
+            .unwrap()
+            .allowed
+    );
+    let shaper = Limiter::new(vectors::leaky::ten_per_second_queue_150());
+    assert!(matches!(
+        shaper.try_reserve("", 1),
+        Err(RateLimitError::InvalidKey { .. })
+    ));
+}
+
+#[test]
+fn r15_a_spent_key_stays_denied_after_a_flood_of_fresh_keys_fills_the_store() {
+    let store = MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(1_000).unwrap());
+    let clock = ManualClock::new(0);
+    let limiter = Limiter::builder(Gcra::new(3, Duration::from_secs(3_600)).unwrap())
+        .with_store(store)
+        .with_clock(clock.clone())
+        .build();
+    for _ in 0..3 {
+        assert!(limiter.check("abuser").unwrap().allowed);
+    }
+    assert!(!limiter.check("abuser").unwrap().allowed);
+    // Ten times the store's size in fresh keys, each with capacity left, all used later.
+    for i in 0..10_000 {
+        clock.advance_ms(1);
+        assert!(limiter.check(&format!("fresh{i}")).unwrap().allowed);
+        assert!(limiter.store().len() <= 1_000);
+    }
+    let denied = limiter.check("abuser").unwrap();
+    assert!(!denied.allowed, "eviction handed capacity back: {denied:?}");
+    let stats = limiter.stats();
+    assert!(stats.evictions >= 9_000, "{stats:?}");
+    assert_eq!(limiter.store().limited_evictions(), 0);
+}
+
+#[test]
+fn stats_count_decisions_errors_evictions_and_keys() {
+    let (limiter, _clock) = manual(Gcra::new(2, Duration::from_secs(1)).unwrap());
+    assert_eq!(limiter.stats(), LimiterStats::default());
+    limiter.check("a").unwrap();
+    limiter.check("a").unwrap();
+    limiter.check("a").unwrap();
+    limiter.check("b").unwrap();
+    let _ = limiter.check("");
+    let _ = limiter.check_n("a", 3);
+    let stats = limiter.stats();
+    assert_eq!(
+        (
+            stats.allowed,
+            stats.denied,
+            stats.errors,
+            stats.evictions,
+            stats.keys
+        ),
+        (3, 1, 2, 0, 2)
+    );
+    // Counted across threads too.
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let limiter = &limiter;
+            s.spawn(move || {
+                for i in 0..100 {
+                    limiter.check(&format!("t{t}-{i}")).unwrap();
+                }
+            });
+        }
+    });
+    assert_eq!(limiter.stats().allowed, 403);
+    let json = serde_json::to_value(limiter.stats()).unwrap();
+    assert_eq!(json["allowed"], 403);
+    assert_eq!(json["keys"], 402);
+    assert_eq!(json["evictions"], 0);
+}
+
+#[test]
+fn requests_are_plain_data_a_remote_store_can_map_to_one_script() {
+    use throttlebeam::rate_limit::RateLimitOp;
+    let tiers = Tiered::new(
+        Gcra::new(5_000, Duration::from_secs(1)).unwrap(),
+        FixedWindow::new(100, Duration::from_secs(60)).unwrap(),
+    );
+    let request = RateLimitRequest {
+        key: "api:user:1",
+        now_ms: 1_000,
+        strategy: &tiers,
+        op: RateLimitOp::Check { cost: nz(2) },
+    };
+    assert_eq!(request.strategy_name(), "tiered");
+    assert_eq!(
+        serde_json::to_value(request).unwrap(),
+        serde_json::json!({
+            "key": "api:user:1",
+            "now_ms": 1_000,
+            "strategy": {
+                "first": { "period_us": 1_000_000, "per": 5_000, "tolerance": 5_000_000_000u64, "burst": 5_000 },
+                "second": { "limit": 100, "window_us": 60_000_000 },
+            },
+            "op": { "op": "check", "cost": 2 },
+        })
+    );
+    // Every operation, and the replies, are data too.
+    for op in [
+        RateLimitOp::Peek,
+        RateLimitOp::Forecast { cost: nz(1) },
+        RateLimitOp::Reserve { cost: nz(1) },
+        RateLimitOp::Reset,
+    ] {
+        let back: RateLimitOp = serde_json::from_value(serde_json::to_value(op).unwrap()).unwrap();
+        assert_eq!(back, op);
+    }
+    // The memory store answers a multi-tier check as one request.
+    let store = MemoryRateLimitStore::new();
+    let reply = store.apply(request).unwrap();
+    assert!(matches!(reply, RateLimitReply::Decision(d) if d.allowed && d.remaining == 98));
+    assert_eq!(store.len(), 1);
+}
+
 #[test]
 fn a_bounded_limiter_store_stays_bounded() {
-    let store = MemoryStore::new().with_max_keys(NonZeroUsize::new(64).unwrap());
+    let store = MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(64).unwrap());
     let limiter = Limiter::builder(Gcra::new(1, Duration::from_secs(3_600)).unwrap())
         .with_store(store)
         .with_clock(ManualClock::new(0))
@@ -992,4 +1341,10 @@ fn a_bounded_limiter_store_stays_bounded() {
         assert!(limiter.check(&format!("k{i}")).unwrap().allowed);
         assert!(limiter.store().len() <= 64);
     }
+    // Every key was limited: the ones that went were counted.
+    assert_eq!(
+        limiter.store().limited_evictions(),
+        limiter.stats().evictions
+    );
+    assert!(limiter.stats().evictions >= 1_000 - 64);
 }

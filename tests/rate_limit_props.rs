@@ -7,8 +7,8 @@ use proptest::prelude::*;
 use proptest::strategy::Strategy as _;
 use throttlebeam::clock::ManualClock;
 use throttlebeam::rate_limit::{
-    ALLOW_FULL, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, SlidingWindow, Strategy,
-    TokenBucket, Update, combine,
+    ALLOW_FULL, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, RateLimitError, SlidingWindow,
+    StateUpdate, Strategy, Tiered, TokenBucket, combine,
 };
 
 fn nz(n: u32) -> NonZeroU32 {
@@ -20,15 +20,20 @@ fn calls(max_dt: u64, max_cost: u32) -> impl proptest::strategy::Strategy<Value 
     prop::collection::vec((0..=max_dt, 1..=max_cost), 1..120)
 }
 
-/// Runs `calls` on one key and returns the admitted (time, cost) pairs.
+/// Runs `calls` on one key and returns the admitted (time, cost) pairs. A cost above the
+/// capacity must be an error.
 fn admitted<S: Strategy>(strategy: S, start: u64, calls: &[(u64, u32)]) -> Vec<(u64, u64)> {
     let clock = ManualClock::new(start);
+    let limit = strategy.limit();
     let limiter = Limiter::builder(strategy).with_clock(clock.clone()).build();
     let mut out = Vec::new();
     for &(dt, cost) in calls {
         clock.advance_ms(dt);
-        if limiter.check_n("k", cost).unwrap().allowed {
-            out.push((clock_now(&clock), u64::from(cost)));
+        match limiter.check_n("k", cost) {
+            Ok(d) if d.allowed => out.push((clock_now(&clock), u64::from(cost))),
+            Ok(_) => {}
+            Err(RateLimitError::InsufficientCapacity { .. }) => assert!(u64::from(cost) > limit),
+            Err(err) => panic!("{err}"),
         }
     }
     out
@@ -86,11 +91,20 @@ fn assert_consistent<S: Strategy>(
     for &(dt, cost) in calls {
         now += dt;
         let peek = strategy.peek(state, now);
-        let one = strategy.check(state, now, NonZeroU32::MIN).result;
+        let one = strategy.check(state, now, NonZeroU32::MIN).unwrap().result;
         prop_assert_eq!(peek.allowed, one.allowed);
         prop_assert_eq!(peek.remaining, one.remaining + u64::from(one.allowed));
         let forecast = strategy.forecast(state, now, nz(cost));
-        let outcome = strategy.check(state, now, nz(cost));
+        let outcome = match strategy.check(state, now, nz(cost)) {
+            Ok(outcome) => outcome,
+            Err(err) => {
+                prop_assert!(u64::from(cost) > peek.limit);
+                prop_assert_eq!((err.cost, err.capacity), (cost, peek.limit));
+                prop_assert_eq!(forecast.spendable_now, 0);
+                continue;
+            }
+        };
+        prop_assert!(u64::from(cost) <= peek.limit);
         let d = outcome.result;
         prop_assert_eq!(forecast.spendable_now > 0, d.allowed);
         prop_assert!(d.remaining <= d.limit);
@@ -107,20 +121,22 @@ fn assert_consistent<S: Strategy>(
         );
         if !d.allowed {
             prop_assert!(
-                matches!(outcome.update, Update::Keep),
+                matches!(outcome.update, StateUpdate::Keep),
                 "a denial never consumes"
             );
-            if d.is_admissible() {
-                let at = now + d.retry_after_ms;
-                prop_assert!(strategy.check(state, at, nz(cost)).result.allowed);
-                if d.retry_after_ms > 0 {
-                    prop_assert!(!strategy.check(state, at - 1, nz(cost)).result.allowed);
-                }
-            } else {
-                prop_assert!(u64::from(cost) > d.limit);
+            let at = now + d.retry_after_ms;
+            prop_assert!(strategy.check(state, at, nz(cost)).unwrap().result.allowed);
+            if d.retry_after_ms > 0 {
+                prop_assert!(
+                    !strategy
+                        .check(state, at - 1, nz(cost))
+                        .unwrap()
+                        .result
+                        .allowed
+                );
             }
         }
-        if let Update::Set { state: next, .. } = outcome.update {
+        if let StateUpdate::Set { state: next, .. } = outcome.update {
             state = Some(next);
         }
     }
@@ -138,8 +154,10 @@ fn assert_backwards_grants_nothing<S: Strategy>(
     let mut now = start;
     for &(dt, cost) in calls {
         now += dt;
-        if let Update::Set { state: next, .. } = strategy.check(state, now, nz(cost)).update {
-            state = Some(next);
+        if let Ok(outcome) = strategy.check(state, now, nz(cost)) {
+            if let StateUpdate::Set { state: next, .. } = outcome.update {
+                state = Some(next);
+            }
         }
         let earlier = now.saturating_sub(back);
         let at_now = strategy.peek(state, now);
@@ -167,21 +185,27 @@ fn assert_reads_are_pure<S: Strategy>(
         read_clock.advance_ms(dt);
         for _ in 0..cost % 3 {
             reading.peek("k").unwrap();
-            reading.forecast("k", cost).unwrap();
+            let _ = reading.forecast("k", cost);
         }
         prop_assert_eq!(
-            plain.check_n("k", cost).unwrap(),
-            reading.check_n("k", cost).unwrap()
+            plain.check_n("k", cost).ok(),
+            reading.check_n("k", cost).ok()
         );
     }
     Ok(())
 }
 
 fn gcra() -> impl proptest::strategy::Strategy<Value = Gcra> {
+    gcra_with_rate().prop_map(|(g, ..)| g)
+}
+
+/// A GCRA with its limit and period (ms).
+fn gcra_with_rate() -> impl proptest::strategy::Strategy<Value = (Gcra, u64, u64)> {
     (1..20u32, 1..5_000u64, 1..25u32).prop_map(|(limit, period, burst)| {
-        Gcra::new(limit, Duration::from_millis(period))
+        let g = Gcra::new(limit, Duration::from_millis(period))
             .unwrap()
-            .with_burst(nz(burst))
+            .with_burst(nz(burst));
+        (g, u64::from(limit), period)
     })
 }
 
@@ -197,14 +221,45 @@ fn windows() -> impl proptest::strategy::Strategy<Value = (u32, u64)> {
 }
 
 fn leaky() -> impl proptest::strategy::Strategy<Value = (LeakyBucket, u64)> {
+    leaky_with_rate().prop_map(|(l, queue, ..)| (l, queue))
+}
+
+/// A shaper with its queue (ms), rate and period (ms).
+fn leaky_with_rate() -> impl proptest::strategy::Strategy<Value = (LeakyBucket, u64, u64, u64)> {
     (1..20u32, 1..5_000u64, 0..3_000u64).prop_map(|(rate, per, queue)| {
         let shaper = LeakyBucket::new(
             rate,
             Duration::from_millis(per),
             Duration::from_millis(queue),
         );
-        (shaper.unwrap(), queue)
+        (shaper.unwrap(), queue, u64::from(rate), per)
     })
+}
+
+/// Checks at instants near `u64::MAX` ms, where every strategy's time saturates: the units
+/// admitted never exceed what one full key holds, and nothing panics (debug builds check
+/// every overflow).
+fn assert_saturates<S: Strategy>(strategy: S, calls: &[(u64, u32)]) -> Result<(), TestCaseError> {
+    let limit = strategy.limit();
+    let clock = ManualClock::new(u64::MAX - 10_000_000);
+    let limiter = Limiter::builder(strategy).with_clock(clock.clone()).build();
+    let mut units = 0;
+    for &(dt, cost) in calls {
+        clock.advance_ms(dt * 100_000);
+        let now = clock_now(&clock);
+        if let Ok(d) = limiter.check_n_at("k", cost, now) {
+            units += if d.allowed { u64::from(cost) } else { 0 };
+            prop_assert!(d.remaining <= limit);
+        }
+        let _ = limiter.peek("k");
+        let _ = limiter.forecast("k", cost);
+    }
+    prop_assert!(
+        units <= limit,
+        "{units} units admitted near u64::MAX, limit {limit}"
+    );
+    prop_assert_eq!(clock_now(&clock) >= u64::MAX - 10_000_000, true);
+    Ok(())
 }
 
 fn decision() -> impl proptest::strategy::Strategy<Value = Decision> {
@@ -228,10 +283,9 @@ fn decision() -> impl proptest::strategy::Strategy<Value = Decision> {
 
 proptest! {
     #[test]
-    fn gcra_never_admits_more_than_burst_plus_rate(g in gcra(), start in 0..10_000u64, calls in calls(400, 6)) {
-        let interval = g.interval_ms();
+    fn gcra_never_admits_more_than_burst_plus_rate((g, limit, period) in gcra_with_rate(), start in 0..10_000u64, calls in calls(400, 6)) {
         let burst = g.limit();
-        assert_span_bound(&admitted(g, start, &calls), |span| burst + span / interval)?;
+        assert_span_bound(&admitted(g, start, &calls), |span| burst + span * limit / period)?;
     }
 
     #[test]
@@ -258,11 +312,39 @@ proptest! {
 
     #[test]
     fn leaky_bucket_never_queues_more_than_its_cap(
-        (l, queue) in leaky(), start in 0..10_000u64, calls in calls(400, 6),
+        (l, queue, rate, per) in leaky_with_rate(), start in 0..10_000u64, calls in calls(400, 6),
     ) {
         // Units admitted over a span start within it plus the queue: one per interval.
-        let interval = l.interval_ms();
-        assert_span_bound(&admitted(l, start, &calls), |span| (queue + span) / interval + 1)?;
+        assert_span_bound(&admitted(l, start, &calls), |span| (queue + span) * rate / per + 1)?;
+    }
+
+    #[test]
+    fn time_arithmetic_saturates_near_the_end_of_time(
+        g in gcra(), (bucket, ..) in token_bucket(), (limit, window) in windows(), (l, _) in leaky(),
+        calls in calls(50, 6),
+    ) {
+        assert_saturates(g, &calls)?;
+        assert_saturates(bucket, &calls)?;
+        assert_saturates(FixedWindow::new(limit, Duration::from_millis(window)).unwrap(), &calls)?;
+        assert_saturates(SlidingWindow::new(limit, Duration::from_millis(window)).unwrap(), &calls)?;
+        assert_saturates(l, &calls)?;
+        assert_saturates(Tiered::new(g, bucket), &calls)?;
+    }
+
+    #[test]
+    fn a_spent_key_stays_spent_when_time_jumps_past_the_end(g in gcra(), jump in 0..u64::MAX) {
+        // Spend everything at a normal time, then jump anywhere at or beyond the ceiling: one
+        // refill at most, never unbounded admissions.
+        let clock = ManualClock::new(1_000);
+        let limit = g.limit();
+        let limiter = Limiter::builder(g).with_clock(clock.clone()).build();
+        while limiter.check("k").unwrap().allowed {}
+        clock.set(u64::MAX - (jump % 1_000));
+        let mut admitted = 0;
+        for _ in 0..(2 * limit + 2) {
+            admitted += u64::from(limiter.check("k").unwrap().allowed);
+        }
+        prop_assert!(admitted <= limit);
     }
 
     #[test]

@@ -34,7 +34,7 @@ async fn hammering_one_key_while_its_process_exits_loses_nothing() {
             for _ in 0..250 {
                 let (running, runs, overlaps) = (running.clone(), runs.clone(), overlaps.clone());
                 let call = d
-                    .call("hot", Duration::from_micros(50), move || async move {
+                    .call("hot", Duration::from_millis(1), move || async move {
                         if running.swap(true, Ordering::SeqCst) {
                             overlaps.fetch_add(1, Ordering::SeqCst);
                         }

@@ -51,6 +51,8 @@ pub enum ProblemType {
     RateLimited,
     /// 503: the rate-limit store failed and the policy is to refuse.
     RateLimitUnavailable,
+    /// 400: the rate-limit key taken from the request is invalid (empty, or over 1024 bytes).
+    RateLimitKeyInvalid,
 }
 
 impl ProblemType {
@@ -69,6 +71,7 @@ impl ProblemType {
             Self::IdempotencyMisconfigured => "tag:throttlebeam,2026:idempotency-misconfigured",
             Self::RateLimited => "tag:throttlebeam,2026:rate-limited",
             Self::RateLimitUnavailable => "tag:throttlebeam,2026:rate-limit-unavailable",
+            Self::RateLimitKeyInvalid => "tag:throttlebeam,2026:rate-limit-key-invalid",
         }
     }
 
@@ -76,7 +79,10 @@ impl ProblemType {
     #[must_use]
     pub fn status(self) -> StatusCode {
         match self {
-            Self::KeyInvalid | Self::KeyMissing | Self::BodyUnreadable => StatusCode::BAD_REQUEST,
+            Self::KeyInvalid
+            | Self::KeyMissing
+            | Self::BodyUnreadable
+            | Self::RateLimitKeyInvalid => StatusCode::BAD_REQUEST,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::KeyInFlight => StatusCode::CONFLICT,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -105,6 +111,7 @@ impl ProblemType {
             Self::IdempotencyMisconfigured => "Idempotency layer misconfigured",
             Self::RateLimited => "Too many requests",
             Self::RateLimitUnavailable => "Rate limiter unavailable",
+            Self::RateLimitKeyInvalid => "Invalid rate-limit key",
         }
     }
 }

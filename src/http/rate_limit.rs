@@ -21,7 +21,8 @@ pub use self::key::RateLimitKey;
 use super::body::ResponseBody;
 use super::problem::{ProblemType, problem_bytes};
 use crate::rate_limit::{
-    AsyncStore, EnforceOutcome, Enforcement, Enforcer, Store, Strategy, retry_after_secs,
+    AsyncRateLimitStore, EnforceOutcome, Enforcement, Enforcer, RateLimitStore, Strategy,
+    retry_after_secs,
 };
 
 pub(super) type PendingEnforcement = Pin<Box<dyn Future<Output = Enforcement> + Send + 'static>>;
@@ -40,7 +41,7 @@ struct Immediate<G: Strategy, St>(Enforcer<G, St>);
 impl<G, St> Enforce for Immediate<G, St>
 where
     G: Strategy + Send + Sync + 'static,
-    St: Store<G::State>,
+    St: RateLimitStore<G>,
 {
     fn enforce_now(&self, key: &str) -> Option<Enforcement> {
         Some(self.0.enforce(key))
@@ -56,7 +57,7 @@ struct Remote<G: Strategy, St>(Enforcer<G, St>);
 impl<G, St> Enforce for Remote<G, St>
 where
     G: Strategy + Send + Sync + 'static,
-    St: AsyncStore<G::State>,
+    St: AsyncRateLimitStore<G>,
 {
     fn enforce_now(&self, _key: &str) -> Option<Enforcement> {
         None
@@ -128,7 +129,7 @@ impl RateLimitLayer {
     pub fn new<G, St>(enforcer: Enforcer<G, St>) -> Self
     where
         G: Strategy + Send + Sync + 'static,
-        St: Store<G::State>,
+        St: RateLimitStore<G>,
     {
         Self {
             enforcer: Arc::new(Immediate(enforcer)),
@@ -141,7 +142,7 @@ impl RateLimitLayer {
     pub fn new_async<G, St>(enforcer: Enforcer<G, St>) -> Self
     where
         G: Strategy + Send + Sync + 'static,
-        St: AsyncStore<G::State>,
+        St: AsyncRateLimitStore<G>,
     {
         Self {
             enforcer: Arc::new(Remote(enforcer)),
@@ -273,7 +274,8 @@ impl RateLimitDenial {
     fn kind(&self) -> ProblemType {
         match self.enforcement.outcome {
             EnforceOutcome::Error => ProblemType::RateLimitUnavailable,
-            EnforceOutcome::Ok | EnforceOutcome::Limited => ProblemType::RateLimited,
+            EnforceOutcome::Invalid => ProblemType::RateLimitKeyInvalid,
+            _ => ProblemType::RateLimited,
         }
     }
 
@@ -283,13 +285,14 @@ impl RateLimitDenial {
     pub fn into_response(self) -> Response<Bytes> {
         let kind = self.kind();
         let detail = match (kind, self.enforcement.decision) {
-            (ProblemType::RateLimited, Some(decision)) if decision.is_admissible() => format!(
+            (ProblemType::RateLimited, Some(decision)) => format!(
                 "rate limit exceeded; retry after {} s",
                 retry_after_secs(&decision)
             ),
-            (ProblemType::RateLimited, _) => {
-                "the request costs more than the rate limit ever admits".to_owned()
+            (ProblemType::RateLimitKeyInvalid, _) => {
+                "the rate-limit key taken from this request is empty or over 1024 bytes".to_owned()
             }
+            (ProblemType::RateLimited, None) => "rate limit exceeded".to_owned(),
             _ => "the rate limiter cannot decide now".to_owned(),
         };
         let mut response = problem_bytes(kind, &detail);

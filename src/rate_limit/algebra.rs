@@ -5,7 +5,7 @@ use std::num::NonZeroU32;
 
 use serde::{Deserialize, Serialize};
 
-use super::strategy::{Outcome, Strategy, Update};
+use super::strategy::{Applied, InsufficientCapacity, StateUpdate, Strategy};
 use super::{Decision, Forecast};
 
 /// The identity of [`combine`]: allows, with unlimited `limit` and `remaining` and nothing to
@@ -58,8 +58,8 @@ const fn max(a: u64, b: u64) -> u64 {
 /// Two limits enforced together, e.g. a per-second burst and a daily quota. Nest it for more
 /// tiers: `Tiered::new(a, Tiered::new(b, c))`.
 ///
-/// Both tiers live in one state under one key, so a store applies them in a single atomic
-/// step: **a request consumes from every tier or from none.** When one tier denies, the others
+/// Both tiers live in one state under one key, and a `Tiered` is plain data like any
+/// strategy, so a store applies them in a single atomic step (one store call, one script): **a request consumes from every tier or from none.** When one tier denies, the others
 /// are left untouched and the decision is the [`combine`] of the denial with what the other
 /// tiers would report without consuming. (Checking tiers one after the other would have spent
 /// the per-second budget of requests the daily quota then refused.)
@@ -69,22 +69,22 @@ const fn max(a: u64, b: u64) -> u64 {
 /// ```
 /// use std::num::NonZeroU32;
 /// use std::time::Duration;
-/// use throttlebeam::rate_limit::{FixedWindow, Gcra, Strategy, Tiered, Update};
+/// use throttlebeam::rate_limit::{FixedWindow, Gcra, Strategy, Tiered, StateUpdate};
 ///
 /// let tiers = Tiered::new(
 ///     Gcra::per_second(NonZeroU32::new(5).unwrap()),
 ///     FixedWindow::new(1, Duration::from_secs(86_400))?,
 /// );
 /// let one = NonZeroU32::MIN;
-/// let first = tiers.check(None, 0, one);
+/// let first = tiers.check(None, 0, one)?;
 /// assert!(first.result.allowed);
-/// let Update::Set { state, .. } = first.update else { unreachable!() };
-/// let second = tiers.check(Some(state), 0, one);
+/// let StateUpdate::Set { state, .. } = first.update else { unreachable!() };
+/// let second = tiers.check(Some(state), 0, one)?;
 /// assert!(!second.result.allowed);
-/// assert_eq!(second.update, Update::Keep); // the per-second tier was not charged
-/// # Ok::<(), throttlebeam::rate_limit::RateLimitError>(())
+/// assert_eq!(second.update, StateUpdate::Keep); // the per-second tier was not charged
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct Tiered<A, B> {
     first: A,
     second: B,
@@ -125,11 +125,17 @@ impl<A: Strategy, B: Strategy> Tiered<A, B> {
     }
 }
 
-/// The state a tier ends with after an allowed check, and its remaining lifetime.
-fn settle<S: Copy>(before: Option<S>, update: Update<S>) -> (Option<S>, u64) {
+/// The state a tier ends with after an allowed check, its remaining lifetime and how long it
+/// stays limited.
+fn settle<S: Copy>(before: Option<S>, update: StateUpdate<S>) -> (Option<S>, u64, u64) {
     match update {
-        Update::Keep => (before, 0),
-        Update::Set { state, ttl_ms } => (Some(state), ttl_ms),
+        StateUpdate::Keep => (before, 0, 0),
+        StateUpdate::Remove => (None, 0, 0),
+        StateUpdate::Set {
+            state,
+            ttl_ms,
+            limited_ms,
+        } => (Some(state), ttl_ms, limited_ms),
     }
 }
 
@@ -158,19 +164,27 @@ impl<A: Strategy, B: Strategy> Strategy for Tiered<A, B> {
         state: Option<Self::State>,
         now_ms: u64,
         cost: NonZeroU32,
-    ) -> Outcome<Self::State> {
+    ) -> Result<Applied<Self::State>, InsufficientCapacity> {
+        let capacity = self.limit();
+        if u64::from(cost.get()) > capacity {
+            return Err(InsufficientCapacity {
+                cost: cost.get(),
+                capacity,
+            });
+        }
         let (a, b) = Self::split(state);
-        let oa = self.first.check(a, now_ms, cost);
-        let ob = self.second.check(b, now_ms, cost);
-        match (oa.result.allowed, ob.result.allowed) {
+        let oa = self.first.check(a, now_ms, cost)?;
+        let ob = self.second.check(b, now_ms, cost)?;
+        Ok(match (oa.result.allowed, ob.result.allowed) {
             (true, true) => {
-                let (first, ttl_a) = settle(a, oa.update);
-                let (second, ttl_b) = settle(b, ob.update);
-                Outcome {
+                let (first, ttl_a, limited_a) = settle(a, oa.update);
+                let (second, ttl_b, limited_b) = settle(b, ob.update);
+                Applied {
                     result: combine(oa.result, ob.result),
-                    update: Update::Set {
+                    update: StateUpdate::Set {
                         state: TieredState { first, second },
                         ttl_ms: ttl_a.max(ttl_b),
+                        limited_ms: limited_a.max(limited_b),
                     },
                 }
             }
@@ -186,12 +200,12 @@ impl<A: Strategy, B: Strategy> Strategy for Tiered<A, B> {
                 } else {
                     ob.result
                 };
-                Outcome {
+                Applied {
                     result: combine(da, db),
-                    update: Update::Keep,
+                    update: StateUpdate::Keep,
                 }
             }
-        }
+        })
     }
 
     fn peek(&self, state: Option<Self::State>, now_ms: u64) -> Decision {

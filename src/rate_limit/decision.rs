@@ -29,25 +29,18 @@ pub struct Decision {
     pub remaining: u64,
     /// Epoch milliseconds at which the limiter is fully replenished.
     pub reset_at_ms: u64,
-    /// Milliseconds to wait before the same request would be allowed: 0 when allowed,
-    /// [`Decision::NEVER`] when the cost exceeds what the limiter can ever admit.
+    /// Milliseconds to wait before the same request would be allowed: 0 when allowed. (A cost
+    /// the limiter can never admit is an error,
+    /// [`RateLimitError::InsufficientCapacity`](super::RateLimitError::InsufficientCapacity),
+    /// never a denial.)
     pub retry_after_ms: u64,
 }
 
 impl Decision {
-    /// The `retry_after_ms` of a request whose cost the limiter can never admit.
-    pub const NEVER: u64 = u64::MAX;
-
     /// `retry_after_ms` as a [`Duration`].
     #[must_use]
     pub fn retry_after(&self) -> Duration {
         Duration::from_millis(self.retry_after_ms)
-    }
-
-    /// Whether waiting can ever make this request pass.
-    #[must_use]
-    pub fn is_admissible(&self) -> bool {
-        self.retry_after_ms != Self::NEVER
     }
 
     /// `Ok(self)` when allowed, otherwise a [`RateLimited`] error carrying the decision.

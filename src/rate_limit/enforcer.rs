@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use http::HeaderMap;
 
-use super::store::{AsyncStore, MemoryStore, Store};
+use super::store::{AsyncRateLimitStore, MemoryRateLimitStore, RateLimitStore};
 use super::{Decision, HeaderOptions, Limiter, RateLimitError, Strategy};
 
 /// What to do when the store fails.
@@ -22,6 +22,7 @@ pub enum FailMode {
 
 /// How an enforcement ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum EnforceOutcome {
     /// The limiter allowed the request.
     Ok,
@@ -29,6 +30,9 @@ pub enum EnforceOutcome {
     Limited,
     /// The store failed; the fail policy decided.
     Error,
+    /// The request itself was bad (an empty or over-long key, a cost above the capacity): it
+    /// is refused whatever the fail policy.
+    Invalid,
 }
 
 /// The result of [`Enforcer::enforce`]: whether to proceed, why, and the headers to send.
@@ -38,9 +42,10 @@ pub struct Enforcement {
     pub allowed: bool,
     /// How the enforcement ended.
     pub outcome: EnforceOutcome,
-    /// The limiter's decision (`None` when the store failed).
+    /// The limiter's decision (`None` when the store failed or the request was invalid).
     pub decision: Option<Decision>,
-    /// Rate-limit headers for the response (empty when the store failed: nothing is known).
+    /// Rate-limit headers for the response (empty when the store failed or the request was
+    /// invalid: nothing is known).
     pub headers: HeaderMap,
 }
 
@@ -69,7 +74,7 @@ type OnError = Arc<dyn Fn(&str, &RateLimitError) + Send + Sync>;
 /// # Ok::<(), throttlebeam::rate_limit::RateLimitError>(())
 /// ```
 #[must_use]
-pub struct Enforcer<S: Strategy, St = MemoryStore<<S as Strategy>::State>> {
+pub struct Enforcer<S: Strategy, St = MemoryRateLimitStore<<S as Strategy>::State>> {
     limiter: Limiter<S, St>,
     fail: FailMode,
     headers: HeaderOptions,
@@ -167,6 +172,15 @@ impl<S: Strategy, St> Enforcer<S, St> {
                     headers: self.headers.headers(&decision, now_ms),
                 }
             }
+            Err(err) if !err.is_store() => {
+                tracing::debug!(key, error = %err, "rate limit request refused");
+                Enforcement {
+                    allowed: false,
+                    outcome: EnforceOutcome::Invalid,
+                    decision: None,
+                    headers: HeaderMap::new(),
+                }
+            }
             Err(err) => {
                 tracing::warn!(key, error = %err, fail = ?self.fail, "rate limit store failed");
                 if let Some(f) = &self.on_error {
@@ -183,7 +197,7 @@ impl<S: Strategy, St> Enforcer<S, St> {
     }
 }
 
-impl<S: Strategy, St: Store<S::State>> Enforcer<S, St> {
+impl<S: Strategy, St: RateLimitStore<S>> Enforcer<S, St> {
     /// Spends one unit for `key`.
     pub fn enforce(&self, key: &str) -> Enforcement {
         self.enforce_n(key, NonZeroU32::MIN)
@@ -197,11 +211,11 @@ impl<S: Strategy, St: Store<S::State>> Enforcer<S, St> {
     }
 }
 
-impl<S: Strategy, St: AsyncStore<S::State>> Enforcer<S, St> {
+impl<S: Strategy, St: AsyncRateLimitStore<S>> Enforcer<S, St> {
     /// Spends `cost` units for `key` through an asynchronous store.
     pub async fn enforce_async(&self, key: &str, cost: NonZeroU32) -> Enforcement {
         let now_ms = self.limiter.now_ms();
-        let result = self.limiter.check_n_async_at(key, cost, now_ms).await;
+        let result = self.limiter.check_n_async_at(key, cost.get(), now_ms).await;
         self.settle(key, now_ms, result)
     }
 }

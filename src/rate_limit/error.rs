@@ -14,9 +14,25 @@ pub enum RateLimitError {
     /// A limit, quota or burst of zero.
     #[error("limit must be at least 1")]
     ZeroLimit,
-    /// A period or window shorter than one millisecond.
-    #[error("period must be at least 1 ms")]
-    ZeroPeriod,
+    /// A period, window, queue length or sweep interval outside the crate's one duration
+    /// range, 1 ms ..= 2^36 - 1 ms ([`MAX_TIMER`](crate::MAX_TIMER)).
+    #[error("invalid {what}: {reason}")]
+    InvalidDuration {
+        /// Which setting.
+        what: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A quota finer than the strategies' resolution: more than one unit per microsecond.
+    #[error("{what} of {units} per {period_us} µs is finer than one per microsecond")]
+    TooFine {
+        /// Which setting.
+        what: &'static str,
+        /// Units per period.
+        units: u64,
+        /// The period in microseconds.
+        period_us: u64,
+    },
     /// A token bucket with no room for a single token.
     #[error("capacity must be at least 1")]
     ZeroCapacity,
@@ -30,26 +46,37 @@ pub enum RateLimitError {
         /// Which setting is out of range.
         what: &'static str,
     },
+    /// An empty key, or one longer than [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
+    #[error("invalid key {key:?}: {reason}")]
+    InvalidKey {
+        /// The key (truncated to 64 bytes).
+        key: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// A call with a cost of zero units.
-    #[error("cost must be at least 1 for key `{key}`")]
+    #[error("invalid cost for key {key:?}: must be at least 1")]
     ZeroCost {
-        /// The key of the call.
+        /// The key of the call (truncated to 64 bytes).
         key: String,
     },
-    /// A cost larger than the limit can ever admit, given to a call that would wait for it.
-    #[error("cost {cost} can never be admitted for key `{key}` (limit {limit})")]
+    /// A cost larger than the limiter can ever admit at once (its burst, capacity, quota or
+    /// queue slots): waiting would never help, so it is an error rather than a denial.
+    #[error(
+        "cost {cost} for key {key:?} exceeds the capacity {capacity}: it can never be admitted"
+    )]
     InsufficientCapacity {
-        /// The key of the call.
+        /// The key of the call (truncated to 64 bytes).
         key: String,
         /// The cost that was asked for.
         cost: u32,
         /// The most the limiter admits at once.
-        limit: u64,
+        capacity: u64,
     },
     /// The leaky-bucket shaper's queue is full.
-    #[error("shaper queue full for key `{key}`, retry after {retry_after_ms} ms")]
+    #[error("shaper queue full for key {key:?}, retry after {retry_after_ms} ms")]
     QueueFull {
-        /// The key of the call.
+        /// The key of the call (truncated to 64 bytes).
         key: String,
         /// Milliseconds until a reservation of the same cost would be accepted.
         retry_after_ms: u64,
@@ -64,6 +91,8 @@ pub enum RateLimitError {
     #[error("invalid ipv6 prefix length {0}: must be at most 128")]
     InvalidIpv6Prefix(u8),
     /// A trusted-proxy entry that is neither an IP address nor a CIDR block.
+    #[cfg(feature = "http")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
     #[error("invalid trusted proxy `{entry}`")]
     InvalidTrustedProxy {
         /// The rejected entry.
@@ -75,10 +104,14 @@ pub enum RateLimitError {
     /// An empty HMAC secret.
     #[error("hmac secret must not be empty")]
     EmptySecret,
-    /// The store failed while applying a transition.
-    #[error("store failed for key `{key}`")]
+    /// [`Limiter::spawn_sweeper`](super::Limiter::spawn_sweeper) was called outside a tokio
+    /// runtime.
+    #[error("no tokio runtime to run the sweeper on")]
+    NoRuntime,
+    /// The store failed while applying an operation.
+    #[error("store failed for key {key:?}")]
     Store {
-        /// The store key that was being updated.
+        /// The store key that was being updated (truncated to 64 bytes).
         key: String,
         /// What the store reported.
         #[source]
@@ -92,8 +125,26 @@ impl RateLimitError {
     /// Store implementations use this so that every store reports outages the same way.
     pub fn store(key: &str, source: impl Into<Box<dyn StdError + Send + Sync + 'static>>) -> Self {
         Self::Store {
-            key: key.to_owned(),
+            key: crate::key::shown(key),
             source: source.into(),
+        }
+    }
+
+    /// `key`'s problem under the crate's one key rule, if any.
+    #[inline]
+    pub(crate) fn check_key(key: &str) -> Result<(), Self> {
+        match crate::key::key_problem(key) {
+            None => Ok(()),
+            Some(reason) => Err(Self::invalid_key(key, reason)),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn invalid_key(key: &str, reason: &'static str) -> Self {
+        Self::InvalidKey {
+            key: crate::key::shown(key),
+            reason,
         }
     }
 
@@ -112,7 +163,7 @@ mod tests {
     #[test]
     fn store_errors_keep_their_cause() {
         let err = RateLimitError::store("k", std::io::Error::other("down"));
-        assert_eq!(err.to_string(), "store failed for key `k`");
+        assert_eq!(err.to_string(), r#"store failed for key "k""#);
         assert_eq!(
             err.source().map(ToString::to_string).as_deref(),
             Some("down")

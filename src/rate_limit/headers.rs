@@ -28,6 +28,11 @@ pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelim
 /// `X-RateLimit-Reset` (legacy): epoch seconds when full, rounded up.
 pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
+/// The largest number of seconds any header carries: [`MAX_TIMER`](crate::MAX_TIMER) in whole
+/// seconds (about 2.2 years). A longer reset or retry-after (a token bucket that refills very
+/// slowly) is written as this, so no header ever carries an absurd value.
+pub const MAX_HEADER_SECS: u64 = crate::MAX_TIMER.as_secs();
+
 const POLICY_NAME_MAX_LEN: usize = 64;
 const DEFAULT_POLICY_NAME: &sfv::StringRef = sfv::StringRef::constant("default");
 const KEY_REMAINING: &sfv::KeyRef = sfv::KeyRef::constant("r");
@@ -214,9 +219,10 @@ impl HeaderOptions {
     }
 
     /// Writes the headers for `decision` at `now_ms` into `headers`, replacing any of the same
-    /// name. A denial always gets `Retry-After` in whole seconds, at least 1.
+    /// name. A denial always gets `Retry-After` in whole seconds, at least 1. Every delay is
+    /// capped at [`MAX_HEADER_SECS`], and the legacy reset at that many seconds after `now_ms`.
     pub fn write(&self, decision: &Decision, now_ms: u64, headers: &mut HeaderMap) {
-        let reset_secs = decision.reset_at_ms.saturating_sub(now_ms).div_ceil(1_000);
+        let reset_secs = secs_up(decision.reset_at_ms.saturating_sub(now_ms));
         if self.draft {
             headers.insert(RATELIMIT_LIMIT, HeaderValue::from(decision.limit));
             headers.insert(RATELIMIT_REMAINING, HeaderValue::from(decision.remaining));
@@ -240,7 +246,12 @@ impl HeaderOptions {
             headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(decision.remaining));
             headers.insert(
                 X_RATELIMIT_RESET,
-                HeaderValue::from(decision.reset_at_ms.div_ceil(1_000)),
+                HeaderValue::from(
+                    decision
+                        .reset_at_ms
+                        .div_ceil(1_000)
+                        .min(now_ms.div_ceil(1_000).saturating_add(MAX_HEADER_SECS)),
+                ),
             );
         }
         if !decision.allowed {
@@ -249,10 +260,16 @@ impl HeaderOptions {
     }
 }
 
-/// `Retry-After` for a denial: whole seconds, rounded up, at least 1.
+/// `Retry-After` for a denial: whole seconds, rounded up, at least 1 and at most
+/// [`MAX_HEADER_SECS`].
 #[must_use]
 pub fn retry_after_secs(decision: &Decision) -> u64 {
-    decision.retry_after_ms.div_ceil(1_000).max(1)
+    secs_up(decision.retry_after_ms).max(1)
+}
+
+/// Milliseconds as whole seconds, rounded up, capped at [`MAX_HEADER_SECS`].
+fn secs_up(ms: u64) -> u64 {
+    ms.div_ceil(1_000).min(MAX_HEADER_SECS)
 }
 
 /// `value` as a structured-field integer, clamped to the largest one (RFC 9651: 15 digits).
@@ -320,6 +337,30 @@ mod tests {
             let expected: Vec<_> = expected.iter().map(|&(k, v)| (k, Some(v))).collect();
             assert_eq!(params, expected);
         }
+    }
+
+    #[test]
+    fn no_header_carries_an_absurd_delay() {
+        let d = Decision {
+            allowed: false,
+            limit: 1,
+            remaining: 0,
+            reset_at_ms: u64::MAX,
+            retry_after_ms: u64::MAX,
+        };
+        assert_eq!(retry_after_secs(&d), MAX_HEADER_SECS);
+        let h = HeaderOptions::new()
+            .with_structured(true)
+            .with_legacy(true)
+            .headers(&d, 1_000);
+        let secs = |name: &str| h[name].to_str().unwrap().parse::<u64>().unwrap();
+        assert_eq!(secs("retry-after"), MAX_HEADER_SECS);
+        assert_eq!(secs("ratelimit-reset"), MAX_HEADER_SECS);
+        assert_eq!(secs("x-ratelimit-reset"), 1 + MAX_HEADER_SECS);
+        assert_eq!(
+            h[RATELIMIT],
+            format!(r#""default";r=0;t={MAX_HEADER_SECS}"#).as_str()
+        );
     }
 
     #[test]

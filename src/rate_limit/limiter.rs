@@ -2,25 +2,29 @@
 
 use std::borrow::Cow;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use dashmap::DashMap;
 
-use super::leaky::{LeakyBucket, LeakyState, Reservation};
-use super::store::{AsyncStore, MemoryStore, Store, Transition};
-use super::strategy::{Outcome, Strategy};
+use serde::Serialize;
+
+use super::leaky::LeakyBucket;
+use super::store::{AsyncRateLimitStore, MemoryRateLimitStore, RateLimitRequest, RateLimitStore};
+use super::strategy::{RateLimitOp, RateLimitReply, ShaperReservation, Strategy};
 use super::{Decision, Forecast, RateLimitError};
 use crate::clock::{Clock, TokioClock};
 
 type Gate = Arc<tokio::sync::Mutex<()>>;
 
-/// A rate limiter: a [`Strategy`] applied to keys through a [`Store`], timed by a
+/// A rate limiter: a [`Strategy`] applied to keys through a [`RateLimitStore`], timed by a
 /// [`Clock`]. Cheap to clone; clones share state.
 ///
 /// Every method reads the clock once; the `*_at` forms take the time instead. Denials are
-/// [`Decision`]s; errors are bad input (a cost of zero) or a failing store.
+/// [`Decision`]s; errors are bad input (an empty or over-long key, a cost of zero or above
+/// the strategy's capacity) or a failing store. Keys follow the crate's one key rule: not
+/// empty, at most [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
 ///
 /// # Examples
 ///
@@ -42,7 +46,7 @@ type Gate = Arc<tokio::sync::Mutex<()>>;
 /// assert!(limiter.check("alice")?.allowed);
 /// # Ok::<(), throttlebeam::rate_limit::RateLimitError>(())
 /// ```
-pub struct Limiter<S: Strategy, St = MemoryStore<<S as Strategy>::State>> {
+pub struct Limiter<S: Strategy, St = MemoryRateLimitStore<<S as Strategy>::State>> {
     inner: Arc<Inner<S, St>>,
 }
 
@@ -56,6 +60,96 @@ struct Inner<S, St> {
     has_overrides: AtomicBool,
     /// FIFO gates of keys with `until_ready` callers waiting.
     queues: DashMap<Box<str>, Gate, ahash::RandomState>,
+    counters: Counters,
+}
+
+/// A [`Limiter`]'s counters (see [`Limiter::stats`]).
+///
+/// # Examples
+///
+/// ```
+/// use std::num::NonZeroU32;
+/// use throttlebeam::rate_limit::{Gcra, Limiter};
+///
+/// let limiter = Limiter::new(Gcra::per_second(NonZeroU32::MIN));
+/// limiter.check("k")?;
+/// limiter.check("k")?;
+/// let stats = limiter.stats();
+/// assert_eq!((stats.allowed, stats.denied, stats.keys), (1, 1, 1));
+/// # Ok::<(), throttlebeam::rate_limit::RateLimitError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[non_exhaustive]
+pub struct LimiterStats {
+    /// Checks allowed (each `check`, `check_n`, reservation or `check_many` key counts once).
+    pub allowed: u64,
+    /// Checks denied.
+    pub denied: u64,
+    /// Calls that returned an error: bad input or a failing store.
+    pub errors: u64,
+    /// Keys the store dropped to make room before they were at rest.
+    pub evictions: u64,
+    /// Keys the store holds (0 when the store cannot tell).
+    pub keys: usize,
+}
+
+/// Counters striped over cache lines, so threads deciding at once do not contend on one.
+#[derive(Default)]
+struct Counters([Stripe; STRIPES]);
+
+const STRIPES: usize = 8;
+
+#[derive(Default)]
+#[repr(align(128))]
+struct Stripe {
+    allowed: AtomicU64,
+    denied: AtomicU64,
+    errors: AtomicU64,
+}
+
+impl Counters {
+    #[inline]
+    fn stripe(&self) -> &Stripe {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        thread_local! {
+            static INDEX: usize = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+        }
+        &self.0[INDEX.with(|i| *i)]
+    }
+
+    #[inline]
+    fn count<T>(&self, result: &Result<T, RateLimitError>, allowed: impl Fn(&T) -> bool) {
+        let stripe = self.stripe();
+        let counter = match result {
+            Ok(v) if allowed(v) => &stripe.allowed,
+            Ok(_) => &stripe.denied,
+            Err(_) => &stripe.errors,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    #[inline]
+    fn decided(&self, allowed: bool) {
+        let stripe = self.stripe();
+        let counter = if allowed {
+            &stripe.allowed
+        } else {
+            &stripe.denied
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    #[inline]
+    fn error(&self) {
+        self.stripe().errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn sum(&self, field: impl Fn(&Stripe) -> &AtomicU64) -> u64 {
+        self.0
+            .iter()
+            .map(|s| field(s).load(Ordering::Relaxed))
+            .sum()
+    }
 }
 
 impl<S: Strategy, St> Clone for Limiter<S, St> {
@@ -75,7 +169,8 @@ impl<S: Strategy, St> std::fmt::Debug for Limiter<S, St> {
     }
 }
 
-/// Builds a [`Limiter`]. Defaults: a [`MemoryStore`], no namespace, a [`TokioClock`].
+/// Builds a [`Limiter`]. Defaults: a [`MemoryRateLimitStore`] (bounded to one million keys),
+/// no namespace, a [`TokioClock`].
 #[must_use]
 pub struct LimiterBuilder<S: Strategy, St> {
     strategy: S,
@@ -86,7 +181,7 @@ pub struct LimiterBuilder<S: Strategy, St> {
 
 impl<S: Strategy, St> LimiterBuilder<S, St> {
     /// Keeps state in `store`.
-    pub fn with_store<St2: AsyncStore<S::State>>(self, store: St2) -> LimiterBuilder<S, St2> {
+    pub fn with_store<St2: AsyncRateLimitStore<S>>(self, store: St2) -> LimiterBuilder<S, St2> {
         LimiterBuilder {
             strategy: self.strategy,
             store,
@@ -122,42 +217,38 @@ impl<S: Strategy, St> LimiterBuilder<S, St> {
                 overrides: DashMap::default(),
                 has_overrides: AtomicBool::new(false),
                 queues: DashMap::default(),
+                counters: Counters::default(),
             }),
         }
     }
 }
 
-/// The consuming transition.
-struct Check<'a, S> {
-    strategy: &'a S,
-    cost: NonZeroU32,
-}
-
-impl<S: Strategy> Transition<S::State> for Check<'_, S> {
-    type Output = Decision;
-    #[inline]
-    fn run(&self, state: Option<S::State>, now_ms: u64) -> Outcome<S::State> {
-        self.strategy.check(state, now_ms, self.cost)
+/// Checks a cost: at least 1, at most what the strategy can ever admit.
+#[inline]
+fn cost_for<S: Strategy>(strategy: &S, key: &str, cost: u32) -> Result<NonZeroU32, RateLimitError> {
+    let Some(cost) = NonZeroU32::new(cost) else {
+        return Err(RateLimitError::ZeroCost {
+            key: crate::key::shown(key),
+        });
+    };
+    let capacity = strategy.limit();
+    if u64::from(cost.get()) > capacity {
+        return Err(RateLimitError::InsufficientCapacity {
+            key: crate::key::shown(key),
+            cost: cost.get(),
+            capacity,
+        });
     }
+    Ok(cost)
 }
 
-/// Reads without writing.
-struct Read<F>(F);
-
-impl<S, R, F: Fn(Option<S>, u64) -> R> Transition<S> for Read<F> {
-    type Output = R;
-    fn run(&self, state: Option<S>, now_ms: u64) -> Outcome<S, R> {
-        Outcome {
-            result: (self.0)(state, now_ms),
-            update: super::Update::Keep,
-        }
-    }
-}
-
-fn cost_of(key: &str, cost: u32) -> Result<NonZeroU32, RateLimitError> {
-    NonZeroU32::new(cost).ok_or_else(|| RateLimitError::ZeroCost {
-        key: key.to_owned(),
-    })
+/// A store's reply of the wrong kind: the store is broken.
+#[cold]
+fn wrong_reply(key: &str, reply: RateLimitReply) -> RateLimitError {
+    RateLimitError::store(
+        key,
+        format!("store replied {reply:?} to a request of another kind"),
+    )
 }
 
 impl<S: Strategy> Limiter<S> {
@@ -168,31 +259,79 @@ impl<S: Strategy> Limiter<S> {
     }
 
     /// Starts building a limiter around `strategy`.
-    pub fn builder(strategy: S) -> LimiterBuilder<S, MemoryStore<S::State>> {
+    pub fn builder(strategy: S) -> LimiterBuilder<S, MemoryRateLimitStore<S::State>> {
         LimiterBuilder {
             strategy,
-            store: MemoryStore::new(),
+            store: MemoryRateLimitStore::new(),
             namespace: Box::default(),
             clock: Arc::new(TokioClock::new()),
         }
     }
+}
 
-    /// Spawns a task that drops expired keys every `every`, until the limiter is dropped.
+impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
+    /// Spawns a task on the current tokio runtime that drops the store's keys at rest every
+    /// `every`, until the limiter is dropped.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// Outside a tokio runtime.
-    pub fn spawn_sweeper(&self, every: Duration) -> tokio::task::JoinHandle<()> {
-        let weak: Weak<Inner<S, MemoryStore<S::State>>> = Arc::downgrade(&self.inner);
-        tokio::spawn(async move {
+    /// [`RateLimitError::InvalidDuration`] for an interval outside 1 ms ..= 2^36 - 1 ms,
+    /// [`RateLimitError::NoRuntime`] outside a tokio runtime.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::num::NonZeroU32;
+    /// use std::time::Duration;
+    /// use throttlebeam::rate_limit::{Gcra, Limiter, RateLimitError};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), RateLimitError> {
+    /// let limiter = Limiter::new(Gcra::per_second(NonZeroU32::new(10).unwrap()));
+    /// let sweeper = limiter.spawn_sweeper(Duration::from_secs(60))?;
+    /// assert!(matches!(
+    ///     limiter.spawn_sweeper(Duration::ZERO),
+    ///     Err(RateLimitError::InvalidDuration { .. })
+    /// ));
+    /// sweeper.abort();
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn spawn_sweeper(
+        &self,
+        every: Duration,
+    ) -> Result<tokio::task::JoinHandle<()>, RateLimitError> {
+        if let Some(reason) = crate::key::duration_problem(every) {
+            return Err(RateLimitError::InvalidDuration {
+                what: "sweep interval",
+                reason,
+            });
+        }
+        let handle =
+            tokio::runtime::Handle::try_current().map_err(|_| RateLimitError::NoRuntime)?;
+        let weak: Weak<Inner<S, St>> = Arc::downgrade(&self.inner);
+        Ok(handle.spawn(async move {
             let mut ticks = tokio::time::interval(every);
             ticks.tick().await;
             loop {
                 ticks.tick().await;
                 let Some(inner) = weak.upgrade() else { break };
-                inner.store.sweep(inner.clock.now_ms());
+                AsyncRateLimitStore::sweep(&inner.store, inner.clock.now_ms());
             }
-        })
+        }))
+    }
+
+    /// The limiter's counters, with the store's key count and evictions.
+    #[must_use]
+    pub fn stats(&self) -> LimiterStats {
+        let c = &self.inner.counters;
+        LimiterStats {
+            allowed: c.sum(|s| &s.allowed),
+            denied: c.sum(|s| &s.denied),
+            errors: c.sum(|s| &s.errors),
+            evictions: AsyncRateLimitStore::evictions(&self.inner.store),
+            keys: AsyncRateLimitStore::keys(&self.inner.store).unwrap_or(0),
+        }
     }
 }
 
@@ -203,7 +342,7 @@ impl<S: Strategy, St> Limiter<S, St> {
         &self.inner.strategy
     }
 
-    /// The store, e.g. to read a [`MemoryStore`]'s size.
+    /// The store, e.g. to read a [`MemoryRateLimitStore`]'s size.
     #[must_use]
     pub fn store(&self) -> &St {
         &self.inner.store
@@ -224,9 +363,15 @@ impl<S: Strategy, St> Limiter<S, St> {
 
     /// Applies `strategy` instead of the default to `key` (e.g. a higher quota for one
     /// customer). The key keeps its state, so use a strategy of the same kind.
-    pub fn set_override(&self, key: &str, strategy: S) {
+    ///
+    /// # Errors
+    ///
+    /// [`RateLimitError::InvalidKey`] for an empty or over-long key.
+    pub fn set_override(&self, key: &str, strategy: S) -> Result<(), RateLimitError> {
+        RateLimitError::check_key(key)?;
         self.inner.overrides.insert(Box::from(key), strategy);
         self.inner.has_overrides.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// Goes back to the default strategy for `key`; returns the override it had.
@@ -252,11 +397,12 @@ impl<S: Strategy, St> Limiter<S, St> {
     }
 }
 
-impl<S: Strategy, St: Store<S::State>> Limiter<S, St> {
+impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
     /// Spends one unit for `key`.
     ///
     /// # Errors
     ///
+    /// [`RateLimitError::InvalidKey`] for an empty or over-long key,
     /// [`RateLimitError::Store`] if the store fails.
     #[inline]
     pub fn check(&self, key: &str) -> Result<Decision, RateLimitError> {
@@ -267,8 +413,23 @@ impl<S: Strategy, St: Store<S::State>> Limiter<S, St> {
     ///
     /// # Errors
     ///
-    /// [`RateLimitError::ZeroCost`] for a cost of zero, [`RateLimitError::Store`] if the
-    /// store fails.
+    /// [`RateLimitError::InvalidKey`] for an empty or over-long key,
+    /// [`RateLimitError::ZeroCost`] for a cost of zero,
+    /// [`RateLimitError::InsufficientCapacity`] for a cost above the strategy's capacity (it
+    /// could never pass), [`RateLimitError::Store`] if the store fails.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use throttlebeam::rate_limit::{Gcra, Limiter, RateLimitError};
+    ///
+    /// let limiter = Limiter::new(Gcra::new(5, Duration::from_secs(1))?);
+    /// assert_eq!(limiter.check_n("k", 3)?.remaining, 2);
+    /// let err = limiter.check_n("k", 6).unwrap_err();
+    /// assert!(matches!(err, RateLimitError::InsufficientCapacity { capacity: 5, .. }));
+    /// # Ok::<(), RateLimitError>(())
+    /// ```
     pub fn check_n(&self, key: &str, cost: u32) -> Result<Decision, RateLimitError> {
         self.check_n_at(key, cost, self.now_ms())
     }
@@ -277,7 +438,7 @@ impl<S: Strategy, St: Store<S::State>> Limiter<S, St> {
     ///
     /// # Errors
     ///
-    /// [`RateLimitError::Store`] if the store fails.
+    /// As [`Limiter::check`].
     #[inline]
     pub fn check_at(&self, key: &str, now_ms: u64) -> Result<Decision, RateLimitError> {
         self.check_n_at(key, 1, now_ms)
@@ -287,8 +448,7 @@ impl<S: Strategy, St: Store<S::State>> Limiter<S, St> {
     ///
     /// # Errors
     ///
-    /// [`RateLimitError::ZeroCost`] for a cost of zero, [`RateLimitError::Store`] if the
-    /// store fails.
+    /// As [`Limiter::check_n`].
     #[inline]
     pub fn check_n_at(
         &self,
@@ -296,36 +456,76 @@ impl<S: Strategy, St: Store<S::State>> Limiter<S, St> {
         cost: u32,
         now_ms: u64,
     ) -> Result<Decision, RateLimitError> {
-        let cost = cost_of(key, cost)?;
-        self.decide(key, cost, now_ms)
-    }
-
-    #[inline]
-    fn decide(&self, key: &str, cost: NonZeroU32, now_ms: u64) -> Result<Decision, RateLimitError> {
+        if let Err(err) = RateLimitError::check_key(key) {
+            return Err(self.failed(err));
+        }
         let overridden = self.override_for(key);
         let strategy = overridden.as_ref().unwrap_or(&self.inner.strategy);
-        let check = Check { strategy, cost };
-        self.inner.store.apply(&self.store_key(key), now_ms, &check)
+        let cost = match cost_for(strategy, key, cost) {
+            Ok(cost) => cost,
+            Err(err) => return Err(self.failed(err)),
+        };
+        let store_key = self.store_key(key);
+        let request = RateLimitRequest {
+            key: &store_key,
+            now_ms,
+            strategy,
+            op: RateLimitOp::Check { cost },
+        };
+        match self.inner.store.apply(request) {
+            Ok(RateLimitReply::Decision(d)) => {
+                self.inner.counters.decided(d.allowed);
+                Ok(d)
+            }
+            Ok(other) => Err(self.failed(wrong_reply(key, other))),
+            Err(err) => Err(self.failed(err)),
+        }
+    }
+
+    /// Counts an error and returns it.
+    #[cold]
+    #[inline(never)]
+    fn failed(&self, err: RateLimitError) -> RateLimitError {
+        self.inner.counters.error();
+        err
+    }
+
+    /// Runs a read-only or reset `op` for `key` now.
+    fn read(
+        &self,
+        key: &str,
+        op: impl FnOnce(&S) -> Result<RateLimitOp, RateLimitError>,
+    ) -> Result<RateLimitReply, RateLimitError> {
+        let result = RateLimitError::check_key(key).and_then(|()| {
+            let strategy = self.strategy_for(key);
+            let op = op(&strategy)?;
+            let store_key = self.store_key(key);
+            self.inner.store.apply(RateLimitRequest {
+                key: &store_key,
+                now_ms: self.now_ms(),
+                strategy: &strategy,
+                op,
+            })
+        });
+        if result.is_err() {
+            self.inner.counters.error();
+        }
+        result
     }
 
     /// Spends `cost` units for each of `keys`, all at one timestamp.
     ///
     /// # Errors
     ///
-    /// [`RateLimitError::ZeroCost`] for a cost of zero (nothing is spent), or the first
-    /// [`RateLimitError::Store`] failure (earlier keys stay spent).
+    /// The first error of any key (see [`Limiter::check_n`]); the keys before it stay spent.
     pub fn check_many<K: AsRef<str>>(
         &self,
         keys: &[K],
         cost: u32,
     ) -> Result<Vec<Decision>, RateLimitError> {
         let now_ms = self.now_ms();
-        let cost = match keys.first() {
-            Some(first) => cost_of(first.as_ref(), cost)?,
-            None => return Ok(Vec::new()),
-        };
         keys.iter()
-            .map(|k| self.decide(k.as_ref(), cost, now_ms))
+            .map(|k| self.check_n_at(k.as_ref(), cost, now_ms))
             .collect()
     }
 
@@ -333,41 +533,38 @@ impl<S: Strategy, St: Store<S::State>> Limiter<S, St> {
     ///
     /// # Errors
     ///
+    /// [`RateLimitError::InvalidKey`] for an empty or over-long key,
     /// [`RateLimitError::Store`] if the store fails.
     pub fn peek(&self, key: &str) -> Result<Decision, RateLimitError> {
-        let strategy = self.strategy_for(key);
-        let now_ms = self.now_ms();
-        self.inner.store.apply(
-            &self.store_key(key),
-            now_ms,
-            &Read(|s, now| strategy.peek(s, now)),
-        )
+        match self.read(key, |_| Ok(RateLimitOp::Peek))? {
+            RateLimitReply::Decision(d) => Ok(d),
+            other => Err(wrong_reply(key, other)),
+        }
     }
 
     /// How requests of `cost` units would fare from now on, without spending anything.
     ///
     /// # Errors
     ///
-    /// [`RateLimitError::ZeroCost`] for a cost of zero, [`RateLimitError::Store`] if the
-    /// store fails.
+    /// [`RateLimitError::InvalidKey`], [`RateLimitError::ZeroCost`] and
+    /// [`RateLimitError::InsufficientCapacity`] as [`Limiter::check_n`],
+    /// [`RateLimitError::Store`] if the store fails.
     pub fn forecast(&self, key: &str, cost: u32) -> Result<Forecast, RateLimitError> {
-        let cost = cost_of(key, cost)?;
-        let strategy = self.strategy_for(key);
-        let now_ms = self.now_ms();
-        self.inner.store.apply(
-            &self.store_key(key),
-            now_ms,
-            &Read(|s, now| strategy.forecast(s, now, cost)),
-        )
+        let op = |s: &S| cost_for(s, key, cost).map(|cost| RateLimitOp::Forecast { cost });
+        match self.read(key, op)? {
+            RateLimitReply::Forecast(f) => Ok(f),
+            other => Err(wrong_reply(key, other)),
+        }
     }
 
     /// Forgets `key`'s state: it is full again.
     ///
     /// # Errors
     ///
+    /// [`RateLimitError::InvalidKey`] for an empty or over-long key,
     /// [`RateLimitError::Store`] if the store fails.
     pub fn reset(&self, key: &str) -> Result<(), RateLimitError> {
-        self.inner.store.remove(&self.store_key(key))
+        self.read(key, |_| Ok(RateLimitOp::Reset)).map(drop)
     }
 
     /// Waits until one unit for `key` is spent; see [`Limiter::until_n_ready`].
@@ -387,9 +584,7 @@ impl<S: Strategy, St: Store<S::State>> Limiter<S, St> {
     ///
     /// # Errors
     ///
-    /// [`RateLimitError::ZeroCost`] for a cost of zero,
-    /// [`RateLimitError::InsufficientCapacity`] for a cost the strategy can never admit,
-    /// [`RateLimitError::Store`] if the store fails.
+    /// As [`Limiter::check_n`], before any wait: a cost above the capacity is refused at once.
     ///
     /// # Examples
     ///
@@ -406,9 +601,8 @@ impl<S: Strategy, St: Store<S::State>> Limiter<S, St> {
     /// # }
     /// ```
     pub async fn until_n_ready(&self, key: &str, cost: u32) -> Result<Decision, RateLimitError> {
-        let cost = cost_of(key, cost)?;
         if !self.inner.queues.contains_key(key) {
-            let decision = self.decide(key, cost, self.now_ms())?;
+            let decision = self.check_n_at(key, cost, self.now_ms())?;
             if decision.allowed {
                 return Ok(decision);
             }
@@ -416,16 +610,9 @@ impl<S: Strategy, St: Store<S::State>> Limiter<S, St> {
         let ticket = Ticket::join(&self.inner.queues, key);
         let _turn = ticket.gate().lock().await;
         loop {
-            let decision = self.decide(key, cost, self.now_ms())?;
+            let decision = self.check_n_at(key, cost, self.now_ms())?;
             if decision.allowed {
                 return Ok(decision);
-            }
-            if !decision.is_admissible() {
-                return Err(RateLimitError::InsufficientCapacity {
-                    key: key.to_owned(),
-                    cost: cost.get(),
-                    limit: decision.limit,
-                });
             }
             tokio::time::sleep(decision.retry_after()).await;
         }
@@ -459,45 +646,64 @@ impl Drop for Ticket<'_> {
     }
 }
 
-impl<S: Strategy, St: AsyncStore<S::State>> Limiter<S, St> {
+impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
     /// [`Limiter::check_n_at`] through an asynchronous store.
     ///
     /// # Errors
     ///
-    /// [`RateLimitError::Store`] if the store fails.
+    /// As [`Limiter::check_n`].
     pub async fn check_n_async_at(
         &self,
         key: &str,
-        cost: NonZeroU32,
+        cost: u32,
         now_ms: u64,
     ) -> Result<Decision, RateLimitError> {
+        let result = self.decide_async(key, cost, now_ms).await;
+        self.inner.counters.count(&result, |d| d.allowed);
+        result
+    }
+
+    async fn decide_async(
+        &self,
+        key: &str,
+        cost: u32,
+        now_ms: u64,
+    ) -> Result<Decision, RateLimitError> {
+        RateLimitError::check_key(key)?;
         let strategy = self.strategy_for(key);
-        let check = Check {
+        let cost = cost_for(&strategy, key, cost)?;
+        let store_key = self.store_key(key);
+        let request = RateLimitRequest {
+            key: &store_key,
+            now_ms,
             strategy: &strategy,
-            cost,
+            op: RateLimitOp::Check { cost },
         };
-        self.inner
-            .store
-            .apply_async(&self.store_key(key), now_ms, &check)
-            .await
+        match self.inner.store.apply_async(request).await? {
+            RateLimitReply::Decision(d) => Ok(d),
+            other => Err(wrong_reply(key, other)),
+        }
     }
 }
 
-impl<St: Store<LeakyState>> Limiter<LeakyBucket, St> {
+impl<St: RateLimitStore<LeakyBucket>> Limiter<LeakyBucket, St> {
     /// Reserves `cost` units of the shaper's queue for `key` without waiting: the delay to
     /// wait before proceeding, or a refusal with a retry-after when the queue is full.
     ///
     /// # Errors
     ///
-    /// [`RateLimitError::ZeroCost`] for a cost of zero, [`RateLimitError::Store`] if the
-    /// store fails.
-    pub fn try_reserve(&self, key: &str, cost: u32) -> Result<Reservation, RateLimitError> {
-        let cost = cost_of(key, cost)?;
-        let shaper = self.strategy_for(key);
-        let now_ms = self.now_ms();
+    /// As [`Limiter::check_n`] (a cost above the queue's slots can never be reserved).
+    pub fn try_reserve(&self, key: &str, cost: u32) -> Result<ShaperReservation, RateLimitError> {
+        let op = |s: &LeakyBucket| cost_for(s, key, cost).map(|cost| RateLimitOp::Reserve { cost });
+        let result = match self.read(key, op) {
+            Ok(RateLimitReply::Reservation(r)) => Ok(r),
+            Ok(other) => Err(wrong_reply(key, other)),
+            Err(err) => return Err(err),
+        };
         self.inner
-            .store
-            .apply(&self.store_key(key), now_ms, &Reserve { shaper, cost })
+            .counters
+            .count(&result, |r| matches!(r, ShaperReservation::Granted { .. }));
+        result
     }
 
     /// Reserves `cost` units for `key` and sleeps the delay (on tokio time); returns it.
@@ -523,28 +729,16 @@ impl<St: Store<LeakyState>> Limiter<LeakyBucket, St> {
     /// ```
     pub async fn reserve(&self, key: &str, cost: u32) -> Result<Duration, RateLimitError> {
         match self.try_reserve(key, cost)? {
-            Reservation::Granted { delay_ms } => {
+            ShaperReservation::Granted { delay_ms } => {
                 let delay = Duration::from_millis(delay_ms);
                 tokio::time::sleep(delay).await;
                 Ok(delay)
             }
-            Reservation::QueueFull { retry_after_ms } => Err(RateLimitError::QueueFull {
-                key: key.to_owned(),
+            ShaperReservation::QueueFull { retry_after_ms } => Err(RateLimitError::QueueFull {
+                key: crate::key::shown(key),
                 retry_after_ms,
             }),
         }
-    }
-}
-
-struct Reserve {
-    shaper: LeakyBucket,
-    cost: NonZeroU32,
-}
-
-impl Transition<LeakyState> for Reserve {
-    type Output = Reservation;
-    fn run(&self, state: Option<LeakyState>, now_ms: u64) -> Outcome<LeakyState, Reservation> {
-        self.shaper.reserve(state, now_ms, self.cost)
     }
 }
 

@@ -1,112 +1,192 @@
-//! Where per-key state lives: the [`Store`] contract (one atomic primitive) and the in-memory
-//! [`MemoryStore`].
+//! Where per-key state lives: the [`RateLimitStore`] seam, which receives plain data (the
+//! strategy's parameters and a [`RateLimitOp`]), and the in-memory
+//! [`MemoryRateLimitStore`].
 
 mod memory;
 
 use std::future::Future;
 
-pub use memory::MemoryStore;
+use serde::Serialize;
+
+pub use memory::{DEFAULT_LIMITER_MAX_KEYS, MemoryRateLimitStore};
 
 use super::RateLimitError;
-use super::strategy::Outcome;
+use super::strategy::{RateLimitOp, RateLimitReply, Strategy};
 
-/// A pure read-modify-write of one key's state, run atomically by a store.
+/// One operation on one key, as plain data: what a store receives.
 ///
-/// The built-in transitions wrap a [`Strategy`](super::Strategy)'s `check`, `peek` and
-/// `forecast` (and the shaper's `reserve`); they close over the strategy and the cost. A store
-/// never needs to know which one it runs.
-pub trait Transition<S> {
-    /// What the caller gets back.
-    type Output;
-
-    /// Computes the outcome from the key's current state (`None` if absent or expired).
-    fn run(&self, state: Option<S>, now_ms: u64) -> Outcome<S, Self::Output>;
-}
-
-/// Storage for per-key state with exactly one mutating primitive, [`Store::apply`], plus
-/// [`Store::remove`] to forget a key.
-///
-/// Adding an algorithm never touches a store, and adding a backend means implementing these
-/// two methods. A remote store (Redis) implements [`AsyncStore`] instead and runs the same
-/// transition as a script in one round trip; the strategies' integer maths let it reproduce
-/// every decision bit for bit.
+/// A remote store serializes it (the strategy's parameters, tagged by
+/// [`Strategy::name`], and the operation) and maps it to one script call that runs the same
+/// integer maths; the memory store runs [`Strategy::apply`] on it. A
+/// [`Tiered`](super::Tiered) strategy is one request too, so multi-tier all-or-nothing is one
+/// store call.
 ///
 /// # Examples
 ///
 /// ```
+/// use std::num::NonZeroU32;
 /// use std::time::Duration;
-/// use throttlebeam::rate_limit::{FixedWindow, Limiter, MemoryStore};
+/// use throttlebeam::rate_limit::{Gcra, RateLimitOp, RateLimitRequest};
 ///
-/// let store = MemoryStore::new().with_max_keys(std::num::NonZeroUsize::new(10_000).unwrap());
+/// let gcra = Gcra::new(10, Duration::from_secs(1))?;
+/// let request = RateLimitRequest {
+///     key: "user:1",
+///     now_ms: 1_000,
+///     strategy: &gcra,
+///     op: RateLimitOp::Check { cost: NonZeroU32::MIN },
+/// };
+/// assert_eq!(request.strategy_name(), "gcra");
+/// # Ok::<(), throttlebeam::rate_limit::RateLimitError>(())
+/// ```
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct RateLimitRequest<'a, S> {
+    /// The store key (namespace included).
+    pub key: &'a str,
+    /// The limiter's time, epoch ms. A shared store may use its own clock instead.
+    pub now_ms: u64,
+    /// The strategy's parameters.
+    pub strategy: &'a S,
+    /// What to do.
+    pub op: RateLimitOp,
+}
+
+impl<S: Strategy> RateLimitRequest<'_, S> {
+    /// The strategy's stable name, e.g. `"gcra"`: which script a remote store runs.
+    #[must_use]
+    pub fn strategy_name(&self) -> &'static str {
+        self.strategy.name()
+    }
+}
+
+/// Storage for per-key rate-limit state with one primitive, [`RateLimitStore::apply`]: run a
+/// [`RateLimitRequest`] atomically with respect to every other request on the same key.
+///
+/// Adding an algorithm never touches a store that runs [`Strategy::apply`], and adding a
+/// backend means implementing `apply`. A remote store (Redis) implements
+/// [`AsyncRateLimitStore`] instead and maps each request to one script; the strategies'
+/// integer maths let it reproduce every decision bit for bit.
+///
+/// # Examples
+///
+/// ```
+/// use std::num::NonZeroUsize;
+/// use std::time::Duration;
+/// use throttlebeam::rate_limit::{FixedWindow, Limiter, MemoryRateLimitStore};
+///
+/// let store = MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(10_000).unwrap());
 /// let limiter = Limiter::builder(FixedWindow::new(100, Duration::from_secs(60))?)
 ///     .with_store(store)
 ///     .build();
 /// assert!(limiter.check("user:1")?.allowed);
 /// # Ok::<(), throttlebeam::rate_limit::RateLimitError>(())
 /// ```
-pub trait Store<S>: Send + Sync + 'static {
-    /// Runs `transition` on `key`'s state at `now_ms`, atomically with respect to every other
-    /// `apply` on the same key, and stores its update.
+///
+/// A store of your own sees plain data, as a remote one would send it:
+///
+/// ```
+/// use std::sync::Mutex;
+/// use std::time::Duration;
+/// use throttlebeam::rate_limit::{
+///     Gcra, GcraState, Limiter, MemoryRateLimitStore, RateLimitError, RateLimitReply,
+///     RateLimitRequest, RateLimitStore,
+/// };
+///
+/// #[derive(Default)]
+/// struct Logged {
+///     inner: MemoryRateLimitStore<GcraState>,
+///     wire: Mutex<Vec<String>>,
+/// }
+///
+/// impl RateLimitStore<Gcra> for Logged {
+///     fn apply(&self, request: RateLimitRequest<'_, Gcra>) -> Result<RateLimitReply, RateLimitError> {
+///         self.wire.lock().unwrap().push(serde_json::to_string(&request).unwrap());
+///         self.inner.apply(request)
+///     }
+/// }
+///
+/// let limiter = Limiter::builder(Gcra::new(10, Duration::from_secs(1))?)
+///     .with_store(Logged::default())
+///     .with_clock(throttlebeam::clock::ManualClock::new(0))
+///     .build();
+/// limiter.check("user:1")?;
+/// assert_eq!(
+///     limiter.store().wire.lock().unwrap()[0],
+///     r#"{"key":"user:1","now_ms":0,"strategy":{"period_us":1000000,"per":10,"tolerance":10000000,"burst":10},"op":{"op":"check","cost":1}}"#
+/// );
+/// # Ok::<(), RateLimitError>(())
+/// ```
+pub trait RateLimitStore<S: Strategy>: Send + Sync + 'static {
+    /// Runs `request` on its key atomically and stores the resulting state.
     ///
     /// # Errors
     ///
-    /// A [`RateLimitError::Store`] when the backend fails.
-    fn apply<T: Transition<S>>(
-        &self,
-        key: &str,
-        now_ms: u64,
-        transition: &T,
-    ) -> Result<T::Output, RateLimitError>;
+    /// [`RateLimitError::Store`] when the backend fails;
+    /// [`RateLimitError::InsufficientCapacity`] for a cost the strategy can never admit.
+    fn apply(&self, request: RateLimitRequest<'_, S>) -> Result<RateLimitReply, RateLimitError>;
 
-    /// Forgets `key`'s state.
-    ///
-    /// # Errors
-    ///
-    /// A [`RateLimitError::Store`] when the backend fails.
-    fn remove(&self, key: &str) -> Result<(), RateLimitError>;
-}
-
-/// The asynchronous form of [`Store`], for backends behind a network. Every [`Store`] is an
-/// `AsyncStore` whose futures are ready at once.
-pub trait AsyncStore<S>: Send + Sync + 'static {
-    /// Like [`Store::apply`], awaited.
-    ///
-    /// # Errors
-    ///
-    /// A [`RateLimitError::Store`] when the backend fails.
-    fn apply_async<T>(
-        &self,
-        key: &str,
-        now_ms: u64,
-        transition: &T,
-    ) -> impl Future<Output = Result<T::Output, RateLimitError>> + Send
-    where
-        T: Transition<S> + Sync,
-        T::Output: Send;
-
-    /// Like [`Store::remove`], awaited.
-    ///
-    /// # Errors
-    ///
-    /// A [`RateLimitError::Store`] when the backend fails.
-    fn remove_async(&self, key: &str) -> impl Future<Output = Result<(), RateLimitError>> + Send;
-}
-
-impl<S, St: Store<S>> AsyncStore<S> for St {
-    fn apply_async<T>(
-        &self,
-        key: &str,
-        now_ms: u64,
-        transition: &T,
-    ) -> impl Future<Output = Result<T::Output, RateLimitError>> + Send
-    where
-        T: Transition<S> + Sync,
-        T::Output: Send,
-    {
-        std::future::ready(self.apply(key, now_ms, transition))
+    /// The number of keys held, when the store knows it (the memory store does).
+    fn keys(&self) -> Option<usize> {
+        None
     }
 
-    fn remove_async(&self, key: &str) -> impl Future<Output = Result<(), RateLimitError>> + Send {
-        std::future::ready(self.remove(key))
+    /// Keys dropped to make room before they were at rest (0 for a store that never evicts).
+    fn evictions(&self) -> u64 {
+        0
+    }
+
+    /// Drops the keys at rest at `now_ms`, if the store keeps them (the memory store does);
+    /// returns how many.
+    fn sweep(&self, _now_ms: u64) -> usize {
+        0
+    }
+}
+
+/// The asynchronous form of [`RateLimitStore`], for backends behind a network. Every
+/// [`RateLimitStore`] is an `AsyncRateLimitStore` whose futures are ready at once.
+pub trait AsyncRateLimitStore<S: Strategy>: Send + Sync + 'static {
+    /// Like [`RateLimitStore::apply`], awaited.
+    ///
+    /// # Errors
+    ///
+    /// As [`RateLimitStore::apply`].
+    fn apply_async(
+        &self,
+        request: RateLimitRequest<'_, S>,
+    ) -> impl Future<Output = Result<RateLimitReply, RateLimitError>> + Send;
+
+    /// See [`RateLimitStore::keys`].
+    fn keys(&self) -> Option<usize> {
+        None
+    }
+
+    /// See [`RateLimitStore::evictions`].
+    fn evictions(&self) -> u64 {
+        0
+    }
+
+    /// See [`RateLimitStore::sweep`].
+    fn sweep(&self, _now_ms: u64) -> usize {
+        0
+    }
+}
+
+impl<S: Strategy, St: RateLimitStore<S>> AsyncRateLimitStore<S> for St {
+    fn apply_async(
+        &self,
+        request: RateLimitRequest<'_, S>,
+    ) -> impl Future<Output = Result<RateLimitReply, RateLimitError>> + Send {
+        std::future::ready(self.apply(request))
+    }
+
+    fn keys(&self) -> Option<usize> {
+        RateLimitStore::keys(self)
+    }
+
+    fn evictions(&self) -> u64 {
+        RateLimitStore::evictions(self)
+    }
+
+    fn sweep(&self, now_ms: u64) -> usize {
+        RateLimitStore::sweep(self, now_ms)
     }
 }

@@ -5,13 +5,14 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::strategy::{self, Model, Outcome, Strategy};
-use super::{Decision, Forecast, RateLimitError};
+use super::RateLimitError;
+use super::strategy::{self, Transition};
 
 /// A bucket of `capacity` tokens, refilled by `refill` tokens every `per`, starting full.
 ///
-/// Tokens are counted in fixed point (`per_ms` sub-units per token, `refill` sub-units per
-/// millisecond), so refilling is exact integer maths with no drift.
+/// Tokens are counted in fixed point (`per` in µs sub-units per token, `refill` sub-units
+/// per microsecond), so refilling is exact integer maths with no drift, up to one token per
+/// microsecond.
 ///
 /// # Examples
 ///
@@ -21,25 +22,26 @@ use super::{Decision, Forecast, RateLimitError};
 ///
 /// // 5 tokens, 10 more every second.
 /// let bucket = TokenBucket::per_second(NonZeroU32::new(5).unwrap(), NonZeroU32::new(10).unwrap());
-/// let first = bucket.check(None, 0, NonZeroU32::MIN);
+/// let first = bucket.check(None, 0, NonZeroU32::MIN)?;
 /// assert_eq!(first.result.remaining, 4);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct TokenBucket {
     capacity: u64,
-    /// Sub-units per token: the refill period in ms.
-    per_ms: u64,
-    /// Sub-units added per millisecond: tokens per period.
+    /// Sub-units per token: the refill period in µs.
+    per_us: u64,
+    /// Sub-units added per microsecond: tokens per period.
     refill: u64,
 }
 
 /// The state of a [`TokenBucket`] key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct TokenBucketState {
-    /// Tokens in sub-units (`tokens * per_ms`).
+    /// Tokens in sub-units (`tokens * per_us`).
     pub level: u64,
-    /// Epoch ms up to which `level` has been refilled.
-    pub updated_at: u64,
+    /// Epoch microseconds up to which `level` has been refilled.
+    pub updated_at_us: u64,
 }
 
 impl TokenBucket {
@@ -47,9 +49,10 @@ impl TokenBucket {
     ///
     /// # Errors
     ///
-    /// [`RateLimitError::ZeroCapacity`], [`RateLimitError::ZeroRate`],
-    /// [`RateLimitError::ZeroPeriod`] for zero inputs; [`RateLimitError::TooLarge`] when
-    /// `capacity * per` in ms exceeds 2^53.
+    /// [`RateLimitError::ZeroCapacity`], [`RateLimitError::ZeroRate`] for zero inputs,
+    /// [`RateLimitError::InvalidDuration`] for a period outside 1 ms ..= 2^36 - 1 ms,
+    /// [`RateLimitError::TooFine`] for more than one token per microsecond,
+    /// [`RateLimitError::TooLarge`] when `capacity * per` in µs exceeds 2^53.
     pub fn new(capacity: u32, refill: u32, per: Duration) -> Result<Self, RateLimitError> {
         let capacity = u64::from(
             NonZeroU32::new(capacity)
@@ -61,99 +64,45 @@ impl TokenBucket {
                 .ok_or(RateLimitError::ZeroRate)?
                 .get(),
         );
-        let per_ms = strategy::period_ms(per)?;
+        let per_us = strategy::period_us("period", per)?;
+        if refill > per_us {
+            return Err(RateLimitError::TooFine {
+                what: "refill",
+                units: refill,
+                period_us: per_us,
+            });
+        }
         strategy::exact(
-            u128::from(capacity) * u128::from(per_ms),
+            u128::from(capacity) * u128::from(per_us),
             "capacity * period",
         )?;
         Ok(Self {
             capacity,
-            per_ms,
+            per_us,
             refill,
         })
     }
 
-    /// `capacity` tokens, `refill` tokens added every second.
+    /// `capacity` tokens, `refill` tokens added every second (a refill over 1,000,000 is
+    /// clamped to it: one token per microsecond).
     #[must_use]
     pub fn per_second(capacity: NonZeroU32, refill: NonZeroU32) -> Self {
-        // u32::MAX * 1000 < 2^53, so no range check is needed.
+        // u32::MAX * 10^6 < 2^53, so no range check is needed.
         Self {
             capacity: u64::from(capacity.get()),
-            per_ms: 1_000,
-            refill: u64::from(refill.get()),
+            per_us: 1_000_000,
+            refill: u64::from(refill.get()).min(1_000_000),
         }
     }
 
     fn full_level(&self) -> u64 {
-        self.capacity * self.per_ms
+        self.capacity * self.per_us
     }
 }
 
-impl Model for TokenBucket {
+impl Transition for TokenBucket {
     type State = TokenBucketState;
     type View = TokenBucketState;
-
-    fn limit(&self) -> u64 {
-        self.capacity
-    }
-
-    #[inline]
-    fn view(&self, state: Option<TokenBucketState>, now: u64) -> TokenBucketState {
-        let full = self.full_level();
-        match state {
-            None => TokenBucketState {
-                level: full,
-                updated_at: now,
-            },
-            // Time went backwards (or stood still): no refill, keep the later mark.
-            Some(s) if now <= s.updated_at => s,
-            Some(s) => {
-                let missing = full.saturating_sub(s.level);
-                let elapsed = now - s.updated_at;
-                // `elapsed * refill >= missing`, i.e. enough time to fill up; saturating keeps
-                // the comparison right for very old states.
-                let level = if elapsed.saturating_mul(self.refill) >= missing {
-                    full
-                } else {
-                    s.level + elapsed * self.refill
-                };
-                TokenBucketState {
-                    level,
-                    updated_at: now,
-                }
-            }
-        }
-    }
-
-    #[inline]
-    fn available(&self, view: &TokenBucketState, _now: u64) -> u64 {
-        view.level / self.per_ms
-    }
-
-    fn earliest(&self, view: &TokenBucketState, now: u64, units: u64) -> Option<u64> {
-        (units <= self.capacity).then(|| {
-            let need = units * self.per_ms;
-            if view.level >= need {
-                now
-            } else {
-                view.updated_at + (need - view.level).div_ceil(self.refill)
-            }
-        })
-    }
-
-    #[inline]
-    fn consume(&self, view: TokenBucketState, _now: u64, units: u64) -> (TokenBucketState, u64) {
-        let next = TokenBucketState {
-            level: view.level - units * self.per_ms,
-            updated_at: view.updated_at,
-        };
-        let full_at = next.updated_at + (self.full_level() - next.level).div_ceil(self.refill);
-        (next, full_at)
-    }
-}
-
-impl Strategy for TokenBucket {
-    type State = TokenBucketState;
 
     fn name(&self) -> &'static str {
         "token_bucket"
@@ -165,25 +114,63 @@ impl Strategy for TokenBucket {
 
     fn window_ms(&self) -> u64 {
         // Time to refill an empty bucket.
-        self.full_level().div_ceil(self.refill)
+        strategy::ms_up(self.full_level().div_ceil(self.refill))
     }
 
     #[inline]
-    fn check(
-        &self,
-        state: Option<TokenBucketState>,
-        now_ms: u64,
-        cost: NonZeroU32,
-    ) -> Outcome<TokenBucketState> {
-        strategy::check(self, state, now_ms, cost)
+    fn view(&self, state: Option<TokenBucketState>, now: u64) -> TokenBucketState {
+        let full = self.full_level();
+        match state {
+            None => TokenBucketState {
+                level: full,
+                updated_at_us: now,
+            },
+            // Time went backwards (or stood still): no refill, keep the later mark.
+            Some(s) if now <= s.updated_at_us => s,
+            Some(s) => {
+                let missing = full.saturating_sub(s.level);
+                let elapsed = now - s.updated_at_us;
+                // `elapsed * refill >= missing`, i.e. enough time to fill up; saturating keeps
+                // the comparison right for very old states.
+                let level = if elapsed.saturating_mul(self.refill) >= missing {
+                    full
+                } else {
+                    s.level + elapsed * self.refill
+                };
+                TokenBucketState {
+                    level,
+                    updated_at_us: now,
+                }
+            }
+        }
     }
 
-    fn peek(&self, state: Option<TokenBucketState>, now_ms: u64) -> Decision {
-        strategy::peek(self, state, now_ms)
+    #[inline]
+    fn available(&self, view: &TokenBucketState, _now: u64) -> u64 {
+        view.level / self.per_us
     }
 
-    fn forecast(&self, state: Option<TokenBucketState>, now_ms: u64, cost: NonZeroU32) -> Forecast {
-        strategy::forecast(self, state, now_ms, cost)
+    fn earliest(&self, view: &TokenBucketState, now: u64, units: u64) -> u64 {
+        let need = units.saturating_mul(self.per_us);
+        if view.level >= need {
+            now
+        } else {
+            view.updated_at_us
+                .saturating_add((need - view.level).div_ceil(self.refill))
+                .max(now)
+        }
+    }
+
+    #[inline]
+    fn consume(&self, view: TokenBucketState, _now: u64, units: u64) -> (TokenBucketState, u64) {
+        let next = TokenBucketState {
+            level: view.level - units * self.per_us,
+            updated_at_us: view.updated_at_us,
+        };
+        let full_at = next
+            .updated_at_us
+            .saturating_add((self.full_level() - next.level).div_ceil(self.refill));
+        (next, full_at)
     }
 }
 
@@ -200,12 +187,12 @@ mod tests {
         let b = bucket();
         let empty = TokenBucketState {
             level: 0,
-            updated_at: 0,
+            updated_at_us: 0,
         };
-        // 10 tokens/s: one token (1000 sub-units) every 100 ms.
-        assert_eq!(b.view(Some(empty), 99).level, 990);
-        assert_eq!(b.available(&b.view(Some(empty), 100), 100), 1);
-        assert_eq!(b.view(Some(empty), 1_000_000).level, 5_000);
+        // 10 tokens/s: one token (10^6 sub-units) every 100 ms.
+        assert_eq!(b.view(Some(empty), 99_999).level, 999_990);
+        assert_eq!(b.available(&b.view(Some(empty), 100_000), 100_000), 1);
+        assert_eq!(b.view(Some(empty), 1_000_000_000).level, 5_000_000);
     }
 
     #[test]
@@ -213,9 +200,9 @@ mod tests {
         let b = bucket();
         let s = TokenBucketState {
             level: 0,
-            updated_at: 500,
+            updated_at_us: 500_000,
         };
-        assert_eq!(b.view(Some(s), 100), s);
-        assert_eq!(b.earliest(&s, 100, 1), Some(600));
+        assert_eq!(b.view(Some(s), 100_000), s);
+        assert_eq!(b.earliest(&s, 100_000, 1), 600_000);
     }
 }

@@ -2,7 +2,7 @@ use std::time::Duration;
 
 use throttlebeam::rate_limit::FixedWindow;
 
-use super::{Vector, allow, check, deny, forecast, peek};
+use super::{Vector, allow, check, deny, forecast, insufficient, peek};
 
 fn three_per_second() -> FixedWindow {
     FixedWindow::new(3, Duration::from_secs(1)).expect("valid")
@@ -21,7 +21,7 @@ pub const R5: Vector<FixedWindow> = Vector {
         check(100, 1, deny(3, 0, 1_000, 900)),
         check(999, 1, deny(3, 0, 1_000, 1)),
         check(1_000, 1, allow(3, 2, 2_000)),
-        check(1_000, 4, deny(3, 2, 2_000, super::NEVER)),
+        insufficient(1_000, 4, 3),
         // Back into the earlier window: still counted against the later one.
         check(500, 2, allow(3, 0, 2_000)),
         check(500, 1, deny(3, 0, 2_000, 1_500)),

@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use throttlebeam::rate_limit::Gcra;
 
-use super::{Vector, allow, check, deny, forecast, peek};
+use super::{Vector, allow, check, deny, forecast, insufficient, peek, reset};
 
 fn two_per_second() -> Gcra {
     Gcra::new(2, Duration::from_secs(1)).expect("valid")
@@ -50,9 +50,9 @@ pub const R3: Vector<Gcra> = Vector {
     name: "gcra R3 cost and backwards clock",
     strategy: two_per_second,
     steps: &[
-        check(0, 3, deny(2, 2, 0, super::NEVER)),
+        insufficient(0, 3, 2),
         check(1_000, 2, allow(2, 0, 2_000)),
-        check(1_000, 3, deny(2, 0, 2_000, super::NEVER)),
+        insufficient(1_000, 3, 2),
         // Back to 500: the TAT stays at 2000, so the wait grows instead of shrinking.
         peek(500, deny(2, 0, 2_000, 1_000)),
         check(500, 1, deny(2, 0, 2_000, 1_000)),
@@ -76,7 +76,49 @@ pub const R7: Vector<Gcra> = Vector {
         peek(100, deny(2, 0, 1_000, 400)),
         forecast(500, 1, 1, 1_000, 1_000),
         forecast(1_000, 1, 2, 1_000, 1_000),
+        // A reset forgets a spent key: full again at once.
+        check(1_000, 2, allow(2, 0, 2_000)),
+        reset(1_000),
+        peek(1_000, allow(2, 2, 1_000)),
     ],
 };
 
-pub const ALL: [Vector<Gcra>; 4] = [R1, R2, R3, R7];
+pub const ALL: [Vector<Gcra>; 6] = [R1, R2, R3, R7, HIGH_RATE, FRACTIONAL_RATE];
+
+fn five_thousand_per_second() -> Gcra {
+    Gcra::new(5_000, Duration::from_secs(1)).expect("valid")
+}
+
+/// R3: 5,000 per second keeps its rate (a 200 µs interval, 5 per millisecond).
+pub const HIGH_RATE: Vector<Gcra> = Vector {
+    name: "gcra 5000 per second",
+    strategy: five_thousand_per_second,
+    steps: &[
+        check(0, 5_000, allow(5_000, 0, 1_000)),
+        check(0, 1, deny(5_000, 0, 1_000, 1)),
+        check(1, 5, allow(5_000, 0, 1_001)),
+        check(1, 1, deny(5_000, 0, 1_001, 1)),
+        // The eleventh unit frees at 3.2 ms, reported rounded up.
+        forecast(3, 1, 10, 4, 1_001),
+        check(3, 10, allow(5_000, 0, 1_003)),
+        insufficient(3, 5_001, 5_000),
+    ],
+};
+
+fn seven_hundred_thousand_per_second() -> Gcra {
+    Gcra::new(700_000, Duration::from_secs(1)).expect("valid")
+}
+
+/// R3: an interval that is not a whole number of microseconds (1.428571 µs) stays exact:
+/// 700 per millisecond, not 500 (2 µs) or 1,000 (1 µs).
+pub const FRACTIONAL_RATE: Vector<Gcra> = Vector {
+    name: "gcra 700000 per second",
+    strategy: seven_hundred_thousand_per_second,
+    steps: &[
+        check(0, 700_000, allow(700_000, 0, 1_000)),
+        check(1, 700, allow(700_000, 0, 1_001)),
+        check(1, 1, deny(700_000, 0, 1_001, 1)),
+        check(8, 4_900, allow(700_000, 0, 1_008)),
+        check(8, 1, deny(700_000, 0, 1_008, 1)),
+    ],
+};

@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use throttlebeam::rate_limit::{LeakyBucket, Reservation};
+use throttlebeam::rate_limit::{LeakyBucket, ShaperReservation as Reservation};
 
 use super::{Vector, allow, check, deny, forecast};
 
@@ -8,7 +8,8 @@ pub fn ten_per_second_queue_150() -> LeakyBucket {
     LeakyBucket::new(10, Duration::from_secs(1), Duration::from_millis(150)).expect("valid")
 }
 
-/// R6: reservations at one instant, as (time, cost, outcome).
+/// R6: reservations at one instant, as (time, cost, outcome). A cost above the two slots is an
+/// error (see `R6_TOO_LARGE`).
 pub const R6_RESERVATIONS: &[(u64, u32, Reservation)] = &[
     (0, 1, Reservation::Granted { delay_ms: 0 }),
     (0, 1, Reservation::Granted { delay_ms: 100 }),
@@ -21,14 +22,11 @@ pub const R6_RESERVATIONS: &[(u64, u32, Reservation)] = &[
             retry_after_ms: 100,
         },
     ),
-    (
-        50,
-        3,
-        Reservation::QueueFull {
-            retry_after_ms: super::NEVER,
-        },
-    ),
 ];
+
+/// R6: a reservation larger than the queue's slots can never be accepted: (time, cost,
+/// capacity).
+pub const R6_TOO_LARGE: (u64, u32, u64) = (50, 3, 2);
 
 /// R6 with no queue: the shaper admits only what can start now.
 pub const R6_NO_QUEUE: &[(u64, u32, Reservation)] = &[

@@ -1,5 +1,6 @@
 //! Test vectors for every strategy, as data: the memory store and any future store (Redis)
-//! must reproduce each step exactly. Times are epoch ms, starting from a fresh key.
+//! must reproduce each step exactly. Times are epoch ms, starting from a fresh key (the
+//! strategies keep microseconds inside; every value here is what callers see).
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -20,6 +21,8 @@ pub enum Op {
     Peek,
     /// Forecast requests of this cost.
     Forecast(u32),
+    /// Forget the key.
+    Reset,
 }
 
 /// What a step must return.
@@ -27,6 +30,10 @@ pub enum Op {
 pub enum Expect {
     Decision(Decision),
     Forecast(Forecast),
+    /// The cost exceeds what the strategy can ever admit, this capacity: an error.
+    Insufficient(u64),
+    /// The key was forgotten.
+    Reset,
 }
 
 /// One call at one time.
@@ -92,4 +99,19 @@ pub const fn deny(limit: u64, remaining: u64, reset_at_ms: u64, retry_after_ms: 
     }
 }
 
-pub const NEVER: u64 = Decision::NEVER;
+pub const fn reset(at: u64) -> Step {
+    Step {
+        at,
+        op: Op::Reset,
+        expect: Expect::Reset,
+    }
+}
+
+/// A cost the strategy can never admit: an error naming its capacity, never a denial.
+pub const fn insufficient(at: u64, cost: u32, capacity: u64) -> Step {
+    Step {
+        at,
+        op: Op::Check(cost),
+        expect: Expect::Insufficient(capacity),
+    }
+}

@@ -2,7 +2,7 @@ use std::time::Duration;
 
 use throttlebeam::rate_limit::SlidingWindow;
 
-use super::{Vector, allow, check, deny, forecast, peek};
+use super::{Vector, allow, check, deny, forecast, insufficient, peek};
 
 fn ten_per_second() -> SlidingWindow {
     SlidingWindow::new(10, Duration::from_secs(1)).expect("valid")
@@ -22,7 +22,7 @@ pub const R5: Vector<SlidingWindow> = Vector {
         peek(1_500, allow(10, 4, 3_000)),
         check(1_500, 5, deny(10, 4, 3_000, 100)),
         forecast(2_500, 1, 9, 3_000, 3_000),
-        check(2_500, 11, deny(10, 9, 3_000, super::NEVER)),
+        insufficient(2_500, 11, 10),
         check(2_500, 1, allow(10, 8, 4_000)),
         // Back to 1500: the later window's state stands, with the previous one at full
         // weight, so nothing comes back.

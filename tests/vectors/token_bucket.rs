@@ -2,7 +2,7 @@ use std::time::Duration;
 
 use throttlebeam::rate_limit::TokenBucket;
 
-use super::{Vector, allow, check, deny, forecast, peek};
+use super::{Vector, allow, check, deny, forecast, insufficient, peek};
 
 fn five_refilling_ten_per_second() -> TokenBucket {
     TokenBucket::new(5, 10, Duration::from_secs(1)).expect("valid")
@@ -23,7 +23,7 @@ pub const R4: Vector<TokenBucket> = Vector {
         check(0, 1, deny(5, 0, 500, 100)),
         check(50, 1, deny(5, 0, 500, 50)),
         check(100, 1, allow(5, 0, 600)),
-        check(100, 6, deny(5, 0, 600, super::NEVER)),
+        insufficient(100, 6, 5),
         // A long idle caps at capacity.
         peek(100_000, allow(5, 5, 100_000)),
         check(100_000, 1, allow(5, 4, 100_100)),

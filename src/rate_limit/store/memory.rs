@@ -1,40 +1,48 @@
-//! The in-memory store: a sharded map with TTLs and a key bound.
+//! The in-memory store: a sharded map with TTLs and a key bound whose eviction never grants
+//! capacity.
 
 use std::num::NonZeroUsize;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 
-use super::{Store, Transition};
+use super::{RateLimitRequest, RateLimitStore};
 use crate::key::InlineKey;
 use crate::rate_limit::RateLimitError;
-use crate::rate_limit::strategy::Update;
+use crate::rate_limit::strategy::{
+    RateLimitOp, RateLimitReply, StateUpdate, Strategy, TIME_CEILING_MS,
+};
 
-/// Default bound on the number of keys.
-const DEFAULT_MAX_KEYS: usize = 1_000_000;
+/// Default bound on the number of keys: one million.
+pub const DEFAULT_LIMITER_MAX_KEYS: usize = 1_000_000;
 /// Default shard count: enough that two threads rarely meet on one shard lock.
 const DEFAULT_SHARDS: usize = 64;
-/// When full and nothing has expired, evict this fraction of `max_keys` (at least one key).
+/// When full and nothing is at rest, evict this fraction of `max_keys` (at least one key).
 const EVICT_FRACTION: usize = 64;
+/// At most one warning about evicting limited keys per this many seconds.
+const WARN_EVERY_SECS: u32 = 60;
 
 /// A key's state with its bookkeeping in whole seconds, so a GCRA entry (key and slot) stays
-/// at 40 bytes and a read that changes nothing writes nothing.
+/// at 56 bytes and a read that changes nothing writes nothing.
 #[derive(Debug, Clone, Copy)]
 struct Slot<S> {
     state: S,
-    /// Epoch second (rounded up) from which `state` is equivalent to no state. Keeping a state
-    /// up to a second longer is harmless: the strategy treats it as no state.
+    /// Epoch second (rounded up) from which `state` is equivalent to no state (at rest).
+    /// Keeping a state up to a second longer is harmless: the strategy treats it as no state.
     expires_at: u32,
-    /// Epoch second of the last `apply`, for least-recently-used eviction.
+    /// Epoch second (rounded up) until which a cost-1 request is denied: the key is limited.
+    limited_until: u32,
+    /// Epoch second of the last request, for least-recently-used eviction.
     used_at: u32,
 }
 
-/// The epoch second of `ms`, saturating in 2106.
+/// The epoch second of `ms`, with time standing still at the strategies' ceiling (in 2096,
+/// below `u32::MAX` seconds, so a key's expiry can always lie after now).
 #[inline]
 fn secs(ms: u64) -> u32 {
-    u32::try_from(ms / 1_000).unwrap_or(u32::MAX)
+    u32::try_from(ms.min(TIME_CEILING_MS) / 1_000).unwrap_or(u32::MAX)
 }
 
 /// `ms` as an epoch second, rounded up.
@@ -43,51 +51,64 @@ fn secs_up(ms: u64) -> u32 {
     u32::try_from(ms.div_ceil(1_000)).unwrap_or(u32::MAX)
 }
 
-/// An in-memory [`Store`]: a sharded hash map (one short write lock per `apply`), bounded by
-/// `max_keys`, whose entries expire when their strategy is full again.
+/// An in-memory [`RateLimitStore`]: a sharded hash map (one short write lock per request),
+/// bounded by `max_keys` (default [`DEFAULT_LIMITER_MAX_KEYS`], one million), whose entries
+/// expire when their strategy is full again. An entry holds its key inline up to 22 bytes
+/// (longer keys add a heap allocation) and takes 56 bytes of table space for GCRA, so the
+/// default bound is about 60–120 MB of table for GCRA keys, depending on the table's load.
 ///
-/// Expired entries read as absent and are dropped by [`MemoryStore::sweep`] (see
-/// `Limiter::spawn_sweeper`). When a new key arrives and the store holds `max_keys`, it first
-/// drops every expired entry; if none had expired, it evicts the least recently used
-/// 1/64 of `max_keys`. Concurrent inserts can overshoot the bound by the number of threads
-/// inserting at that moment.
+/// Expired entries (keys at rest: their state is that of a fresh key) read as absent and are
+/// dropped by [`MemoryRateLimitStore::sweep`] (see `Limiter::spawn_sweeper`), which also gives
+/// retained capacity back once most of the map is gone.
+///
+/// **Eviction never grants capacity.** When a new key arrives and the store holds
+/// `max_keys`, it drops the keys at rest first; if there are none, it evicts the least
+/// recently used 1/64 of `max_keys` among keys that still have capacity left (forgetting
+/// them hands back at most what they had). A key that is currently limited is evicted only
+/// when every key is limited; those evictions are counted
+/// ([`MemoryRateLimitStore::limited_evictions`]) and logged at warn, at most once a minute.
+/// Concurrent inserts can overshoot the bound by the number of threads inserting at that
+/// moment.
 ///
 /// # Examples
 ///
 /// ```
 /// use std::num::NonZeroUsize;
-/// use throttlebeam::rate_limit::{GcraState, MemoryStore};
+/// use throttlebeam::rate_limit::{GcraState, MemoryRateLimitStore};
 ///
-/// let store: MemoryStore<GcraState> = MemoryStore::new().with_max_keys(NonZeroUsize::new(100).unwrap());
+/// let store: MemoryRateLimitStore<GcraState> =
+///     MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(100).unwrap());
 /// assert_eq!(store.len(), 0);
 /// ```
 #[derive(Debug)]
-pub struct MemoryStore<S> {
+pub struct MemoryRateLimitStore<S> {
     map: DashMap<InlineKey, Slot<S>, ahash::RandomState>,
     len: AtomicUsize,
     max_keys: usize,
     evicting: Mutex<()>,
+    evictions: AtomicU64,
+    limited_evictions: AtomicU64,
+    warned_at: AtomicU64,
 }
 
-impl<S> Default for MemoryStore<S> {
+impl<S> Default for MemoryRateLimitStore<S> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<S> MemoryStore<S> {
-    /// An empty store bounded to one million keys.
+impl<S> MemoryRateLimitStore<S> {
+    /// An empty store bounded to [`DEFAULT_LIMITER_MAX_KEYS`] keys.
     #[must_use]
     pub fn new() -> Self {
-        Self::with_shards(DEFAULT_SHARDS)
-    }
-
-    fn with_shards(shards: usize) -> Self {
         Self {
-            map: DashMap::with_hasher_and_shard_amount(ahash::RandomState::new(), shards),
+            map: DashMap::with_hasher_and_shard_amount(ahash::RandomState::new(), DEFAULT_SHARDS),
             len: AtomicUsize::new(0),
-            max_keys: DEFAULT_MAX_KEYS,
+            max_keys: DEFAULT_LIMITER_MAX_KEYS,
             evicting: Mutex::new(()),
+            evictions: AtomicU64::new(0),
+            limited_evictions: AtomicU64::new(0),
+            warned_at: AtomicU64::new(u64::MAX),
         }
     }
 
@@ -98,6 +119,12 @@ impl<S> MemoryStore<S> {
             max_keys: max_keys.get(),
             ..self
         }
+    }
+
+    /// The bound on the number of keys.
+    #[must_use]
+    pub fn max_keys(&self) -> usize {
+        self.max_keys
     }
 
     /// The number of stored keys, expired ones included until swept.
@@ -112,7 +139,21 @@ impl<S> MemoryStore<S> {
         self.len() == 0
     }
 
-    /// Drops every entry expired at `now_ms`; returns how many.
+    /// Keys evicted to make room before they were at rest (limited ones included).
+    #[must_use]
+    pub fn evictions(&self) -> u64 {
+        self.evictions.load(Ordering::Relaxed)
+    }
+
+    /// Keys evicted while they were limited, because every key was: each one could then be
+    /// admitted early. Zero unless the store is too small for its traffic.
+    #[must_use]
+    pub fn limited_evictions(&self) -> u64 {
+        self.limited_evictions.load(Ordering::Relaxed)
+    }
+
+    /// Drops every entry at rest at `now_ms` (expired); returns how many. Gives the map's
+    /// retained capacity back once it is mostly empty.
     pub fn sweep(&self, now_ms: u64) -> usize {
         let now = secs(now_ms);
         let mut removed = 0;
@@ -122,10 +163,14 @@ impl<S> MemoryStore<S> {
             live
         });
         self.len.fetch_sub(removed, Ordering::Relaxed);
+        if removed > 0 && self.map.len().saturating_mul(4) < self.map.capacity() {
+            self.map.shrink_to_fit();
+        }
         removed
     }
 
-    /// Makes room for one more key: expired entries first, else the least recently used.
+    /// Makes room for one more key: keys at rest first, then the least recently used of those
+    /// with capacity left, and limited keys only when nothing else is left.
     #[cold]
     fn make_room(&self, now_ms: u64) {
         // One thread evicts; the others insert meanwhile (a bounded overshoot).
@@ -135,181 +180,297 @@ impl<S> MemoryStore<S> {
         if self.len() < self.max_keys || self.sweep(now_ms) > 0 {
             return;
         }
+        let now = secs(now_ms);
         let batch = (self.max_keys / EVICT_FRACTION).max(1);
-        let mut ages: Vec<u32> = self.map.iter().map(|e| e.used_at).collect();
+        let mut ages: Vec<u32> = self
+            .map
+            .iter()
+            .filter(|e| e.limited_until <= now)
+            .map(|e| e.used_at)
+            .collect();
+        let limited = ages.is_empty();
+        if limited {
+            ages = self.map.iter().map(|e| e.used_at).collect();
+        }
         if ages.is_empty() {
             return;
         }
         let nth = batch.min(ages.len()) - 1;
         let (_, &mut oldest, _) = ages.select_nth_unstable(nth);
+        let victim = |s: &Slot<S>| s.used_at <= oldest && (limited || s.limited_until <= now);
         let victims: Vec<InlineKey> = self
             .map
             .iter()
-            .filter(|e| e.used_at <= oldest)
+            .filter(|e| victim(e.value()))
             .take(batch)
             .map(|e| e.key().clone())
             .collect();
+        let mut evicted = 0;
         for key in victims {
-            if self
-                .map
-                .remove_if(&key, |_, s| s.used_at <= oldest)
-                .is_some()
-            {
-                self.len.fetch_sub(1, Ordering::Relaxed);
+            if self.map.remove_if(&key, |_, s| victim(s)).is_some() {
+                evicted += 1;
+            }
+        }
+        self.len.fetch_sub(evicted, Ordering::Relaxed);
+        self.evictions.fetch_add(evicted as u64, Ordering::Relaxed);
+        if limited {
+            self.limited_evictions
+                .fetch_add(evicted as u64, Ordering::Relaxed);
+            let last = self.warned_at.load(Ordering::Relaxed);
+            if last == u64::MAX || u64::from(now) >= last + u64::from(WARN_EVERY_SECS) {
+                self.warned_at.store(u64::from(now), Ordering::Relaxed);
+                tracing::warn!(
+                    evicted,
+                    max_keys = self.max_keys,
+                    "rate limit store full of limited keys: evicted some, which may admit them early; raise max_keys"
+                );
             }
         }
     }
 }
 
-/// Runs `transition` on a live slot and writes its update.
+/// Applies `update` to a live slot at `now_ms`.
 #[inline]
-fn run_on<S: Copy, T: Transition<S>>(slot: &mut Slot<S>, now_ms: u64, transition: &T) -> T::Output {
+fn write<S: Copy>(slot: &mut Slot<S>, now_ms: u64, update: StateUpdate<S>) {
     let now = secs(now_ms);
-    let current = (slot.expires_at > now).then_some(slot.state);
-    let outcome = transition.run(current, now_ms);
     if slot.used_at != now {
         slot.used_at = now;
     }
-    if let Update::Set { state, ttl_ms } = outcome.update {
-        slot.state = state;
-        slot.expires_at = secs_up(now_ms.saturating_add(ttl_ms));
+    if let StateUpdate::Set {
+        state,
+        ttl_ms,
+        limited_ms,
+    } = update
+    {
+        *slot = Slot {
+            state,
+            expires_at: secs_up(now_ms.saturating_add(ttl_ms)),
+            limited_until: secs_up(now_ms.saturating_add(limited_ms)),
+            used_at: now,
+        };
     }
-    outcome.result
 }
 
-impl<S: Copy + Send + Sync + 'static> MemoryStore<S> {
+impl<S: Copy + Send + Sync + 'static> MemoryRateLimitStore<S> {
     #[cold]
-    fn apply_new<T: Transition<S>>(&self, key: &str, now_ms: u64, transition: &T) -> T::Output {
+    fn apply_new<St: Strategy<State = S>>(
+        &self,
+        request: &RateLimitRequest<'_, St>,
+    ) -> Result<RateLimitReply, RateLimitError> {
+        let now_ms = request.now_ms;
         if self.len() >= self.max_keys {
             self.make_room(now_ms);
         }
-        match self.map.entry(InlineKey::new(key)) {
+        match self.map.entry(InlineKey::new(request.key)) {
             // Inserted by another thread since our lookup.
-            Entry::Occupied(mut e) => run_on(e.get_mut(), now_ms, transition),
+            Entry::Occupied(mut e) => run_on(e.get_mut(), request),
             Entry::Vacant(e) => {
-                let outcome = transition.run(None, now_ms);
-                if let Update::Set { state, ttl_ms } = outcome.update {
+                let applied = request
+                    .strategy
+                    .apply(None, now_ms, request.op)
+                    .map_err(|err| err.for_key(request.key))?;
+                if let StateUpdate::Set {
+                    state,
+                    ttl_ms,
+                    limited_ms,
+                } = applied.update
+                {
                     e.insert(Slot {
                         state,
                         expires_at: secs_up(now_ms.saturating_add(ttl_ms)),
+                        limited_until: secs_up(now_ms.saturating_add(limited_ms)),
                         used_at: secs(now_ms),
                     });
                     self.len.fetch_add(1, Ordering::Relaxed);
                 }
-                outcome.result
+                Ok(applied.result)
             }
         }
     }
 }
 
-impl<S: Copy + Send + Sync + 'static> Store<S> for MemoryStore<S> {
+/// Runs `request` on a stored slot and writes its update.
+#[inline]
+fn run_on<S: Copy, St: Strategy<State = S>>(
+    slot: &mut Slot<S>,
+    request: &RateLimitRequest<'_, St>,
+) -> Result<RateLimitReply, RateLimitError> {
+    let now_ms = request.now_ms;
+    let current = (slot.expires_at > secs(now_ms)).then_some(slot.state);
+    let applied = request
+        .strategy
+        .apply(current, now_ms, request.op)
+        .map_err(|err| err.for_key(request.key))?;
+    write(slot, now_ms, applied.update);
+    Ok(applied.result)
+}
+
+impl<St: Strategy> RateLimitStore<St> for MemoryRateLimitStore<St::State> {
     #[inline]
-    fn apply<T: Transition<S>>(
-        &self,
-        key: &str,
-        now_ms: u64,
-        transition: &T,
-    ) -> Result<T::Output, RateLimitError> {
+    fn apply(&self, request: RateLimitRequest<'_, St>) -> Result<RateLimitReply, RateLimitError> {
+        if request.op == RateLimitOp::Reset {
+            if self.map.remove(request.key.as_bytes()).is_some() {
+                self.len.fetch_sub(1, Ordering::Relaxed);
+            }
+            return Ok(RateLimitReply::Reset);
+        }
         // Looked up by bytes: building a `InlineKey` on the stack to compare against measured
         // slower (its byte-wise stores stall the wide loads that hash and compare it).
-        let found = self.map.get_mut(key.as_bytes());
-        if let Some(mut slot) = found {
-            return Ok(run_on(&mut slot, now_ms, transition));
+        if let Some(mut slot) = self.map.get_mut(request.key.as_bytes()) {
+            return run_on(&mut slot, &request);
         }
-        Ok(self.apply_new(key, now_ms, transition))
+        self.apply_new(&request)
     }
 
-    fn remove(&self, key: &str) -> Result<(), RateLimitError> {
-        if self.map.remove(key.as_bytes()).is_some() {
-            self.len.fetch_sub(1, Ordering::Relaxed);
-        }
-        Ok(())
+    fn keys(&self) -> Option<usize> {
+        Some(self.len())
+    }
+
+    fn evictions(&self) -> u64 {
+        Self::evictions(self)
+    }
+
+    fn sweep(&self, now_ms: u64) -> usize {
+        Self::sweep(self, now_ms)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::num::NonZeroU32;
+    use std::time::Duration;
+
     use super::*;
     use crate::key::INLINE_KEY;
-    use crate::rate_limit::strategy::Outcome;
+    use crate::rate_limit::{Decision, FixedWindow, FixedWindowState};
 
-    /// Adds one to a counter that lives `ttl` ms.
-    struct Bump(u64);
-
-    impl Transition<u64> for Bump {
-        type Output = u64;
-        fn run(&self, state: Option<u64>, _now_ms: u64) -> Outcome<u64, u64> {
-            let next = state.unwrap_or(0) + 1;
-            Outcome {
-                result: next,
-                update: Update::Set {
-                    state: next,
-                    ttl_ms: self.0,
-                },
-            }
+    fn check(
+        store: &MemoryRateLimitStore<FixedWindowState>,
+        w: &FixedWindow,
+        key: &str,
+        now_ms: u64,
+    ) -> Decision {
+        let request = RateLimitRequest {
+            key,
+            now_ms,
+            strategy: w,
+            op: RateLimitOp::Check {
+                cost: NonZeroU32::MIN,
+            },
+        };
+        match store.apply(request).unwrap() {
+            RateLimitReply::Decision(d) => d,
+            other => panic!("{other:?}"),
         }
+    }
+
+    fn window(limit: u32, secs: u64) -> FixedWindow {
+        FixedWindow::new(limit, Duration::from_secs(secs)).unwrap()
     }
 
     #[test]
     fn expired_entries_read_as_absent_and_are_swept() {
-        let store = MemoryStore::new();
-        // Expiry is kept in whole seconds, rounded up: 19_999 ms lives until 20 s.
-        assert_eq!(store.apply("a", 0, &Bump(10_000)).unwrap(), 1);
-        assert_eq!(store.apply("a", 9_999, &Bump(10_000)).unwrap(), 2);
-        assert_eq!(store.apply("a", 19_999, &Bump(10_000)).unwrap(), 3);
-        assert_eq!(store.apply("a", 30_000, &Bump(10_500)).unwrap(), 1);
-        assert_eq!(store.sweep(40_999), 0);
-        assert_eq!(store.sweep(41_000), 1);
+        let store = MemoryRateLimitStore::new();
+        let w = window(3, 10);
+        assert_eq!(check(&store, &w, "a", 0).remaining, 2);
+        assert_eq!(check(&store, &w, "a", 9_999).remaining, 1);
+        assert_eq!(check(&store, &w, "a", 10_000).remaining, 2);
+        assert_eq!(store.sweep(19_999), 0);
+        assert_eq!(store.sweep(20_000), 1);
         assert!(store.is_empty());
     }
 
     #[test]
-    fn a_full_store_drops_expired_keys_first() {
-        let store = MemoryStore::new().with_max_keys(NonZeroUsize::new(2).unwrap());
-        store.apply("short", 0, &Bump(5_000)).unwrap();
-        store.apply("long", 0, &Bump(100_000)).unwrap();
-        store.apply("new", 10_000, &Bump(100_000)).unwrap();
+    fn a_full_store_drops_keys_at_rest_first() {
+        let store = MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(2).unwrap());
+        let (short, long) = (window(3, 5), window(3, 100));
+        check(&store, &short, "short", 0);
+        check(&store, &long, "long", 0);
+        check(&store, &long, "new", 10_000);
         assert_eq!(store.len(), 2);
-        assert_eq!(store.apply("long", 10_000, &Bump(100_000)).unwrap(), 2);
-        assert_eq!(store.apply("short", 10_000, &Bump(100_000)).unwrap(), 1);
+        assert_eq!(store.evictions(), 0);
+        assert_eq!(check(&store, &long, "long", 10_000).remaining, 1);
     }
 
     #[test]
-    fn a_full_store_evicts_the_least_recently_used() {
-        let store = MemoryStore::new().with_max_keys(NonZeroUsize::new(3).unwrap());
-        // Recency is kept in whole seconds.
-        let hour = Bump(3_600_000);
-        store.apply("a", 0, &hour).unwrap();
-        store.apply("b", 1_000, &hour).unwrap();
-        store.apply("c", 2_000, &hour).unwrap();
-        store.apply("a", 3_000, &hour).unwrap(); // a is now the most recent
-        store.apply("d", 4_000, &hour).unwrap();
+    fn a_full_store_evicts_keys_with_capacity_before_limited_ones() {
+        let store = MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(3).unwrap());
+        let (one, many) = (window(1, 3_600), window(10, 3_600));
+        // "spent" is the least recently used, but it is limited.
+        check(&store, &one, "spent", 0);
+        check(&store, &many, "b", 1_000);
+        check(&store, &many, "c", 2_000);
+        check(&store, &many, "d", 3_000);
         assert_eq!(store.len(), 3);
-        // b was the least recently used: it starts over.
-        assert_eq!(store.apply("b", 5_000, &hour).unwrap(), 1);
-        assert_eq!(store.apply("d", 6_000, &hour).unwrap(), 2);
+        assert_eq!(store.evictions(), 1);
+        assert!(!check(&store, &one, "spent", 4_000).allowed);
+        // b, the least recently used with capacity left, went instead.
+        assert_eq!(check(&store, &many, "b", 5_000).remaining, 9);
+        assert_eq!(store.limited_evictions(), 0);
+    }
+
+    #[test]
+    fn limited_keys_go_only_when_nothing_else_is_left_and_are_counted() {
+        let store = MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(2).unwrap());
+        let one = window(1, 3_600);
+        check(&store, &one, "a", 0);
+        check(&store, &one, "b", 1_000);
+        check(&store, &one, "c", 2_000);
+        assert_eq!(store.len(), 2);
+        assert_eq!((store.evictions(), store.limited_evictions()), (1, 1));
+    }
+
+    #[test]
+    fn a_gcra_entry_takes_56_bytes() {
+        use crate::rate_limit::GcraState;
+        assert_eq!(size_of::<(InlineKey, Slot<GcraState>)>(), 56);
+    }
+
+    #[test]
+    fn a_sweep_gives_retained_capacity_back() {
+        let store = MemoryRateLimitStore::new();
+        let w = window(3, 1);
+        for i in 0..20_000 {
+            check(&store, &w, &format!("k{i}"), 0);
+        }
+        let full = store.map.capacity();
+        assert!(full >= 20_000);
+        assert_eq!(store.sweep(1_000), 20_000);
+        assert!(store.map.capacity() < full / 4, "{}", store.map.capacity());
     }
 
     #[test]
     fn short_and_long_keys_are_told_apart() {
-        let store = MemoryStore::new();
+        let store = MemoryRateLimitStore::new();
+        let w = window(3, 1);
         let long = "k".repeat(INLINE_KEY + 1);
         let exact = "k".repeat(INLINE_KEY);
-        for (key, expected) in [(&long, 1), (&exact, 1), (&long, 2), (&exact, 2)] {
-            assert_eq!(store.apply(key, 0, &Bump(1_000)).unwrap(), expected);
+        for (key, expected) in [(&long, 2), (&exact, 2), (&long, 1), (&exact, 1)] {
+            assert_eq!(check(&store, &w, key, 0).remaining, expected);
         }
         assert!(matches!(InlineKey::new(&long), InlineKey::Heap(_)));
         assert!(matches!(InlineKey::new(&exact), InlineKey::Inline { .. }));
-        assert_eq!(InlineKey::new(""), InlineKey::new(""));
     }
 
     #[test]
-    fn remove_forgets_a_key() {
-        let store = MemoryStore::new();
-        store.apply("a", 0, &Bump(1_000)).unwrap();
-        store.remove("a").unwrap();
-        store.remove("a").unwrap();
+    fn reset_forgets_a_key_and_reads_store_nothing() {
+        let store = MemoryRateLimitStore::new();
+        let w = window(3, 1);
+        let apply = |op| {
+            store
+                .apply(RateLimitRequest {
+                    key: "a",
+                    now_ms: 0,
+                    strategy: &w,
+                    op,
+                })
+                .unwrap()
+        };
+        apply(RateLimitOp::Peek);
         assert!(store.is_empty());
-        assert_eq!(store.apply("a", 0, &Bump(1_000)).unwrap(), 1);
+        check(&store, &w, "a", 0);
+        assert_eq!(apply(RateLimitOp::Reset), RateLimitReply::Reset);
+        assert!(store.is_empty());
+        assert_eq!(check(&store, &w, "a", 0).remaining, 2);
     }
 }
