@@ -60,6 +60,7 @@ mod idempotency;
 mod key;
 pub mod rate_limit;
 mod runtime;
+pub mod store;
 mod throttle;
 
 pub use coalesce::{
