@@ -162,6 +162,7 @@ impl RedisBuilder {
                 command_timeout: self.command_timeout,
                 breaker: Breaker::new(self.breaker),
                 commands: AtomicU64::new(0),
+                pinned_now: AtomicU64::new(0),
             }),
         })
     }
@@ -179,6 +180,7 @@ struct Inner {
     command_timeout: Duration,
     breaker: Breaker,
     commands: AtomicU64,
+    pinned_now: AtomicU64,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -409,9 +411,228 @@ impl Redis {
     }
 }
 
+/// Server time in ms, or the pinned time a test passed as the last ARGV.
+const NOW: &str = r"
+local function now_ms(pinned)
+  if pinned ~= nil and pinned ~= '' then return tonumber(pinned) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+";
+
+/// Coalescing-throttle window claim: `SET NX PX` of `"<end_ms>:<token>"`
+/// (end on the server's clock); on a lost race, what the holder stores and
+/// its time left, in the same round trip.
+const WINDOW_CLAIM: &str = r"
+local now = now_ms(ARGV[3])
+local value = string.format('%.0f', now + tonumber(ARGV[2])) .. ':' .. ARGV[1]
+if redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2]) then return {1, 0, ''} end
+local held = redis.call('GET', KEYS[1])
+local left = redis.call('PTTL', KEYS[1])
+return {0, left, held or ''}
+";
+
+/// Compare-and-set on the owner's token: write `"<end_ms>:<token>"` for
+/// `ttl` unless another token holds the key.
+const WINDOW_CAS: &str = r"
+local held = redis.call('GET', KEYS[1])
+if held then
+  local token = string.match(held, ':(%d+)$') or '0'
+  if token ~= ARGV[1] then return 0 end
+end
+local now = now_ms(ARGV[3])
+local value = string.format('%.0f', now + tonumber(ARGV[2])) .. ':' .. ARGV[1]
+redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+return 1
+";
+
+/// The live value of a window and its time left.
+const WINDOW_READ: &str = r"
+local held = redis.call('GET', KEYS[1])
+if not held then return {0, 0, ''} end
+return {1, redis.call('PTTL', KEYS[1]), held}
+";
+
+/// What a window key holds, from the Redis side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct HeldWindow {
+    /// Time left on the key, by the server's clock.
+    pub(crate) left: Duration,
+    /// The owner's token, when the value is readable.
+    pub(crate) token: Option<u64>,
+    /// The stored text.
+    pub(crate) raw: String,
+}
+
+impl HeldWindow {
+    fn parse(left: i64, raw: String) -> Self {
+        let token = raw.rsplit_once(':').and_then(|(_, t)| t.parse().ok());
+        Self {
+            left: Duration::from_millis(left.max(0).unsigned_abs()),
+            token,
+            raw,
+        }
+    }
+}
+
+fn cached(
+    cell: &'static std::sync::OnceLock<Script>,
+    body: &str,
+    with_now: bool,
+) -> &'static Script {
+    cell.get_or_init(|| {
+        if with_now {
+            Script::new(&format!("{NOW}{body}"))
+        } else {
+            Script::new(body)
+        }
+    })
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl Redis {
+    fn pinned(&self) -> String {
+        match self.inner.pinned_now.load(Ordering::Relaxed) {
+            0 => String::new(),
+            n => n.to_string(),
+        }
+    }
+
+    /// Pins the time scripts read (ms since the epoch) instead of the
+    /// server's `TIME`; 0 unpins. For tests that need exact instants.
+    #[doc(hidden)]
+    pub fn pin_time(&self, now_ms: u64) {
+        self.inner.pinned_now.store(now_ms, Ordering::Relaxed);
+    }
+
+    /// Takes a coalescing-throttle window for `token` if it is free.
+    /// `Ok(None)`: won; `Ok(Some(held))`: lost to `held`.
+    pub(crate) async fn window_claim(
+        &self,
+        key: &str,
+        token: u64,
+        ttl: Duration,
+    ) -> Result<Option<HeldWindow>, StoreError> {
+        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        let mut call = cached(&SCRIPT, WINDOW_CLAIM, true).prepare_invoke();
+        call.key(key).arg(token).arg(ms(ttl)).arg(self.pinned());
+        let (won, left, raw): (i64, i64, String) = self.invoke(&call).await?;
+        Ok((won != 1).then(|| HeldWindow::parse(left, raw)))
+    }
+
+    /// Extends or records the window of `key` for `token`, unless another
+    /// token holds it. `true` if written.
+    pub(crate) async fn window_cas(
+        &self,
+        key: &str,
+        token: u64,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        let mut call = cached(&SCRIPT, WINDOW_CAS, true).prepare_invoke();
+        call.key(key).arg(token).arg(ms(ttl)).arg(self.pinned());
+        let written: i64 = self.invoke(&call).await?;
+        Ok(written == 1)
+    }
+
+    /// What the window key holds, if it is live.
+    pub(crate) async fn window_read(&self, key: &str) -> Result<Option<HeldWindow>, StoreError> {
+        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        let mut call = cached(&SCRIPT, WINDOW_READ, false).prepare_invoke();
+        call.key(key);
+        let (found, left, raw): (i64, i64, String) = self.invoke(&call).await?;
+        Ok((found == 1).then(|| HeldWindow::parse(left, raw)))
+    }
+}
+
+#[cfg(test)]
+#[path = "../../tests/support/redis.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod harness;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
+        if let Some(node) = harness::RedisNode::start(test) {
+            check(
+                Redis::builder(node.url())
+                    .connect()
+                    .await
+                    .expect("connects"),
+            )
+            .await;
+        }
+        if let Some(cluster) = harness::RedisCluster::start(test) {
+            check(
+                Redis::cluster(cluster.urls())
+                    .connect()
+                    .await
+                    .expect("connects"),
+            )
+            .await;
+        }
+    }
+
+    #[tokio::test]
+    async fn leading_window_opens_once_then_reports_its_time_left() {
+        each_server("leading_window_opens_once", async |redis: Redis| {
+            for key in ["a", "b", "c", "d"] {
+                let w = Duration::from_secs(10);
+                assert_eq!(
+                    redis.open_window(key, w, 1).await.unwrap(),
+                    WindowOpen::Opened
+                );
+                match redis.open_window(key, w, 2).await.unwrap() {
+                    WindowOpen::Closed(left) => assert!(left > Duration::from_secs(9) && left <= w),
+                    other => panic!("{other:?}"),
+                }
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn window_claim_and_compare_and_set_on_the_token() {
+        each_server("window_claim_and_cas", async |redis: Redis| {
+            let lease = Duration::from_secs(30);
+            for k in ["w1", "w2", "w3"] {
+                redis.pin_time(1_000_000);
+                let key = redis.key(k, "");
+                assert_eq!(redis.window_claim(&key, 7, lease).await.unwrap(), None);
+                let held = redis
+                    .window_claim(&key, 8, lease)
+                    .await
+                    .unwrap()
+                    .expect("lost");
+                assert_eq!(held.token, Some(7));
+                assert_eq!(held.raw, "1030000:7");
+                assert!(held.left > Duration::from_secs(29));
+                // Another token can neither extend nor record.
+                assert!(!redis.window_cas(&key, 8, lease).await.unwrap());
+                // The owner can; the stored end follows the (pinned) server time.
+                redis.pin_time(2_000_000);
+                assert!(
+                    redis
+                        .window_cas(&key, 7, Duration::from_secs(5))
+                        .await
+                        .unwrap()
+                );
+                let held = redis.window_read(&key).await.unwrap().expect("live");
+                assert_eq!(held.raw, "2005000:7");
+                assert!(held.left <= Duration::from_secs(5));
+                assert_eq!(
+                    redis.window_read(&redis.key("missing", "")).await.unwrap(),
+                    None
+                );
+            }
+        })
+        .await;
+    }
 
     #[tokio::test]
     async fn keys_carry_one_hash_tag_around_the_whole_logical_key() {
@@ -429,6 +650,7 @@ mod tests {
             command_timeout: b.command_timeout,
             breaker: Breaker::new(b.breaker),
             commands: AtomicU64::new(0),
+            pinned_now: AtomicU64::new(0),
         };
         let redis = Redis {
             inner: Arc::new(inner),
