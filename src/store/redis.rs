@@ -13,6 +13,8 @@ use serde::Serialize;
 
 use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 
+mod claims;
+
 /// Environment variable read by [`Redis::from_env`]: the URL of a single
 /// Redis node, e.g. `redis://127.0.0.1:6379/0`.
 pub const REDIS_URL_ENV: &str = "THROTTLEBEAM_REDIS_URL";
@@ -552,6 +554,29 @@ impl Redis {
 #[path = "../../tests/support/redis.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod harness;
+
+/// Runs `check` against a fresh single node, then a fresh 3-node cluster.
+#[cfg(test)]
+async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
+    if let Some(node) = harness::RedisNode::start(test) {
+        check(
+            Redis::builder(node.url())
+                .connect()
+                .await
+                .expect("connects"),
+        )
+        .await;
+    }
+    if let Some(cluster) = harness::RedisCluster::start(test) {
+        check(
+            Redis::cluster(cluster.urls())
+                .connect()
+                .await
+                .expect("connects"),
+        )
+        .await;
+    }
+}
 
 #[cfg(test)]
 mod tests {
