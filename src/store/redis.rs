@@ -14,6 +14,7 @@ use serde::Serialize;
 use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 
 mod claims;
+mod notify;
 
 /// Environment variable read by [`Redis::from_env`]: the URL of a single
 /// Redis node, e.g. `redis://127.0.0.1:6379/0`.
@@ -165,6 +166,8 @@ impl RedisBuilder {
                 breaker: Breaker::new(self.breaker),
                 commands: AtomicU64::new(0),
                 pinned_now: AtomicU64::new(0),
+                nodes: self.nodes,
+                waiters: notify::Waiters::default(),
             }),
         })
     }
@@ -183,6 +186,8 @@ struct Inner {
     breaker: Breaker,
     commands: AtomicU64,
     pinned_now: AtomicU64,
+    nodes: Vec<String>,
+    waiters: notify::Waiters,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -676,6 +681,8 @@ mod tests {
             breaker: Breaker::new(b.breaker),
             commands: AtomicU64::new(0),
             pinned_now: AtomicU64::new(0),
+            nodes: vec![],
+            waiters: notify::Waiters::default(),
         };
         let redis = Redis {
             inner: Arc::new(inner),

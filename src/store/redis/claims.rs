@@ -345,3 +345,53 @@ mod tests {
         .await;
     }
 }
+
+#[cfg(test)]
+mod notice_tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::store::redis::each_server;
+
+    #[tokio::test]
+    async fn a_waiter_wakes_on_the_published_completion_not_on_polling() {
+        each_server("claims_pubsub_wakeup", async |r: Redis| {
+            // Two backend values: two "instances".
+            let other = r.clone();
+            let key = "wake:1";
+            assert!(matches!(
+                r.claim(
+                    key,
+                    1,
+                    b"",
+                    Duration::from_secs(30),
+                    Duration::from_secs(60)
+                )
+                .await
+                .unwrap(),
+                ClaimReply::Won { .. }
+            ));
+            let watch = other.watch(key);
+            // Let the subscription settle before completing.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let started = Instant::now();
+            let waiter = async {
+                watch.changed(Duration::from_secs(5)).await;
+                started.elapsed()
+            };
+            let completer = async {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                r.complete(key, 1, b"", b"v", "t", Duration::from_secs(60))
+                    .await
+                    .unwrap()
+            };
+            let (woke_after, stored) = tokio::join!(waiter, completer);
+            assert!(stored);
+            assert!(
+                woke_after < Duration::from_secs(1),
+                "woke after {woke_after:?}: the notice did not arrive"
+            );
+        })
+        .await;
+    }
+}
