@@ -290,7 +290,10 @@ impl Redis {
     }
 
     /// The stored name of a logical key: `{prefix:key}` followed by
-    /// `suffix`, so every key of one operation shares one hash tag.
+    /// `suffix`, so every key of one operation shares one hash tag. Each
+    /// primitive has its own suffix (`:t` leading throttle, `:w` coalescing
+    /// window, `:r` rate limit, `:i`/`:in` idempotency record and fence), so
+    /// one logical key used by two primitives never collides.
     pub(crate) fn key(&self, logical: &str, suffix: &str) -> String {
         let mut k =
             String::with_capacity(self.inner.prefix.len() + logical.len() + suffix.len() + 3);
@@ -408,7 +411,7 @@ impl Redis {
         let script = SCRIPT.get_or_init(|| Script::new(OPEN_WINDOW));
         let px = u64::try_from(window.as_millis()).unwrap_or(u64::MAX).max(1);
         let mut call = script.prepare_invoke();
-        call.key(self.key(key, ":tw")).arg(px).arg(token);
+        call.key(self.key(key, ":t")).arg(px).arg(token);
         let left: i64 = self.invoke(&call).await?;
         Ok(if left < 0 {
             WindowOpen::Opened

@@ -1,7 +1,7 @@
 //! The idempotency claim protocol on Redis: claim, complete, release and
 //! renew, one script call each, compare-and-set on the owner's token.
 //!
-//! A key's record is one hash at `{prefix:key}`:
+//! A key's record is one hash at `{prefix:key}:i`:
 //!
 //! | field | meaning |
 //! |---|---|
@@ -14,7 +14,7 @@
 //! In flight, the record expires with the lease (the owner renews it while
 //! its function runs, so only an owner that is gone lets it lapse);
 //! completed, with the result's TTL. The fencing counter lives beside it at
-//! `{prefix:key}:n` and only ever grows, so a claim's counter orders it
+//! `{prefix:key}:in` and only ever grows, so a claim's counter orders it
 //! after every earlier claim of the key. Completion and release publish the
 //! key on one channel per prefix, so waiters elsewhere wake at once.
 
@@ -146,8 +146,8 @@ impl Redis {
     ) -> Result<ClaimReply, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, CLAIM, false).prepare_invoke();
-        call.key(self.key(key, ""))
-            .key(self.key(key, ":n"))
+        call.key(self.key(key, ":i"))
+            .key(self.key(key, ":in"))
             .arg(token)
             .arg(fingerprint)
             .arg(ms(lease))
@@ -186,7 +186,7 @@ impl Redis {
     ) -> Result<bool, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, COMPLETE, false).prepare_invoke();
-        call.key(self.key(key, ""))
+        call.key(self.key(key, ":i"))
             .arg(token)
             .arg(fingerprint)
             .arg(value)
@@ -201,7 +201,7 @@ impl Redis {
     pub(crate) async fn release(&self, key: &str, token: u64) -> Result<bool, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, RELEASE, false).prepare_invoke();
-        call.key(self.key(key, ""))
+        call.key(self.key(key, ":i"))
             .arg(token)
             .arg(self.claims_channel())
             .arg(key);
@@ -217,7 +217,7 @@ impl Redis {
     ) -> Result<bool, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, RENEW, false).prepare_invoke();
-        call.key(self.key(key, "")).arg(token).arg(ms(lease));
+        call.key(self.key(key, ":i")).arg(token).arg(ms(lease));
         Ok(self.invoke::<i64>(&call).await? == 1)
     }
 
@@ -225,7 +225,7 @@ impl Redis {
     pub(crate) async fn read_record(&self, key: &str) -> Result<RecordReply, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, READ, false).prepare_invoke();
-        call.key(self.key(key, ""));
+        call.key(self.key(key, ":i"));
         let reply: Vec<Value> = self.invoke(&call).await?;
         match bytes(reply.first()).as_slice() {
             b"none" => Ok(RecordReply::Missing),
