@@ -7,6 +7,10 @@
 //!   and one throttled call per key; with peak memory per key while windows
 //!   are open. Each side runs in a fresh child process so RSS figures are
 //!   not skewed by memory the other side freed.
+//! - `idle_window`: memory per key whose window is open with nothing
+//!   pending (one leading call each, every run finished): a timestamp in
+//!   the registry and the store's entry, no process. Target: at most 256
+//!   bytes, against the leading-only throttle's open window.
 //!
 //! Run: `cargo bench --bench trailing`
 
@@ -68,6 +72,7 @@ fn main() {
         drop(rt);
         spawn_child("ours", 1_000);
         spawn_child("anchor", 1_000);
+        spawn_child("idle", 1_000);
         return;
     }
 
@@ -83,6 +88,7 @@ fn main() {
 
     let ours_keys = spawn_child("ours", KEYS);
     let anchor_keys = spawn_child("anchor", KEYS);
+    let idle_keys = spawn_child("idle", KEYS);
     println!();
     println!(
         "compare coalesce: ours {o:.1} ns, anchor {a:.1} ns, ratio {:.2}",
@@ -106,6 +112,15 @@ fn main() {
         (ours_keys.ns_per_key * KEYS as f64 / 1e6) + 2.0 * KEY_WINDOW.as_secs_f64() * 1e3,
         ours_keys.bytes_per_key,
         anchor_keys.bytes_per_key,
+    );
+    println!(
+        "idle_window: {:.0} bytes per key whose window is open with nothing pending ({KEYS} keys, \
+         no process; target 256), leading-only open window {:.0} bytes/key; once swept, \
+         {:.0} bytes/key still held (coalescing run: {:.0})",
+        idle_keys.bytes_per_key,
+        anchor_keys.bytes_per_key,
+        idle_keys.kept_per_key,
+        ours_keys.kept_per_key,
     );
 }
 
@@ -186,6 +201,8 @@ struct KeysResult {
     ns_per_key: f64,
     end_to_end: Duration,
     bytes_per_key: f64,
+    /// Still held once every window is over and swept.
+    kept_per_key: f64,
 }
 
 fn spawn_child(side: &str, keys: usize) -> KeysResult {
@@ -215,6 +232,7 @@ fn spawn_child(side: &str, keys: usize) -> KeysResult {
         ns_per_key: field("ns_per_key"),
         end_to_end: Duration::from_secs_f64(field("end_to_end_s")),
         bytes_per_key: field("bytes_per_key"),
+        kept_per_key: field("kept_per_key"),
     }
 }
 
@@ -234,7 +252,7 @@ fn keys_child(side: &str) {
         .and_then(|v| v.parse().ok())
         .unwrap_or(KEYS);
     let rt = tokio_runtime();
-    let (ns_per_key, end_to_end, bytes_per_key) = rt.block_on(async {
+    let (ns_per_key, end_to_end, bytes_per_key, kept_per_key) = rt.block_on(async {
         let runtime = Runtime::builder().start().await.expect("runtime");
         let make = |prefix: &str, n: usize| {
             std::sync::Arc::new((0..n).map(|i| format!("{prefix}{i}")).collect::<Vec<_>>())
@@ -242,21 +260,27 @@ fn keys_child(side: &str) {
         let (warm_keys, keys) = (make("warm:", 1_000), make("user:", n));
         // Warm the runtime and allocator paths on other keys first.
         let warm = match side {
-            "ours" => ours_keys(&runtime, &warm_keys, "warm:").await,
+            "ours" => ours_keys(&runtime, &warm_keys, "warm:", true).await,
+            "idle" => ours_keys(&runtime, &warm_keys, "warm:", false).await,
             _ => anchor_keys(&runtime, &warm_keys).await,
         };
         if let Some(t) = &warm {
-            while t.stats().keys > 0 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            closed(&runtime, t).await;
         }
         let before = rss();
         let start = Instant::now();
         let throttle = match side {
-            "ours" => ours_keys(&runtime, &keys, "keys:").await,
+            "ours" => ours_keys(&runtime, &keys, "keys:", true).await,
+            "idle" => ours_keys(&runtime, &keys, "keys:", false).await,
             _ => anchor_keys(&runtime, &keys).await,
         };
         let calls = start.elapsed();
+        if side == "idle" {
+            // Every run finished: the processes are gone, the windows stay.
+            while runtime.stats().processes > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
         let peak = rss();
         assert!(
             calls < KEY_WINDOW,
@@ -264,27 +288,43 @@ fn keys_child(side: &str) {
         );
         if let Some(t) = throttle {
             // Trailing runs at the end of the windows, then the windows close.
-            while t.stats().keys > 0 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            closed(&runtime, &t).await;
         }
         let end_to_end = start.elapsed();
+        let kept = rss();
         (
             calls.as_nanos() as f64 / n as f64,
             end_to_end,
             (peak - before) / n as f64,
+            (kept - before) / n as f64,
         )
     });
     println!(
-        "RESULT ns_per_key={ns_per_key} end_to_end_s={} bytes_per_key={bytes_per_key}",
+        "RESULT ns_per_key={ns_per_key} end_to_end_s={} bytes_per_key={bytes_per_key} \
+         kept_per_key={kept_per_key}",
         end_to_end.as_secs_f64()
     );
+}
+
+/// Waits until every window of `t` is over and swept.
+async fn closed(runtime: &Runtime, t: &TrailingThrottle<u64>) {
+    loop {
+        let s = t.stats();
+        if s.active + s.pending == 0 {
+            runtime.sweep_now();
+            if t.stats().keys == 0 {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }
 
 async fn ours_keys(
     runtime: &Runtime,
     keys: &std::sync::Arc<Vec<String>>,
     prefix: &str,
+    coalesce: bool,
 ) -> Option<TrailingThrottle<u64>> {
     let throttle: TrailingThrottle<u64> = runtime
         .trailing_throttle(prefix)
@@ -302,6 +342,9 @@ async fn ours_keys(
                     .call(key, move |_| async move { Ok::<_, Infallible>(1) })
                     .await;
                 assert_eq!(led.ok(), Some(true));
+                if !coalesce {
+                    continue;
+                }
                 let coalesced = t
                     .call(key, move |_| async move { Ok::<_, Infallible>(2) })
                     .await;

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use throttlebeam::{Debounce, Idempotency, IdempotencyOptions, Outcome, Throttle, Throttled};
+use throttlebeam::{
+    Debounce, Idempotency, IdempotencyOptions, IdempotencyOutcome, Throttle, Throttled,
+};
 
 #[derive(Debug)]
 struct AppError(&'static str);
@@ -72,18 +74,16 @@ async fn main() -> Result<(), throttlebeam::Error> {
         let options = IdempotencyOptions::new()
             .with_scope("tenant-7")
             .with_fingerprint("order-1001:4999");
-        let outcome = Idempotency::run(
-            "pay:order-1001",
-            move || async move {
-                let n = charges.fetch_add(1, Ordering::SeqCst) + 1;
-                Ok::<_, AppError>(format!("charge #{n} of 49.99"))
-            },
-            options,
-        )
+        let outcome = Idempotency::run_with("pay:order-1001", options, move || async move {
+            let n = charges.fetch_add(1, Ordering::SeqCst) + 1;
+            Ok::<_, AppError>(format!("charge #{n} of 49.99"))
+        })
         .await?;
         match outcome {
-            Outcome::Fresh(receipt) => println!("idempotency: attempt {attempt} ran: {receipt}"),
-            Outcome::Replay(receipt) => {
+            IdempotencyOutcome::Fresh(receipt) => {
+                println!("idempotency: attempt {attempt} ran: {receipt}")
+            }
+            IdempotencyOutcome::Replay(receipt) => {
                 println!("idempotency: attempt {attempt} replayed: {receipt}")
             }
         }

@@ -16,9 +16,12 @@
 //! ```
 //!
 //! The key's slot in a registry owns its state (the latest function, the
-//! cell its waiters share, the window end); one per-key process owns its time
-//! and work while it has a run, a pending trailing run or an open window.
-//! Coalescing a call is a registry update: no message, no wake-up.
+//! cell its waiters share, the window end); a per-key process owns its work
+//! only while it has a run to claim or execute. A key whose window is open
+//! is a timestamp in its slot, with no process; when a trailing run is
+//! pending, one sleeper per throttle (a heap of window ends on one timer)
+//! starts the key's process when the window ends. Coalescing a call is a
+//! registry update: no message, no wake-up.
 
 mod process;
 mod state;
@@ -33,17 +36,18 @@ use tokio::time::Instant;
 
 use self::state::{Config, DESTROYED, Job, JobFuture, Led, OPEN, Shared, Submitted};
 pub use self::store::{
-    MemoryWindowStore, SetOptions, WindowStore, WindowStoreError, WindowStoreFuture,
+    DEFAULT_WINDOW_STORE_KEYS, MemoryWindowStore, WindowClaim, WindowEntry, WindowStore,
+    WindowStoreError, WindowStoreFuture, WindowStoreStats,
 };
 use crate::error::Error;
-use crate::key::{MAX_KEY_LEN, check_key, check_timer, shown};
+use crate::key::{MAX_TIMER, check_key, check_timer, shown};
 use crate::runtime::Runtime;
 
 /// Default window of a coalescing throttle.
 const DEFAULT_WINDOW: Duration = Duration::from_millis(1000);
 
-/// Longest window a coalescing throttle accepts: 2^31 − 1 ms (about 24.8 days).
-const MAX_WINDOW: Duration = Duration::from_millis((1 << 31) - 1);
+/// Default bound on every window store call of a coalescing throttle.
+pub const DEFAULT_WINDOW_STORE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Which edge of the window a run is for; passed to the function.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -54,8 +58,12 @@ pub enum Phase {
     Trailing,
 }
 
-/// Live figures of one [`TrailingThrottle`]; all zero once it is idle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Figures of one [`TrailingThrottle`], from [`TrailingThrottle::stats`].
+///
+/// The gauges (`active`, `pending`, `timers`) are zero once the throttle is
+/// idle; `keys` and `store_keys` once its windows are over and swept; the
+/// counters only grow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[non_exhaustive]
 pub struct TrailingStats {
     /// Keys with a run in progress, including runs still claiming their
@@ -63,10 +71,32 @@ pub struct TrailingStats {
     pub active: usize,
     /// Keys with coalesced calls waiting for a trailing run.
     pub pending: usize,
-    /// Keys tracked (running, pending or inside a window).
+    /// Keys tracked: running, pending, or inside a window (an open window
+    /// with nothing pending is a timestamp with no process), windows that
+    /// are over but not swept yet included.
     pub keys: usize,
-    /// Timers scheduled now (one per key at most: a window or a lease).
+    /// Per-key timers scheduled now (one per key at most: a window with a
+    /// trailing run pending, held by the throttle's sleeper, or a lease).
     pub timers: usize,
+    /// Keys held by the window store, as it reports them
+    /// ([`WindowStore::stats`]; 0 for a store that does not say).
+    pub store_keys: usize,
+    /// Calls accepted.
+    pub calls: u64,
+    /// Leading runs started.
+    pub leading_runs: u64,
+    /// Trailing runs started.
+    pub trailing_runs: u64,
+    /// Calls coalesced into a run they did not start (`calls` minus the
+    /// calls that led).
+    pub coalesced: u64,
+    /// Window store calls that failed or panicked (the throttle failed open).
+    pub store_errors: u64,
+    /// Window store calls that timed out (the throttle failed open).
+    pub store_timeouts: u64,
+    /// Live windows the store evicted early because it was full
+    /// ([`WindowStore::stats`]).
+    pub evictions: u64,
 }
 
 /// Configures a [`TrailingThrottle`]; from [`Runtime::trailing_throttle`] or
@@ -78,36 +108,8 @@ pub struct TrailingThrottleBuilder {
     prefix: String,
     window: Duration,
     store: Option<Box<dyn WindowStore>>,
+    store_timeout: Duration,
     name: Option<String>,
-}
-
-impl std::fmt::Debug for dyn WindowStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("dyn WindowStore")
-    }
-}
-
-impl<S: WindowStore + ?Sized> WindowStore for Arc<S> {
-    fn get<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
-        (**self).get(key)
-    }
-
-    fn set<'a>(
-        &'a self,
-        key: &'a str,
-        value: &'a str,
-        options: SetOptions,
-    ) -> WindowStoreFuture<'a, bool> {
-        (**self).set(key, value, options)
-    }
-
-    fn del<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, ()> {
-        (**self).del(key)
-    }
-
-    fn clear(&self) -> WindowStoreFuture<'_, ()> {
-        (**self).clear()
-    }
 }
 
 impl Runtime {
@@ -143,11 +145,13 @@ impl TrailingThrottleBuilder {
             prefix: prefix.to_owned(),
             window: DEFAULT_WINDOW,
             store: None,
+            store_timeout: DEFAULT_WINDOW_STORE_TIMEOUT,
             name: None,
         }
     }
 
-    /// The window that follows every run (default 1000 ms; 1 ms to 2^31 − 1 ms).
+    /// The window that follows every run (default 1000 ms; 1 ms to
+    /// [`MAX_TIMER`](crate::MAX_TIMER), 2^36 − 1 ms).
     pub fn with_window(mut self, window: Duration) -> Self {
         self.window = window;
         self
@@ -158,6 +162,15 @@ impl TrailingThrottleBuilder {
     /// Pass an `Arc` to share one store between throttles.
     pub fn with_store(mut self, store: impl WindowStore) -> Self {
         self.store = Some(Box::new(store));
+        self
+    }
+
+    /// Bounds every window store call (default [`DEFAULT_WINDOW_STORE_TIMEOUT`],
+    /// 1 s; 1 ms to [`MAX_TIMER`](crate::MAX_TIMER)). A call that takes
+    /// longer is abandoned and counts as a store failure: the throttle fails
+    /// open, as for an error.
+    pub fn with_store_timeout(mut self, timeout: Duration) -> Self {
+        self.store_timeout = timeout;
         self
     }
 
@@ -172,29 +185,33 @@ impl TrailingThrottleBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidKey`] for an empty prefix or one over
-    /// [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes, [`Error::InvalidArgument`]
-    /// for a window outside 1 ms ..= 2^31 − 1 ms, [`Error::Start`] if the
-    /// default runtime could not start.
+    /// [`Error::InvalidSetting`] naming the prefix for an empty prefix or
+    /// one over [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes, or for a window or
+    /// store timeout outside 1 ms ..= [`MAX_TIMER`](crate::MAX_TIMER);
+    /// [`Error::Start`] if the default runtime could not start.
     pub fn build<T: Clone + Send + Sync + 'static>(self) -> Result<TrailingThrottle<T>, Error> {
-        if self.prefix.is_empty() {
-            return Err(Error::InvalidKey {
-                key: String::new(),
-                reason: "prefix is empty",
-            });
+        let invalid = |what, reason| Error::InvalidSetting {
+            prefix: shown(&self.prefix),
+            what,
+            reason,
+        };
+        if check_key(&self.prefix).is_err() {
+            return Err(invalid(
+                "prefix",
+                if self.prefix.is_empty() {
+                    "must not be empty"
+                } else {
+                    "must be at most 1024 bytes"
+                },
+            ));
         }
-        if self.prefix.len() > MAX_KEY_LEN {
-            return Err(Error::InvalidKey {
-                key: shown(&self.prefix),
-                reason: "prefix is longer than 1024 bytes",
-            });
-        }
-        if self.window < Duration::from_millis(1) || self.window > MAX_WINDOW {
-            return Err(Error::InvalidArgument {
-                key: shown(&self.prefix),
-                what: "window",
-                reason: "must be between 1 ms and 2^31 - 1 ms",
-            });
+        for (what, d) in [
+            ("window", self.window),
+            ("store timeout", self.store_timeout),
+        ] {
+            if d < Duration::from_millis(1) || d > MAX_TIMER {
+                return Err(invalid(what, "must be between 1 ms and 2^36 - 1 ms"));
+            }
         }
         let runtime = match self.runtime {
             Some(runtime) => runtime,
@@ -217,6 +234,7 @@ impl TrailingThrottleBuilder {
             window: self.window,
             store,
             owns_store,
+            store_timeout: self.store_timeout,
         });
         Ok(TrailingThrottle { shared })
     }
@@ -232,8 +250,14 @@ impl TrailingThrottleBuilder {
 ///   never overlap; a window that passes with no calls closes the key and the
 ///   next call leads again.
 /// - A run covers a call if the call arrived before the run started
-///   executing; a call arriving while a function runs is covered by the next
-///   trailing run.
+///   executing its function (a call arriving while the leading run still
+///   claims its window is covered by that run); a call arriving while a
+///   function runs is covered by the next trailing run. Every run uses the
+///   latest function passed by the calls it covers.
+/// - A key whose window is open costs a timestamp in the registry and no
+///   process (with a trailing run pending, also an entry in the throttle's
+///   sleeper, which starts the key's process when the window ends); windows
+///   that are over are swept by the runtime's sweeper.
 ///
 /// Functions run in the key's own process: dropping a caller's future or a
 /// timeout never cancels them. A failed trailing run fails every waiter it
@@ -243,21 +267,30 @@ impl TrailingThrottleBuilder {
 /// # Window store
 ///
 /// Windows are also recorded in a [`WindowStore`] so instances sharing a
-/// store agree on who runs a key:
+/// store agree on who runs a key. Each run has its own owner token:
 ///
-/// - a run claims the key with `SET key <lapse> PX lease NX`, where the lease
-///   lasts max(window, 2 × max(window / 2, 100 ms)), and extends it every
-///   max(window / 2, 100 ms) while the function runs;
-/// - when the run ends, `SET key <window end> PX window` records the window;
-/// - an instance that loses the claim reads the value and retries just after
-///   it (at most one lease later); the call is coalesced meanwhile, and after
-///   10 losses in a row its pending calls fail with [`Error::Discarded`];
+/// - a run claims the key with [`WindowStore::claim`] (`SET … NX PX lease`),
+///   where the lease lasts max(window, 2 × max(window / 2, 100 ms)), and
+///   extends it every max(window / 2, 100 ms) while the function runs
+///   ([`WindowStore::extend`], only while the key is still its own);
+/// - when the run ends, [`WindowStore::record`] writes the window, again
+///   only if no other owner took the key over, so a run whose lease lapsed
+///   never overwrites the new holder;
+/// - an instance that loses the claim learns the holder's end in the same
+///   round trip and retries just after it (at most one lease later); the
+///   call is coalesced meanwhile, and after 10 losses in a row its pending
+///   calls fail with [`Error::Discarded`];
 /// - on a store passed in (maybe shared), a holder re-claims 5 ms after its
 ///   window ends, so an instance waiting for that end claims first instead of
 ///   losing every race to a holder that always has calls pending.
 ///
-/// A failing store never stops a run (fail open): in-memory state keeps
-/// throttling per instance.
+/// A misbehaving store never stops a run (fail open): an error, a panic or
+/// a call slower than the store timeout
+/// ([`TrailingThrottleBuilder::with_store_timeout`]) counts as a failure
+/// ([`TrailingStats::store_errors`], [`TrailingStats::store_timeouts`]) and
+/// in-memory state keeps throttling per instance, so runs of a key never
+/// come closer than the window. Store calls still in flight are abandoned
+/// when the throttle is destroyed (at a shutdown's deadline).
 ///
 /// A cheap handle: clones share the same keys.
 ///
@@ -426,16 +459,47 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
         cell.wait().await
     }
 
-    /// Live figures.
+    /// Live figures and counters.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use throttlebeam::Runtime;
+    ///
+    /// let runtime = Runtime::start().await?;
+    /// let sync = runtime.trailing_throttle("sync:").build::<u8>()?;
+    /// assert!(sync.call("a", |_| async { Ok::<_, std::io::Error>(1) }).await?);
+    /// assert!(!sync.call("a", |_| async { Ok::<_, std::io::Error>(2) }).await?);
+    /// let stats = sync.stats();
+    /// assert_eq!((stats.calls, stats.leading_runs, stats.coalesced, stats.pending), (2, 1, 1, 1));
+    /// # Ok(()) }
+    /// ```
     #[must_use]
     pub fn stats(&self) -> TrailingStats {
         let gauges = &self.shared.gauges;
+        let store = self.shared.store.stats();
+        let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         TrailingStats {
             active: gauges.active.load(Ordering::Relaxed),
             pending: gauges.pending.load(Ordering::Relaxed),
             keys: self.shared.registry.len(),
             timers: gauges.timers.load(Ordering::Relaxed),
+            store_keys: store.keys,
+            calls: count(&gauges.leads) + count(&gauges.coalesced),
+            leading_runs: count(&gauges.leading_runs),
+            trailing_runs: count(&gauges.trailing_runs),
+            coalesced: count(&gauges.coalesced),
+            store_errors: count(&gauges.store_errors),
+            store_timeouts: count(&gauges.store_timeouts),
+            evictions: store.evictions,
         }
+    }
+
+    /// The bound on every window store call.
+    #[must_use]
+    pub fn store_timeout(&self) -> Duration {
+        self.shared.store_timeout
     }
 
     /// The key namespace.

@@ -33,6 +33,17 @@ pub enum Error {
         /// What is wrong with it.
         reason: &'static str,
     },
+    /// A setting of a prefixed primitive (a coalescing throttle's prefix,
+    /// window or store timeout) is out of range.
+    #[error("{}", setting_message(prefix, what, reason))]
+    InvalidSetting {
+        /// The prefix (truncated to 64 bytes).
+        prefix: String,
+        /// Which setting (`"prefix"`, `"window"`, …).
+        what: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// Runtime configuration is out of range.
     #[error("invalid runtime configuration: {what} {reason}")]
     InvalidConfig {
@@ -101,12 +112,25 @@ pub enum Error {
         /// The key.
         key: String,
     },
-    /// An idempotency lease lapsed before completion; another caller may
-    /// have taken the key over, so this result was not stored.
+    /// An idempotency holder stopped renewing its lease before completing
+    /// (a live run or reservation renews it; this one's tokio runtime ended,
+    /// say) and another caller took the key over, so this result was not
+    /// stored.
     #[error("lease on idempotency key {key:?} lapsed before completion")]
     LeaseLost {
         /// The key.
         key: String,
+    },
+    /// Another call holds this idempotency key and is still running, and
+    /// this call asked not to wait
+    /// ([`InFlight::Reject`](crate::InFlight::Reject)); try again after
+    /// `retry_after` (Stripe's `idempotency_key_in_use`, HTTP 409).
+    #[error("idempotency key {key:?} is in flight; retry after {retry_after:?}")]
+    InFlight {
+        /// The key.
+        key: String,
+        /// When a retry may find the key completed (or free to take over).
+        retry_after: Duration,
     },
     /// The call was made outside a tokio runtime.
     #[error("no tokio runtime: throttlebeam must be called from inside a tokio runtime")]
@@ -141,7 +165,9 @@ impl Error {
             | Self::FingerprintMismatch { key }
             | Self::TypeMismatch { key }
             | Self::LeaseLost { key }
+            | Self::InFlight { key, .. }
             | Self::StoreUnavailable { key, .. } => Some(key),
+            Self::InvalidSetting { prefix, .. } => Some(prefix),
             Self::InvalidConfig { .. } | Self::NoTokio | Self::Start(_) => None,
         }
     }
@@ -185,5 +211,13 @@ impl Error {
             key: key.to_owned(),
             source: Arc::from(source.into()),
         }
+    }
+}
+
+fn setting_message(prefix: &str, what: &str, reason: &str) -> String {
+    if what == "prefix" {
+        format!("invalid prefix {prefix:?}: {reason}")
+    } else {
+        format!("invalid {what} for prefix {prefix:?}: {reason}")
     }
 }

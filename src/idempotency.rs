@@ -3,9 +3,11 @@
 //!
 //! A key in flight is a slot in the ledger's registry, claimed under one
 //! shard lock; its function runs in a per-key process, so the first caller
-//! going away does not cancel it. Completed results live in a store for
-//! their TTL (in memory: a TTL table swept by the runtime's sweeper), and a
-//! replay is a lookup and a clone: no process, no message.
+//! going away does not cancel it. The holder renews its lease while it is
+//! alive, so only a gone holder is ever taken over. Completed results live
+//! in a store for their TTL (in memory: a capped TTL table swept by the
+//! runtime's sweeper), and a replay is a lookup and a clone: no process, no
+//! message.
 
 mod claim;
 mod options;
@@ -14,6 +16,8 @@ mod store;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -21,25 +25,35 @@ use throttlebeam_supervisors::{Counters, Sweeper, catch_panic};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use self::claim::{Ledger, Settled, Step, Ticket, replay};
-pub use self::options::IdempotencyOptions;
-pub use self::reservation::{Reservation, Reserved};
-use self::store::MemoryStore;
+use self::claim::{Ledger, Settled, Step, Tally, Ticket};
+pub use self::options::{IdempotencyOptions, InFlight};
+pub use self::reservation::{IdempotencyReservation, IdempotencyReserved};
+use self::store::MemoryIdempotencyStore;
 use crate::error::Error;
 use crate::key::{check_key, shown};
 use crate::runtime::{Core, Runtime};
 
+/// Completed results a runtime keeps by default, see
+/// [`RuntimeBuilder::with_max_idempotency_results`](crate::RuntimeBuilder::with_max_idempotency_results).
+///
+/// A stored result costs roughly 200 bytes (table entry, digest, value
+/// cell, insertion-order slot) plus what its value holds, so 100,000 cost
+/// about 20 MiB: bounded for any host, and enough to keep every key of a
+/// service taking one new key a second for its whole default 24 h TTL. Past the cap the oldest results are evicted
+/// first, which is an early expiry: a retry of an evicted key runs again.
+pub const DEFAULT_MAX_IDEMPOTENCY_RESULTS: usize = 100_000;
+
 /// Whether an idempotent call ran its function or replayed a stored result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[must_use]
-pub enum Outcome<T> {
+pub enum IdempotencyOutcome<T> {
     /// This call ran the function; the value is also stored for replays.
     Fresh(T),
     /// Another call already ran it (or was running it); this is its value.
     Replay(T),
 }
 
-impl<T> Outcome<T> {
+impl<T> IdempotencyOutcome<T> {
     /// The value, fresh or replayed.
     pub fn into_inner(self) -> T {
         match self {
@@ -68,6 +82,47 @@ impl<T> Outcome<T> {
     }
 }
 
+/// Counters of a runtime's idempotent calls, from
+/// [`IdempotencyHandle::stats`]. Counts are since the runtime started;
+/// `stored_results` is a level.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+/// use throttlebeam::Runtime;
+///
+/// let idempotency = Runtime::start().await?.idempotency();
+/// for _ in 0..2 {
+///     let _ = idempotency.run("job:1", || async { Ok::<_, std::io::Error>(1) }).await?;
+/// }
+/// let stats = idempotency.stats();
+/// assert_eq!((stats.fresh, stats.replays, stats.stored_results), (1, 1, 1));
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[non_exhaustive]
+pub struct IdempotencyStats {
+    /// Calls that claimed their key and ran their function, or got an
+    /// [`IdempotencyReservation`].
+    pub fresh: u64,
+    /// Calls answered with a stored result.
+    pub replays: u64,
+    /// Calls refused with [`Error::FingerprintMismatch`].
+    pub fingerprint_mismatches: u64,
+    /// Keys taken over from a holder whose lease lapsed (a holder gone
+    /// without releasing its key).
+    pub takeovers: u64,
+    /// Duplicates refused at once with [`Error::InFlight`].
+    pub in_flight_rejections: u64,
+    /// Duplicates that gave up with [`Error::Timeout`].
+    pub timeouts: u64,
+    /// Results evicted by the cap before their TTL.
+    pub evictions: u64,
+    /// Results held now, expired ones not yet swept included.
+    pub stored_results: usize,
+}
+
 /// The idempotency part of a runtime: its ledger of keys in flight and its
 /// results store.
 pub(crate) struct State {
@@ -75,8 +130,13 @@ pub(crate) struct State {
 }
 
 impl State {
-    pub(crate) fn new(counters: Arc<Counters>, cap: usize, sweeper: &Sweeper) -> Self {
-        let store = MemoryStore::new(Arc::clone(&counters), sweeper);
+    pub(crate) fn new(
+        counters: Arc<Counters>,
+        cap: usize,
+        sweeper: &Sweeper,
+        max_results: usize,
+    ) -> Self {
+        let store = MemoryIdempotencyStore::new(Arc::clone(&counters), sweeper, max_results);
         Self {
             ledger: Arc::new(Ledger::new(counters, cap, Box::new(store))),
         }
@@ -85,45 +145,85 @@ impl State {
     pub(crate) fn shutdown(&self) {
         self.ledger.shutdown();
     }
+
+    /// This runtime's idempotency counters (also what the runtime's own
+    /// stats can aggregate).
+    pub(crate) fn stats(&self) -> IdempotencyStats {
+        stats_of(&self.ledger)
+    }
 }
 
 /// Idempotent calls on an explicit [`Runtime`]; from [`Runtime::idempotency`].
 ///
-/// A cheap handle (`Clone`). See [`Deduplicator::run`] for the behaviour and
-/// [`Idempotency`] for the same calls on the default runtime.
+/// A cheap handle (`Clone`). See [`IdempotencyHandle::run_with`] for the
+/// behaviour and [`Idempotency`] for the same calls on the default runtime.
 #[derive(Debug, Clone)]
-pub struct Deduplicator {
+pub struct IdempotencyHandle {
     runtime: Runtime,
 }
 
 impl Runtime {
     /// Idempotent calls on this runtime.
     #[must_use]
-    pub fn idempotency(&self) -> Deduplicator {
-        Deduplicator {
+    pub fn idempotency(&self) -> IdempotencyHandle {
+        IdempotencyHandle {
             runtime: self.clone(),
         }
     }
 }
 
-impl Deduplicator {
+impl IdempotencyHandle {
+    /// [`IdempotencyHandle::run_with`] with the default
+    /// [`IdempotencyOptions`]: no scope, no fingerprint, TTL 24 h, lease
+    /// 30 s, duplicates wait up to 30 s.
+    ///
+    /// # Errors
+    ///
+    /// As [`IdempotencyHandle::run_with`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use throttlebeam::{IdempotencyOutcome, Runtime};
+    ///
+    /// let idempotency = Runtime::start().await?.idempotency();
+    /// let send = || async { Ok::<_, std::io::Error>(7_u32) };
+    /// assert_eq!(idempotency.run("mail:7", send).await?, IdempotencyOutcome::Fresh(7));
+    /// assert_eq!(idempotency.run("mail:7", send).await?, IdempotencyOutcome::Replay(7));
+    /// # Ok(()) }
+    /// ```
+    pub async fn run<F, Fut, T, E>(&self, key: &str, f: F) -> Result<IdempotencyOutcome<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        self.run_with(key, IdempotencyOptions::new(), f).await
+    }
+
     /// Runs `f` at most once per key (within `options`' scope) and returns
     /// its value to this call and to every duplicate for the TTL.
     ///
     /// - No result and nobody holding the key: this call claims it, runs `f`
-    ///   and gets [`Outcome::Fresh`]; the value is stored for the TTL.
-    /// - A stored result: [`Outcome::Replay`] at once; `f` does not run.
-    /// - Another call holds the key: this one waits, up to the wait timeout,
-    ///   and gets that call's value as [`Outcome::Replay`]. If that call
-    ///   fails, panics or lets its lease lapse, one waiting duplicate takes
-    ///   over and runs its own `f`.
+    ///   and gets [`IdempotencyOutcome::Fresh`]; the value is stored for the TTL.
+    /// - A stored result: [`IdempotencyOutcome::Replay`] at once; `f` does not run.
+    /// - Another call holds the key: with [`InFlight::Wait`] (the default)
+    ///   this one waits, up to the wait timeout, and gets that call's value
+    ///   as [`IdempotencyOutcome::Replay`]; with [`InFlight::Reject`] it
+    ///   fails at once with [`Error::InFlight`]. If the holder fails,
+    ///   panics or is gone, one waiting duplicate takes over and runs its
+    ///   own `f`.
     ///
     /// `f` runs in the key's own process: dropping this future does not
     /// cancel it; it runs to the end and its result is stored and replayed.
-    /// If it fails or panics, nothing is stored and the key is released, so
-    /// a retry runs `f` again. The key is held for the lease only; a caller
-    /// arriving after it lapses takes the key over, and a late completion of
-    /// the old run is rejected.
+    /// While it runs, the process renews the key's lease every third of it,
+    /// so a live run is never taken over and never runs twice, however
+    /// long it takes. If `f` fails or panics, nothing is stored and the key
+    /// is released, so a retry runs `f` again. If the process itself ends
+    /// without finishing (its tokio runtime shut down, say), the key is
+    /// released too.
     ///
     /// # Errors
     ///
@@ -132,40 +232,45 @@ impl Deduplicator {
     ///   over-long scope): nothing runs.
     /// - [`Error::FingerprintMismatch`]: the key completed or is in flight
     ///   with another fingerprint; `f` does not run.
+    /// - [`Error::InFlight`]: with [`InFlight::Reject`], another call holds
+    ///   the key; `f` does not run.
     /// - [`Error::Timeout`]: this duplicate waited its wait timeout while the
     ///   first call was still running (which carries on and stores its result).
     /// - [`Error::Failed`], [`Error::Panicked`]: `f` ran here and failed.
-    /// - [`Error::LeaseLost`]: `f` ran here but finished after its lease
-    ///   lapsed and another call took the key over; its value was not stored.
+    /// - [`Error::LeaseLost`]: `f` ran here but its process stopped renewing
+    ///   the lease (it cannot while it runs, so only with a shared store
+    ///   whose instance was cut off) and another call took the key over;
+    ///   its value was not stored.
     /// - [`Error::TypeMismatch`]: the key's stored result is of another type.
     /// - [`Error::TooManyKeys`], [`Error::ShutDown`],
-    ///   [`Error::StoreUnavailable`].
+    ///   [`Error::StoreUnavailable`], [`Error::NoTokio`] (polled outside a
+    ///   tokio runtime).
     ///
     /// After shutdown began, a run whose `f` still finishes gets its value
-    /// as [`Outcome::Fresh`], but nothing is stored.
+    /// as [`IdempotencyOutcome::Fresh`], but nothing is stored.
     ///
     /// # Examples
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
-    /// use throttlebeam::{IdempotencyOptions, Outcome, Runtime};
+    /// use throttlebeam::{IdempotencyOptions, IdempotencyOutcome, Runtime};
     ///
-    /// let dedup = Runtime::start().await?.idempotency();
+    /// let idempotency = Runtime::start().await?.idempotency();
     /// let options = IdempotencyOptions::new().with_scope("tenant-1").with_fingerprint("order-9");
     /// let charge = || async { Ok::<_, std::io::Error>(String::from("ch_1")) };
     ///
-    /// let first = dedup.run("pay:9", charge, options.clone()).await?;
-    /// assert_eq!(first, Outcome::Fresh("ch_1".to_owned()));
-    /// let retry = dedup.run("pay:9", charge, options).await?;
-    /// assert_eq!(retry, Outcome::Replay("ch_1".to_owned()));
+    /// let first = idempotency.run_with("pay:9", options.clone(), charge).await?;
+    /// assert_eq!(first, IdempotencyOutcome::Fresh("ch_1".to_owned()));
+    /// let retry = idempotency.run_with("pay:9", options, charge).await?;
+    /// assert_eq!(retry, IdempotencyOutcome::Replay("ch_1".to_owned()));
     /// # Ok(()) }
     /// ```
-    pub async fn run<F, Fut, T, E>(
+    pub async fn run_with<F, Fut, T, E>(
         &self,
         key: &str,
-        f: F,
         options: IdempotencyOptions,
-    ) -> Result<Outcome<T>, Error>
+        f: F,
+    ) -> Result<IdempotencyOutcome<T>, Error>
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
@@ -176,45 +281,88 @@ impl Deduplicator {
         run_in(core, &core.idempotency.ledger, key, f, options).await
     }
 
+    /// The completed result of `key`, read at once without building a future
+    /// (the replay fast path of [`Deduplicator::run`]); `None` when the key has
+    /// no result yet or the store cannot answer at once.
+    #[cfg(feature = "http")]
+    pub(crate) fn try_replay<T>(
+        &self,
+        key: &str,
+        options: &IdempotencyOptions,
+    ) -> Result<Option<T>, Error>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        let core = &self.runtime.core;
+        fast_replay(core, &core.idempotency.ledger, key, options)
+    }
+
     /// Claims `key` by hand, for a result produced somewhere other than one
-    /// function call: returns the stored result as [`Reserved::Replay`], or
-    /// a [`Reservation`] to [`complete`](Reservation::complete) or
-    /// [`release`](Reservation::release).
+    /// function call: returns the stored result as
+    /// [`IdempotencyReserved::Replay`], or an [`IdempotencyReservation`] to
+    /// [`complete`](IdempotencyReservation::complete) or
+    /// [`release`](IdempotencyReservation::release).
     ///
-    /// A key in flight (another run or reservation) is waited for exactly as
-    /// [`Deduplicator::run`] waits: its result is replayed, or this call
-    /// takes the key over if the holder releases it, fails or lets its lease
-    /// lapse, or fails with [`Error::Timeout`] after the wait timeout.
+    /// The reservation renews the key's lease in the background for as long
+    /// as it exists, so it is never taken over while held; dropping it
+    /// unfinished releases the key. A key in flight (another run or
+    /// reservation) is handled exactly as [`IdempotencyHandle::run_with`]
+    /// does: waited for (its result replayed, or the key taken over if the
+    /// holder releases it, fails or is gone) or rejected, per the options.
     ///
     /// # Errors
     ///
-    /// As [`Deduplicator::run`], except the ones about running a function.
+    /// As [`IdempotencyHandle::run_with`], except the ones about running a
+    /// function.
     ///
     /// # Examples
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
-    /// use throttlebeam::{IdempotencyOptions, Reserved, Runtime};
+    /// use throttlebeam::{IdempotencyOptions, IdempotencyReserved, Runtime};
     ///
-    /// let dedup = Runtime::start().await?.idempotency();
-    /// let Reserved::Fresh(reservation) = dedup.reserve::<String>("job:4", IdempotencyOptions::new()).await? else {
+    /// let idempotency = Runtime::start().await?.idempotency();
+    /// let IdempotencyReserved::Fresh(reservation) =
+    ///     idempotency.reserve::<String>("job:4", IdempotencyOptions::new()).await?
+    /// else {
     ///     unreachable!("nobody else used job:4");
     /// };
     /// reservation.complete("done".to_owned()).await?;
-    /// let again = dedup.reserve::<String>("job:4", IdempotencyOptions::new()).await?;
-    /// assert!(matches!(again, Reserved::Replay(s) if s == "done"));
+    /// let again = idempotency.reserve::<String>("job:4", IdempotencyOptions::new()).await?;
+    /// assert!(matches!(again, IdempotencyReserved::Replay(s) if s == "done"));
     /// # Ok(()) }
     /// ```
     pub async fn reserve<T>(
         &self,
         key: &str,
         options: IdempotencyOptions,
-    ) -> Result<Reserved<T>, Error>
+    ) -> Result<IdempotencyReserved<T>, Error>
     where
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
     {
         let core = &self.runtime.core;
         reserve_in(core, &core.idempotency.ledger, key, options).await
+    }
+
+    /// Counters of this runtime's idempotent calls and its stored results.
+    #[must_use]
+    pub fn stats(&self) -> IdempotencyStats {
+        self.runtime.core.idempotency.stats()
+    }
+}
+
+fn stats_of(ledger: &Ledger) -> IdempotencyStats {
+    let tally = &ledger.tally;
+    let counts = ledger.store.counts();
+    IdempotencyStats {
+        fresh: tally.fresh.load(Ordering::Relaxed),
+        replays: tally.replays.load(Ordering::Relaxed),
+        fingerprint_mismatches: tally.fingerprint_mismatches.load(Ordering::Relaxed),
+        takeovers: tally.takeovers.load(Ordering::Relaxed),
+        in_flight_rejections: tally.in_flight_rejections.load(Ordering::Relaxed),
+        timeouts: tally.timeouts.load(Ordering::Relaxed),
+        evictions: counts.evictions,
+        stored_results: counts.stored,
     }
 }
 
@@ -223,22 +371,24 @@ impl Deduplicator {
 /// A client that retries a request sends the same key and gets the first
 /// request's result back instead of running the operation again, including
 /// while the first request is still running: duplicates wait for it and
-/// share its result. See [`Deduplicator::run`] for the details and
-/// [`IdempotencyOptions`] for scope, fingerprint, TTL, lease and wait
-/// timeout.
+/// share its result (or, with [`InFlight::Reject`], are told to retry
+/// later). See [`IdempotencyHandle::run_with`] for the details and
+/// [`IdempotencyOptions`] for scope, fingerprint, TTL, lease, wait timeout
+/// and in-flight policy.
 ///
 /// # Examples
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
-/// use throttlebeam::{Error, Idempotency, IdempotencyOptions, Outcome};
+/// use throttlebeam::{Error, Idempotency, IdempotencyOptions, IdempotencyOutcome};
 ///
 /// let options = IdempotencyOptions::new().with_scope("tenant-42").with_fingerprint("order-17");
-/// match Idempotency::run("key-from-client", || async { Ok::<_, std::io::Error>(1700_u64) }, options).await {
-///     Ok(Outcome::Fresh(charge)) => assert_eq!(charge, 1700), // ran in this call
-///     Ok(Outcome::Replay(charge)) => assert_eq!(charge, 1700), // another call ran it
-///     Err(Error::FingerprintMismatch { .. }) => {}            // key reused for another request
-///     Err(Error::Timeout { .. }) => {}                        // the first call is still running
+/// let charge = || async { Ok::<_, std::io::Error>(1700_u64) };
+/// match Idempotency::run_with("key-from-client", options, charge).await {
+///     Ok(IdempotencyOutcome::Fresh(charge)) => assert_eq!(charge, 1700), // ran in this call
+///     Ok(IdempotencyOutcome::Replay(charge)) => assert_eq!(charge, 1700), // another call ran it
+///     Err(Error::FingerprintMismatch { .. }) => {} // key reused for another request
+///     Err(Error::Timeout { .. }) => {}             // the first call is still running
 ///     Err(e) => return Err(e),
 /// }
 /// # Ok(()) }
@@ -247,33 +397,55 @@ impl Deduplicator {
 pub struct Idempotency;
 
 impl Idempotency {
-    /// [`Deduplicator::run`] on the default runtime.
+    /// [`IdempotencyHandle::run`] on the default runtime.
     ///
     /// # Errors
     ///
-    /// As [`Deduplicator::run`], plus [`Error::Start`] if the default runtime
-    /// could not start.
-    pub async fn run<F, Fut, T, E>(
-        key: &str,
-        f: F,
-        options: IdempotencyOptions,
-    ) -> Result<Outcome<T>, Error>
+    /// As [`IdempotencyHandle::run_with`], plus [`Error::Start`] if the
+    /// default runtime could not start.
+    pub async fn run<F, Fut, T, E>(key: &str, f: F) -> Result<IdempotencyOutcome<T>, Error>
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
-        Runtime::global()?.idempotency().run(key, f, options).await
+        Runtime::global()?.idempotency().run(key, f).await
     }
 
-    /// [`Deduplicator::reserve`] on the default runtime.
+    /// [`IdempotencyHandle::run_with`] on the default runtime.
     ///
     /// # Errors
     ///
-    /// As [`Deduplicator::reserve`], plus [`Error::Start`] if the default
-    /// runtime could not start.
-    pub async fn reserve<T>(key: &str, options: IdempotencyOptions) -> Result<Reserved<T>, Error>
+    /// As [`IdempotencyHandle::run_with`], plus [`Error::Start`] if the
+    /// default runtime could not start.
+    pub async fn run_with<F, Fut, T, E>(
+        key: &str,
+        options: IdempotencyOptions,
+        f: F,
+    ) -> Result<IdempotencyOutcome<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        Runtime::global()?
+            .idempotency()
+            .run_with(key, options, f)
+            .await
+    }
+
+    /// [`IdempotencyHandle::reserve`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// As [`IdempotencyHandle::reserve`], plus [`Error::Start`] if the
+    /// default runtime could not start.
+    pub async fn reserve<T>(
+        key: &str,
+        options: IdempotencyOptions,
+    ) -> Result<IdempotencyReserved<T>, Error>
     where
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
     {
@@ -287,8 +459,6 @@ enum Acquired<T> {
     Owner(Ticket),
 }
 
-/// Looks at the key until it replays, is held by this caller, or the wait
-/// timeout passes.
 /// The replay fast path, before any future is built: validates, then reads
 /// a completed result straight from a store that can answer at once.
 fn fast_replay<T>(
@@ -306,6 +476,18 @@ where
     ledger.try_replay(key, options, Instant::now()).transpose()
 }
 
+/// How long a rejected duplicate should wait before retrying: until its
+/// holder next has to show it is alive (a retry then replays, still finds
+/// the key in flight, or takes it over), at most a second, at least 1 ms.
+fn retry_hint(lease_until: Option<Instant>, now: Instant) -> Duration {
+    const MAX_HINT: Duration = Duration::from_secs(1);
+    lease_until
+        .map_or(Duration::ZERO, |lease| lease.saturating_duration_since(now))
+        .clamp(Duration::from_millis(1), MAX_HINT)
+}
+
+/// Looks at the key until it replays, is held by this caller, or the wait
+/// timeout passes (or, with [`InFlight::Reject`], until it is found in flight).
 async fn acquire<T>(
     core: &Core,
     ledger: &Arc<Ledger>,
@@ -324,25 +506,39 @@ where
         core.check_open(key)?;
         let (cell, lease_until) = match ledger.attempt(key, options, now).await? {
             Step::Replay(value) => return Ok(Acquired::Replay(value)),
-            Step::Owner(ticket) => return Ok(Acquired::Owner(ticket)),
+            Step::Owner(ticket) => {
+                Tally::bump(&ledger.tally.fresh);
+                return Ok(Acquired::Owner(ticket));
+            }
             Step::Wait { cell, lease_until } => (cell, lease_until),
         };
+        if options.in_flight() == InFlight::Reject {
+            Tally::bump(&ledger.tally.in_flight_rejections);
+            return Err(Error::InFlight {
+                key: shown(key),
+                retry_after: retry_hint(lease_until, now),
+            });
+        }
         let until = lease_until.map_or(deadline, |lease| lease.min(deadline));
         match tokio::time::timeout_at(until, cell.wait()).await {
             Ok(Ok(Settled::Done(record))) => {
-                return replay(&record, key, options.fingerprint()).map(Acquired::Replay);
+                return ledger
+                    .replay(&record, key, options.fingerprint().as_ref())
+                    .map(Acquired::Replay);
             }
             // Released, failed, taken over or shut down: look again.
             Ok(_) => now = Instant::now(),
             Err(_) => {
                 now = Instant::now();
                 if now >= deadline {
+                    Tally::bump(&ledger.tally.timeouts);
                     return Err(Error::Timeout {
                         key: shown(key),
                         after: options.wait_timeout(),
                     });
                 }
-                // Only the holder's lease lapsed: look again and take the key over.
+                // The holder's lease was due: look again. A live holder has
+                // renewed it (wait on); a gone one has not (take the key over).
             }
         }
     }
@@ -354,7 +550,7 @@ async fn run_in<F, Fut, T, E>(
     key: &str,
     f: F,
     options: IdempotencyOptions,
-) -> Result<Outcome<T>, Error>
+) -> Result<IdempotencyOutcome<T>, Error>
 where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = Result<T, E>> + Send + 'static,
@@ -362,16 +558,17 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
 {
     if let Some(value) = fast_replay(core, ledger, key, &options)? {
-        return Ok(Outcome::Replay(value));
+        return Ok(IdempotencyOutcome::Replay(value));
     }
     let ticket = match acquire(core, ledger, key, &options).await? {
-        Acquired::Replay(value) => return Ok(Outcome::Replay(value)),
+        Acquired::Replay(value) => return Ok(IdempotencyOutcome::Replay(value)),
         Acquired::Owner(ticket) => ticket,
     };
     let (tx, rx) = oneshot::channel();
-    // If the process never starts, dropping it drops the ticket: released.
+    // If the process never starts, or is dropped before it ends (its tokio
+    // runtime went away), dropping it drops the ticket: the key is released.
     core.start_process(key, async move {
-        let caught = catch_panic(async move { f().await }).await;
+        let caught = ticket.hold(catch_panic(async move { f().await })).await;
         let result = match Error::from_run(ticket.key(), caught) {
             Ok(value) => match ticket.complete(value.clone()).await {
                 Ok(()) | Err(Error::ShutDown { .. }) => Ok(value),
@@ -385,7 +582,7 @@ where
         let _ = tx.send(result);
     })?;
     match rx.await {
-        Ok(result) => result.map(Outcome::Fresh),
+        Ok(result) => result.map(IdempotencyOutcome::Fresh),
         Err(_) => Err(Error::process_lost(key)),
     }
 }
@@ -395,16 +592,16 @@ async fn reserve_in<T>(
     ledger: &Arc<Ledger>,
     key: &str,
     options: IdempotencyOptions,
-) -> Result<Reserved<T>, Error>
+) -> Result<IdempotencyReserved<T>, Error>
 where
     T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
 {
     if let Some(value) = fast_replay(core, ledger, key, &options)? {
-        return Ok(Reserved::Replay(value));
+        return Ok(IdempotencyReserved::Replay(value));
     }
     Ok(match acquire(core, ledger, key, &options).await? {
-        Acquired::Replay(value) => Reserved::Replay(value),
-        Acquired::Owner(ticket) => Reserved::Fresh(Reservation::new(ticket)),
+        Acquired::Replay(value) => IdempotencyReserved::Replay(value),
+        Acquired::Owner(ticket) => IdempotencyReserved::Fresh(IdempotencyReservation::new(ticket)?),
     })
 }
 
@@ -416,7 +613,7 @@ mod tests {
     use std::time::Duration;
     use tokio::time::Instant;
 
-    use super::store::{Form, Pending, Record, ResultStore};
+    use super::store::{Form, IdempotencyStore, Pending, Record};
     use super::*;
     use crate::error::BoxError;
 
@@ -424,29 +621,25 @@ mod tests {
     /// and answers after a round trip.
     #[derive(Default)]
     struct RemoteLike {
-        records: Mutex<HashMap<String, (Arc<Record>, Instant)>>,
+        records: Mutex<HashMap<String, (Record, Instant)>>,
         fail_puts: AtomicBool,
         /// Holds the next lookup's answer (read at call time) until fired.
         stall_next_get: Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
     }
 
-    impl ResultStore for RemoteLike {
+    impl IdempotencyStore for RemoteLike {
         fn form(&self) -> Form {
             Form::Encoded
         }
 
-        fn get(
-            &self,
-            key: &str,
-            now: Instant,
-        ) -> Pending<'_, Result<Option<Arc<Record>>, BoxError>> {
+        fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>> {
             let found = self
                 .records
                 .lock()
                 .unwrap()
                 .get(key)
                 .filter(|(_, expires_at)| *expires_at > now)
-                .map(|(record, _)| Arc::clone(record));
+                .map(|(record, _)| record.clone());
             let stall = self.stall_next_get.lock().unwrap().take();
             Pending::Later(Box::pin(async move {
                 if let Some(stall) = stall {
@@ -460,7 +653,7 @@ mod tests {
         fn put(
             &self,
             key: &str,
-            record: Arc<Record>,
+            record: Record,
             ttl: Duration,
         ) -> Pending<'_, Result<(), BoxError>> {
             let key = key.to_owned();
@@ -532,7 +725,7 @@ mod tests {
         let again = run_in(core, &ledger, "k", counted(&runs, 3), options.clone())
             .await
             .unwrap();
-        assert_eq!(again, Outcome::Replay(a.into_inner()));
+        assert_eq!(again, IdempotencyOutcome::Replay(a.into_inner()));
         assert_eq!(runs.load(Ordering::SeqCst), 1);
 
         let other_type = run_in(
@@ -631,28 +824,180 @@ mod tests {
 
         assert!(first.is_fresh());
         let late = late.await.unwrap().unwrap();
-        assert_eq!(late, Outcome::Replay(first.into_inner()));
+        assert_eq!(late, IdempotencyOutcome::Replay(first.into_inner()));
         assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    const SEC: Duration = Duration::from_secs(1);
+
+    #[tokio::test(start_paused = true)]
+    async fn a_holder_that_stops_renewing_is_taken_over_once_and_its_late_completion_is_fenced() {
+        let runtime = Runtime::builder().start().await.unwrap();
+        let ledger = Arc::clone(&runtime.core.idempotency.ledger);
+        let options = IdempotencyOptions::new().with_lease(SEC);
+        // A holder that claimed the key, then stopped renewing without
+        // releasing it: what a cut-off instance of a shared store looks like.
+        let Step::Owner(gone) = ledger
+            .attempt::<Charge>("k", &options, Instant::now())
+            .await
+            .unwrap()
+        else {
+            panic!("k is new");
+        };
+        let start = Instant::now();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let duplicates: Vec<_> = (1..=3)
+            .map(|id| {
+                let (runtime, ledger, f) =
+                    (runtime.clone(), Arc::clone(&ledger), counted(&runs, id));
+                let options = options.clone();
+                tokio::spawn(async move { run_in(&runtime.core, &ledger, "k", f, options).await })
+            })
+            .collect();
+        tokio::time::sleep(SEC + Duration::from_millis(5)).await;
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "one duplicate took over at 1 s"
+        );
+
+        // The old holder wakes up while the new one runs: fenced off.
+        let late = gone
+            .complete(Charge {
+                id: 9,
+                note: "stale".to_owned(),
+            })
+            .await;
+        assert!(
+            matches!(late, Err(Error::LeaseLost { ref key }) if key == "k"),
+            "{late:?}"
+        );
+
+        let mut outcomes = Vec::new();
+        for duplicate in duplicates {
+            outcomes.push(duplicate.await.unwrap().unwrap());
+        }
+        assert_eq!(start.elapsed(), SEC + Duration::from_millis(10));
+        assert_eq!(outcomes.iter().filter(|o| o.is_fresh()).count(), 1);
+        assert!(
+            outcomes.iter().all(|o| o.value().id != 9),
+            "the stale value was not handed out"
+        );
+        let value = outcomes[0].value().clone();
+        assert!(outcomes.iter().all(|o| *o.value() == value));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        let stats = stats_of(&ledger);
+        assert_eq!(
+            (stats.takeovers, stats.fresh, stats.replays),
+            (1, 1, 2),
+            "{stats:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_one_mib_fingerprint_is_kept_as_its_32_byte_digest() {
+        use sha2::{Digest, Sha256};
+
+        let runtime = Runtime::builder().start().await.unwrap();
+        let core = &runtime.core;
+        let ledger = Arc::clone(&core.idempotency.ledger);
+        let body = vec![b'x'; 1 << 20];
+        let options = IdempotencyOptions::new().with_fingerprint(&body);
+        assert!(std::mem::size_of_val(&options) <= 128);
+
+        let fresh = run_in(
+            core,
+            &ledger,
+            "k",
+            || async { Ok::<_, std::io::Error>(7_u64) },
+            options.clone(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(fresh, IdempotencyOutcome::Fresh(7));
+
+        let record = claim::with_full_key(None, "k", |full| ledger.store.get(full, Instant::now()))
+            .resolve()
+            .await
+            .unwrap()
+            .unwrap();
+        let digest: [u8; 32] = Sha256::digest(&body).into();
+        assert_eq!(record.fingerprint(), Some(&digest));
+        // Digest and value in one allocation: 33 + 8 bytes, padded.
+        assert!(record.footprint() <= 48, "{} bytes", record.footprint());
+    }
+
+    /// Collects what a `tracing` subscriber writes.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn evictions_are_logged_at_warn_at_most_once_a_minute() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let warnings = || {
+            String::from_utf8(captured.0.lock().unwrap().clone())
+                .unwrap()
+                .matches("idempotency results evicted")
+                .count()
+        };
+        let idem = Runtime::builder()
+            .with_max_idempotency_results(1)
+            .start()
+            .await
+            .unwrap()
+            .idempotency();
+        let run = |key: String| {
+            let idem = idem.clone();
+            async move {
+                idem.run(&key, || async { Ok::<_, std::io::Error>(1_u8) })
+                    .await
+                    .unwrap()
+            }
+        };
+
+        for i in 0..10 {
+            let _ = run(format!("a{i}")).await;
+        }
+        assert_eq!((idem.stats().evictions, warnings()), (9, 1));
+        tokio::time::sleep(Duration::from_secs(59)).await;
+        let _ = run("b".to_owned()).await;
+        assert_eq!((idem.stats().evictions, warnings()), (10, 1));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let _ = run("c".to_owned()).await;
+        assert_eq!((idem.stats().evictions, warnings()), (11, 2));
     }
 
     /// Lets a test keep a handle on the store it gives the ledger.
     struct Shared(Arc<RemoteLike>);
 
-    impl ResultStore for Shared {
+    impl IdempotencyStore for Shared {
         fn form(&self) -> Form {
             self.0.form()
         }
-        fn get(
-            &self,
-            key: &str,
-            now: Instant,
-        ) -> Pending<'_, Result<Option<Arc<Record>>, BoxError>> {
+        fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>> {
             self.0.get(key, now)
         }
         fn put(
             &self,
             key: &str,
-            record: Arc<Record>,
+            record: Record,
             ttl: Duration,
         ) -> Pending<'_, Result<(), BoxError>> {
             self.0.put(key, record, ttl)

@@ -26,8 +26,9 @@
 //! | [`Debounce`] / [`Debouncer`] | run once a key has been quiet for a delay; latest function wins; `max_wait`, leading edge, cancel, flush |
 //! | [`Throttle`] / [`Throttler`] | leading edge: run now, or [`Throttled::Throttled`] with the time left |
 //! | [`TrailingThrottle`] | leading + trailing throttle: calls in a window coalesce into one trailing run whose value every covered caller can await |
-//! | [`Idempotency`] / [`Deduplicator`] | run at most once per key; duplicates in flight wait and share the result; results replayed for a TTL |
+//! | [`Idempotency`] / [`IdempotencyHandle`] | run at most once per key; duplicates in flight wait and share the result (or fail fast with a retry hint); a live run is never taken over; results replayed for a TTL, capped |
 //! | [`rate_limit`] | pure strategies (GCRA, token bucket, fixed and sliding window, leaky-bucket shaper), decisions, forecasts, the decision algebra, headers, an enforcer, client-IP and HMAC keys |
+//! | `http` (feature) | tower layers: `IdempotencyLayer` (`Idempotency-Key`) and `RateLimitLayer` |
 //! | [`Runtime`] | the runtime: a default one that starts itself, or explicit instances a host can supervise |
 //!
 //! # How it works
@@ -56,6 +57,8 @@ pub mod clock;
 mod coalesce;
 mod debounce;
 mod error;
+#[cfg(feature = "http")]
+pub mod http;
 mod idempotency;
 mod key;
 pub mod rate_limit;
@@ -64,13 +67,15 @@ pub mod store;
 mod throttle;
 
 pub use coalesce::{
-    MemoryWindowStore, Phase, SetOptions, TrailingStats, TrailingThrottle, TrailingThrottleBuilder,
-    WindowStore, WindowStoreError, WindowStoreFuture,
+    DEFAULT_WINDOW_STORE_KEYS, DEFAULT_WINDOW_STORE_TIMEOUT, MemoryWindowStore, Phase,
+    TrailingStats, TrailingThrottle, TrailingThrottleBuilder, WindowClaim, WindowEntry,
+    WindowStore, WindowStoreError, WindowStoreFuture, WindowStoreStats,
 };
 pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
 pub use error::{BoxError, Error};
 pub use idempotency::{
-    Deduplicator, Idempotency, IdempotencyOptions, Outcome, Reservation, Reserved,
+    DEFAULT_MAX_IDEMPOTENCY_RESULTS, Idempotency, IdempotencyHandle, IdempotencyOptions,
+    IdempotencyOutcome, IdempotencyReservation, IdempotencyReserved, IdempotencyStats, InFlight,
 };
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
 pub use runtime::{Runtime, RuntimeBuilder, RuntimeClock, ShutdownPolicy, ShutdownReport, Stats};

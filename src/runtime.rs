@@ -60,6 +60,7 @@ pub struct RuntimeBuilder {
     policy: ShutdownPolicy,
     partitions: Option<usize>,
     clock: RuntimeClock,
+    max_idempotency_results: usize,
 }
 
 impl Default for RuntimeBuilder {
@@ -70,6 +71,7 @@ impl Default for RuntimeBuilder {
             policy: ShutdownPolicy::Flush,
             partitions: None,
             clock: RuntimeClock::Auto,
+            max_idempotency_results: idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS,
         }
     }
 }
@@ -86,6 +88,17 @@ impl RuntimeBuilder {
     /// with [`Error::TooManyKeys`]. Unlimited by default.
     pub fn with_max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = Some(max_keys);
+        self
+    }
+
+    /// Caps the completed idempotency results kept (default
+    /// [`DEFAULT_MAX_IDEMPOTENCY_RESULTS`](crate::DEFAULT_MAX_IDEMPOTENCY_RESULTS)):
+    /// past it the oldest are evicted first, an early expiry that is
+    /// counted in [`IdempotencyStats::evictions`](crate::IdempotencyStats)
+    /// and logged at warn at most once a minute. Keys in flight are capped
+    /// by [`with_max_keys`](Self::with_max_keys) instead.
+    pub fn with_max_idempotency_results(mut self, max_results: usize) -> Self {
+        self.max_idempotency_results = max_results;
         self
     }
 
@@ -112,7 +125,8 @@ impl RuntimeBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for a zero sweep interval or a zero key cap,
+    /// [`Error::InvalidConfig`] for a zero sweep interval, a zero key cap or
+    /// a zero idempotency results cap,
     /// [`Error::Start`] if the supervision tree fails to start.
     pub async fn start(self) -> Result<Runtime, Error> {
         self.spawn(None).await
@@ -136,6 +150,12 @@ impl RuntimeBuilder {
             return Err(Error::InvalidConfig {
                 what: "sweep interval",
                 reason: "must be between 1 ns and 2^36 - 1 ms",
+            });
+        }
+        if self.max_idempotency_results == 0 {
+            return Err(Error::InvalidConfig {
+                what: "max idempotency results",
+                reason: "must be greater than zero",
             });
         }
         if self.max_keys == Some(0) {
@@ -164,7 +184,12 @@ impl RuntimeBuilder {
             router: ahash::RandomState::new(),
             debounce: debounce::State::new(counters.clone(), cap),
             throttle: throttle::State::new(counters.clone(), cap, &sweeper, clock.clone()),
-            idempotency: idempotency::State::new(counters.clone(), cap, &sweeper),
+            idempotency: idempotency::State::new(
+                counters.clone(),
+                cap,
+                &sweeper,
+                self.max_idempotency_results,
+            ),
             tree,
             counters,
             cap,

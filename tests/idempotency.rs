@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use throttlebeam::{
-    Deduplicator, Error, IdempotencyOptions, MAX_KEY_LEN, MAX_TIMER, Outcome, Reserved, Runtime,
+    Error, IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, IdempotencyReserved,
+    InFlight, MAX_KEY_LEN, MAX_TIMER, Runtime,
 };
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
@@ -19,10 +20,10 @@ type Op<T> = Box<dyn FnOnce() -> Pin<Box<dyn Future<Output = io::Result<T>> + Se
 const MS: Duration = Duration::from_millis(1);
 const SEC: Duration = Duration::from_secs(1);
 
-async fn dedup() -> (Runtime, Deduplicator) {
+async fn idempotency() -> (Runtime, IdempotencyHandle) {
     let runtime = Runtime::builder().start().await.unwrap();
-    let dedup = runtime.idempotency();
-    (runtime, dedup)
+    let idem = runtime.idempotency();
+    (runtime, idem)
 }
 
 fn runs() -> Arc<AtomicUsize> {
@@ -70,16 +71,16 @@ fn panicking(runs: &Arc<AtomicUsize>, took: Duration) -> Op<u32> {
 }
 
 fn spawn_run<T>(
-    dedup: &Deduplicator,
+    idem: &IdempotencyHandle,
     key: &'static str,
     f: Op<T>,
     options: IdempotencyOptions,
-) -> JoinHandle<Result<Outcome<T>, Error>>
+) -> JoinHandle<Result<IdempotencyOutcome<T>, Error>>
 where
     T: serde::Serialize + serde::de::DeserializeOwned + Clone + Send + Sync + 'static,
 {
-    let dedup = dedup.clone();
-    tokio::spawn(async move { dedup.run(key, f, options).await })
+    let idem = idem.clone();
+    tokio::spawn(async move { idem.run_with(key, options, f).await })
 }
 
 fn opts() -> IdempotencyOptions {
@@ -88,25 +89,25 @@ fn opts() -> IdempotencyOptions {
 
 #[tokio::test(start_paused = true)]
 async fn i1_a_sequential_retry_replays_the_first_value() {
-    let (_rt, dedup) = dedup().await;
+    let (_rt, idem) = idempotency().await;
     let runs = runs();
 
-    let first = dedup.run("pay:1", op(&runs, MS, 100_u32), opts()).await;
-    let second = dedup.run("pay:1", op(&runs, MS, 200_u32), opts()).await;
+    let first = idem.run("pay:1", op(&runs, MS, 100_u32)).await;
+    let second = idem.run("pay:1", op(&runs, MS, 200_u32)).await;
 
-    assert_eq!(first.unwrap(), Outcome::Fresh(100));
-    assert_eq!(second.unwrap(), Outcome::Replay(100));
+    assert_eq!(first.unwrap(), IdempotencyOutcome::Fresh(100));
+    assert_eq!(second.unwrap(), IdempotencyOutcome::Replay(100));
     assert_eq!(count(&runs), 1);
 }
 
 #[tokio::test(start_paused = true)]
 async fn i2_concurrent_duplicates_share_one_execution() {
-    let (_rt, dedup) = dedup().await;
+    let (_rt, idem) = idempotency().await;
     let runs = runs();
     let start = Instant::now();
 
     let calls: Vec<_> = (0..5_u32)
-        .map(|i| spawn_run(&dedup, "pay:2", op(&runs, 100 * MS, i), opts()))
+        .map(|i| spawn_run(&idem, "pay:2", op(&runs, 100 * MS, i), opts()))
         .collect();
     let mut outcomes = Vec::new();
     for call in calls {
@@ -126,14 +127,14 @@ async fn i2_concurrent_duplicates_share_one_execution() {
 
 #[tokio::test(start_paused = true)]
 async fn i3_a_duplicate_times_out_while_the_first_run_continues_and_stores() {
-    let (_rt, dedup) = dedup().await;
+    let (_rt, idem) = idempotency().await;
     let runs = runs();
     let start = Instant::now();
-    let first = spawn_run(&dedup, "pay:3", op(&runs, 5 * SEC, 7_u32), opts());
+    let first = spawn_run(&idem, "pay:3", op(&runs, 5 * SEC, 7_u32), opts());
     tokio::task::yield_now().await;
 
-    let duplicate = dedup
-        .run("pay:3", op(&runs, MS, 8_u32), opts().with_wait_timeout(SEC))
+    let duplicate = idem
+        .run_with("pay:3", opts().with_wait_timeout(SEC), op(&runs, MS, 8_u32))
         .await;
 
     let err = duplicate.unwrap_err();
@@ -145,74 +146,90 @@ async fn i3_a_duplicate_times_out_while_the_first_run_continues_and_stores() {
     assert_eq!(start.elapsed(), SEC);
     assert_eq!(count(&runs), 1, "the duplicate's function never ran");
 
-    assert_eq!(first.await.unwrap().unwrap(), Outcome::Fresh(7));
+    assert_eq!(first.await.unwrap().unwrap(), IdempotencyOutcome::Fresh(7));
     assert_eq!(start.elapsed(), 5 * SEC);
-    let later = dedup.run("pay:3", op(&runs, MS, 9_u32), opts()).await;
-    assert_eq!(later.unwrap(), Outcome::Replay(7));
+    let later = idem.run("pay:3", op(&runs, MS, 9_u32)).await;
+    assert_eq!(later.unwrap(), IdempotencyOutcome::Replay(7));
     assert_eq!(count(&runs), 1);
 }
 
 #[tokio::test(start_paused = true)]
 async fn i4_a_different_fingerprint_is_rejected_without_running() {
-    let (_rt, dedup) = dedup().await;
+    let (_rt, idem) = idempotency().await;
     let runs = runs();
     let order = |fp: &str| opts().with_fingerprint(fp);
 
     // Completed key.
-    let first = dedup.run("pay:4", op(&runs, MS, 1_u32), order("a")).await;
-    assert_eq!(first.unwrap(), Outcome::Fresh(1));
-    let other = dedup.run("pay:4", op(&runs, MS, 2_u32), order("b")).await;
+    let first = idem
+        .run_with("pay:4", order("a"), op(&runs, MS, 1_u32))
+        .await;
+    assert_eq!(first.unwrap(), IdempotencyOutcome::Fresh(1));
+    let other = idem
+        .run_with("pay:4", order("b"), op(&runs, MS, 2_u32))
+        .await;
     assert!(matches!(other, Err(Error::FingerprintMismatch { ref key }) if key == "pay:4"));
-    let none = dedup.run("pay:4", op(&runs, MS, 3_u32), opts()).await;
+    let none = idem.run("pay:4", op(&runs, MS, 3_u32)).await;
     assert!(matches!(none, Err(Error::FingerprintMismatch { .. })));
-    let same = dedup.run("pay:4", op(&runs, MS, 4_u32), order("a")).await;
-    assert_eq!(same.unwrap(), Outcome::Replay(1));
+    let same = idem
+        .run_with("pay:4", order("a"), op(&runs, MS, 4_u32))
+        .await;
+    assert_eq!(same.unwrap(), IdempotencyOutcome::Replay(1));
 
     // Key in flight: rejected at once, not after waiting.
     let start = Instant::now();
-    let busy = spawn_run(&dedup, "pay:4b", op(&runs, 10 * SEC, 5_u32), order("a"));
+    let busy = spawn_run(&idem, "pay:4b", op(&runs, 10 * SEC, 5_u32), order("a"));
     tokio::task::yield_now().await;
-    let other = dedup.run("pay:4b", op(&runs, MS, 6_u32), order("b")).await;
+    let other = idem
+        .run_with("pay:4b", order("b"), op(&runs, MS, 6_u32))
+        .await;
     assert!(matches!(other, Err(Error::FingerprintMismatch { .. })));
     assert_eq!(start.elapsed(), Duration::ZERO);
-    assert_eq!(busy.await.unwrap().unwrap(), Outcome::Fresh(5));
+    assert_eq!(busy.await.unwrap().unwrap(), IdempotencyOutcome::Fresh(5));
 
     assert_eq!(count(&runs), 2, "only the two first runs executed");
 }
 
 #[tokio::test(start_paused = true)]
 async fn i4_the_same_key_in_another_scope_is_independent() {
-    let (_rt, dedup) = dedup().await;
+    let (_rt, idem) = idempotency().await;
     let runs = runs();
     let tenant = |t: &str| opts().with_scope(t).with_fingerprint("same");
 
-    let a = dedup.run("pay:5", op(&runs, MS, 1_u32), tenant("t1")).await;
-    let b = dedup.run("pay:5", op(&runs, MS, 2_u32), tenant("t2")).await;
-    let unscoped = dedup
-        .run(
+    let a = idem
+        .run_with("pay:5", tenant("t1"), op(&runs, MS, 1_u32))
+        .await;
+    let b = idem
+        .run_with("pay:5", tenant("t2"), op(&runs, MS, 2_u32))
+        .await;
+    let unscoped = idem
+        .run_with(
             "pay:5",
-            op(&runs, MS, 3_u32),
             opts().with_fingerprint("same"),
+            op(&runs, MS, 3_u32),
         )
         .await;
-    let a_again = dedup.run("pay:5", op(&runs, MS, 4_u32), tenant("t1")).await;
+    let a_again = idem
+        .run_with("pay:5", tenant("t1"), op(&runs, MS, 4_u32))
+        .await;
     // A scope is not glued onto the key: ("t", "1pay") and ("t1", "pay") differ.
-    let glued = dedup.run("1pay:5", op(&runs, MS, 5_u32), tenant("t")).await;
+    let glued = idem
+        .run_with("1pay:5", tenant("t"), op(&runs, MS, 5_u32))
+        .await;
 
-    assert_eq!(a.unwrap(), Outcome::Fresh(1));
-    assert_eq!(b.unwrap(), Outcome::Fresh(2));
-    assert_eq!(unscoped.unwrap(), Outcome::Fresh(3));
-    assert_eq!(a_again.unwrap(), Outcome::Replay(1));
-    assert_eq!(glued.unwrap(), Outcome::Fresh(5));
+    assert_eq!(a.unwrap(), IdempotencyOutcome::Fresh(1));
+    assert_eq!(b.unwrap(), IdempotencyOutcome::Fresh(2));
+    assert_eq!(unscoped.unwrap(), IdempotencyOutcome::Fresh(3));
+    assert_eq!(a_again.unwrap(), IdempotencyOutcome::Replay(1));
+    assert_eq!(glued.unwrap(), IdempotencyOutcome::Fresh(5));
     assert_eq!(count(&runs), 4);
 }
 
 #[tokio::test(start_paused = true)]
 async fn i5_an_error_or_a_panic_releases_the_key_and_a_retry_runs_again() {
-    let (rt, dedup) = dedup().await;
+    let (rt, idem) = idempotency().await;
     let runs = runs();
 
-    let failed = dedup.run("pay:6", failing(&runs, MS), opts()).await;
+    let failed = idem.run("pay:6", failing(&runs, MS)).await;
     let err = failed.unwrap_err();
     assert!(
         matches!(&err, Error::Failed { key, .. } if key == "pay:6"),
@@ -220,16 +237,16 @@ async fn i5_an_error_or_a_panic_releases_the_key_and_a_retry_runs_again() {
     );
     let source = std::error::Error::source(&err).map(ToString::to_string);
     assert_eq!(source.as_deref(), Some("card declined"));
-    let retry = dedup.run("pay:6", op(&runs, MS, 1_u32), opts()).await;
-    assert_eq!(retry.unwrap(), Outcome::Fresh(1));
+    let retry = idem.run("pay:6", op(&runs, MS, 1_u32)).await;
+    assert_eq!(retry.unwrap(), IdempotencyOutcome::Fresh(1));
 
-    let panicked = dedup.run("pay:7", panicking(&runs, MS), opts()).await;
+    let panicked = idem.run("pay:7", panicking(&runs, MS)).await;
     assert!(
         matches!(&panicked, Err(Error::Panicked { message, .. }) if message == "gateway exploded"),
         "{panicked:?}"
     );
-    let retry = dedup.run("pay:7", op(&runs, MS, 2_u32), opts()).await;
-    assert_eq!(retry.unwrap(), Outcome::Fresh(2));
+    let retry = idem.run("pay:7", op(&runs, MS, 2_u32)).await;
+    assert_eq!(retry.unwrap(), IdempotencyOutcome::Fresh(2));
 
     assert_eq!(count(&runs), 4);
     assert_eq!(rt.stats().keys, 0);
@@ -238,7 +255,7 @@ async fn i5_an_error_or_a_panic_releases_the_key_and_a_retry_runs_again() {
 
 #[tokio::test(start_paused = true)]
 async fn i5_waiting_duplicates_take_over_after_a_failure_and_a_panic() {
-    let (_rt, dedup) = dedup().await;
+    let (_rt, idem) = idempotency().await;
     for (key, first) in [
         (
             "pay:8",
@@ -248,10 +265,10 @@ async fn i5_waiting_duplicates_take_over_after_a_failure_and_a_panic() {
     ] {
         let runs = runs();
         let start = Instant::now();
-        let owner = spawn_run(&dedup, key, first(&runs, SEC), opts());
+        let owner = spawn_run(&idem, key, first(&runs, SEC), opts());
         tokio::task::yield_now().await;
-        let b = spawn_run(&dedup, key, op(&runs, 2 * SEC, 20_u32), opts());
-        let c = spawn_run(&dedup, key, op(&runs, 2 * SEC, 30_u32), opts());
+        let b = spawn_run(&idem, key, op(&runs, 2 * SEC, 20_u32), opts());
+        let c = spawn_run(&idem, key, op(&runs, 2 * SEC, 30_u32), opts());
 
         assert!(owner.await.unwrap().is_err());
         let (b, c) = (b.await.unwrap().unwrap(), c.await.unwrap().unwrap());
@@ -269,129 +286,297 @@ async fn i5_waiting_duplicates_take_over_after_a_failure_and_a_panic() {
 
 #[tokio::test(start_paused = true)]
 async fn i6_the_owner_task_going_away_does_not_stop_the_operation() {
-    let (_rt, dedup) = dedup().await;
+    let (_rt, idem) = idempotency().await;
     let runs = runs();
     let start = Instant::now();
-    let owner = spawn_run(&dedup, "pay:10", op(&runs, 5 * SEC, 1_u32), opts());
+    let owner = spawn_run(&idem, "pay:10", op(&runs, 5 * SEC, 1_u32), opts());
     sleep(SEC).await;
     owner.abort();
     assert!(owner.await.unwrap_err().is_cancelled());
 
-    let duplicate = dedup.run("pay:10", op(&runs, MS, 2_u32), opts()).await;
+    let duplicate = idem.run("pay:10", op(&runs, MS, 2_u32)).await;
 
-    assert_eq!(duplicate.unwrap(), Outcome::Replay(1));
+    assert_eq!(duplicate.unwrap(), IdempotencyOutcome::Replay(1));
     assert_eq!(start.elapsed(), 5 * SEC);
     assert_eq!(count(&runs), 1);
 }
 
 #[tokio::test(start_paused = true)]
-async fn i6_a_lapsed_lease_lets_the_next_caller_take_over_and_the_stale_completion_is_rejected() {
-    let (rt, dedup) = dedup().await;
+async fn i6_an_owner_slower_than_its_lease_runs_once_and_its_result_is_stored() {
+    let (rt, idem) = idempotency().await;
     let runs = runs();
     let leased = || opts().with_lease(SEC);
     let start = Instant::now();
-    let old = spawn_run(
-        &dedup,
+    let owner = spawn_run(
+        &idem,
         "pay:11",
-        op(&runs, 5 * SEC, "old".to_owned()),
+        op(&runs, 5 * SEC, "first".to_owned()),
         leased(),
     );
 
+    // Well past the lease, the owner is alive: duplicates wait for it.
     sleep(2 * SEC).await;
-    let new = dedup
-        .run("pay:11", op(&runs, SEC, "new".to_owned()), leased())
+    let waiter = spawn_run(
+        &idem,
+        "pay:11",
+        op(&runs, SEC, "second".to_owned()),
+        leased(),
+    );
+    let impatient = idem
+        .run_with(
+            "pay:11",
+            leased().with_wait_timeout(SEC),
+            op(&runs, SEC, "third".to_owned()),
+        )
         .await;
-    assert_eq!(new.unwrap(), Outcome::Fresh("new".to_owned()));
+    assert!(
+        matches!(impatient, Err(Error::Timeout { ref key, after }) if key == "pay:11" && after == SEC),
+        "{impatient:?}"
+    );
     assert_eq!(start.elapsed(), 3 * SEC);
 
-    let stale = old.await.unwrap();
-    assert!(
-        matches!(stale, Err(Error::LeaseLost { ref key }) if key == "pay:11"),
-        "{stale:?}"
+    assert_eq!(
+        owner.await.unwrap().unwrap(),
+        IdempotencyOutcome::Fresh("first".to_owned()),
+        "the first caller never loses a live run"
+    );
+    assert_eq!(
+        waiter.await.unwrap().unwrap(),
+        IdempotencyOutcome::Replay("first".to_owned())
     );
     assert_eq!(start.elapsed(), 5 * SEC);
-    let replay = dedup
-        .run("pay:11", op(&runs, MS, "third".to_owned()), leased())
-        .await;
+    let later = idem.run("pay:11", op(&runs, MS, "fourth".to_owned())).await;
     assert_eq!(
-        replay.unwrap(),
-        Outcome::Replay("new".to_owned()),
-        "the stale value was not stored"
+        later.unwrap(),
+        IdempotencyOutcome::Replay("first".to_owned())
     );
-    assert_eq!(count(&runs), 2);
+    assert_eq!(count(&runs), 1, "never executed twice");
+    let stats = idem.stats();
+    assert_eq!(
+        (stats.fresh, stats.replays, stats.takeovers, stats.timeouts),
+        (1, 2, 0, 1),
+        "{stats:?}"
+    );
     assert_eq!((rt.stats().keys, rt.stats().processes), (0, 0));
 }
 
 #[tokio::test(start_paused = true)]
-async fn i6_a_stale_completion_while_the_new_holder_runs_is_fenced_off() {
-    let (_rt, dedup) = dedup().await;
+async fn i6_a_live_owner_is_never_taken_over_however_long_it_runs() {
+    let (_rt, idem) = idempotency().await;
     let runs = runs();
+    let hour = Duration::from_secs(3600);
     let start = Instant::now();
-    let old = spawn_run(
-        &dedup,
-        "pay:16",
-        op(&runs, 5 * SEC, 1_u32),
-        opts().with_lease(SEC),
-    );
-    sleep(2 * SEC).await;
-    let new = spawn_run(&dedup, "pay:16", op(&runs, 10 * SEC, 2_u32), opts());
-    sleep(SEC).await;
-    let waiter = spawn_run(&dedup, "pay:16", op(&runs, MS, 3_u32), opts());
-
-    // The old holder finishes at 5 s, while the new one still runs.
-    let stale = old.await.unwrap();
-    assert!(matches!(stale, Err(Error::LeaseLost { .. })), "{stale:?}");
-    assert_eq!(start.elapsed(), 5 * SEC);
-    assert!(!waiter.is_finished(), "the stale value was not handed out");
-
-    assert_eq!(new.await.unwrap().unwrap(), Outcome::Fresh(2));
-    assert_eq!(waiter.await.unwrap().unwrap(), Outcome::Replay(2));
-    assert_eq!(start.elapsed(), 12 * SEC);
-    assert_eq!(count(&runs), 2);
-}
-
-#[tokio::test(start_paused = true)]
-async fn i6_a_waiting_duplicate_takes_over_when_the_lease_lapses() {
-    let (_rt, dedup) = dedup().await;
-    let runs = runs();
-    let start = Instant::now();
-    let old = spawn_run(
-        &dedup,
+    let owner = spawn_run(
+        &idem,
         "pay:12",
-        op(&runs, 10 * SEC, 1_u32),
+        op(&runs, hour, 1_u32),
         opts().with_lease(SEC),
     );
-    sleep(500 * MS).await;
-
-    let waiter = dedup
-        .run("pay:12", op(&runs, 100 * MS, 2_u32), opts())
-        .await;
-
-    assert_eq!(waiter.unwrap(), Outcome::Fresh(2));
-    assert_eq!(
-        start.elapsed(),
-        1100 * MS,
-        "took over when the lease lapsed at 1 s"
-    );
-    assert!(matches!(old.await.unwrap(), Err(Error::LeaseLost { .. })));
-    assert_eq!(count(&runs), 2);
+    // Duplicates keep arriving and waiting for the whole hour.
+    let mut waiters = Vec::new();
+    for _ in 0..6 {
+        sleep(10 * Duration::from_secs(60)).await;
+        waiters.push(spawn_run(
+            &idem,
+            "pay:12",
+            op(&runs, MS, 2_u32),
+            opts().with_wait_timeout(hour),
+        ));
+    }
+    assert_eq!(owner.await.unwrap().unwrap(), IdempotencyOutcome::Fresh(1));
+    for waiter in waiters {
+        assert_eq!(
+            waiter.await.unwrap().unwrap(),
+            IdempotencyOutcome::Replay(1)
+        );
+    }
+    assert_eq!(start.elapsed(), hour);
+    assert_eq!(count(&runs), 1);
+    assert_eq!(idem.stats().takeovers, 0);
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_late_completion_is_stored_when_nobody_took_the_lapsed_key() {
-    let (_rt, dedup) = dedup().await;
+async fn i6_a_held_reservation_is_never_taken_over_and_completes() {
+    let (_rt, idem) = idempotency().await;
+    let runs = runs();
+    let start = Instant::now();
+    let IdempotencyReserved::Fresh(held) = idem
+        .reserve::<u32>("job:6", opts().with_lease(SEC))
+        .await
+        .unwrap()
+    else {
+        panic!("job:6 is new");
+    };
+    sleep(2 * SEC).await;
+    let waiter = spawn_run(&idem, "job:6", op(&runs, MS, 1_u32), opts());
+    sleep(8 * SEC).await;
+    assert!(
+        !waiter.is_finished(),
+        "still waiting for the reservation at 10 s"
+    );
+
+    held.complete(2).await.unwrap();
+
+    assert_eq!(
+        waiter.await.unwrap().unwrap(),
+        IdempotencyOutcome::Replay(2)
+    );
+    assert_eq!(start.elapsed(), 10 * SEC);
+    assert_eq!(count(&runs), 0);
+    assert_eq!(idem.stats().takeovers, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn i6_an_owner_task_cancelled_mid_run_is_taken_over_by_exactly_one_duplicate() {
+    let (rt, idem) = idempotency().await;
+    let runs = runs();
+    let start = Instant::now();
+    // The owner holds a reservation while its task works; the task is cancelled.
+    let owner = {
+        let idem = idem.clone();
+        tokio::spawn(async move {
+            let reserved = idem.reserve::<u32>("job:7", opts().with_lease(SEC)).await;
+            sleep(Duration::from_secs(3600)).await;
+            drop(reserved);
+        })
+    };
+    sleep(SEC).await;
+    let duplicates: Vec<_> = (0..4_u32)
+        .map(|i| spawn_run(&idem, "job:7", op(&runs, 100 * MS, i), opts()))
+        .collect();
+    sleep(SEC).await;
+    assert_eq!(count(&runs), 0, "nobody takes over a live owner");
+    owner.abort();
+
+    let mut outcomes = Vec::new();
+    for duplicate in duplicates {
+        outcomes.push(duplicate.await.unwrap().unwrap());
+    }
+    assert_eq!(count(&runs), 1, "exactly one duplicate ran");
+    assert_eq!(outcomes.iter().filter(|o| o.is_fresh()).count(), 1);
+    let value = *outcomes[0].value();
+    assert!(outcomes.iter().all(|o| *o.value() == value));
+    assert_eq!(start.elapsed(), 2 * SEC + 100 * MS, "taken over at once");
+    assert_eq!((rt.stats().keys, rt.stats().processes), (0, 0));
+}
+
+/// A run's own process is dropped mid-run when the tokio runtime it runs
+/// on ends: its key is released, and one waiting duplicate runs instead.
+#[test]
+fn i6_a_run_whose_tokio_runtime_ends_mid_run_is_taken_over_by_exactly_one_duplicate() {
+    let current = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let main = current();
+    let (_rt, idem) = main.block_on(idempotency());
     let runs = runs();
 
-    let slow = dedup
-        .run("pay:13", op(&runs, 5 * SEC, 1_u32), opts().with_lease(SEC))
-        .await;
-    let retry = dedup.run("pay:13", op(&runs, MS, 2_u32), opts()).await;
+    let other = current();
+    let (started, has_started) = tokio::sync::oneshot::channel();
+    let owner = {
+        let idem = idem.clone();
+        other.spawn(async move {
+            idem.run("pay:gone", move || async move {
+                let _ = started.send(());
+                std::future::pending::<io::Result<u32>>().await
+            })
+            .await
+        })
+    };
+    other.block_on(has_started).unwrap();
 
-    assert_eq!(slow.unwrap(), Outcome::Fresh(1));
-    assert_eq!(retry.unwrap(), Outcome::Replay(1));
+    let duplicates: Vec<_> = main.block_on(async {
+        let duplicates = (0..3_u32)
+            .map(|i| spawn_run(&idem, "pay:gone", op(&runs, Duration::ZERO, i), opts()))
+            .collect();
+        tokio::task::yield_now().await;
+        duplicates
+    });
+    assert_eq!(count(&runs), 0);
+    drop(other);
+
+    let outcomes: Vec<_> = main.block_on(async {
+        assert!(owner.await.unwrap_err().is_cancelled());
+        let mut outcomes = Vec::new();
+        for duplicate in duplicates {
+            outcomes.push(duplicate.await.unwrap().unwrap());
+        }
+        outcomes
+    });
+    assert_eq!(count(&runs), 1, "exactly one duplicate ran");
+    assert_eq!(outcomes.iter().filter(|o| o.is_fresh()).count(), 1);
+    let value = *outcomes[0].value();
+    assert!(outcomes.iter().all(|o| *o.value() == value));
+}
+
+#[tokio::test(start_paused = true)]
+async fn i11_a_fail_fast_duplicate_gets_in_flight_at_once_with_a_retry_hint() {
+    let (_rt, idem) = idempotency().await;
+    let runs = runs();
+    let reject = || opts().with_in_flight(InFlight::Reject);
+    let start = Instant::now();
+    let owner = spawn_run(&idem, "pay:17", op(&runs, 5 * SEC, 1_u32), opts());
+    sleep(SEC).await;
+
+    let rejected = idem
+        .run_with("pay:17", reject(), op(&runs, MS, 2_u32))
+        .await;
+    assert!(
+        matches!(rejected, Err(Error::InFlight { ref key, retry_after }) if key == "pay:17" && retry_after == SEC),
+        "{rejected:?}"
+    );
+    assert_eq!(
+        rejected.unwrap_err().to_string(),
+        "idempotency key \"pay:17\" is in flight; retry after 1s"
+    );
+    let reserve = idem.reserve::<u32>("pay:17", reject()).await;
+    assert!(
+        matches!(reserve, Err(Error::InFlight { .. })),
+        "{reserve:?}"
+    );
+    assert_eq!(start.elapsed(), SEC, "rejected at once");
+
+    // The hint never points past the moment a gone holder could be taken over.
+    let IdempotencyReserved::Fresh(_held) = idem
+        .reserve::<u32>("job:17", opts().with_lease(300 * MS))
+        .await
+        .unwrap()
+    else {
+        panic!("job:17 is new");
+    };
+    sleep(50 * MS).await;
+    let soon = idem.reserve::<u32>("job:17", reject()).await;
+    assert!(
+        matches!(soon, Err(Error::InFlight { retry_after, .. }) if retry_after == 250 * MS),
+        "{soon:?}"
+    );
+
+    assert_eq!(owner.await.unwrap().unwrap(), IdempotencyOutcome::Fresh(1));
+    let replay = idem
+        .run_with("pay:17", reject(), op(&runs, MS, 3_u32))
+        .await;
+    assert_eq!(replay.unwrap(), IdempotencyOutcome::Replay(1));
+    assert_eq!(count(&runs), 1);
+    assert_eq!(idem.stats().in_flight_rejections, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_slower_than_its_lease_completes_and_stores() {
+    let (_rt, idem) = idempotency().await;
+    let runs = runs();
+
+    let slow = idem
+        .run_with("pay:13", opts().with_lease(SEC), op(&runs, 5 * SEC, 1_u32))
+        .await;
+    let retry = idem.run("pay:13", op(&runs, MS, 2_u32)).await;
+
+    assert_eq!(slow.unwrap(), IdempotencyOutcome::Fresh(1));
+    assert_eq!(retry.unwrap(), IdempotencyOutcome::Replay(1));
     assert_eq!(count(&runs), 1);
 }
-
 #[tokio::test(start_paused = true)]
 async fn i7_results_expire_after_the_ttl_even_before_a_sweep() {
     let runtime = Runtime::builder()
@@ -399,39 +584,38 @@ async fn i7_results_expire_after_the_ttl_even_before_a_sweep() {
         .start()
         .await
         .unwrap();
-    let dedup = runtime.idempotency();
+    let idem = runtime.idempotency();
     let runs = runs();
     let ttl = || opts().with_ttl(10 * SEC);
 
     assert!(
-        dedup
-            .run("pay:14", op(&runs, Duration::ZERO, 1_u32), ttl())
+        idem.run_with("pay:14", ttl(), op(&runs, Duration::ZERO, 1_u32))
             .await
             .unwrap()
             .is_fresh()
     );
     sleep(10 * SEC - MS).await;
-    let inside = dedup
-        .run("pay:14", op(&runs, Duration::ZERO, 2_u32), ttl())
+    let inside = idem
+        .run_with("pay:14", ttl(), op(&runs, Duration::ZERO, 2_u32))
         .await;
-    assert_eq!(inside.unwrap(), Outcome::Replay(1));
+    assert_eq!(inside.unwrap(), IdempotencyOutcome::Replay(1));
 
     sleep(MS).await;
     assert_eq!(runtime.stats().ttl_entries, 1, "expired but not swept yet");
-    let after = dedup
-        .run("pay:14", op(&runs, Duration::ZERO, 3_u32), ttl())
+    let after = idem
+        .run_with("pay:14", ttl(), op(&runs, Duration::ZERO, 3_u32))
         .await;
-    assert_eq!(after.unwrap(), Outcome::Fresh(3));
+    assert_eq!(after.unwrap(), IdempotencyOutcome::Fresh(3));
     assert_eq!(count(&runs), 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn i7_the_sweeper_removes_expired_results() {
-    let (runtime, dedup) = dedup().await;
+    let (runtime, idem) = idempotency().await;
     let runs = runs();
     for key in ["a", "b", "c"] {
-        let outcome = dedup
-            .run(key, op(&runs, Duration::ZERO, 1_u32), opts().with_ttl(SEC))
+        let outcome = idem
+            .run_with(key, opts().with_ttl(SEC), op(&runs, Duration::ZERO, 1_u32))
             .await;
         assert!(outcome.unwrap().is_fresh());
     }
@@ -454,10 +638,12 @@ async fn i7_the_sweeper_removes_expired_results() {
 
 #[tokio::test(start_paused = true)]
 async fn i8_a_completed_reservation_is_replayed() {
-    let (rt, dedup) = dedup().await;
+    let (rt, idem) = idempotency().await;
     let runs = runs();
 
-    let Reserved::Fresh(reservation) = dedup.reserve::<u32>("job:1", opts()).await.unwrap() else {
+    let IdempotencyReserved::Fresh(reservation) =
+        idem.reserve::<u32>("job:1", opts()).await.unwrap()
+    else {
         panic!("job:1 is new");
     };
     assert_eq!(reservation.key(), "job:1");
@@ -468,92 +654,81 @@ async fn i8_a_completed_reservation_is_replayed() {
     );
     reservation.complete(5).await.unwrap();
 
-    let run = dedup.run("job:1", op(&runs, MS, 6_u32), opts()).await;
-    assert_eq!(run.unwrap(), Outcome::Replay(5));
-    let reserved = dedup.reserve::<u32>("job:1", opts()).await.unwrap();
-    assert!(matches!(reserved, Reserved::Replay(5)));
+    let run = idem.run("job:1", op(&runs, MS, 6_u32)).await;
+    assert_eq!(run.unwrap(), IdempotencyOutcome::Replay(5));
+    let reserved = idem.reserve::<u32>("job:1", opts()).await.unwrap();
+    assert!(matches!(reserved, IdempotencyReserved::Replay(5)));
     assert_eq!(count(&runs), 0);
     assert_eq!(rt.stats().keys, 0);
 }
 
 #[tokio::test(start_paused = true)]
 async fn i8_a_released_or_dropped_reservation_lets_the_next_run_execute() {
-    let (rt, dedup) = dedup().await;
+    let (rt, idem) = idempotency().await;
     let runs = runs();
 
-    let Reserved::Fresh(released) = dedup.reserve::<u32>("job:2", opts()).await.unwrap() else {
+    let IdempotencyReserved::Fresh(released) = idem.reserve::<u32>("job:2", opts()).await.unwrap()
+    else {
         panic!("job:2 is new");
     };
     released.release().await;
-    let after_release = dedup.run("job:2", op(&runs, MS, 1_u32), opts()).await;
-    assert_eq!(after_release.unwrap(), Outcome::Fresh(1));
+    let after_release = idem.run("job:2", op(&runs, MS, 1_u32)).await;
+    assert_eq!(after_release.unwrap(), IdempotencyOutcome::Fresh(1));
 
-    let Reserved::Fresh(dropped) = dedup.reserve::<u32>("job:3", opts()).await.unwrap() else {
+    let IdempotencyReserved::Fresh(dropped) = idem.reserve::<u32>("job:3", opts()).await.unwrap()
+    else {
         panic!("job:3 is new");
     };
     drop(dropped);
     assert_eq!(rt.stats().keys, 0);
-    let after_drop = dedup.run("job:3", op(&runs, MS, 2_u32), opts()).await;
-    assert_eq!(after_drop.unwrap(), Outcome::Fresh(2));
+    let after_drop = idem.run("job:3", op(&runs, MS, 2_u32)).await;
+    assert_eq!(after_drop.unwrap(), IdempotencyOutcome::Fresh(2));
     assert_eq!(count(&runs), 2);
 }
 
 #[tokio::test(start_paused = true)]
 async fn i8_duplicates_wait_for_a_reservation() {
-    let (_rt, dedup) = dedup().await;
+    let (_rt, idem) = idempotency().await;
     let runs = runs();
-    let Reserved::Fresh(held) = dedup.reserve::<u32>("job:4", opts()).await.unwrap() else {
+    let IdempotencyReserved::Fresh(held) = idem.reserve::<u32>("job:4", opts()).await.unwrap()
+    else {
         panic!("job:4 is new");
     };
-    let waiting_run = spawn_run(&dedup, "job:4", op(&runs, MS, 1_u32), opts());
+    let waiting_run = spawn_run(&idem, "job:4", op(&runs, MS, 1_u32), opts());
     let waiting_reserve = {
-        let dedup = dedup.clone();
-        tokio::spawn(async move { dedup.reserve::<u32>("job:4", opts()).await })
+        let idem = idem.clone();
+        tokio::spawn(async move { idem.reserve::<u32>("job:4", opts()).await })
     };
     sleep(SEC).await;
     assert!(!waiting_run.is_finished() && !waiting_reserve.is_finished());
 
     held.complete(9).await.unwrap();
 
-    assert_eq!(waiting_run.await.unwrap().unwrap(), Outcome::Replay(9));
+    assert_eq!(
+        waiting_run.await.unwrap().unwrap(),
+        IdempotencyOutcome::Replay(9)
+    );
     assert!(matches!(
         waiting_reserve.await.unwrap().unwrap(),
-        Reserved::Replay(9)
+        IdempotencyReserved::Replay(9)
     ));
     assert_eq!(count(&runs), 0);
 
     // A waiting reservation takes over a released one.
-    let Reserved::Fresh(held) = dedup.reserve::<u32>("job:5", opts()).await.unwrap() else {
+    let IdempotencyReserved::Fresh(held) = idem.reserve::<u32>("job:5", opts()).await.unwrap()
+    else {
         panic!("job:5 is new");
     };
     let next = {
-        let dedup = dedup.clone();
-        tokio::spawn(async move { dedup.reserve::<u32>("job:5", opts()).await })
+        let idem = idem.clone();
+        tokio::spawn(async move { idem.reserve::<u32>("job:5", opts()).await })
     };
     sleep(SEC).await;
     held.release().await;
-    assert!(matches!(next.await.unwrap().unwrap(), Reserved::Fresh(_)));
-}
-
-#[tokio::test(start_paused = true)]
-async fn i8_a_reservation_that_lost_its_lease_cannot_complete() {
-    let (_rt, dedup) = dedup().await;
-    let runs = runs();
-    let Reserved::Fresh(stale) = dedup
-        .reserve::<u32>("job:6", opts().with_lease(SEC))
-        .await
-        .unwrap()
-    else {
-        panic!("job:6 is new");
-    };
-    sleep(2 * SEC).await;
-    let taken = dedup.run("job:6", op(&runs, MS, 1_u32), opts()).await;
-    assert_eq!(taken.unwrap(), Outcome::Fresh(1));
-
-    let late = stale.complete(2).await;
-    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
-    let replay = dedup.run("job:6", op(&runs, MS, 3_u32), opts()).await;
-    assert_eq!(replay.unwrap(), Outcome::Replay(1));
+    assert!(matches!(
+        next.await.unwrap().unwrap(),
+        IdempotencyReserved::Fresh(_)
+    ));
 }
 
 #[tokio::test(start_paused = true)]
@@ -561,71 +736,69 @@ async fn i9_defaults() {
     let defaults = IdempotencyOptions::new();
     assert_eq!(defaults, IdempotencyOptions::default());
     assert_eq!(defaults.scope(), None);
-    assert_eq!(defaults.fingerprint(), None);
+    assert_eq!(defaults.fingerprint_digest(), None);
+    assert_eq!(defaults.in_flight(), InFlight::Wait);
     assert_eq!(defaults.ttl(), Duration::from_secs(24 * 3600));
     assert_eq!(defaults.lease(), Duration::from_secs(30));
     assert_eq!(defaults.wait_timeout(), Duration::from_secs(30));
 
-    let (_rt, dedup) = dedup().await;
+    let (_rt, idem) = idempotency().await;
     let runs = runs();
     let day = Duration::from_secs(24 * 3600);
 
     // TTL 24 h.
     assert!(
-        dedup
-            .run("d:1", op(&runs, Duration::ZERO, 1_u32), opts())
+        idem.run("d:1", op(&runs, Duration::ZERO, 1_u32))
             .await
             .unwrap()
             .is_fresh()
     );
     sleep(day - MS).await;
     assert_eq!(
-        dedup
-            .run("d:1", op(&runs, Duration::ZERO, 2_u32), opts())
+        idem.run("d:1", op(&runs, Duration::ZERO, 2_u32))
             .await
             .unwrap(),
-        Outcome::Replay(1)
+        IdempotencyOutcome::Replay(1)
     );
     sleep(MS).await;
     assert_eq!(
-        dedup
-            .run("d:1", op(&runs, Duration::ZERO, 3_u32), opts())
+        idem.run("d:1", op(&runs, Duration::ZERO, 3_u32))
             .await
             .unwrap(),
-        Outcome::Fresh(3)
+        IdempotencyOutcome::Fresh(3)
     );
 
-    // Lease 30 s: a duplicate arriving at 10 s takes over at 30 s.
+    // Lease 30 s, renewed while the owner runs: a duplicate arriving at
+    // 10 s waits for it (never takes over) until its 30 s wait times out.
     let start = Instant::now();
     let slow = spawn_run(
-        &dedup,
+        &idem,
         "d:2",
         op(&runs, Duration::from_secs(100), 1_u32),
         opts(),
     );
     sleep(10 * SEC).await;
-    let taken = dedup
-        .run("d:2", op(&runs, Duration::ZERO, 2_u32), opts())
-        .await;
-    assert_eq!(taken.unwrap(), Outcome::Fresh(2));
-    assert_eq!(start.elapsed(), 30 * SEC);
-    assert!(matches!(slow.await.unwrap(), Err(Error::LeaseLost { .. })));
+    let waited = idem.run("d:2", op(&runs, Duration::ZERO, 2_u32)).await;
+    assert!(matches!(waited, Err(Error::Timeout { .. })), "{waited:?}");
+    assert_eq!(start.elapsed(), 40 * SEC);
+    assert_eq!(slow.await.unwrap().unwrap(), IdempotencyOutcome::Fresh(1));
+    assert_eq!(start.elapsed(), 100 * SEC);
 
     // Wait timeout 30 s.
     let hour = Duration::from_secs(3600);
     let start = Instant::now();
     let _slow = spawn_run(
-        &dedup,
+        &idem,
         "d:3",
         op(&runs, hour, 1_u32),
         opts().with_lease(hour),
     );
     tokio::task::yield_now().await;
-    let waited = dedup
-        .run(
+    let waited = idem
+        .run_with(
             "d:3",
-            op(&runs, Duration::ZERO, 2_u32),
             opts().with_lease(hour),
+            op(&runs, Duration::ZERO, 2_u32),
         )
         .await;
     assert!(matches!(waited, Err(Error::Timeout { .. })));
@@ -634,12 +807,11 @@ async fn i9_defaults() {
 
 #[tokio::test(start_paused = true)]
 async fn i10_dropping_the_first_callers_future_does_not_cancel_the_run() {
-    let (rt, dedup) = dedup().await;
+    let (rt, idem) = idempotency().await;
     let runs = runs();
     let start = Instant::now();
 
-    let gave_up =
-        tokio::time::timeout(SEC, dedup.run("pay:15", op(&runs, 5 * SEC, 3_u32), opts())).await;
+    let gave_up = tokio::time::timeout(SEC, idem.run("pay:15", op(&runs, 5 * SEC, 3_u32))).await;
     assert!(
         gave_up.is_err(),
         "the caller stopped waiting and dropped its future"
@@ -662,14 +834,14 @@ async fn i10_dropping_the_first_callers_future_does_not_cancel_the_run() {
         ),
         (0, 0, 1)
     );
-    let replay = dedup.run("pay:15", op(&runs, MS, 4_u32), opts()).await;
-    assert_eq!(replay.unwrap(), Outcome::Replay(3));
+    let replay = idem.run("pay:15", op(&runs, MS, 4_u32)).await;
+    assert_eq!(replay.unwrap(), IdempotencyOutcome::Replay(3));
     assert_eq!(count(&runs), 1);
 }
 
 #[tokio::test(start_paused = true)]
 async fn bad_input_is_a_typed_error_and_nothing_runs() {
-    let (rt, dedup) = dedup().await;
+    let (rt, idem) = idempotency().await;
     let runs = runs();
     let long = "k".repeat(MAX_KEY_LEN + 1);
 
@@ -688,8 +860,10 @@ async fn bad_input_is_a_typed_error_and_nothing_runs() {
         ("k", opts().with_scope("s".repeat(MAX_KEY_LEN + 1)), "scope"),
     ];
     for (key, options, what) in cases {
-        let run = dedup.run(key, op(&runs, MS, 1_u32), options.clone()).await;
-        let reserve = dedup.reserve::<u32>(key, options).await;
+        let run = idem
+            .run_with(key, options.clone(), op(&runs, MS, 1_u32))
+            .await;
+        let reserve = idem.reserve::<u32>(key, options).await;
         for err in [run.unwrap_err(), reserve.unwrap_err()] {
             match (&err, what) {
                 (Error::InvalidKey { .. }, "key") => {}
@@ -702,27 +876,24 @@ async fn bad_input_is_a_typed_error_and_nothing_runs() {
     assert_eq!(rt.stats().keys, 0);
 
     let longest = "k".repeat(MAX_KEY_LEN);
-    let ok = dedup
-        .run(&longest, op(&runs, MS, 1_u32), opts().with_ttl(MAX_TIMER))
+    let ok = idem
+        .run_with(&longest, opts().with_ttl(MAX_TIMER), op(&runs, MS, 1_u32))
         .await;
     assert!(ok.unwrap().is_fresh());
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_stored_result_of_another_type_is_a_type_mismatch() {
-    let (_rt, dedup) = dedup().await;
+    let (_rt, idem) = idempotency().await;
     let runs = runs();
     assert!(
-        dedup
-            .run("t:1", op(&runs, MS, 1_u32), opts())
+        idem.run("t:1", op(&runs, MS, 1_u32))
             .await
             .unwrap()
             .is_fresh()
     );
 
-    let other = dedup
-        .run("t:1", op(&runs, MS, String::from("x")), opts())
-        .await;
+    let other = idem.run("t:1", op(&runs, MS, String::from("x"))).await;
 
     assert!(
         matches!(other, Err(Error::TypeMismatch { .. })),
@@ -734,38 +905,38 @@ async fn a_stored_result_of_another_type_is_a_type_mismatch() {
 #[tokio::test(start_paused = true)]
 async fn the_key_cap_applies_to_keys_in_flight() {
     let runtime = Runtime::builder().with_max_keys(1).start().await.unwrap();
-    let dedup = runtime.idempotency();
+    let idem = runtime.idempotency();
     let runs = runs();
-    let Reserved::Fresh(held) = dedup.reserve::<u32>("cap:a", opts()).await.unwrap() else {
+    let IdempotencyReserved::Fresh(held) = idem.reserve::<u32>("cap:a", opts()).await.unwrap()
+    else {
         panic!("cap:a is new");
     };
 
-    let refused = dedup.run("cap:b", op(&runs, MS, 1_u32), opts()).await;
+    let refused = idem.run("cap:b", op(&runs, MS, 1_u32)).await;
     assert!(
         matches!(refused, Err(Error::TooManyKeys { cap: 1, .. })),
         "{refused:?}"
     );
     held.release().await;
-    let accepted = dedup.run("cap:b", op(&runs, MS, 1_u32), opts()).await;
+    let accepted = idem.run("cap:b", op(&runs, MS, 1_u32)).await;
     assert!(accepted.unwrap().is_fresh());
     assert_eq!(count(&runs), 1);
 }
 
 #[tokio::test(start_paused = true)]
 async fn calls_after_shutdown_fail_and_waiters_are_woken() {
-    let (rt, dedup) = dedup().await;
+    let (rt, idem) = idempotency().await;
     let runs = runs();
     assert!(
-        dedup
-            .run("s:1", op(&runs, MS, 1_u32), opts())
+        idem.run("s:1", op(&runs, MS, 1_u32))
             .await
             .unwrap()
             .is_fresh()
     );
     let start = Instant::now();
-    let running = spawn_run(&dedup, "s:2", op(&runs, 10 * SEC, 2_u32), opts());
+    let running = spawn_run(&idem, "s:2", op(&runs, 10 * SEC, 2_u32), opts());
     tokio::task::yield_now().await;
-    let waiting = spawn_run(&dedup, "s:2", op(&runs, MS, 3_u32), opts());
+    let waiting = spawn_run(&idem, "s:2", op(&runs, MS, 3_u32), opts());
     tokio::task::yield_now().await;
 
     let report = rt.shutdown(SEC).await;
@@ -775,13 +946,16 @@ async fn calls_after_shutdown_fail_and_waiters_are_woken() {
     let waited = waiting.await.unwrap();
     assert!(matches!(waited, Err(Error::ShutDown { .. })), "{waited:?}");
     assert_eq!(start.elapsed(), SEC);
-    let after = dedup.run("s:1", op(&runs, MS, 4_u32), opts()).await;
+    let after = idem.run("s:1", op(&runs, MS, 4_u32)).await;
     assert!(matches!(after, Err(Error::ShutDown { ref key }) if key == "s:1"));
-    let reserve = dedup.reserve::<u32>("s:3", opts()).await;
+    let reserve = idem.reserve::<u32>("s:3", opts()).await;
     assert!(matches!(reserve, Err(Error::ShutDown { .. })));
 
     // The running function is never cancelled; its caller still gets its value.
-    assert_eq!(running.await.unwrap().unwrap(), Outcome::Fresh(2));
+    assert_eq!(
+        running.await.unwrap().unwrap(),
+        IdempotencyOutcome::Fresh(2)
+    );
     assert_eq!(rt.stats().ttl_entries, 0, "nothing stored after shutdown");
     assert_eq!(rt.stats().keys, 0);
     assert_eq!(count(&runs), 2);
@@ -789,7 +963,7 @@ async fn calls_after_shutdown_fail_and_waiters_are_woken() {
 
 #[tokio::test(start_paused = true)]
 async fn keys_and_processes_return_to_zero_once_idle() {
-    let (rt, dedup) = dedup().await;
+    let (rt, idem) = idempotency().await;
     let runs = runs();
     let ttl = || opts().with_ttl(10 * SEC);
     let mut calls = Vec::new();
@@ -800,16 +974,16 @@ async fn keys_and_processes_return_to_zero_once_idle() {
             1 => panicking(&runs, 10 * MS),
             _ => op(&runs, 10 * MS, i),
         };
-        calls.push(spawn_run(&dedup, key, f, ttl()));
+        calls.push(spawn_run(&idem, key, f, ttl()));
     }
     tokio::task::yield_now().await;
     for i in 0..50_u32 {
-        let reserved = dedup
+        let reserved = idem
             .reserve::<u32>(&format!("held:{i}"), ttl())
             .await
             .unwrap();
         match (i % 2, reserved) {
-            (0, Reserved::Fresh(r)) => r.complete(i).await.unwrap(),
+            (0, IdempotencyReserved::Fresh(r)) => r.complete(i).await.unwrap(),
             (_, reserved) => drop(reserved),
         }
     }
@@ -836,7 +1010,7 @@ async fn keys_and_processes_return_to_zero_once_idle() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn racing_callers_on_two_threads_run_each_key_exactly_once() {
-    let (rt, dedup) = dedup().await;
+    let (rt, idem) = idempotency().await;
     const KEYS: u32 = 1_000;
     const CALLERS: u32 = 8;
     let runs: Vec<Arc<AtomicUsize>> = (0..KEYS).map(|_| runs()).collect();
@@ -844,7 +1018,7 @@ async fn racing_callers_on_two_threads_run_each_key_exactly_once() {
     // Callers of one key spawned side by side, so they meet mid-completion.
     for key in 0..KEYS {
         for caller in 0..CALLERS {
-            let dedup = dedup.clone();
+            let idem = idem.clone();
             let runs = Arc::clone(&runs[key as usize]);
             calls.push(tokio::spawn(async move {
                 let f = move || async move {
@@ -852,7 +1026,7 @@ async fn racing_callers_on_two_threads_run_each_key_exactly_once() {
                     tokio::task::yield_now().await;
                     Ok::<_, io::Error>(key * 10 + caller)
                 };
-                dedup.run(&format!("race:{key}"), f, opts()).await
+                idem.run_with(&format!("race:{key}"), opts(), f).await
             }));
         }
     }
@@ -878,4 +1052,202 @@ async fn racing_callers_on_two_threads_run_each_key_exactly_once() {
         (0, KEYS as usize),
         "{stats:?}"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn i4_a_one_mib_fingerprint_matches_and_mismatches_like_a_short_one() {
+    let (_rt, idem) = idempotency().await;
+    let runs = runs();
+    let body = vec![7_u8; 1 << 20];
+    let mut other = body.clone();
+    other[(1 << 20) - 1] = 8;
+
+    let first = idem
+        .run_with(
+            "upload:1",
+            opts().with_fingerprint(&body),
+            op(&runs, MS, 1_u32),
+        )
+        .await;
+    let same = idem
+        .run_with(
+            "upload:1",
+            opts().with_fingerprint(body.clone()),
+            op(&runs, MS, 2_u32),
+        )
+        .await;
+    let changed = idem
+        .run_with(
+            "upload:1",
+            opts().with_fingerprint(&other),
+            op(&runs, MS, 3_u32),
+        )
+        .await;
+
+    assert_eq!(first.unwrap(), IdempotencyOutcome::Fresh(1));
+    assert_eq!(same.unwrap(), IdempotencyOutcome::Replay(1));
+    assert!(
+        matches!(changed, Err(Error::FingerprintMismatch { ref key }) if key == "upload:1"),
+        "{changed:?}"
+    );
+    assert_eq!(count(&runs), 1);
+    assert_eq!(
+        opts().with_fingerprint(&body).fingerprint_digest(),
+        opts().with_fingerprint(body.clone()).fingerprint_digest()
+    );
+    let stats = idem.stats();
+    assert_eq!(
+        (stats.fresh, stats.replays, stats.fingerprint_mismatches),
+        (1, 1, 1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn i12_past_the_cap_the_oldest_results_are_evicted_first_and_counted() {
+    let runtime = Runtime::builder()
+        .with_max_idempotency_results(3)
+        .start()
+        .await
+        .unwrap();
+    let idem = runtime.idempotency();
+    let runs = runs();
+    for (i, key) in ["r:0", "r:1", "r:2", "r:3", "r:4"].into_iter().enumerate() {
+        let fresh = idem.run(key, op(&runs, MS, i)).await.unwrap();
+        assert_eq!(fresh, IdempotencyOutcome::Fresh(i));
+    }
+    let stats = idem.stats();
+    assert_eq!((stats.stored_results, stats.evictions), (3, 2), "{stats:?}");
+    assert_eq!(runtime.stats().ttl_entries, 3);
+
+    // The newest three replay; the two oldest were evicted: they run again.
+    for (i, key) in [(2_usize, "r:2"), (3, "r:3"), (4, "r:4")] {
+        assert_eq!(
+            idem.run(key, op(&runs, MS, 99_usize)).await.unwrap(),
+            IdempotencyOutcome::Replay(i)
+        );
+    }
+    assert_eq!(
+        idem.run("r:0", op(&runs, MS, 10_usize)).await.unwrap(),
+        IdempotencyOutcome::Fresh(10)
+    );
+    assert_eq!(count(&runs), 6);
+    let stats = idem.stats();
+    assert_eq!(
+        (stats.stored_results, stats.evictions, stats.replays),
+        (3, 3, 3),
+        "r:2, the oldest left, made room for r:0"
+    );
+    assert_eq!(
+        idem.run("r:2", op(&runs, MS, 20_usize)).await.unwrap(),
+        IdempotencyOutcome::Fresh(20)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_results_cap_has_a_documented_default_and_rejects_zero() {
+    assert_eq!(throttlebeam::DEFAULT_MAX_IDEMPOTENCY_RESULTS, 100_000);
+    let zero = Runtime::builder()
+        .with_max_idempotency_results(0)
+        .start()
+        .await;
+    assert!(
+        matches!(
+            zero,
+            Err(Error::InvalidConfig {
+                what: "max idempotency results",
+                ..
+            })
+        ),
+        "{zero:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn stats_serialize_with_every_counter() {
+    let (_rt, idem) = idempotency().await;
+    let runs = runs();
+    let _ = idem.run("s:1", op(&runs, MS, 1_u32)).await.unwrap();
+    let json = serde_json::to_value(idem.stats()).unwrap();
+    for field in [
+        "fresh",
+        "replays",
+        "fingerprint_mismatches",
+        "takeovers",
+        "in_flight_rejections",
+        "timeouts",
+        "evictions",
+        "stored_results",
+    ] {
+        assert!(json.get(field).is_some(), "{field} missing from {json}");
+    }
+    assert_eq!(json["fresh"], 1);
+    assert_eq!(json["stored_results"], 1);
+}
+
+/// Item 8 of issue 7, idempotency part: ten million distinct keys on the
+/// default settings stay within the documented bound on stored results.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow (10 million keys): run with `cargo test --release --test idempotency -- --ignored`"]
+async fn ten_million_distinct_keys_stay_within_the_default_results_cap() {
+    const KEYS: u64 = 10_000_000;
+    let (rt, idem) = idempotency().await;
+    let callers: Vec<_> = (0..4_u64)
+        .map(|caller| {
+            let idem = idem.clone();
+            tokio::spawn(async move {
+                let mut key = String::new();
+                for i in (caller..KEYS).step_by(4) {
+                    key.clear();
+                    key.push_str("flood:");
+                    key.push_str(&i.to_string());
+                    let outcome = idem
+                        .run(&key, move || async move { Ok::<_, io::Error>(i) })
+                        .await
+                        .unwrap();
+                    assert_eq!(outcome, IdempotencyOutcome::Fresh(i));
+                }
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    let cap = throttlebeam::DEFAULT_MAX_IDEMPOTENCY_RESULTS;
+    let stats = idem.stats();
+    assert_eq!(stats.stored_results, cap, "{stats:?}");
+    assert_eq!(stats.evictions, KEYS - cap as u64);
+    assert_eq!(stats.fresh, KEYS);
+    let runtime = rt.stats();
+    assert_eq!(
+        (runtime.keys, runtime.processes, runtime.ttl_entries),
+        (0, 0, cap)
+    );
+    // Uncapped, 10 million results would hold about 2 GB; capped, the whole
+    // test process stays far below that.
+    if let Some(rss) = resident_bytes() {
+        println!("resident after 10 million keys: {} MiB", rss >> 20);
+        assert!(rss < 256 << 20, "{} MiB resident", rss >> 20);
+    }
+    // The newest results are the ones kept.
+    let last = idem
+        .run(&format!("flood:{}", KEYS - 1), || async {
+            Ok::<_, io::Error>(0)
+        })
+        .await
+        .unwrap();
+    assert_eq!(last, IdempotencyOutcome::Replay(KEYS - 1));
+}
+
+/// Resident memory of this process, where `/proc` tells it.
+fn resident_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse::<usize>()
+        .ok()?;
+    Some(kib * 1024)
 }

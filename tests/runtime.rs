@@ -10,7 +10,8 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use support::{Oops, Runs, ms, runtime};
 use throttlebeam::{
-    Debounce, Error, Idempotency, IdempotencyOptions, Outcome, Runtime, Throttle, Throttled,
+    Debounce, Error, Idempotency, IdempotencyOptions, IdempotencyOutcome, Runtime, Throttle,
+    Throttled,
 };
 use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep};
@@ -321,10 +322,10 @@ async fn the_default_runtime_needs_no_setup() {
     let runs = Runs::default();
     for expect_fresh in [true, false] {
         let r = runs.clone();
-        let outcome = Idempotency::run(
+        let outcome = Idempotency::run_with(
             "global:idem",
-            move || async move { Ok::<_, Oops>(r.hit()) },
             IdempotencyOptions::new(),
+            move || async move { Ok::<_, Oops>(r.hit()) },
         )
         .await
         .unwrap();
@@ -332,9 +333,9 @@ async fn the_default_runtime_needs_no_setup() {
         assert_eq!(
             outcome,
             if expect_fresh {
-                Outcome::Fresh(1)
+                IdempotencyOutcome::Fresh(1)
             } else {
-                Outcome::Replay(1)
+                IdempotencyOutcome::Replay(1)
             }
         );
     }

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use throttlebeam::{
-    Error, MemoryWindowStore, Phase, Runtime, SetOptions, ShutdownPolicy, TrailingStats,
-    TrailingThrottle, WindowStore, WindowStoreFuture,
+    Error, MemoryWindowStore, Phase, Runtime, ShutdownPolicy, TrailingThrottle, WindowClaim,
+    WindowEntry, WindowStore, WindowStoreFuture,
 };
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, sleep_until};
@@ -176,17 +176,23 @@ fn spawn_wait(
     })
 }
 
-fn idle() -> TrailingStats {
-    TrailingStats::default()
+/// The gauges of a throttle: (active, pending, keys, timers).
+fn gauges<T: Clone + Send + Sync + 'static>(
+    t: &TrailingThrottle<T>,
+) -> (usize, usize, usize, usize) {
+    let s = t.stats();
+    (s.active, s.pending, s.keys, s.timers)
 }
 
-fn stats(active: usize, pending: usize, keys: usize, timers: usize) -> TrailingStats {
-    let mut s = TrailingStats::default();
-    s.active = active;
-    s.pending = pending;
-    s.keys = keys;
-    s.timers = timers;
-    s
+const IDLE: (usize, usize, usize, usize) = (0, 0, 0, 0);
+
+/// The gauges once the runtime swept windows that are over.
+fn swept<T: Clone + Send + Sync + 'static>(
+    rt: &Runtime,
+    t: &TrailingThrottle<T>,
+) -> (usize, usize, usize, usize) {
+    rt.sweep_now();
+    gauges(t)
 }
 
 /// Captures tracing events: level, target and message.
@@ -246,7 +252,7 @@ async fn w1_full_timeline() {
     let c1 = spawn_call(&t, "room", log.work("f1", 300));
     settle().await;
     // Running: active, holding its lease on one timer.
-    assert_eq!(t.stats(), stats(1, 0, 1, 1));
+    assert_eq!(gauges(&t), (1, 0, 1, 1));
 
     // t=500 and t=900: coalesced, `false` at once; their waiters wait.
     log.until(500).await;
@@ -261,7 +267,7 @@ async fn w1_full_timeline() {
     log.at(900);
     let w3 = spawn_wait(&t, "room", log.work("f3b", 300));
     settle().await;
-    assert_eq!(t.stats(), stats(0, 1, 1, 1));
+    assert_eq!(gauges(&t), (0, 1, 1, 1));
 
     // One trailing run starts at 1300 (the latest closure) and ends at 1600.
     let (v2, at2) = w2.await.unwrap();
@@ -269,14 +275,17 @@ async fn w1_full_timeline() {
     assert_eq!((v2.unwrap(), at2), ("f3b", log.t0 + ms(1600)));
     assert_eq!((v3.unwrap(), at3), ("f3b", log.t0 + ms(1600)));
 
-    // The window [1600, 2600) passes with no calls: the key closes at 2600.
-    log.until(2599).await;
-    assert_eq!(t.stats(), stats(0, 0, 1, 1));
-    log.until(2600).await;
+    // The window [1600, 2600) has nothing pending: a timestamp in the
+    // key's slot, with no process and no timer.
     settle().await;
-    assert_eq!(t.stats(), idle());
-    assert_eq!(rt.stats().keys, 0);
+    assert_eq!(gauges(&t), (0, 0, 1, 0));
     assert_eq!(rt.stats().processes, 0);
+    log.until(2599).await;
+    assert_eq!(swept(&rt, &t), (0, 0, 1, 0), "the window is still open");
+    // It passes with no calls: the key closes at 2600 (forgotten by the sweep).
+    log.until(2600).await;
+    assert_eq!(swept(&rt, &t), IDLE);
+    assert_eq!(rt.stats().keys, 0);
 
     // Call #4 at 3000 leads again and completes at 3300.
     log.until(3000).await;
@@ -355,6 +364,150 @@ async fn w3_call_during_a_run_is_covered_by_the_next_run() {
     );
 }
 
+/// W3 (issue 7 item 4): a run covers every call that arrived before it
+/// started executing its function, including calls that land while the
+/// leading run is still claiming its window in the store: one run, and the
+/// early callers get its value (the latest function, as for any run).
+#[tokio::test(start_paused = true)]
+async fn w3_calls_while_the_leading_run_claims_its_window_are_covered_by_it() {
+    let rt = runtime().await;
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("slow:")
+        .with_window(ms(1000))
+        .with_store(scripted(|op| match op {
+            "claim" => Act::Delay(ms(50)),
+            _ => Act::Pass,
+        }))
+        .build()
+        .unwrap();
+    let log = Log::new();
+    let lead = spawn_wait(&t, "k", log.work("lead", 300));
+    log.until(10).await;
+    assert_eq!(
+        gauges(&t),
+        (1, 0, 1, 0),
+        "claiming: active, nothing pending"
+    );
+    // A burst while the claim is in flight.
+    assert!(!t.call("k", log.work("plain", 300)).await.unwrap());
+    let early: Vec<_> = (0..100)
+        .map(|_| spawn_wait(&t, "k", log.work("early", 300)))
+        .collect();
+    settle().await;
+    assert_eq!(
+        gauges(&t).1,
+        0,
+        "covered by the leading run: no trailing run pending"
+    );
+
+    let (v, at) = lead.await.unwrap();
+    assert_eq!((v.unwrap(), at), ("early", log.t0 + ms(350)));
+    for w in early {
+        let (v, at) = w.await.unwrap();
+        assert_eq!((v.unwrap(), at), ("early", log.t0 + ms(350)));
+    }
+    log.until(5000).await;
+    let runs: Vec<_> = log
+        .runs()
+        .iter()
+        .map(|r| (r.tag, r.phase, r.start))
+        .collect();
+    assert_eq!(runs, [("early", Phase::Leading, 50)], "one run, not two");
+    let s = t.stats();
+    assert_eq!(
+        (s.calls, s.leading_runs, s.trailing_runs, s.coalesced),
+        (102, 1, 0, 101)
+    );
+}
+
+/// Issue 7 item 9: a key whose window is open with nothing pending is a
+/// timestamp in its slot, with no process and no timer; a call on it starts
+/// a process only to wait for the window's end and run the trailing run; a
+/// call once the window is over leads at once, before any sweep.
+#[tokio::test(start_paused = true)]
+async fn an_open_window_with_nothing_pending_costs_no_process() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    assert!(t.call("k", log.work("lead", 100)).await.unwrap());
+    settle().await;
+    assert_eq!(gauges(&t), (0, 0, 1, 0));
+    assert_eq!((rt.stats().processes, rt.stats().keys), (0, 1));
+
+    // A call inside the window: a process starts, with one timer until the
+    // window ends at 1100.
+    log.until(400).await;
+    let w = spawn_wait(&t, "k", log.work("trail", 100));
+    settle().await;
+    assert_eq!(gauges(&t), (0, 1, 1, 1));
+    assert_eq!(rt.stats().processes, 1);
+    let (v, at) = w.await.unwrap();
+    assert_eq!((v.unwrap(), at), ("trail", log.t0 + ms(1200)));
+    settle().await;
+    assert_eq!(gauges(&t), (0, 0, 1, 0));
+    assert_eq!(rt.stats().processes, 0);
+
+    // The window [1200, 2200) is over: the next call leads at once, though
+    // the slot has not been swept.
+    log.until(2200).await;
+    assert_eq!(gauges(&t), (0, 0, 1, 0));
+    assert_eq!(
+        t.call_and_wait("k", log.work("again", 100)).await.unwrap(),
+        "again"
+    );
+    log.at(2300);
+    let runs: Vec<_> = log
+        .runs()
+        .iter()
+        .map(|r| (r.tag, r.phase, r.start))
+        .collect();
+    assert_eq!(
+        runs,
+        [
+            ("lead", Phase::Leading, 0),
+            ("trail", Phase::Trailing, 1100),
+            ("again", Phase::Leading, 2200)
+        ]
+    );
+}
+
+/// Pending trailing runs wait for their windows in the throttle's one
+/// sleeper: no process per waiting key; each runs when its window ends.
+#[tokio::test(start_paused = true)]
+async fn pending_trailing_runs_wait_without_a_process_each() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    let keys: Vec<&'static str> = (0..100)
+        .map(|i| &*Box::leak(format!("k{i}").into_boxed_str()))
+        .collect();
+    for key in &keys {
+        assert!(t.call(key, log.work("lead", 10)).await.unwrap());
+    }
+    log.at(1000);
+    let waits: Vec<_> = keys
+        .iter()
+        .map(|key| spawn_wait(&t, key, log.work("trail", 10)))
+        .collect();
+    settle().await;
+    // One timer per waiting key, held by one sleeper process.
+    assert_eq!(gauges(&t), (0, 100, 100, 100));
+    assert_eq!(rt.stats().processes, 1);
+    for w in waits {
+        let (v, _) = w.await.unwrap();
+        assert_eq!(v.unwrap(), "trail");
+    }
+    settle().await;
+    assert_eq!(gauges(&t), (0, 0, 100, 0));
+    assert_eq!(rt.stats().processes, 0);
+    // Each trailing run started when its own window ended (10 ms after its
+    // leading run began, plus the window).
+    let runs = log.runs();
+    for (lead, trail) in runs[..100].iter().zip(&runs[100..]) {
+        assert_eq!(trail.start, lead.end.unwrap() + 1000, "{lead:?} {trail:?}");
+    }
+}
+
 /// W4: every window starts when a run finishes, so runs never overlap, even
 /// when functions take longer than the window.
 #[tokio::test(start_paused = true)]
@@ -382,7 +535,7 @@ async fn w4_runs_never_overlap() {
             "run started {gap} ms after the previous one ended"
         );
     }
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
 }
 
 // ---------------------------------------------------------------- W5–W7
@@ -405,7 +558,7 @@ async fn w5_ten_thousand_calls_in_one_tick() {
         }
     }
     log.at(0);
-    assert_eq!(t.stats(), stats(1, 1, 1, 1));
+    assert_eq!(gauges(&t), (1, 1, 1, 1));
     assert_eq!(lead.await.unwrap().0.unwrap(), "lead");
     assert_eq!(waiters.len(), 4_999);
     for w in waiters {
@@ -444,12 +597,16 @@ async fn w6_ten_thousand_keys() {
         assert_eq!(h.await.unwrap().unwrap(), i);
     }
     assert_eq!(runs.load(Ordering::SeqCst), 10_000);
-    assert_eq!(t.stats(), stats(0, 0, 10_000, 10_000));
-    assert_eq!(rt.stats().processes, 10_000);
-    // Every window ends at 1000; one more tick lets all 10,000 processes exit.
-    sleep(ms(1001)).await;
+    settle().await;
+    // Open windows with nothing pending: timestamps, no process, no timer.
+    assert_eq!(gauges(&t), (0, 0, 10_000, 0));
+    assert_eq!(rt.stats().processes, 0);
+    // Every window ends at 1000; the runtime's sweep forgets them, then
+    // its own timer stops.
+    sleep(ms(1000)).await;
     assert_eq!(runs.load(Ordering::SeqCst), 10_000);
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
+    sleep(ms(60_000)).await;
     let s = rt.stats();
     assert_eq!((s.keys, s.timers, s.processes), (0, 0, 0));
 }
@@ -585,7 +742,7 @@ async fn panicking_functions_fail_their_waiters_and_the_key_recovers() {
     assert_eq!(captured.ours(Level::ERROR).len(), 1);
     sleep(ms(100)).await;
     settle().await;
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
     let value = t
         .call_and_wait("p", |phase| async move {
             assert_eq!(phase, Phase::Leading);
@@ -615,7 +772,7 @@ async fn w11_quiet_unless_asked() {
     }
     let debug = captured.ours(Level::DEBUG);
     assert!(debug.iter().any(|m| m == "run started"), "{debug:?}");
-    assert!(debug.iter().any(|m| m == "window closed"), "{debug:?}");
+    assert!(debug.iter().any(|m| m == "run finished"), "{debug:?}");
     assert!(!captured.ours(Level::TRACE).is_empty());
 }
 
@@ -627,27 +784,29 @@ async fn w9_counters_return_to_zero() {
     let rt = runtime().await;
     let t = throttle(&rt, 1000).await;
     let log = Log::new();
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
     let lead = spawn_call(&t, "a", log.work("a", 300));
     let other = spawn_call(&t, "b", log.work("b", 300));
     settle().await;
     // Two runs in progress, each holding its lease on one timer.
-    assert_eq!(t.stats(), stats(2, 0, 2, 2));
+    assert_eq!(gauges(&t), (2, 0, 2, 2));
     assert!(!t.call("a", log.work("a2", 300)).await.unwrap());
-    assert_eq!(t.stats(), stats(2, 1, 2, 2));
+    assert_eq!(gauges(&t), (2, 1, 2, 2));
     lead.await.unwrap().0.unwrap();
     other.await.unwrap().0.unwrap();
     settle().await;
-    // Both in their windows (one timer each); `a` has a pending call.
-    assert_eq!(t.stats(), stats(0, 1, 2, 2));
-    assert_eq!(rt.stats().timers, 2);
+    // Both in their windows: `a` has a pending call and one timer; `b` has
+    // nothing pending, so no process and no timer.
+    assert_eq!(gauges(&t), (0, 1, 2, 1));
+    assert_eq!(rt.stats().processes, 1);
     log.until(1300).await;
     settle().await;
-    // `a` runs its trailing run; `b` closed.
-    assert_eq!(t.stats(), stats(1, 0, 1, 1));
+    // `a` runs its trailing run; `b`'s window is over (swept away).
+    assert_eq!(swept(&rt, &t), (1, 0, 1, 1));
     log.until(2600).await;
     settle().await;
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
+    sleep(ms(60_000)).await;
     let s = rt.stats();
     assert_eq!((s.keys, s.timers, s.processes), (0, 0, 0));
 }
@@ -670,7 +829,7 @@ async fn a_long_run_extends_its_lease_in_the_store() {
     for at in (100..5000).step_by(400) {
         log.until(at).await;
         assert!(
-            store.get("lease:k").await.unwrap().is_some(),
+            store.read("lease:k").await.unwrap().is_some(),
             "lease lapsed at {at}"
         );
         assert_eq!(t.stats().timers, 1);
@@ -678,9 +837,9 @@ async fn a_long_run_extends_its_lease_in_the_store() {
     assert!(run.await.unwrap().0.unwrap());
     // Then the window: written to end exactly when the in-memory one does.
     log.until(5999).await;
-    assert!(store.get("lease:k").await.unwrap().is_some());
+    assert!(store.read("lease:k").await.unwrap().is_some());
     log.until(6000).await;
-    assert!(store.get("lease:k").await.unwrap().is_none());
+    assert!(store.read("lease:k").await.unwrap().is_none());
 }
 
 // ---------------------------------------------------------------- W10
@@ -720,7 +879,7 @@ async fn w10_destroy_during_a_running_function() {
     let (v, at) = lead.await.unwrap();
     assert_eq!((v.unwrap(), at), ("lead", log.t0 + ms(300)));
     settle().await;
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
     assert_eq!(rt.stats().processes, 0);
     assert_eq!(log.runs().len(), 1);
 }
@@ -735,7 +894,7 @@ async fn w10_destroy_during_a_pending_trailing_run() {
     assert!(t.call("k", log.work("lead", 10)).await.unwrap());
     let w = spawn_wait(&t, "k", log.work("never", 10));
     log.until(500).await;
-    assert_eq!(t.stats(), stats(0, 1, 1, 1));
+    assert_eq!(gauges(&t), (0, 1, 1, 1));
     t.destroy().await;
     let (err, at) = w.await.unwrap();
     assert!(matches!(
@@ -747,9 +906,9 @@ async fn w10_destroy_during_a_pending_trailing_run() {
     ));
     assert_eq!(at, log.t0 + ms(500));
     settle().await;
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
+    sleep(ms(60_000)).await;
     assert_eq!(rt.stats().timers, 0);
-    sleep(ms(5000)).await;
     assert_eq!(log.runs().len(), 1);
 }
 
@@ -760,7 +919,7 @@ async fn w10_destroy_while_claiming() {
     let rt = runtime().await;
     let t: TrailingThrottle<&'static str> = rt
         .trailing_throttle("slow:")
-        .with_store(SlowStore(MemoryWindowStore::new(), ms(50)))
+        .with_store(scripted(|_| Act::Delay(ms(50))))
         .build()
         .unwrap();
     let log = Log::new();
@@ -781,7 +940,7 @@ async fn w10_destroy_while_claiming() {
     );
     settle().await;
     assert!(log.runs().is_empty());
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
 }
 
 /// W10: the throttle's own store is cleared; a store passed in is not.
@@ -801,11 +960,11 @@ async fn w10_destroy_clears_only_an_owned_store() {
     assert_eq!(shared.len(), 1);
     passed.destroy().await;
     assert_eq!(shared.len(), 1);
-    assert!(shared.get("passed:k").await.unwrap().is_some());
+    assert!(shared.read("passed:k").await.unwrap().is_some());
 
-    // An owned store: observe it through a wrapper that records `clear`.
-    let cleared = Arc::new(AtomicBool::new(false));
-    let recorder = ClearRecorder(cleared.clone());
+    // A store passed in is never cleared, whoever else holds it.
+    let recorder = scripted(|_| Act::Pass);
+    let cleared = recorder.cleared.clone();
     let kept: TrailingThrottle<u8> = rt
         .trailing_throttle("kept:")
         .with_store(recorder)
@@ -816,6 +975,16 @@ async fn w10_destroy_clears_only_an_owned_store() {
         !cleared.load(Ordering::SeqCst),
         "a store passed in is never cleared"
     );
+
+    // The throttle's own store is: its windows are gone with it.
+    let owned: TrailingThrottle<u8> = rt.trailing_throttle("own:").build().unwrap();
+    owned
+        .call("k", |_| async { Ok::<_, Oops>(1) })
+        .await
+        .unwrap();
+    assert_eq!(owned.stats().store_keys, 1);
+    owned.destroy().await;
+    assert_eq!(owned.stats().store_keys, 0);
 }
 
 /// W10, graceful: pending trailing runs still run when their windows end;
@@ -840,7 +1009,7 @@ async fn w10_graceful_shutdown_runs_pending_trailing_runs() {
         t.call("a", log.work("x", 1)).await,
         Err(Error::ShutDown { .. })
     ));
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
     assert!(t.is_destroyed());
 }
 
@@ -867,7 +1036,7 @@ async fn w10_graceful_shutdown_discards_at_the_deadline() {
         "{err:?}"
     );
     settle().await;
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
     assert_eq!(log.runs().len(), 1);
 }
 
@@ -931,10 +1100,12 @@ async fn runtime_shutdown_with_the_drop_policy_destroys_the_throttle() {
 #[tokio::test(start_paused = true)]
 async fn bad_input_is_a_typed_error_and_schedules_nothing() {
     let rt = runtime().await;
+    // One duration range for every setting: 1 ms ..= MAX_TIMER (2^36 - 1 ms);
+    // errors name the prefix as a prefix.
     for window in [
         ms(0),
         Duration::from_micros(999),
-        ms(1 << 31),
+        throttlebeam::MAX_TIMER + ms(1),
         Duration::MAX,
     ] {
         let err = rt
@@ -943,20 +1114,55 @@ async fn bad_input_is_a_typed_error_and_schedules_nothing() {
             .build::<u8>()
             .unwrap_err();
         assert!(
-            matches!(err, Error::InvalidArgument { what: "window", .. }),
+            matches!(&err, Error::InvalidSetting { prefix, what: "window", .. } if prefix == "w:"),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "invalid window for prefix \"w:\": must be between 1 ms and 2^36 - 1 ms"
+        );
+        let err = rt
+            .trailing_throttle("w:")
+            .with_store_timeout(window)
+            .build::<u8>()
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidSetting {
+                    what: "store timeout",
+                    ..
+                }
+            ),
             "{err:?}"
         );
     }
-    for window in [ms(1), ms((1 << 31) - 1)] {
-        assert!(
-            rt.trailing_throttle("w:")
-                .with_window(window)
-                .build::<u8>()
-                .is_ok()
-        );
+    // The old 2^31 - 1 ms limit is gone.
+    for window in [ms(1), ms(1 << 31), throttlebeam::MAX_TIMER] {
+        let t = rt
+            .trailing_throttle("w:")
+            .with_window(window)
+            .with_store_timeout(window)
+            .build::<u8>()
+            .unwrap();
+        assert_eq!((t.window(), t.store_timeout()), (window, window));
     }
     let err = rt.trailing_throttle("").build::<u8>().unwrap_err();
-    assert!(matches!(err, Error::InvalidKey { .. }), "{err:?}");
+    assert!(
+        matches!(&err, Error::InvalidSetting { prefix, what: "prefix", .. } if prefix.is_empty()),
+        "{err:?}"
+    );
+    assert_eq!(err.to_string(), "invalid prefix \"\": must not be empty");
+    let long = "p".repeat(1025);
+    let err = rt.trailing_throttle(&long).build::<u8>().unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "invalid prefix {:?}: must be at most 1024 bytes",
+            format!("{}…", &long[..64])
+        )
+    );
+    assert!(rt.trailing_throttle(&long[..1024]).build::<u8>().is_ok());
 
     let t: TrailingThrottle<u8> = throttle(&rt, 100).await;
     let ran = Arc::new(AtomicBool::new(false));
@@ -995,7 +1201,7 @@ async fn bad_input_is_a_typed_error_and_schedules_nothing() {
     ));
     settle().await;
     assert!(!ran.load(Ordering::SeqCst));
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1037,82 +1243,103 @@ async fn the_runtime_key_cap_applies() {
 
 // ---------------------------------------------------------------- stores
 
-/// S1: the memory store contract.
+/// S1/S2: the memory store contract: claim is set-if-absent answering the
+/// holder; extend and record are compare-and-set on the owner's token; read
+/// creates nothing; expiry on tokio's monotonic clock.
 #[tokio::test(start_paused = true)]
 async fn memory_store_contract() {
-    let store = MemoryWindowStore::with_sweep_interval(ms(1000)).unwrap();
-    let px = |n| SetOptions::px(ms(n));
-    assert!(!store.is_sweeping());
+    let store = MemoryWindowStore::new();
+    let (a, b) = (WindowEntry::new(1_000, 11), WindowEntry::new(2_000, 22));
+    let ttl = ms(100);
 
-    // get of a missing key creates nothing.
-    assert_eq!(store.get("missing").await.unwrap(), None);
+    // read of a missing key creates nothing.
+    assert_eq!(store.read("missing").await.unwrap(), None);
     assert!(store.is_empty());
-    assert!(!store.is_sweeping());
 
-    // NX on a live key fails; it succeeds once the key expired.
-    assert!(store.set("k", "1", px(100).nx()).await.unwrap());
-    assert!(store.is_sweeping());
-    assert!(!store.set("k", "2", px(100).nx()).await.unwrap());
-    assert_eq!(store.get("k").await.unwrap().as_deref(), Some("1"));
+    // claim on a live key fails and answers its holder in the same step.
+    assert_eq!(store.claim("k", a, ttl).await.unwrap(), WindowClaim::Won);
+    assert_eq!(
+        store.claim("k", b, ttl).await.unwrap(),
+        WindowClaim::Lost { holder: Some(a) }
+    );
     sleep(ms(99)).await;
-    assert!(!store.set("k", "2", px(100).nx()).await.unwrap());
+    assert!(matches!(
+        store.claim("k", b, ttl).await.unwrap(),
+        WindowClaim::Lost { .. }
+    ));
     sleep(ms(1)).await;
     assert_eq!(
-        store.get("k").await.unwrap(),
+        store.read("k").await.unwrap(),
         None,
         "expired keys are never returned"
     );
-    assert!(store.set("k", "3", px(100).nx()).await.unwrap());
-    assert_eq!(store.get("k").await.unwrap().as_deref(), Some("3"));
+    assert_eq!(store.claim("k", b, ttl).await.unwrap(), WindowClaim::Won);
 
-    // Without NX, set always overwrites and resets the expiry.
-    assert!(store.set("k", "4", px(500)).await.unwrap());
+    // Only the holder's token extends or records; either resets the expiry.
+    assert!(
+        !store
+            .extend("k", WindowEntry::new(9, 11), ttl)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !store
+            .record("k", WindowEntry::new(9, 11), ttl)
+            .await
+            .unwrap()
+    );
+    assert_eq!(store.read("k").await.unwrap(), Some(b));
+    let b2 = WindowEntry::new(3_000, 22);
+    assert!(store.record("k", b2, ms(500)).await.unwrap());
     sleep(ms(400)).await;
-    assert_eq!(store.get("k").await.unwrap().as_deref(), Some("4"));
+    assert_eq!(store.read("k").await.unwrap(), Some(b2));
+    // A free key may be recorded by anyone (a lapsed lease nobody took).
+    assert!(store.record("free", a, ttl).await.unwrap());
 
-    // del and clear; the store keeps working after clear.
-    store.del("k").await.unwrap();
-    assert_eq!(store.get("k").await.unwrap(), None);
-    store.set("a", "1", px(100)).await.unwrap();
-    store.set("b", "1", px(100)).await.unwrap();
+    // clear; the store keeps working afterwards.
     store.clear().await.unwrap();
     assert!(store.is_empty());
-    assert!(store.set("a", "2", px(100).nx()).await.unwrap());
-    assert_eq!(store.get("a").await.unwrap().as_deref(), Some("2"));
+    assert_eq!(store.claim("k", a, ttl).await.unwrap(), WindowClaim::Won);
 }
 
-/// S1: the sweeper removes expired keys and runs only while keys exist.
+/// S1: expired keys are swept by the runtime's sweeper through every
+/// throttle using the store, and `Runtime::sweep_now` reaches the store.
 #[tokio::test(start_paused = true)]
-async fn memory_store_sweeper_runs_only_while_keys_exist() {
-    let store = MemoryWindowStore::with_sweep_interval(ms(1000)).unwrap();
-    let px = |n| SetOptions::px(ms(n));
-    store.set("short", "1", px(100)).await.unwrap();
-    store.set("long", "1", px(1500)).await.unwrap();
-    assert!(store.is_sweeping());
-    assert_eq!(store.len(), 2);
-    sleep(ms(1000)).await;
+async fn the_runtime_sweeps_the_window_store() {
+    let rt = Runtime::builder()
+        .with_sweep_interval(ms(1000))
+        .start()
+        .await
+        .unwrap();
+    let store = MemoryWindowStore::new();
+    let t: TrailingThrottle<u8> = rt
+        .trailing_throttle("s:")
+        .with_window(ms(100))
+        .with_store(store.clone())
+        .build()
+        .unwrap();
+    for key in ["a", "b", "c"] {
+        assert!(t.call(key, |_| async { Ok::<_, Oops>(1) }).await.unwrap());
+    }
+    assert_eq!(
+        (store.len(), t.stats().store_keys, t.stats().keys),
+        (3, 3, 3)
+    );
+    // Written by hand, not through the throttle: swept all the same.
+    store
+        .record("s:other", WindowEntry::new(1, 1), ms(50))
+        .await
+        .unwrap();
+    sleep(ms(200)).await;
+    // Expired but not swept yet: still held (and counted).
+    assert_eq!(store.len(), 4);
+    assert_eq!(rt.sweep_now(), 0);
+    assert_eq!((store.len(), t.stats().keys), (0, 0));
+    // The periodic sweep does the same on its own.
+    t.call("d", |_| async { Ok::<_, Oops>(1) }).await.unwrap();
+    sleep(ms(1100)).await;
     settle().await;
-    // First sweep: the expired key is gone without being read.
-    assert_eq!(store.sweeps(), 1);
-    assert_eq!(store.len(), 1);
-    assert!(store.is_sweeping());
-    sleep(ms(1000)).await;
-    settle().await;
-    assert_eq!(store.sweeps(), 2);
-    assert!(store.is_empty());
-    assert!(!store.is_sweeping());
-    // Dormant: no more sweeps while empty.
-    sleep(ms(10_000)).await;
-    settle().await;
-    assert_eq!(store.sweeps(), 2);
-    // A new key wakes it again.
-    store.set("again", "1", px(10)).await.unwrap();
-    assert!(store.is_sweeping());
-    sleep(ms(1000)).await;
-    settle().await;
-    assert_eq!(store.sweeps(), 3);
-    assert!(!store.is_sweeping());
-    assert!(MemoryWindowStore::with_sweep_interval(Duration::ZERO).is_err());
+    assert_eq!((store.len(), t.stats().keys, rt.stats().keys), (0, 0, 0));
 }
 
 /// A store that always fails: runs still happen (fail open) and in-memory
@@ -1125,7 +1352,7 @@ async fn a_failing_store_never_stops_a_run() {
     let t: TrailingThrottle<&'static str> = rt
         .trailing_throttle("down:")
         .with_window(ms(1000))
-        .with_store(DownStore)
+        .with_store(scripted(|_| Act::Fail))
         .build()
         .unwrap();
     let log = Log::new();
@@ -1136,7 +1363,7 @@ async fn a_failing_store_never_stops_a_run() {
     assert_eq!((v.unwrap(), at), ("trail", log.t0 + ms(1600)));
     log.until(2600).await;
     settle().await;
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
     let runs: Vec<_> = log
         .runs()
         .iter()
@@ -1150,13 +1377,256 @@ async fn a_failing_store_never_stops_a_run() {
         ]
     );
     assert!(captured.ours(Level::ERROR).is_empty());
+    assert!(captured.ours(Level::WARN).is_empty());
+    // Counted: claim and record of both runs failed.
+    assert_eq!(t.stats().store_errors, 4);
+    t.destroy().await; // clear is never called on a store passed in
+}
+
+/// Issue 7 item 10: a store whose calls never complete: every call is
+/// bounded by the store timeout, the leading caller still completes (fail
+/// open), and a shutdown returns by its deadline, ending store I/O then.
+#[tokio::test(start_paused = true)]
+async fn a_store_that_never_answers_is_timed_out_and_shutdown_keeps_its_deadline() {
+    let rt = runtime().await;
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("hang:")
+        .with_window(ms(1000))
+        .with_store_timeout(ms(20))
+        .with_store(scripted(|_| Act::Hang))
+        .build()
+        .unwrap();
+    let log = Log::new();
+    // Claim times out at 20; the run goes ahead (20..120).
+    assert!(t.call("k", log.work("lead", 100)).await.unwrap());
+    log.at(120);
+    let w = spawn_wait(&t, "k", log.work("trail", 100));
+    // Record times out at 140: the window is [140, 1140) in memory.
+    let (v, at) = w.await.unwrap();
+    // Trailing: claim 1140..1160 (timed out), run 1160..1260.
+    assert_eq!((v.unwrap(), at), ("trail", log.t0 + ms(1260)));
+    let s = t.stats();
+    assert_eq!((s.store_timeouts, s.store_errors), (3, 0));
+    let runs: Vec<_> = log.runs().iter().map(|r| r.start).collect();
+    assert_eq!(runs, [20, 1160], "the window still holds in memory");
+
+    // With the default timeout (1 s), a shutdown whose grace is shorter
+    // still returns at its deadline, with nothing left running.
+    let slow: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("hang2:")
+        .with_store(scripted(|_| Act::Hang))
+        .build()
+        .unwrap();
+    assert_eq!(
+        slow.store_timeout(),
+        throttlebeam::DEFAULT_WINDOW_STORE_TIMEOUT
+    );
+    let lead = spawn_call(&slow, "k", log.work("never", 10));
+    let waiting = spawn_wait(&slow, "k", log.work("never", 10));
+    settle().await;
+    let started = Instant::now();
+    let report = rt.shutdown(ms(50)).await;
+    assert_eq!(started.elapsed(), ms(50));
+    assert_eq!(report.still_running, 0);
+    for err in [lead.await.unwrap().0.err(), waiting.await.unwrap().0.err()] {
+        assert!(
+            matches!(
+                err,
+                Some(Error::Discarded {
+                    reason: "destroyed",
+                    ..
+                })
+            ),
+            "{err:?}"
+        );
+    }
+    assert_eq!(log.runs().len(), 2);
+}
+
+/// Issue 7 item 10: a store that panics is a store failure under the
+/// fail-open policy: waiters get their values (never "the function
+/// panicked"), and runs never come closer than the window.
+#[tokio::test(start_paused = true)]
+async fn a_store_that_panics_is_a_store_failure() {
+    let captured = Captured::default();
+    let _guard = captured.install();
+    let rt = runtime().await;
+    let t: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("bug:")
+        .with_window(ms(500))
+        .with_store(scripted(|_| Act::Panic))
+        .build()
+        .unwrap();
+    let log = Log::new();
+    let mut waits = Vec::new();
+    for i in 0..40u64 {
+        log.until(i * 50).await;
+        waits.push(spawn_wait(&t, "k", log.work("f", 100)));
+    }
+    for w in waits {
+        let (v, _) = w.await.unwrap();
+        assert_eq!(v.unwrap(), "f");
+    }
+    let runs = log.runs();
+    assert!(runs.len() >= 3, "{runs:?}");
+    for pair in runs.windows(2) {
+        let gap = pair[1].start - pair[0].end.unwrap();
+        assert!(gap >= 500, "runs {gap} ms apart: {runs:?}");
+    }
+    assert_eq!(log.max_running.load(Ordering::SeqCst), 1);
+    let s = t.stats();
+    assert!(s.store_errors >= 2 * runs.len() as u64, "{s:?}");
+    // Logged at warn (a store bug), never as a failed run.
     assert!(
         captured
-            .ours(Level::DEBUG)
+            .ours(Level::WARN)
             .iter()
-            .any(|m| m.contains("window store failed"))
+            .all(|m| m.contains("window store panicked"))
     );
-    t.destroy().await; // clear is never called on a store passed in
+    assert!(captured.ours(Level::ERROR).is_empty());
+}
+
+/// Issue 8 item 4 (seam): a run whose lease lapsed (its store calls failed
+/// while it ran) never overwrites the window of the run that took the key
+/// over: extend and record compare the owner's token.
+#[tokio::test(start_paused = true)]
+async fn a_lapsed_holder_never_overwrites_the_new_holder() {
+    let store = MemoryWindowStore::new();
+    let (rt_a, rt_b) = (runtime().await, runtime().await);
+    // A cannot extend its lease (its link to the store is flaky then).
+    let a: TrailingThrottle<&'static str> = rt_a
+        .trailing_throttle("s:")
+        .with_window(ms(1000))
+        .with_store(scripted_on(store.clone(), |op| match op {
+            "extend" => Act::Fail,
+            _ => Act::Pass,
+        }))
+        .build()
+        .unwrap();
+    // B's lease: 2000 ms, extended every 1000 ms.
+    let b: TrailingThrottle<&'static str> = rt_b
+        .trailing_throttle("s:")
+        .with_window(ms(2000))
+        .with_store(store.clone())
+        .build()
+        .unwrap();
+    let log = Log::new();
+    let lead_a = spawn_call(&a, "k", log.work("a", 3000));
+    // A's lease (1000 ms) lapses at 1000; B takes the key over at 1500 and
+    // holds it, extending its lease at 2500 and 3500.
+    log.until(1500).await;
+    let lead_b = spawn_call(&b, "k", log.work("b", 3000));
+    settle().await;
+    let held = store.read("s:k").await.unwrap().expect("B holds the key");
+    log.until(2999).await;
+    let before = store.read("s:k").await.unwrap().unwrap();
+    assert_eq!(before.token, held.token);
+    // A finishes at 3000 and tries to record its window: refused.
+    assert!(lead_a.await.unwrap().0.unwrap());
+    log.at(3000);
+    settle().await;
+    let after = store
+        .read("s:k")
+        .await
+        .unwrap()
+        .expect("B still holds the key");
+    assert_eq!(after, before, "A's late record left B's lease alone");
+    assert!(lead_b.await.unwrap().0.unwrap());
+    let after_b = store.read("s:k").await.unwrap().unwrap();
+    assert_eq!(after_b.token, held.token, "B recorded its window");
+}
+
+/// Issue 7 item 8: the memory window store is capped; when full it sweeps
+/// expired keys first, then evicts the keys that expire soonest, counts
+/// them, and warns at most once a minute.
+#[tokio::test(start_paused = true)]
+async fn the_memory_window_store_is_capped() {
+    let captured = Captured::default();
+    let _guard = captured.install();
+    assert_eq!(
+        MemoryWindowStore::new().max_keys(),
+        throttlebeam::DEFAULT_WINDOW_STORE_KEYS
+    );
+    let store = MemoryWindowStore::with_max_keys(32).unwrap();
+    let entry = |n: u64| WindowEntry::new(n, n + 1);
+    // Expired keys make room without an eviction.
+    for n in 0..32 {
+        store
+            .claim(&format!("old{n}"), entry(n), ms(10))
+            .await
+            .unwrap();
+    }
+    sleep(ms(10)).await;
+    store.claim("fresh", entry(99), ms(1000)).await.unwrap();
+    assert_eq!((store.len(), store.evictions()), (1, 0));
+    // Live keys: the two that expire soonest (32 / 16) go first.
+    for n in 0..31 {
+        store
+            .claim(&format!("live{n}"), entry(n), ms(2000 + n * 10))
+            .await
+            .unwrap();
+    }
+    assert_eq!(store.len(), 32);
+    store.claim("one-more", entry(7), ms(5000)).await.unwrap();
+    assert_eq!((store.len(), store.evictions()), (31, 2));
+    assert_eq!(store.read("fresh").await.unwrap(), None, "expired soonest");
+    assert_eq!(store.read("live0").await.unwrap(), None);
+    assert!(store.read("live1").await.unwrap().is_some());
+    assert!(store.read("one-more").await.unwrap().is_some());
+    assert_eq!(captured.ours(Level::WARN).len(), 1);
+    // Full again within the minute: evicted and counted, not logged again.
+    store.claim("two", entry(8), ms(5000)).await.unwrap();
+    store.claim("three", entry(9), ms(5000)).await.unwrap();
+    assert_eq!(store.evictions(), 4);
+    assert_eq!(captured.ours(Level::WARN).len(), 1);
+    sleep(ms(60_000)).await;
+    for n in 0..40 {
+        store
+            .claim(&format!("late{n}"), entry(n), ms(5000))
+            .await
+            .unwrap();
+    }
+    assert_eq!(captured.ours(Level::WARN).len(), 2);
+
+    // Seen through a throttle's stats.
+    let rt = runtime().await;
+    let small = MemoryWindowStore::with_max_keys(16).unwrap();
+    let t: TrailingThrottle<u8> = rt
+        .trailing_throttle("c:")
+        .with_window(ms(1000))
+        .with_store(small.clone())
+        .build()
+        .unwrap();
+    for n in 0..17 {
+        t.call(&format!("k{n}"), |_| async { Ok::<_, Oops>(1) })
+            .await
+            .unwrap();
+    }
+    let s = t.stats();
+    assert_eq!((s.store_keys, s.evictions), (16, 1));
+    assert!(MemoryWindowStore::with_max_keys(0).is_err());
+}
+
+/// Issue 7 item 19: the counters, serializable.
+#[tokio::test(start_paused = true)]
+async fn stats_count_calls_runs_and_coalesced_calls() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 100).await;
+    let log = Log::new();
+    assert!(t.call("a", log.work("a", 10)).await.unwrap());
+    for _ in 0..3 {
+        assert!(!t.call("a", log.work("a", 10)).await.unwrap());
+    }
+    assert!(t.call("b", log.work("b", 10)).await.unwrap());
+    sleep(ms(500)).await;
+    let s = t.stats();
+    assert_eq!(
+        (s.calls, s.leading_runs, s.trailing_runs, s.coalesced),
+        (5, 2, 1, 3)
+    );
+    assert_eq!((s.store_errors, s.store_timeouts, s.evictions), (0, 0, 0));
+    let bytes = bincode::serde::encode_to_vec(s, bincode::config::standard()).unwrap();
+    assert!(!bytes.is_empty());
 }
 
 /// S5 on a shared memory store: two instances, one key. Exactly one leads;
@@ -1205,18 +1675,20 @@ async fn a_store_slower_than_the_window_never_blocks_its_own_instance() {
     let t: TrailingThrottle<&'static str> = rt
         .trailing_throttle("slow:")
         .with_window(ms(1))
-        .with_store(SlowStore(MemoryWindowStore::new(), ms(3)))
+        .with_store(scripted(|_| Act::Delay(ms(3))))
         .build()
         .unwrap();
     let log = Log::new();
     for round in 0..20 {
         let lead = spawn_wait(&t, "k", log.work("lead", 0));
-        settle().await;
+        // Past the claim (3 ms): the function ran; the window is being
+        // recorded.
+        sleep(ms(4)).await;
         let trail = spawn_wait(&t, "k", log.work("trail", 0));
         assert_eq!(lead.await.unwrap().0.unwrap(), "lead", "round {round}");
         assert_eq!(trail.await.unwrap().0.unwrap(), "trail", "round {round}");
         sleep(ms(50)).await;
-        assert_eq!(t.stats(), idle(), "round {round}");
+        assert_eq!(swept(&rt, &t), IDLE, "round {round}");
     }
     assert_eq!(log.runs().len(), 40);
 }
@@ -1264,7 +1736,7 @@ async fn ten_lost_races_in_a_row_drop_the_pending_calls() {
     let t: TrailingThrottle<&'static str> = rt
         .trailing_throttle("taken:")
         .with_window(ms(100))
-        .with_store(TakenStore)
+        .with_store(scripted(|_| Act::Taken))
         .build()
         .unwrap();
     let log = Log::new();
@@ -1284,106 +1756,110 @@ async fn ten_lost_races_in_a_row_drop_the_pending_calls() {
     assert!(log.runs().is_empty());
     sleep(ms(200)).await;
     settle().await;
-    assert_eq!(t.stats(), idle());
+    assert_eq!(swept(&rt, &t), IDLE);
 }
 
 // ---------------------------------------------------------------- test stores
 
-/// Every command fails.
-struct DownStore;
+/// What a [`Scripted`] store does before (or instead of) an operation.
+#[derive(Debug, Clone, Copy)]
+enum Act {
+    /// Go to memory.
+    Pass,
+    /// Fail with an error.
+    Fail,
+    /// Never complete.
+    Hang,
+    /// Panic.
+    Panic,
+    /// Take this long, then go to memory.
+    Delay(Duration),
+    /// (claim only) another instance holds the key, with an unreadable value.
+    Taken,
+}
 
-impl WindowStore for DownStore {
-    fn get<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
-        Box::pin(async { Err("connection refused".into()) })
-    }
-    fn set<'a>(
-        &'a self,
-        _key: &'a str,
-        _value: &'a str,
-        _o: SetOptions,
-    ) -> WindowStoreFuture<'a, bool> {
-        Box::pin(async { Err("connection refused".into()) })
-    }
-    fn del<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, ()> {
-        Box::pin(async { Err("connection refused".into()) })
-    }
-    fn clear(&self) -> WindowStoreFuture<'_, ()> {
-        Box::pin(async { panic!("clear is only called on an owned store") })
+/// A memory store whose operations first do what `act` says for them.
+struct Scripted<F> {
+    memory: MemoryWindowStore,
+    act: F,
+    cleared: Arc<AtomicBool>,
+}
+
+fn scripted<F: Fn(&'static str) -> Act + Send + Sync + 'static>(act: F) -> Scripted<F> {
+    scripted_on(MemoryWindowStore::new(), act)
+}
+
+fn scripted_on<F: Fn(&'static str) -> Act + Send + Sync + 'static>(
+    memory: MemoryWindowStore,
+    act: F,
+) -> Scripted<F> {
+    Scripted {
+        memory,
+        act,
+        cleared: Arc::default(),
     }
 }
 
-/// Another instance always holds the window, and its value is unreadable.
-struct TakenStore;
-
-impl WindowStore for TakenStore {
-    fn get<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
-        Box::pin(async { Ok(Some("not a number".to_owned())) })
-    }
-    fn set<'a>(
-        &'a self,
-        _key: &'a str,
-        _value: &'a str,
-        o: SetOptions,
-    ) -> WindowStoreFuture<'a, bool> {
-        Box::pin(async move { Ok(!o.nx) })
-    }
-    fn del<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, ()> {
-        Box::pin(async { Ok(()) })
-    }
-    fn clear(&self) -> WindowStoreFuture<'_, ()> {
-        Box::pin(async { Ok(()) })
+impl<F: Fn(&'static str) -> Act + Send + Sync + 'static> Scripted<F> {
+    async fn gate(&self, op: &'static str) -> Result<bool, throttlebeam::WindowStoreError> {
+        match (self.act)(op) {
+            Act::Pass => Ok(true),
+            Act::Fail => Err("connection refused".into()),
+            Act::Hang => std::future::pending().await,
+            Act::Panic => panic!("store bug in {op}"),
+            Act::Delay(d) => {
+                sleep(d).await;
+                Ok(true)
+            }
+            Act::Taken => Ok(false),
+        }
     }
 }
 
-/// A memory store whose commands take a while.
-struct SlowStore(MemoryWindowStore, Duration);
-
-impl WindowStore for SlowStore {
-    fn get<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
-        Box::pin(async move {
-            sleep(self.1).await;
-            self.0.get(key).await
-        })
-    }
-    fn set<'a>(
+impl<F: Fn(&'static str) -> Act + Send + Sync + 'static> WindowStore for Scripted<F> {
+    fn claim<'a>(
         &'a self,
         key: &'a str,
-        value: &'a str,
-        o: SetOptions,
-    ) -> WindowStoreFuture<'a, bool> {
+        entry: WindowEntry,
+        ttl: Duration,
+    ) -> WindowStoreFuture<'a, WindowClaim> {
         Box::pin(async move {
-            sleep(self.1).await;
-            self.0.set(key, value, o).await
+            if !self.gate("claim").await? {
+                return Ok(WindowClaim::Lost { holder: None });
+            }
+            self.memory.claim(key, entry, ttl).await
         })
     }
-    fn del<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, ()> {
-        self.0.del(key)
-    }
-    fn clear(&self) -> WindowStoreFuture<'_, ()> {
-        self.0.clear()
-    }
-}
-
-/// Records whether `clear` was called.
-struct ClearRecorder(Arc<AtomicBool>);
-
-impl WindowStore for ClearRecorder {
-    fn get<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
-        Box::pin(async { Ok(None) })
-    }
-    fn set<'a>(
+    fn extend<'a>(
         &'a self,
-        _key: &'a str,
-        _value: &'a str,
-        _o: SetOptions,
+        key: &'a str,
+        entry: WindowEntry,
+        ttl: Duration,
     ) -> WindowStoreFuture<'a, bool> {
-        Box::pin(async { Ok(true) })
+        Box::pin(async move {
+            self.gate("extend").await?;
+            self.memory.extend(key, entry, ttl).await
+        })
     }
-    fn del<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, ()> {
-        Box::pin(async { Ok(()) })
+    fn record<'a>(
+        &'a self,
+        key: &'a str,
+        entry: WindowEntry,
+        ttl: Duration,
+    ) -> WindowStoreFuture<'a, bool> {
+        Box::pin(async move {
+            self.gate("record").await?;
+            self.memory.record(key, entry, ttl).await
+        })
+    }
+    fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
+        Box::pin(async move {
+            self.gate("read").await?;
+            self.memory.read(key).await
+        })
     }
     fn clear(&self) -> WindowStoreFuture<'_, ()> {
-        self.0.store(true, Ordering::SeqCst);
-        Box::pin(async { Ok(()) })
+        self.cleared.store(true, Ordering::SeqCst);
+        self.memory.clear()
     }
 }

@@ -1,13 +1,16 @@
-//! The per-key process: owns a key's time and work from its leading call
-//! until a window passes with no calls.
+//! The per-key process: owns a key's work while it has a run to claim or
+//! execute.
 //!
 //! One tokio task per busy key, started under the runtime's partitioned
-//! supervisor. It claims the window in the store, runs the function (holding
-//! a lease while it runs), publishes the result, then sleeps through the
-//! window on one timer. When the window ends it either takes the pending
-//! trailing run from the key's slot or closes the key with a
-//! generation-gated compare-and-remove, so a call that races the exit is
-//! never lost.
+//! supervisor. It claims the window in the store, takes the key's next run
+//! from the slot (from that instant on, new calls go to the following run),
+//! runs it (holding a lease), publishes the result and records the window.
+//! Then it exits, leaving the window in the slot as a timestamp: if a
+//! trailing run is pending, the throttle's sleeper starts the key's next
+//! process when the window ends (a process retrying a lost window race
+//! keeps its own timer, to count its losses). A window that is over with
+//! nothing pending closes the key with a generation-gated
+//! compare-and-remove, so a call that races the exit is never lost.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -16,103 +19,90 @@ use std::sync::atomic::Ordering;
 use std::task::Poll;
 
 use throttlebeam_supervisors::{Generation, catch_panic};
-use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::Phase;
-use super::state::{DESTROYED, DRAINING, Job, KeyState, Led, Pending, Shared};
-use crate::cell::RunCell;
+use super::state::{DESTROYED, DRAINING, Job, Shared, Waiters};
 use crate::error::Error;
 use crate::key::shown;
 
 /// Lost window races in a row after which pending calls are dropped.
 const MAX_LOST_RACES: u32 = 10;
 
-/// Who waits for the current run.
-enum Waiters<T> {
-    /// The leading caller.
-    Lead(oneshot::Sender<Led<T>>),
-    /// Callers coalesced into a trailing run (none if nobody waits).
-    Cells(Vec<Arc<RunCell<T>>>),
-}
-
-impl<T: Clone> Waiters<T> {
-    fn publish(self, result: Result<T, Error>) {
-        match self {
-            Self::Lead(tx) => {
-                let _ = tx.send(Led::Ran(result));
-            }
-            Self::Cells(cells) => {
-                for cell in cells {
-                    cell.set(result.clone());
-                }
-            }
-        }
-    }
-}
-
-enum Step<T> {
+enum Step {
+    /// Retrying a lost window race: this process keeps count and waits.
     Sleep(Instant),
-    Run(Pending<T>),
+    /// A run is pending inside the window: the sleeper takes over.
+    Schedule(Instant),
+    Claim,
+    /// Window open, nothing pending: leave it as a timestamp.
+    Release,
     Close,
 }
 
 /// A key's process. Dropping it on any path (normal exit, panic, a start
 /// that failed, a runtime torn down) releases the key: the slot of its own
-/// generation is removed and callers still waiting get an error.
+/// incarnation is removed and callers still waiting get an error.
 pub(super) struct Driver<T: Clone + Send + Sync + 'static> {
     shared: Arc<Shared<T>>,
     key: Box<str>,
     generation: Generation,
+    epoch: u32,
     active: bool,
-    phase: Phase,
-    job: Option<Job<T>>,
+    /// The callers of the run in progress, until they are told.
     waiters: Option<Waiters<T>>,
     lost_races: u32,
-    /// The slot was removed by the idle exit.
-    closed: bool,
+    /// The slot was handed back (idle window) or removed (closed).
+    released: bool,
 }
 
 impl<T: Clone + Send + Sync + 'static> Driver<T> {
-    /// A process for the leading call on `key`; counted live and active
-    /// from here, before it is spawned.
+    /// A process for `key`'s slot incarnation `epoch`; counted live (and
+    /// active if it claims at once) from here, before it is spawned.
     pub(super) fn new(
         shared: Arc<Shared<T>>,
         key: &str,
         generation: Generation,
-        job: Job<T>,
-        tx: oneshot::Sender<Led<T>>,
+        epoch: u32,
+        active: bool,
     ) -> Self {
         shared.gauges.live.fetch_add(1, Ordering::AcqRel);
-        shared.gauges.active.fetch_add(1, Ordering::Relaxed);
+        if active {
+            shared.gauges.active.fetch_add(1, Ordering::Relaxed);
+        }
         Self {
             shared,
             key: key.into(),
             generation,
-            active: true,
-            phase: Phase::Leading,
-            job: Some(job),
-            waiters: Some(Waiters::Lead(tx)),
+            epoch,
+            active,
+            waiters: None,
             lost_races: 0,
-            closed: false,
+            released: false,
         }
     }
 
-    pub(super) async fn drive(mut self) {
+    /// Claims and runs at once (`claim_first`), or first waits for the
+    /// window of a key whose last run already ended.
+    pub(super) async fn drive(mut self, claim_first: bool) {
+        if !claim_first && !self.next_run().await {
+            return;
+        }
         loop {
-            let claim = self.shared.claim(&self.key).await;
+            self.set_active(true);
+            let token = self.shared.token();
+            let claim = self.shared.claim(&self.key, token).await;
             if self.shared.mode() == DESTROYED {
-                // Destroyed before the function started: the call never runs.
-                let error = self.shared.exit_error(&self.key);
-                self.finish_without_run(Err(error));
-            } else {
-                match claim {
-                    Ok(()) => {
-                        self.lost_races = 0;
-                        self.execute().await;
-                    }
-                    Err(wait) => self.lose(wait),
+                // Destroyed before the function started: `destroy` failed
+                // the run's callers; dropping releases the slot.
+                return;
+            }
+            match claim {
+                Ok(()) => {
+                    self.lost_races = 0;
+                    self.execute(token).await;
                 }
+                Err(wait) => self.lose(wait),
             }
             if !self.next_run().await {
                 return;
@@ -132,12 +122,36 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         }
     }
 
-    /// Runs the function, opens the window at its end, publishes the result.
-    async fn execute(&mut self) {
-        let Some(job) = self.job.take() else { return };
-        let phase = self.phase;
+    /// Starts the key's next run (taking it from the slot: calls from now on
+    /// are covered by the run after it), runs it, publishes the result,
+    /// then records the window that starts at its end.
+    async fn execute(&mut self, token: u64) {
+        let epoch = self.epoch;
+        let taken = self
+            .shared
+            .registry
+            .with_slot(self.key.as_bytes(), |slot| {
+                if slot.state.epoch == epoch {
+                    slot.state.next.take()
+                } else {
+                    None
+                }
+            })
+            .flatten();
+        let Some(next) = taken else { return };
+        let gauges = &self.shared.gauges;
+        let phase = if next.is_trailing() {
+            gauges.pending.fetch_sub(1, Ordering::Relaxed);
+            gauges.trailing_runs.fetch_add(1, Ordering::Relaxed);
+            Phase::Trailing
+        } else {
+            gauges.leading_runs.fetch_add(1, Ordering::Relaxed);
+            Phase::Leading
+        };
+        let (job, waiters) = (*next).start();
+        self.waiters = Some(waiters);
         tracing::debug!(throttle = %self.shared.name, key = %self.key, ?phase, "run started");
-        let result = run_job(&self.shared, &self.key, job, phase).await;
+        let result = run_job(&self.shared, &self.key, token, job, phase).await;
         match (&result, phase) {
             (Err(error), Phase::Trailing) => {
                 // As an error value, so subscribers can walk its sources.
@@ -152,112 +166,69 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             waiters.publish(result);
         }
         // Calls arriving until the window is recorded coalesce all the same
-        // (the key still reads as running).
-        let until = self.shared.write_window(&self.key).await;
+        // (the key is busy).
+        let until = self.shared.write_window(&self.key, token).await;
         self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
-            slot.state.running = false;
-            slot.state.until = until;
+            if slot.state.epoch == epoch {
+                slot.state.until = until;
+            }
         });
         self.set_active(false);
     }
 
-    /// Ends the current run without running it: `result` goes to its callers
-    /// and the key sits in a window that is already over.
-    fn finish_without_run(&mut self, result: Result<T, Error>) {
-        drop(self.job.take());
-        let now = Instant::now();
-        self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
-            slot.state.running = false;
-            slot.state.until = now;
-        });
-        self.set_active(false);
-        if let Some(waiters) = self.waiters.take() {
-            waiters.publish(result);
-        }
-    }
-
-    /// Another instance holds the window: fold this run into the pending one
-    /// and retry after `wait`, or give up after too many losses in a row.
+    /// Another owner holds the window: the run stays in the slot (a leading
+    /// run becomes the trailing one) and is claimed again after `wait`, or
+    /// is dropped after too many losses in a row.
     fn lose(&mut self, wait: std::time::Duration) {
         self.lost_races += 1;
         let until = Instant::now() + wait;
+        let epoch = self.epoch;
         tracing::debug!(throttle = %self.shared.name, key = %self.key, lost = self.lost_races, ?wait, "window race lost");
-        if self.lost_races >= MAX_LOST_RACES {
+        let give_up = self.lost_races >= MAX_LOST_RACES;
+        if give_up {
             self.lost_races = 0;
-            let error = Error::Discarded {
-                key: shown(&self.key),
-                reason: "lost the window race 10 times in a row",
-            };
-            let dropped = self
-                .shared
-                .registry
-                .with_slot(self.key.as_bytes(), |slot| {
-                    slot.state.running = false;
-                    slot.state.until = until;
-                    slot.state.pending.take()
-                })
-                .flatten();
-            self.set_active(false);
-            if let Some(pending) = dropped {
-                self.shared.gauges.pending.fetch_sub(1, Ordering::Relaxed);
-                pending.fail(&error);
-            }
-            drop(self.job.take());
-            if let Some(waiters) = self.waiters.take() {
-                waiters.publish(Err(error));
-            }
-            return;
         }
-        let mut job = self.job.take();
-        let mut waiters = self.waiters.take();
         let gauges = &self.shared.gauges;
-        let mut coalesced_lead = None;
-        self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
-            let state: &mut KeyState<T> = &mut slot.state;
-            state.running = false;
-            state.until = until;
-            match (state.pending.as_mut(), waiters.take()) {
-                // The pending function is newer than ours: it wins, our
-                // callers ride along.
-                (Some(pending), Some(Waiters::Lead(tx))) => {
-                    coalesced_lead = Some((tx, pending.cell()));
+        let dropped = self
+            .shared
+            .registry
+            .with_slot(self.key.as_bytes(), |slot| {
+                let state = &mut slot.state;
+                if state.epoch != epoch {
+                    return None;
                 }
-                (Some(pending), Some(Waiters::Cells(cells))) => {
-                    pending.cells.extend(cells);
+                state.until = until;
+                if give_up {
+                    let next = state.next.take()?;
+                    if next.is_trailing() {
+                        gauges.pending.fetch_sub(1, Ordering::Relaxed);
+                    }
+                    return Some(next);
                 }
-                (None, Some(w)) => match job.take() {
-                    Some(j) => {
-                        let pending = match w {
-                            Waiters::Lead(tx) => {
-                                let mut pending = Pending::new(j, Vec::new());
-                                coalesced_lead = Some((tx, pending.cell()));
-                                pending
-                            }
-                            Waiters::Cells(cells) => Pending::new(j, cells),
-                        };
-                        state.pending = Some(pending);
+                if let Some(next) = state.next.as_mut() {
+                    if next.demote() {
                         // Counted under the lock, before anyone can take it.
                         gauges.pending.fetch_add(1, Ordering::Relaxed);
                     }
-                    None => waiters = Some(w),
-                },
-                (_, None) => {}
-            }
-        });
+                }
+                None
+            })
+            .flatten();
         self.set_active(false);
-        if let Some((tx, cell)) = coalesced_lead {
-            let _ = tx.send(Led::Coalesced(cell));
+        if let Some(next) = dropped {
+            (*next).fail(&Error::Discarded {
+                key: shown(&self.key),
+                reason: "lost the window race 10 times in a row",
+            });
         }
-        // Only when the slot was gone, which a live process never sees.
-        if let Some(waiters) = waiters {
-            waiters.publish(Err(self.shared.exit_error(&self.key)));
-        }
-        drop(job);
     }
 
-    /// Sleeps through the window, then takes the pending trailing run
-    /// (`true`) or closes the key (`false`).
+    /// Sleeps through the window while a run is pending, then claims it
+    /// (`true`); otherwise hands the key back as a timestamp or closes it
+    /// (`false`).
     async fn next_run(&mut self) -> bool {
+        let epoch = self.epoch;
+        let retrying = self.lost_races > 0;
         loop {
             let mode = self.shared.mode();
             if mode == DESTROYED {
@@ -266,44 +237,59 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             let now = Instant::now();
             let step = self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
                 let state = &mut slot.state;
-                // While draining, a window with nothing pending protects nothing.
-                let idle_drain = mode == DRAINING && state.pending.is_none();
-                if now < state.until && !idle_drain {
-                    return Step::Sleep(state.until);
+                if state.epoch != epoch {
+                    return None;
                 }
-                match state.pending.take() {
-                    Some(pending) => {
-                        state.running = true;
-                        Step::Run(pending)
+                let open = now < state.until;
+                match (&state.next, open) {
+                    (Some(_), true) if retrying => Some(Step::Sleep(state.until)),
+                    (Some(_), true) => {
+                        state.busy = false;
+                        state.scheduled = true;
+                        Some(Step::Schedule(state.until))
                     }
-                    None => Step::Close,
+                    (Some(_), false) => Some(Step::Claim),
+                    // While draining, a window with nothing pending protects
+                    // nothing: close it.
+                    (None, true) if mode != DRAINING => {
+                        state.busy = false;
+                        Some(Step::Release)
+                    }
+                    (None, _) => Some(Step::Close),
                 }
             });
-            match step {
-                None => return false,
+            match step.flatten() {
+                None => {
+                    // The slot is not ours any more.
+                    self.released = true;
+                    return false;
+                }
                 Some(Step::Sleep(until)) => self.shared.nap(until, mode).await,
+                Some(Step::Schedule(until)) => {
+                    self.released = true;
+                    self.shared
+                        .schedule(&self.key, self.generation, epoch, until);
+                    return false;
+                }
+                Some(Step::Claim) => return true,
+                Some(Step::Release) => {
+                    self.released = true;
+                    tracing::trace!(throttle = %self.shared.name, key = %self.key, "window open; process released");
+                    return false;
+                }
                 Some(Step::Close) => {
                     let closed =
                         self.shared
                             .registry
                             .remove_if(self.key.as_bytes(), self.generation, |s| {
-                                s.pending.is_none()
+                                s.epoch == epoch && s.next.is_none()
                             });
                     if closed.is_some() {
-                        self.closed = true;
+                        self.released = true;
                         tracing::debug!(throttle = %self.shared.name, key = %self.key, "window closed");
                         return false;
                     }
                     // A call arrived since: go round and take it.
-                }
-                Some(Step::Run(pending)) => {
-                    self.shared.gauges.pending.fetch_sub(1, Ordering::Relaxed);
-                    self.set_active(true);
-                    let (job, cells) = pending.into_job();
-                    self.phase = Phase::Trailing;
-                    self.job = Some(job);
-                    self.waiters = Some(Waiters::Cells(cells));
-                    return true;
                 }
             }
         }
@@ -314,10 +300,11 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
 /// the store meanwhile; a panic becomes an error.
 ///
 /// The lease future is boxed only when the function does not finish on its
-/// first poll, so instant functions and idle windows don't pay for it.
+/// first poll, so instant functions don't pay for it.
 async fn run_job<T: Clone + Send + Sync + 'static>(
     shared: &Shared<T>,
     key: &str,
+    token: u64,
     job: Job<T>,
     phase: Phase,
 ) -> Result<T, Error> {
@@ -326,7 +313,7 @@ async fn run_job<T: Clone + Send + Sync + 'static>(
     let caught = match first {
         Poll::Ready(out) => out,
         Poll::Pending => {
-            let mut lease = Box::pin(shared.hold_lease(key));
+            let mut lease = Box::pin(shared.hold_lease(key, token));
             let mut leasing = true;
             loop {
                 tokio::select! {
@@ -344,22 +331,25 @@ impl<T: Clone + Send + Sync + 'static> Drop for Driver<T> {
     fn drop(&mut self) {
         let shared = Arc::clone(&self.shared);
         self.set_active(false);
-        drop(self.job.take());
-        let left = if self.closed {
+        let epoch = self.epoch;
+        let left = if self.released {
             None
         } else {
             shared
                 .registry
-                .remove_if(self.key.as_bytes(), self.generation, |_| true)
+                .remove_if(self.key.as_bytes(), self.generation, |s| s.epoch == epoch)
         };
-        if self.waiters.is_some() || left.as_ref().is_some_and(|s| s.pending.is_some()) {
+        let next = left.and_then(|s| s.next);
+        if self.waiters.is_some() || next.is_some() {
             let error = shared.exit_error(&self.key);
             if let Some(waiters) = self.waiters.take() {
                 waiters.publish(Err(error.clone()));
             }
-            if let Some(pending) = left.and_then(|s| s.pending) {
-                shared.gauges.pending.fetch_sub(1, Ordering::Relaxed);
-                pending.fail(&error);
+            if let Some(next) = next {
+                if next.is_trailing() {
+                    shared.gauges.pending.fetch_sub(1, Ordering::Relaxed);
+                }
+                (*next).fail(&error);
             }
         }
         if shared.gauges.live.fetch_sub(1, Ordering::AcqRel) == 1 {

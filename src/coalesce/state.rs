@@ -1,18 +1,21 @@
 //! What a coalescing throttle shares between its callers and its per-key
 //! processes: the registry of key slots, the store, the mode and the gauges.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::Poll;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry};
+use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry, Sweep, catch_panic};
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
 use super::Phase;
-use super::store::{SetOptions, WindowStore};
+use super::store::{WindowClaim, WindowEntry, WindowStore, WindowStoreFuture};
 use crate::cell::RunCell;
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, shown};
@@ -40,27 +43,50 @@ pub(super) enum Submitted<T> {
     Coalesced(Option<Arc<RunCell<T>>>),
 }
 
-/// Calls coalesced into the next trailing run of a key.
+/// The next run of a key, not started yet: the calls it covers.
+///
+/// While the leading run claims its window, it sits here too, so a call
+/// arriving before the function starts is covered by that run.
 pub(super) struct Pending<T> {
     /// The latest function (a `Mutex` only to make the slot `Sync`; it is
     /// reached through `&mut` or by value, never locked).
-    pub(super) job: Mutex<Job<T>>,
+    job: Mutex<Job<T>>,
     /// Where the covered callers wait: empty until one of them waits (plain
-    /// calls need none), then one cell, plus the cells of earlier runs folded
-    /// into this one after a lost window race.
+    /// calls need none), then one cell.
+    cells: Vec<Arc<RunCell<T>>>,
+    /// The leading caller, while this is a leading run; `None` for a
+    /// trailing run (counted in the `pending` gauge).
+    lead: Option<oneshot::Sender<Led<T>>>,
+}
+
+/// Who waits for a run once it has started.
+pub(super) struct Waiters<T> {
+    pub(super) lead: Option<oneshot::Sender<Led<T>>>,
     pub(super) cells: Vec<Arc<RunCell<T>>>,
 }
 
-impl<T: Clone> Pending<T> {
-    pub(super) fn new(job: Job<T>, cells: Vec<Arc<RunCell<T>>>) -> Self {
-        Self {
-            job: Mutex::new(job),
-            cells,
+impl<T: Clone> Waiters<T> {
+    pub(super) fn publish(self, result: Result<T, Error>) {
+        for cell in self.cells {
+            cell.set(result.clone());
         }
+        if let Some(tx) = self.lead {
+            let _ = tx.send(Led::Ran(result));
+        }
+    }
+}
+
+impl<T: Clone> Pending<T> {
+    fn new(job: Job<T>, lead: Option<oneshot::Sender<Led<T>>>) -> Box<Self> {
+        Box::new(Self {
+            job: Mutex::new(job),
+            cells: Vec::new(),
+            lead,
+        })
     }
 
     /// The cell a new waiter waits on, made on first need.
-    pub(super) fn cell(&mut self) -> Arc<RunCell<T>> {
+    fn cell(&mut self) -> Arc<RunCell<T>> {
         if let Some(cell) = self.cells.first() {
             return cell.clone();
         }
@@ -69,46 +95,145 @@ impl<T: Clone> Pending<T> {
         cell
     }
 
-    pub(super) fn into_job(self) -> (Job<T>, Vec<Arc<RunCell<T>>>) {
-        let job = self
-            .job
-            .into_inner()
-            .unwrap_or_else(PoisonError::into_inner);
-        (job, self.cells)
+    /// Whether this is a trailing run (counted in the `pending` gauge).
+    pub(super) fn is_trailing(&self) -> bool {
+        self.lead.is_none()
+    }
+
+    /// A leading run that lost its window race becomes a trailing run: the
+    /// leading caller is told it was coalesced. Returns whether it was
+    /// leading.
+    pub(super) fn demote(&mut self) -> bool {
+        let Some(tx) = self.lead.take() else {
+            return false;
+        };
+        let _ = tx.send(Led::Coalesced(self.cell()));
+        true
+    }
+
+    pub(super) fn start(self) -> (Job<T>, Waiters<T>) {
+        let Self { job, cells, lead } = self;
+        let job = job.into_inner().unwrap_or_else(PoisonError::into_inner);
+        (job, Waiters { lead, cells })
     }
 
     /// Fails every caller waiting here; the function is dropped.
     pub(super) fn fail(self, error: &Error) {
-        let (job, cells) = self.into_job();
+        let (job, waiters) = self.start();
         drop(job);
-        for cell in cells {
-            cell.set(Err(error.clone()));
-        }
+        waiters.publish(Err(error.clone()));
     }
 }
 
-/// A key's slot in the registry.
+/// A key's slot in the registry: 32 bytes, plus the next run when one is
+/// waiting. With nothing pending and no run in progress, it is a timestamp
+/// with no process.
 pub(super) struct KeyState<T> {
-    /// A run is being claimed or executed.
-    pub(super) running: bool,
-    /// When not running: when the window ends (or the next claim retry).
+    /// When the window ends (or the next claim retry), once a run is over.
     pub(super) until: Instant,
-    /// The trailing run waiting for the window to end.
-    pub(super) pending: Option<Pending<T>>,
+    /// The next run, not started yet.
+    pub(super) next: Option<Box<Pending<T>>>,
+    /// Which process owns the key (bumped on every start), so an exiting
+    /// process never touches its successor's slot.
+    pub(super) epoch: u32,
+    /// A process owns the key: claiming or running.
+    pub(super) busy: bool,
+    /// No process: the throttle's sleeper starts one for the next run when
+    /// the window ends.
+    pub(super) scheduled: bool,
+}
+
+/// A key whose next run waits for its window to end, in the sleeper.
+struct Wakeup {
+    at: Instant,
+    seq: u64,
+    key: InlineKey,
+    generation: Generation,
+    epoch: u32,
+}
+
+impl PartialEq for Wakeup {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+
+impl Eq for Wakeup {}
+
+impl PartialOrd for Wakeup {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Wakeup {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(other.at, other.seq))
+    }
+}
+
+/// One timer for every key of a throttle whose trailing run waits for its
+/// window: a pending trailing run costs a heap entry, not a process.
+#[derive(Default)]
+struct Sleeper {
+    heap: BinaryHeap<Reverse<Wakeup>>,
+    seq: u64,
+    /// The sleeper process is alive.
+    running: bool,
 }
 
 pub(super) const OPEN: u8 = 0;
 pub(super) const DRAINING: u8 = 1;
 pub(super) const DESTROYED: u8 = 2;
 
-/// Live figures of one throttle, plus the runtime's shared counters.
+/// Live figures and counters of one throttle, plus the runtime's counters.
 pub(super) struct Gauges {
-    pub(super) active: AtomicUsize,
-    pub(super) pending: AtomicUsize,
-    pub(super) timers: AtomicUsize,
-    pub(super) live: AtomicUsize,
+    pub(super) active: Padded<AtomicUsize>,
+    pub(super) pending: Padded<AtomicUsize>,
+    pub(super) timers: Padded<AtomicUsize>,
+    pub(super) live: Padded<AtomicUsize>,
     pub(super) idle: Notify,
     pub(super) runtime: Arc<Counters>,
+    /// Calls that led (accepted calls are these plus the coalesced ones).
+    pub(super) leads: Padded<AtomicU64>,
+    pub(super) coalesced: Padded<AtomicU64>,
+    pub(super) leading_runs: Padded<AtomicU64>,
+    pub(super) trailing_runs: AtomicU64,
+    pub(super) store_errors: AtomicU64,
+    pub(super) store_timeouts: AtomicU64,
+    /// Store calls in flight that a destroy abandons, and who waits for them.
+    in_store: AtomicUsize,
+    store_idle: Notify,
+}
+
+/// A counter on a cache line of its own: the gauges are written from every
+/// worker, and a shared line would make each write evict its neighbours.
+#[repr(align(64))]
+pub(super) struct Padded<A>(A);
+
+impl<A> std::ops::Deref for Padded<A> {
+    type Target = A;
+    fn deref(&self) -> &A {
+        &self.0
+    }
+}
+
+/// Counts a store call in flight while it lives.
+struct InStore<'a>(&'a Gauges);
+
+impl<'a> InStore<'a> {
+    fn new(gauges: &'a Gauges) -> Self {
+        gauges.in_store.fetch_add(1, Ordering::AcqRel);
+        Self(gauges)
+    }
+}
+
+impl Drop for InStore<'_> {
+    fn drop(&mut self) {
+        if self.0.in_store.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.store_idle.notify_waiters();
+        }
+    }
 }
 
 /// A timer counted in the throttle's and the runtime's gauges while it lives.
@@ -133,7 +258,7 @@ impl Drop for Armed<'_> {
 /// start, then monotonic (and paused along with tokio's time in tests).
 pub(super) struct EpochClock {
     base_ms: u64,
-    base: Instant,
+    pub(super) base: Instant,
 }
 
 impl EpochClock {
@@ -162,6 +287,7 @@ pub(super) struct Config {
     pub(super) window: Duration,
     pub(super) store: Box<dyn WindowStore>,
     pub(super) owns_store: bool,
+    pub(super) store_timeout: Duration,
 }
 
 pub(super) struct Shared<T> {
@@ -175,16 +301,30 @@ pub(super) struct Shared<T> {
     pub(super) lease_ttl: Duration,
     pub(super) store: Box<dyn WindowStore>,
     pub(super) owns_store: bool,
+    pub(super) store_timeout: Duration,
     pub(super) registry: Registry<InlineKey, KeyState<T>>,
     mode: AtomicU8,
-    /// Wakes processes sleeping through a window when the mode changes.
+    /// Wakes processes sleeping through a window, and abandons store calls
+    /// in flight, when the mode changes.
     pub(super) wake: Notify,
     pub(super) gauges: Gauges,
     pub(super) epoch: EpochClock,
+    /// Owner tokens: random per throttle, distinct per claim.
+    tokens: ahash::RandomState,
+    next_token: AtomicU64,
+    /// When the key cap last made `submit` sweep, in ms after the epoch
+    /// clock's base, plus one (0: never).
+    full_sweep_at: AtomicU64,
+    sleeper: Mutex<Sleeper>,
+    /// Wakes the sleeper for an earlier wake-up or a destroy.
+    sleeper_wake: Notify,
 }
 
 enum Decision<T> {
-    Lead(Generation, Job<T>),
+    Lead(Generation, u32, oneshot::Receiver<Led<T>>),
+    /// Coalesced into a window with no process: the sleeper starts one
+    /// when the window ends.
+    Schedule(Generation, u32, Instant, Option<Arc<RunCell<T>>>),
     Coalesced {
         cell: Option<Arc<RunCell<T>>>,
         stale: Option<Job<T>>,
@@ -193,34 +333,64 @@ enum Decision<T> {
     Refused(Error, Job<T>),
 }
 
+/// Why a store call was cut short.
+enum StoreStop {
+    TimedOut,
+    Abandoned,
+}
+
+/// What a store call came to once bounded and guarded.
+pub(super) enum StoreOutcome<R> {
+    Done(R),
+    /// Failed, panicked, timed out or abandoned: fail open.
+    Failed,
+}
+
 impl<T: Clone + Send + Sync + 'static> Shared<T> {
     pub(super) fn new(config: Config) -> Arc<Self> {
         let core = &config.runtime.core;
         let lease_every = (config.window / 2).max(Duration::from_millis(100));
+        let sweeper = core.tree.sweeper().clone();
         let shared = Arc::new(Self {
-            registry: Registry::new(core.counters.clone(), core.cap),
+            registry: Registry::with_sweeper(core.counters.clone(), core.cap, &sweeper),
             gauges: Gauges {
-                active: AtomicUsize::new(0),
-                pending: AtomicUsize::new(0),
-                timers: AtomicUsize::new(0),
-                live: AtomicUsize::new(0),
+                active: Padded(AtomicUsize::new(0)),
+                pending: Padded(AtomicUsize::new(0)),
+                timers: Padded(AtomicUsize::new(0)),
+                live: Padded(AtomicUsize::new(0)),
                 idle: Notify::new(),
                 runtime: core.counters.clone(),
+                leads: Padded(AtomicU64::new(0)),
+                coalesced: Padded(AtomicU64::new(0)),
+                leading_runs: Padded(AtomicU64::new(0)),
+                trailing_runs: AtomicU64::new(0),
+                store_errors: AtomicU64::new(0),
+                store_timeouts: AtomicU64::new(0),
+                in_store: AtomicUsize::new(0),
+                store_idle: Notify::new(),
             },
             lease_every,
             lease_ttl: config.window.max(lease_every * 2),
             mode: AtomicU8::new(OPEN),
             wake: Notify::new(),
             epoch: EpochClock::new(),
+            tokens: ahash::RandomState::new(),
+            next_token: AtomicU64::new(1),
+            full_sweep_at: AtomicU64::new(0),
+            sleeper: Mutex::new(Sleeper::default()),
+            sleeper_wake: Notify::new(),
             runtime: config.runtime,
             name: config.name,
             prefix: config.prefix,
             window: config.window,
             store: config.store,
             owns_store: config.owns_store,
+            store_timeout: config.store_timeout,
         });
         let hook: std::sync::Weak<dyn ShutdownHook> = Arc::downgrade(&shared) as _;
         shared.runtime.core.add_hook(hook);
+        let target: std::sync::Weak<dyn Sweep> = Arc::downgrade(&shared) as _;
+        sweeper.register(target);
         shared
     }
 
@@ -232,6 +402,12 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// destroyed: the store was cleared and nobody else reads it.
     pub(super) fn store_closed(&self) -> bool {
         self.owns_store && self.mode() == DESTROYED
+    }
+
+    /// A fresh owner token for one claim: never 0.
+    pub(super) fn token(&self) -> u64 {
+        let n = self.next_token.fetch_add(1, Ordering::Relaxed);
+        self.tokens.hash_one(n) | 1
     }
 
     /// The key as the store sees it: prefix + key. Built per store command
@@ -248,7 +424,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     }
 
     /// Takes a call: leads on an idle key (starting its process), otherwise
-    /// coalesces into the key's pending trailing run. Never waits.
+    /// coalesces into the key's next run, starting a process only when the
+    /// key has none and the run needs a timer. Never waits.
     pub(super) fn submit(
         self: &Arc<Self>,
         key: &str,
@@ -258,38 +435,102 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         check_key(key)?;
         let core = &self.runtime.core;
         core.check_open(key)?;
+        let mut job = job;
+        let mut swept = false;
+        let decision = loop {
+            match self.decide(key, job, wants_cell) {
+                // Full: windows that are over may be what fills it.
+                Decision::Refused(Error::TooManyKeys { .. }, back)
+                    if !swept && self.sweep_when_full() =>
+                {
+                    swept = true;
+                    job = back;
+                }
+                decision => break decision,
+            }
+        };
+        self.settle(key, decision)
+    }
+
+    /// Forgets windows that are over when the key cap refused a key; at most
+    /// once every 10 ms (it is a pass over every key). Returns whether it ran.
+    fn sweep_when_full(&self) -> bool {
+        let now = Instant::now();
+        let at = u64::try_from(now.saturating_duration_since(self.epoch.base).as_millis())
+            .unwrap_or(u64::MAX)
+            .saturating_add(1);
+        let last = self.full_sweep_at.load(Ordering::Relaxed);
+        if last != 0 && at.saturating_sub(last) < 10 {
+            return false;
+        }
+        if self
+            .full_sweep_at
+            .compare_exchange(last, at, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+        {
+            return false;
+        }
+        self.registry
+            .retain(|_, state| state.busy || state.scheduled || state.until > now);
+        true
+    }
+
+    fn decide(&self, key: &str, job: Job<T>, wants_cell: bool) -> Decision<T> {
+        let gauges = &self.gauges;
         // The mode is read under the shard lock, so `destroy` (mode first,
         // then a pass over every shard) never misses a pending call.
-        let decision = self.registry.update(key.as_bytes(), |entry| match entry {
+        self.registry.update(key.as_bytes(), |entry| match entry {
             _ if self.mode() != OPEN => Decision::Refused(self.refused(key), job),
-            SlotEntry::Occupied(slot) => match &mut slot.state.pending {
-                Some(pending) => Decision::Coalesced {
-                    cell: wants_cell.then(|| pending.cell()),
-                    stale: Some(std::mem::replace(
-                        pending
-                            .job
-                            .get_mut()
-                            .unwrap_or_else(PoisonError::into_inner),
-                        job,
-                    )),
-                },
-                None => {
-                    let mut pending = Pending::new(job, Vec::new());
-                    let cell = wants_cell.then(|| pending.cell());
-                    slot.state.pending = Some(pending);
-                    // Counted under the lock, before anyone can take it.
-                    self.gauges.pending.fetch_add(1, Ordering::Relaxed);
-                    Decision::Coalesced { cell, stale: None }
+            SlotEntry::Occupied(slot) => {
+                let generation = slot.generation();
+                let state = &mut slot.state;
+                if let Some(next) = &mut state.next {
+                    // Not started yet (leading or trailing): it covers this call.
+                    return Decision::Coalesced {
+                        cell: wants_cell.then(|| next.cell()),
+                        stale: Some(std::mem::replace(
+                            next.job.get_mut().unwrap_or_else(PoisonError::into_inner),
+                            job,
+                        )),
+                    };
                 }
-            },
+                if !state.busy && Instant::now() >= state.until {
+                    // A window that is over: lead again in the same slot.
+                    let (tx, rx) = oneshot::channel();
+                    state.next = Some(Pending::new(job, Some(tx)));
+                    state.busy = true;
+                    state.epoch = state.epoch.wrapping_add(1);
+                    return Decision::Lead(generation, state.epoch, rx);
+                }
+                let mut next = Pending::new(job, None);
+                let cell = wants_cell.then(|| next.cell());
+                state.next = Some(next);
+                // Counted under the lock, before anyone can take it.
+                gauges.pending.fetch_add(1, Ordering::Relaxed);
+                if state.busy {
+                    Decision::Coalesced { cell, stale: None }
+                } else {
+                    // An open window with no process: the sleeper starts one
+                    // when it ends.
+                    state.scheduled = true;
+                    state.epoch = state.epoch.wrapping_add(1);
+                    Decision::Schedule(generation, state.epoch, state.until, cell)
+                }
+            }
             SlotEntry::Vacant(vacant) => {
                 let state = KeyState {
-                    running: true,
                     until: Instant::now(),
-                    pending: None,
+                    next: None,
+                    epoch: 0,
+                    busy: true,
+                    scheduled: false,
                 };
                 match vacant.insert(state) {
-                    Ok(slot) => Decision::Lead(slot.generation(), job),
+                    Ok(mut slot) => {
+                        let (tx, rx) = oneshot::channel();
+                        slot.state.next = Some(Pending::new(job, Some(tx)));
+                        Decision::Lead(slot.generation(), 0, rx)
+                    }
                     Err(full) => Decision::Refused(
                         Error::TooManyKeys {
                             key: shown(key),
@@ -299,7 +540,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                     ),
                 }
             }
-        });
+        })
+    }
+
+    fn settle(self: &Arc<Self>, key: &str, decision: Decision<T>) -> Result<Submitted<T>, Error> {
+        let core = &self.runtime.core;
         match decision {
             Decision::Refused(error, job) => {
                 drop(job);
@@ -309,13 +554,21 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 // The replaced closure may run user code when dropped: never
                 // under the shard lock.
                 drop(stale);
+                self.gauges.coalesced.fetch_add(1, Ordering::Relaxed);
                 tracing::trace!(throttle = %self.name, key, "call coalesced");
                 Ok(Submitted::Coalesced(cell))
             }
-            Decision::Lead(generation, job) => {
-                let (tx, rx) = oneshot::channel();
-                let driver = super::process::Driver::new(self.clone(), key, generation, job, tx);
-                core.start_process(key, driver.drive())?;
+            Decision::Schedule(generation, epoch, at, cell) => {
+                self.gauges.coalesced.fetch_add(1, Ordering::Relaxed);
+                tracing::trace!(throttle = %self.name, key, "call coalesced");
+                self.schedule(key, generation, epoch, at);
+                Ok(Submitted::Coalesced(cell))
+            }
+            Decision::Lead(generation, epoch, rx) => {
+                self.gauges.leads.fetch_add(1, Ordering::Relaxed);
+                let driver =
+                    super::process::Driver::new(self.clone(), key, generation, epoch, true);
+                core.start_process(key, driver.drive(true))?;
                 Ok(Submitted::Lead(rx))
             }
         }
@@ -338,7 +591,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         }
     }
 
-    /// Sleeps until `until`, or until the mode moves on from `seen`.
+    /// Sleeps until `until`, or until the mode moves on from `seen` (a
+    /// process retrying a lost window race keeps its own timer).
     pub(super) async fn nap(&self, until: Instant, seen: u8) {
         let _timer = Armed::new(&self.gauges);
         let woken = self.wake.notified();
@@ -353,55 +607,251 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         }
     }
 
-    /// Claims the key's window in the store (`SET … PX lease NX`).
+    /// Hands a key whose next run waits for `at` to the sleeper (its slot
+    /// is marked scheduled): one heap entry, counted as a timer and as live
+    /// work until it fires.
+    pub(super) fn schedule(
+        self: &Arc<Self>,
+        key: &str,
+        generation: Generation,
+        epoch: u32,
+        at: Instant,
+    ) {
+        let gauges = &self.gauges;
+        gauges.live.fetch_add(1, Ordering::AcqRel);
+        gauges.timers.fetch_add(1, Ordering::Relaxed);
+        gauges.runtime.timer_armed();
+        let (start, earlier) = {
+            let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
+            sleeper.seq += 1;
+            let earlier = sleeper.heap.peek().is_some_and(|top| at < top.0.at);
+            let seq = sleeper.seq;
+            sleeper.heap.push(Reverse(Wakeup {
+                at,
+                seq,
+                key: InlineKey::new(key),
+                generation,
+                epoch,
+            }));
+            let start = !sleeper.running;
+            sleeper.running = true;
+            (start, earlier)
+        };
+        if start {
+            let sleeper = Arc::clone(self).sleep_loop();
+            if self
+                .runtime
+                .core
+                .start_process(&self.prefix, sleeper)
+                .is_err()
+            {
+                // No runtime to sleep on: fire now; the processes fail their
+                // callers as they cannot start either.
+                let due = {
+                    let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
+                    sleeper.running = false;
+                    std::mem::take(&mut sleeper.heap)
+                };
+                for Reverse(wakeup) in due {
+                    self.fire(wakeup);
+                }
+            }
+        } else if earlier {
+            self.sleeper_wake.notify_one();
+        }
+    }
+
+    /// Forgets `n` wake-ups that will never fire.
+    fn unschedule(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let gauges = &self.gauges;
+        gauges.timers.fetch_sub(n, Ordering::Relaxed);
+        for _ in 0..n {
+            gauges.runtime.timer_disarmed();
+        }
+        if gauges.live.fetch_sub(n, Ordering::AcqRel) == n {
+            gauges.idle.notify_waiters();
+        }
+    }
+
+    /// The sleeper process: starts each scheduled key's process when its
+    /// window ends; exits when nothing is scheduled.
+    async fn sleep_loop(self: Arc<Self>) {
+        loop {
+            let woken = self.sleeper_wake.notified();
+            tokio::pin!(woken);
+            woken.as_mut().enable();
+            let now = Instant::now();
+            let (due, next) = {
+                let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut due = Vec::new();
+                while sleeper.heap.peek().is_some_and(|top| top.0.at <= now) {
+                    if let Some(Reverse(wakeup)) = sleeper.heap.pop() {
+                        due.push(wakeup);
+                    }
+                }
+                let next = sleeper.heap.peek().map(|top| top.0.at);
+                if next.is_none() {
+                    sleeper.running = false;
+                }
+                (due, next)
+            };
+            for wakeup in due {
+                self.fire(wakeup);
+            }
+            let Some(at) = next else { return };
+            tokio::select! {
+                () = tokio::time::sleep_until(at) => {}
+                () = woken => {}
+            }
+        }
+    }
+
+    /// Starts the process of a scheduled key, if its slot is still the one
+    /// that was scheduled.
+    fn fire(self: &Arc<Self>, wakeup: Wakeup) {
+        let Wakeup {
+            key,
+            generation,
+            epoch,
+            ..
+        } = wakeup;
+        let started = self
+            .registry
+            .with_slot(key.as_bytes(), |slot| {
+                let same = slot.generation() == generation;
+                let state = &mut slot.state;
+                let ours = same && state.epoch == epoch && state.scheduled;
+                if ours {
+                    state.scheduled = false;
+                    state.busy = true;
+                }
+                ours
+            })
+            .unwrap_or(false);
+        if started {
+            let key = String::from_utf8_lossy(key.as_bytes());
+            let driver = super::process::Driver::new(self.clone(), &key, generation, epoch, false);
+            // On failure the driver is dropped: it releases the slot and
+            // fails the callers.
+            let _ = self.runtime.core.start_process(&key, driver.drive(false));
+        }
+        self.unschedule(1);
+    }
+
+    /// Runs one store call bounded by the store timeout, with a panic
+    /// caught, abandoned at once when the throttle is destroyed (a
+    /// shutdown's deadline). Every failure is counted and logged at debug
+    /// level (a panic at warn): the caller fails open.
+    pub(super) async fn store_call<R>(
+        &self,
+        key: &str,
+        what: &'static str,
+        call: WindowStoreFuture<'_, R>,
+    ) -> StoreOutcome<R> {
+        // `clear` runs after the mode went to destroyed: bounded by the
+        // timeout only.
+        let abandonable = what != "clear";
+        if abandonable && self.mode() == DESTROYED {
+            return StoreOutcome::Failed;
+        }
+        let mut call = catch_panic(call);
+        // An in-memory store answers on the first poll: no timer for it.
+        let first = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut call).poll(cx))).await;
+        let out = match first {
+            Poll::Ready(out) => Ok(out),
+            // Boxed: the slow path stays out of every process's future.
+            Poll::Pending => Box::pin(self.store_wait(abandonable, call)).await,
+        };
+        let gauges = &self.gauges;
+        match out {
+            Ok(Ok(Ok(value))) => StoreOutcome::Done(value),
+            Ok(Ok(Err(error))) => {
+                gauges.store_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(throttle = %self.name, key, what, %error, "window store failed");
+                StoreOutcome::Failed
+            }
+            Ok(Err(panic)) => {
+                gauges.store_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(throttle = %self.name, key, what, panic = panic.message(), "window store panicked; treated as a store failure");
+                StoreOutcome::Failed
+            }
+            Err(StoreStop::TimedOut) => {
+                gauges.store_timeouts.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(throttle = %self.name, key, what, timeout = ?self.store_timeout, "window store failed: timed out");
+                StoreOutcome::Failed
+            }
+            Err(StoreStop::Abandoned) => {
+                tracing::debug!(throttle = %self.name, key, what, "window store call abandoned: destroyed");
+                StoreOutcome::Failed
+            }
+        }
+    }
+
+    /// The rest of a store call that did not answer at once: bounded by the
+    /// store timeout, abandoned when the throttle is destroyed.
+    async fn store_wait<F: Future + Unpin>(
+        &self,
+        abandonable: bool,
+        call: F,
+    ) -> Result<F::Output, StoreStop> {
+        let _in_store = abandonable.then(|| InStore::new(&self.gauges));
+        let bounded = tokio::time::timeout(self.store_timeout, call);
+        tokio::pin!(bounded);
+        loop {
+            let stopped = self.wake.notified();
+            tokio::pin!(stopped);
+            stopped.as_mut().enable();
+            if abandonable && self.mode() == DESTROYED {
+                return Err(StoreStop::Abandoned);
+            }
+            tokio::select! {
+                biased;
+                out = &mut bounded => return out.map_err(|_| StoreStop::TimedOut),
+                () = stopped, if abandonable => {}
+            }
+        }
+    }
+
+    /// Claims the key's window in the store for `token`.
     ///
-    /// `Ok(())` to run now, including on a store error (fail open);
-    /// `Err(wait)` when another instance holds the window.
-    pub(super) async fn claim(&self, key: &str) -> Result<(), Duration> {
+    /// `Ok(())` to run now, including on a store failure (fail open);
+    /// `Err(wait)` when another owner holds the window.
+    pub(super) async fn claim(&self, key: &str, token: u64) -> Result<(), Duration> {
         if self.store_closed() {
             return Ok(());
         }
         let store_key = &*self.store_key(key);
-        // A claim is a lease: its value is when it lapses unless extended.
-        let value = self.epoch.at(Instant::now() + self.lease_ttl).to_string();
-        let options = SetOptions::px(self.lease_ttl).nx();
-        match self.store.set(store_key, &value, options).await {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(self.retry_after(store_key).await),
-            Err(error) => {
-                tracing::debug!(throttle = %self.name, key = store_key, %error, "window store failed; running anyway");
-                Ok(())
-            }
+        // A claim is a lease: it lapses at its end unless extended.
+        let entry = WindowEntry::new(self.epoch.at(Instant::now() + self.lease_ttl), token);
+        let call = self.store.claim(store_key, entry, self.lease_ttl);
+        match self.store_call(store_key, "claim", call).await {
+            StoreOutcome::Done(WindowClaim::Lost { holder }) => Err(self.retry_after(holder)),
+            StoreOutcome::Done(_) | StoreOutcome::Failed => Ok(()),
         }
     }
 
     /// How long to wait after losing a window race: until just past the end
-    /// the store reports (a window's end, or a lease's lapse), capped at the
-    /// lease TTL; the window length if unreadable.
-    async fn retry_after(&self, store_key: &str) -> Duration {
-        let floor = Duration::from_millis(1);
-        match self.store.get(store_key).await {
-            Ok(Some(value)) => match value.trim().parse::<u64>() {
-                Ok(end) => {
-                    let now = self.epoch.at(Instant::now());
-                    // One millisecond past the end: values are truncated to
-                    // milliseconds and instances' clocks differ by as much.
-                    Duration::from_millis(end.saturating_sub(now).saturating_add(1))
-                        .min(self.lease_ttl)
-                }
-                Err(_) => self.window,
-            },
-            // The holder's window lapsed between our SET and GET.
-            Ok(None) => floor,
-            Err(error) => {
-                tracing::debug!(throttle = %self.name, key = store_key, %error, "window store failed reading a lost window");
-                self.window
+    /// the holder reported (a window's end, or a lease's lapse), capped at
+    /// the lease TTL; the window length if unreadable.
+    fn retry_after(&self, holder: Option<WindowEntry>) -> Duration {
+        match holder {
+            Some(entry) => {
+                let now = self.epoch.at(Instant::now());
+                // One millisecond past the end: values are truncated to
+                // milliseconds and instances' clocks differ by as much.
+                Duration::from_millis(entry.end_ms.saturating_sub(now).saturating_add(1))
+                    .min(self.lease_ttl)
             }
+            None => self.window,
         }
     }
 
-    /// Extends a running function's lease for as long as it runs.
-    pub(super) async fn hold_lease(&self, key: &str) {
+    /// Extends a running function's lease for as long as it runs, and only
+    /// while it still holds it.
+    pub(super) async fn hold_lease(&self, key: &str, token: u64) {
         let store_key = &*self.store_key(key);
         loop {
             {
@@ -411,16 +861,17 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             if self.store_closed() {
                 continue;
             }
-            let value = self.epoch.at(Instant::now() + self.lease_ttl).to_string();
-            let options = SetOptions::px(self.lease_ttl);
-            if let Err(error) = self.store.set(store_key, &value, options).await {
-                tracing::debug!(throttle = %self.name, key = store_key, %error, "window store failed extending a lease");
+            let entry = WindowEntry::new(self.epoch.at(Instant::now() + self.lease_ttl), token);
+            let call = self.store.extend(store_key, entry, self.lease_ttl);
+            if let StoreOutcome::Done(false) = self.store_call(store_key, "extend", call).await {
+                tracing::debug!(throttle = %self.name, key = store_key, "lease taken over by another owner; no longer extended");
+                std::future::pending::<()>().await;
             }
         }
     }
 
-    /// Records the window that starts now that a run finished (`SET … PX`,
-    /// replacing the run's lease) and returns when it ends in memory.
+    /// Records the window that starts now that a run finished (replacing the
+    /// run's lease, if still ours) and returns when it ends in memory.
     ///
     /// The store's expiry is the window in whole milliseconds (rounded up),
     /// counted from the write; the in-memory window is counted from after
@@ -428,19 +879,22 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// this instance's next claim is not refused by its own window. On a
     /// store that may be shared (one passed in), it ends a little later
     /// still ([`Shared::courtesy`]).
-    pub(super) async fn write_window(&self, key: &str) -> Instant {
+    pub(super) async fn write_window(&self, key: &str, token: u64) -> Instant {
         if self.store_closed() {
             return Instant::now() + self.window;
         }
         let px = self.window_px();
-        let value = self.epoch.at(Instant::now() + px).to_string();
+        let entry = WindowEntry::new(self.epoch.at(Instant::now() + px), token);
         let store_key = self.store_key(key);
-        match self.store.set(&store_key, &value, SetOptions::px(px)).await {
-            Ok(_) => Instant::now() + px + self.courtesy(),
-            Err(error) => {
-                tracing::debug!(throttle = %self.name, key = store_key, %error, "window store failed recording a window");
-                Instant::now() + self.window
+        let call = self.store.record(&store_key, entry, px);
+        match self.store_call(&store_key, "record", call).await {
+            StoreOutcome::Done(written) => {
+                if !written {
+                    tracing::debug!(throttle = %self.name, key = store_key, "window held by another owner; kept in memory only");
+                }
+                Instant::now() + px + self.courtesy()
             }
+            StoreOutcome::Failed => Instant::now() + self.window,
         }
     }
 
@@ -467,37 +921,53 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         }
     }
 
-    /// Fails every call not yet run, wakes every process, clears an owned store.
+    /// Fails every call not yet run, forgets idle windows, wakes every
+    /// process (abandoning store calls in flight), clears an owned store.
     pub(super) async fn destroy(&self) {
         if self.mode.swap(DESTROYED, Ordering::AcqRel) == DESTROYED {
             return;
         }
         let mut dropped = Vec::new();
+        let mut trailing = 0;
         self.registry.retain(|key, state| {
-            if let Some(pending) = state.pending.take() {
-                dropped.push((
-                    String::from_utf8_lossy(key.as_bytes()).into_owned(),
-                    pending,
-                ));
+            if let Some(next) = state.next.take() {
+                trailing += usize::from(next.is_trailing());
+                dropped.push((String::from_utf8_lossy(key.as_bytes()).into_owned(), next));
             }
-            true
+            // A slot with a process is removed by that process.
+            state.busy
         });
-        self.gauges
-            .pending
-            .fetch_sub(dropped.len(), Ordering::Relaxed);
-        for (key, pending) in dropped {
+        let unscheduled = {
+            let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
+            std::mem::take(&mut sleeper.heap).len()
+        };
+        self.unschedule(unscheduled);
+        self.sleeper_wake.notify_one();
+        self.registry.shrink_to_fit();
+        self.gauges.pending.fetch_sub(trailing, Ordering::Relaxed);
+        for (key, next) in dropped {
             let error = Error::Discarded {
                 key: shown(&key),
                 reason: "destroyed",
             };
-            pending.fail(&error);
+            (*next).fail(&error);
         }
         self.wake.notify_waiters();
         tracing::debug!(throttle = %self.name, "destroyed");
-        if self.owns_store {
-            if let Err(error) = self.store.clear().await {
-                tracing::debug!(throttle = %self.name, %error, "window store failed to clear");
+        // Store calls in flight were abandoned: let them unwind, so their
+        // processes are gone when a shutdown's deadline is checked.
+        loop {
+            let idle = self.gauges.store_idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.gauges.in_store.load(Ordering::Acquire) == 0 {
+                break;
             }
+            idle.await;
+        }
+        if self.owns_store {
+            let call = self.store.clear();
+            let _ = self.store_call(&self.prefix, "clear", call).await;
         }
     }
 
@@ -536,5 +1006,21 @@ impl<T: Clone + Send + Sync + 'static> ShutdownHook for Shared<T> {
                 self.destroy().await;
             }
         })
+    }
+}
+
+/// The runtime's sweeper reaches the throttle's maps: windows that are over
+/// and have no process are forgotten, retained capacity is given back, and
+/// the store sweeps its own expired keys.
+impl<T: Clone + Send + Sync + 'static> Sweep for Shared<T> {
+    fn sweep(&self, now: Instant) -> usize {
+        let before = self.registry.len();
+        let left = self
+            .registry
+            .retain(|_, state| state.busy || state.scheduled || state.until > now);
+        if left < before {
+            self.registry.shrink_to_fit();
+        }
+        left + self.store.sweep()
     }
 }

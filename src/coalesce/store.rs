@@ -1,22 +1,22 @@
 //! The window store: where a coalescing throttle records that a key's window
 //! is taken, so that several instances sharing one store agree.
 //!
-//! The contract is four Redis-style commands (`GET`, `SET … PX [NX]`, `DEL`,
-//! and a `clear` of what the store owns). [`MemoryWindowStore`] is the in-process
-//! implementation; a Redis store implements the same trait.
+//! The seam is data, not closures: four operations a remote store can map to
+//! one round trip each (a `SET … NX PX` that answers the holder on a lost
+//! race, and two compare-and-set writes on the owner's token), plus a read.
+//! [`MemoryWindowStore`] is the in-process implementation.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use dashmap::DashMap;
-use dashmap::mapref::entry::Entry;
+use throttlebeam_supervisors::{Counters, Sweep, TtlTable};
 use tokio::time::Instant;
 
 use crate::error::Error;
-use crate::key::MAX_TIMER;
+use crate::key::InlineKey;
 
 /// The error a [`WindowStore`] fails with.
 pub type WindowStoreError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -25,76 +25,135 @@ pub type WindowStoreError = Box<dyn std::error::Error + Send + Sync + 'static>;
 pub type WindowStoreFuture<'a, T> =
     Pin<Box<dyn Future<Output = Result<T, WindowStoreError>> + Send + 'a>>;
 
-/// Options of [`WindowStore::set`]: the expiry (Redis `PX`) and whether to
-/// write only if the key is missing or expired (Redis `NX`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Default cap on the keys a [`MemoryWindowStore`] holds.
+pub const DEFAULT_WINDOW_STORE_KEYS: usize = 1_000_000;
+
+/// What a window store holds for a key: when the window (or, while a
+/// function runs, its lease) ends, and the token of the run that owns it.
+///
+/// Stored as text it reads `"<end_ms>:<token>"` ([`WindowEntry::encode`]),
+/// so the window end stays readable by anything that parses the digits
+/// before the colon; a plain `"<end_ms>"` decodes with token 0.
+///
+/// # Examples
+///
+/// ```
+/// use throttlebeam::WindowEntry;
+///
+/// let entry = WindowEntry::new(1_733_040_000_000, 42);
+/// assert_eq!(entry.encode(), "1733040000000:42");
+/// assert_eq!(WindowEntry::decode("1733040000000:42"), Some(entry));
+/// assert_eq!(WindowEntry::decode("1733040000000").map(|e| e.end_ms), Some(1_733_040_000_000));
+/// assert_eq!(WindowEntry::decode("soon"), None);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
-pub struct SetOptions {
-    /// Time to live of the written value.
-    pub px: Duration,
-    /// Write only if the key is missing or expired.
-    pub nx: bool,
+pub struct WindowEntry {
+    /// When the window or lease ends, in milliseconds since the Unix epoch.
+    pub end_ms: u64,
+    /// The owner's token: unique per run (random, never 0 for a run).
+    pub token: u64,
 }
 
-impl SetOptions {
-    /// Overwrite unconditionally with a time to live of `px` (`SET key value PX ms`).
+impl WindowEntry {
+    /// An entry ending at `end_ms`, owned by `token`.
     #[must_use]
-    pub fn px(px: Duration) -> Self {
-        Self { px, nx: false }
+    pub fn new(end_ms: u64, token: u64) -> Self {
+        Self { end_ms, token }
     }
 
-    /// Write only if the key is missing or expired (`SET key value PX ms NX`).
+    /// The stored text: `"<end_ms>:<token>"`.
     #[must_use]
-    pub fn nx(self) -> Self {
-        Self { nx: true, ..self }
+    pub fn encode(&self) -> String {
+        format!("{}:{}", self.end_ms, self.token)
     }
 
-    /// The expiry in whole milliseconds, at least 1, as Redis `PX` takes it.
+    /// Parses [`WindowEntry::encode`]'s text, or a bare end (token 0).
     #[must_use]
-    pub fn px_millis(&self) -> u64 {
-        u64::try_from(self.px.as_millis())
-            .unwrap_or(u64::MAX)
-            .max(1)
+    pub fn decode(value: &str) -> Option<Self> {
+        let value = value.trim();
+        let (end, token) = value.split_once(':').unwrap_or((value, "0"));
+        Some(Self {
+            end_ms: end.parse().ok()?,
+            token: token.parse().ok()?,
+        })
     }
+}
+
+impl std::fmt::Display for WindowEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.end_ms, self.token)
+    }
+}
+
+/// How [`WindowStore::claim`] went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WindowClaim {
+    /// The key was free (missing or expired): it is ours now.
+    Won,
+    /// Another owner holds the key.
+    Lost {
+        /// What it holds, read in the same round trip; `None` when the
+        /// value is unreadable (the throttle then retries after a window).
+        holder: Option<WindowEntry>,
+    },
+}
+
+/// Figures a [`WindowStore`] may report; part of [`crate::TrailingStats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[non_exhaustive]
+pub struct WindowStoreStats {
+    /// Keys held, expired ones not yet swept included.
+    pub keys: usize,
+    /// Live keys evicted early because the store was full.
+    pub evictions: u64,
 }
 
 /// Where a coalescing throttle keeps its windows.
 ///
-/// Keys arrive already prefixed with the throttle's namespace. The throttle
-/// stores when a key's window ends, or while a function runs when its lease
-/// lapses (milliseconds since the Unix epoch, as a decimal string), and reads
-/// it back after losing a window race.
+/// Keys arrive already prefixed with the throttle's namespace. Every
+/// operation is one atomic step (one round trip for a remote store):
 ///
-/// | method | contract |
-/// |---|---|
-/// | [`get`](WindowStore::get) | the stored value, or `None` when missing or expired; never creates anything |
-/// | [`set`](WindowStore::set) | store the value for [`SetOptions::px`]; with [`SetOptions::nx`], atomically and only if the key is missing or expired, returning whether this call wrote it; without it, always overwrite and return `true` |
-/// | [`del`](WindowStore::del) | remove the key (the throttle never calls it) |
-/// | [`clear`](WindowStore::clear) | remove every key the store owns; a shared store may make it a no-op. The throttle calls it only on a store it created itself |
+/// | method | contract | Redis |
+/// |---|---|---|
+/// | [`claim`](WindowStore::claim) | store `entry` for `ttl` only if the key is missing or expired; otherwise answer what it holds | `SET k v PX ttl NX GET` |
+/// | [`extend`](WindowStore::extend) | store `entry` for `ttl` unless another token holds the key; `true` if written | compare-and-set script |
+/// | [`record`](WindowStore::record) | same as `extend`, writing the window that follows a run | compare-and-set script |
+/// | [`read`](WindowStore::read) | the live entry, if any; never creates anything | `GET` |
+/// | [`clear`](WindowStore::clear) | remove every key the store owns (called only on a store the throttle created) | a no-op for a shared store |
 ///
-/// Fail by returning an error: the throttle fails open (the run still
-/// happens and in-memory state keeps throttling per instance) and never
-/// retries inside a call. There is no timeout around store calls, so give a
-/// networked client its own.
+/// Because `extend` and `record` compare the token first, a run whose lease
+/// lapsed can never overwrite the window of the run that took the key over.
+///
+/// Fail by returning an error. The throttle fails open (the run still
+/// happens and in-memory state keeps throttling per instance), never
+/// retries inside a call, bounds every call by its store timeout
+/// ([`TrailingThrottleBuilder::with_store_timeout`](crate::TrailingThrottleBuilder::with_store_timeout))
+/// and treats a panic as a failure.
 ///
 /// # Examples
 ///
 /// A store that is always down; the throttle keeps working:
 ///
 /// ```
-/// use throttlebeam::{SetOptions, WindowStoreFuture, WindowStore};
+/// use std::time::Duration;
+/// use throttlebeam::{WindowClaim, WindowEntry, WindowStore, WindowStoreFuture};
 ///
 /// #[derive(Debug)]
 /// struct Down;
 ///
 /// impl WindowStore for Down {
-///     fn get<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
+///     fn claim<'a>(&'a self, _: &'a str, _: WindowEntry, _: Duration) -> WindowStoreFuture<'a, WindowClaim> {
 ///         Box::pin(async { Err("connection refused".into()) })
 ///     }
-///     fn set<'a>(&'a self, _key: &'a str, _value: &'a str, _options: SetOptions) -> WindowStoreFuture<'a, bool> {
+///     fn extend<'a>(&'a self, _: &'a str, _: WindowEntry, _: Duration) -> WindowStoreFuture<'a, bool> {
 ///         Box::pin(async { Err("connection refused".into()) })
 ///     }
-///     fn del<'a>(&'a self, _key: &'a str) -> WindowStoreFuture<'a, ()> {
+///     fn record<'a>(&'a self, _: &'a str, _: WindowEntry, _: Duration) -> WindowStoreFuture<'a, bool> {
+///         Box::pin(async { Err("connection refused".into()) })
+///     }
+///     fn read<'a>(&'a self, _: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
 ///         Box::pin(async { Err("connection refused".into()) })
 ///     }
 ///     fn clear(&self) -> WindowStoreFuture<'_, ()> {
@@ -103,60 +162,153 @@ impl SetOptions {
 /// }
 /// ```
 pub trait WindowStore: Send + Sync + 'static {
-    /// The live value of `key`, if any.
-    fn get<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<String>>;
-
-    /// Writes `value` under `key` with the given expiry; see the trait docs.
-    fn set<'a>(
+    /// Takes `key` for `entry.token` if it is free; see the trait docs.
+    fn claim<'a>(
         &'a self,
         key: &'a str,
-        value: &'a str,
-        options: SetOptions,
+        entry: WindowEntry,
+        ttl: Duration,
+    ) -> WindowStoreFuture<'a, WindowClaim>;
+
+    /// Extends a running function's lease, unless another token holds `key`.
+    fn extend<'a>(
+        &'a self,
+        key: &'a str,
+        entry: WindowEntry,
+        ttl: Duration,
     ) -> WindowStoreFuture<'a, bool>;
 
-    /// Removes `key`.
-    fn del<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, ()>;
+    /// Records the window after a run, unless another token holds `key`.
+    fn record<'a>(
+        &'a self,
+        key: &'a str,
+        entry: WindowEntry,
+        ttl: Duration,
+    ) -> WindowStoreFuture<'a, bool>;
+
+    /// The live entry of `key`, if any.
+    fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>>;
 
     /// Removes every key this store owns.
     fn clear(&self) -> WindowStoreFuture<'_, ()>;
+
+    /// Removes expired keys and returns the keys left. Called by the
+    /// runtime's sweeper of every throttle using the store (and by
+    /// [`Runtime::sweep_now`](crate::Runtime::sweep_now)); a store that
+    /// expires keys itself (Redis) keeps the default, which does nothing.
+    fn sweep(&self) -> usize {
+        0
+    }
+
+    /// Figures for [`crate::TrailingStats`]; all zero by default.
+    fn stats(&self) -> WindowStoreStats {
+        WindowStoreStats::default()
+    }
 }
 
-#[derive(Debug)]
-struct Stored {
-    value: Box<str>,
-    expires_at: Instant,
+impl std::fmt::Debug for dyn WindowStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("dyn WindowStore")
+    }
+}
+
+impl<S: WindowStore + ?Sized> WindowStore for Arc<S> {
+    fn claim<'a>(
+        &'a self,
+        key: &'a str,
+        entry: WindowEntry,
+        ttl: Duration,
+    ) -> WindowStoreFuture<'a, WindowClaim> {
+        (**self).claim(key, entry, ttl)
+    }
+
+    fn extend<'a>(
+        &'a self,
+        key: &'a str,
+        entry: WindowEntry,
+        ttl: Duration,
+    ) -> WindowStoreFuture<'a, bool> {
+        (**self).extend(key, entry, ttl)
+    }
+
+    fn record<'a>(
+        &'a self,
+        key: &'a str,
+        entry: WindowEntry,
+        ttl: Duration,
+    ) -> WindowStoreFuture<'a, bool> {
+        (**self).record(key, entry, ttl)
+    }
+
+    fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
+        (**self).read(key)
+    }
+
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
+        (**self).clear()
+    }
+
+    fn sweep(&self) -> usize {
+        (**self).sweep()
+    }
+
+    fn stats(&self) -> WindowStoreStats {
+        (**self).stats()
+    }
 }
 
 struct MemoryInner {
-    map: DashMap<Box<str>, Stored, ahash::RandomState>,
-    sweep_interval: Duration,
-    sweeping: AtomicBool,
-    sweeps: AtomicU64,
+    table: TtlTable<InlineKey, WindowEntry>,
+    max_keys: usize,
+    evictions: AtomicU64,
+    evicting: AtomicBool,
+    /// When the last eviction warning was logged, in ms after `base`
+    /// (`u64::MAX`: never).
+    warned_at: AtomicU64,
+    base: Instant,
 }
+
+/// How often at most a full store says so at warn level.
+const WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// An in-process [`WindowStore`]: the default store of a coalescing throttle.
 ///
-/// Expiry is measured on tokio's monotonic clock, so wall-clock jumps don't
-/// affect it (and paused test time drives it). Expired keys are never
-/// returned; a lazy sweeper removes them every sweep interval (default 60 s)
-/// and runs only while the store holds keys. [`WindowStore::clear`] empties
-/// the store, which keeps working afterwards. Cheap to clone: clones share
-/// the same keys.
+/// Entries live in a TTL table (expired ones are never returned) on tokio's
+/// monotonic clock, so wall-clock jumps don't affect them and paused test
+/// time drives them. The runtime's sweeper removes expired entries through
+/// every throttle using the store; [`MemoryWindowStore::sweep_now`] does it
+/// on demand. Cheap to clone: clones share the same keys.
+///
+/// # Bounded
+///
+/// The store holds at most [`MemoryWindowStore::max_keys`] keys (default
+/// [`DEFAULT_WINDOW_STORE_KEYS`], about 100 MB at worst): every window and
+/// lease of every throttle using it counts, expired ones not yet swept
+/// included. When a write would go over, expired keys are swept first; if
+/// the store is still full, the keys that expire soonest (1/16 of the cap)
+/// are evicted. An early eviction is an early expiry: the window of that
+/// key is forgotten by the store, while each throttle still enforces it in
+/// memory for its own instance. Evictions are counted
+/// ([`WindowStoreStats::evictions`]) and logged at warn level at most once a
+/// minute.
 ///
 /// # Examples
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
 /// use std::time::Duration;
-/// use throttlebeam::{MemoryWindowStore, SetOptions, WindowStore};
+/// use throttlebeam::{MemoryWindowStore, WindowClaim, WindowEntry, WindowStore};
 ///
 /// let store = MemoryWindowStore::new();
-/// let ttl = SetOptions::px(Duration::from_millis(100)).nx();
-/// assert!(store.set("sync:1", "1", ttl).await.unwrap());
-/// assert!(!store.set("sync:1", "2", ttl).await.unwrap()); // live: NX fails
-/// tokio::time::advance(Duration::from_millis(100)).await;
-/// assert!(store.set("sync:1", "3", ttl).await.unwrap()); // expired: NX wins
-/// assert_eq!(store.get("sync:1").await.unwrap().as_deref(), Some("3"));
+/// let ttl = Duration::from_millis(100);
+/// let (a, b) = (WindowEntry::new(1_000, 1), WindowEntry::new(2_000, 2));
+/// assert_eq!(store.claim("sync:1", a, ttl).await.unwrap(), WindowClaim::Won);
+/// // Live: the claim is lost and answers the holder in the same step.
+/// assert_eq!(store.claim("sync:1", b, ttl).await.unwrap(), WindowClaim::Lost { holder: Some(a) });
+/// // Only the holder's token may extend or record.
+/// assert!(!store.record("sync:1", b, ttl).await.unwrap());
+/// tokio::time::advance(ttl).await;
+/// assert_eq!(store.claim("sync:1", b, ttl).await.unwrap(), WindowClaim::Won); // expired: free
 /// # }
 /// ```
 #[derive(Clone)]
@@ -174,182 +326,200 @@ impl std::fmt::Debug for MemoryWindowStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryWindowStore")
             .field("len", &self.len())
-            .field("sweep_interval", &self.inner.sweep_interval)
-            .field("sweeping", &self.is_sweeping())
+            .field("max_keys", &self.inner.max_keys)
+            .field("evictions", &self.evictions())
             .finish()
     }
 }
 
 impl MemoryWindowStore {
-    /// An empty store sweeping every 60 s while it holds keys.
+    /// An empty store holding at most [`DEFAULT_WINDOW_STORE_KEYS`] keys.
     #[must_use]
     pub fn new() -> Self {
-        Self::build(Duration::from_secs(60))
+        Self::build(DEFAULT_WINDOW_STORE_KEYS)
     }
 
-    /// An empty store sweeping every `interval` while it holds keys.
+    /// An empty store holding at most `max_keys` keys.
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidConfig`] for a zero interval or one too large to
-    /// schedule.
-    pub fn with_sweep_interval(interval: Duration) -> Result<Self, Error> {
-        if interval.is_zero() || interval > MAX_TIMER {
+    /// [`Error::InvalidConfig`] for a cap of zero.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use throttlebeam::MemoryWindowStore;
+    ///
+    /// assert_eq!(MemoryWindowStore::with_max_keys(10_000)?.max_keys(), 10_000);
+    /// assert!(MemoryWindowStore::with_max_keys(0).is_err());
+    /// # Ok::<_, throttlebeam::Error>(())
+    /// ```
+    pub fn with_max_keys(max_keys: usize) -> Result<Self, Error> {
+        if max_keys == 0 {
             return Err(Error::InvalidConfig {
-                what: "sweep interval",
-                reason: "must be between 1 ns and 2^36 - 1 ms",
+                what: "window store max keys",
+                reason: "must be greater than zero",
             });
         }
-        Ok(Self::build(interval))
+        Ok(Self::build(max_keys))
     }
 
-    fn build(sweep_interval: Duration) -> Self {
+    fn build(max_keys: usize) -> Self {
         Self {
             inner: Arc::new(MemoryInner {
-                map: DashMap::with_hasher(ahash::RandomState::new()),
-                sweep_interval,
-                sweeping: AtomicBool::new(false),
-                sweeps: AtomicU64::new(0),
+                table: TtlTable::new(Arc::new(Counters::new())),
+                max_keys,
+                evictions: AtomicU64::new(0),
+                evicting: AtomicBool::new(false),
+                warned_at: AtomicU64::new(u64::MAX),
+                base: Instant::now(),
             }),
         }
     }
 
-    /// Keys held, including expired ones the sweeper has not removed yet.
+    /// Keys held, including expired ones not swept yet.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.inner.map.len()
+        self.inner.table.len()
     }
 
     /// Whether the store holds no key at all.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.inner.map.is_empty()
+        self.inner.table.is_empty()
     }
 
-    /// Whether the sweeper is running (it runs only while keys exist).
+    /// The cap on keys held.
     #[must_use]
-    pub fn is_sweeping(&self) -> bool {
-        self.inner.sweeping.load(Ordering::Acquire)
+    pub fn max_keys(&self) -> usize {
+        self.inner.max_keys
     }
 
-    /// Sweeps done so far.
+    /// Live keys evicted early so far because the store was full.
     #[must_use]
-    pub fn sweeps(&self) -> u64 {
-        self.inner.sweeps.load(Ordering::Relaxed)
+    pub fn evictions(&self) -> u64 {
+        self.inner.evictions.load(Ordering::Relaxed)
     }
 
-    /// Removes expired keys now; returns the keys left.
+    /// Removes expired keys now and gives back the memory they held;
+    /// returns the keys left.
     pub fn sweep_now(&self) -> usize {
-        self.inner.sweep(Instant::now())
+        self.inner.table.sweep(Instant::now())
     }
 
-    fn get_now(&self, key: &str) -> Option<String> {
-        let now = Instant::now();
+    /// Makes room before a write that would add `key`.
+    fn make_room(&self, key: &str, now: Instant) {
+        let inner = &*self.inner;
+        if inner.table.len() < inner.max_keys
+            || inner.table.read_at(key.as_bytes(), now, |_| ()).is_some()
+            || inner.evicting.swap(true, Ordering::Acquire)
         {
-            let entry = self.inner.map.get(key)?;
-            if entry.expires_at > now {
-                return Some(entry.value.to_string());
+            return;
+        }
+        if inner.table.sweep(now) >= inner.max_keys {
+            let evicted = inner.table.evict_soonest((inner.max_keys / 16).max(1));
+            let total =
+                inner.evictions.fetch_add(evicted as u64, Ordering::Relaxed) + evicted as u64;
+            let at = u64::try_from(now.saturating_duration_since(inner.base).as_millis())
+                .unwrap_or(u64::MAX - 1);
+            let last = inner.warned_at.load(Ordering::Relaxed);
+            let due = last == u64::MAX || at.saturating_sub(last) >= WARN_EVERY.as_millis() as u64;
+            if due
+                && inner
+                    .warned_at
+                    .compare_exchange(last, at, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+            {
+                tracing::warn!(
+                    max_keys = inner.max_keys,
+                    evicted,
+                    total,
+                    "window store full: evicted the windows that expire soonest"
+                );
             }
         }
-        self.inner.map.remove_if(key, |_, e| e.expires_at <= now);
-        None
+        inner.evicting.store(false, Ordering::Release);
     }
 
-    fn set_now(&self, key: &str, value: &str, options: SetOptions) -> bool {
+    fn claim_now(&self, key: &str, entry: WindowEntry, ttl: Duration) -> WindowClaim {
         let now = Instant::now();
-        let expires_at = now.checked_add(options.px).unwrap_or(now + MAX_TIMER);
-        let fresh = || Stored {
-            value: value.into(),
-            expires_at,
-        };
-        if let Some(mut live) = self.inner.map.get_mut(key) {
-            if options.nx && live.expires_at > now {
-                return false;
-            }
-            *live = fresh();
-            return true;
-        }
-        match self.inner.map.entry(key.into()) {
-            Entry::Occupied(mut occupied) => {
-                if options.nx && occupied.get().expires_at > now {
-                    return false;
-                }
-                occupied.insert(fresh());
-            }
-            Entry::Vacant(vacant) => {
-                vacant.insert(fresh());
-            }
-        }
-        self.ensure_sweeper();
-        true
+        self.make_room(key, now);
+        self.inner
+            .table
+            .upsert_at(InlineKey::new(key), now, |live| match live {
+                Some(holder) => (
+                    None,
+                    WindowClaim::Lost {
+                        holder: Some(*holder),
+                    },
+                ),
+                None => (Some((entry, ttl)), WindowClaim::Won),
+            })
     }
 
-    /// Starts the sweeper if it is not running; it stops once the store is empty.
-    fn ensure_sweeper(&self) {
-        let inner = &self.inner;
-        if inner.sweeping.load(Ordering::Acquire) || inner.sweeping.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
-            // No runtime to sweep on: reads still never return expired keys.
-            inner.sweeping.store(false, Ordering::Release);
-            return;
-        };
-        let weak = Arc::downgrade(inner);
-        let interval = inner.sweep_interval;
-        handle.spawn(sweep_loop(weak, interval));
-    }
-}
-
-async fn sweep_loop(weak: Weak<MemoryInner>, interval: Duration) {
-    loop {
-        tokio::time::sleep(interval).await;
-        let Some(inner) = weak.upgrade() else { return };
-        if inner.sweep(Instant::now()) > 0 {
-            continue;
-        }
-        inner.sweeping.store(false, Ordering::Release);
-        // A key written between the sweep and the store above saw the flag
-        // still set and started nothing: take the job back.
-        if inner.map.is_empty() || inner.sweeping.swap(true, Ordering::AcqRel) {
-            return;
-        }
-    }
-}
-
-impl MemoryInner {
-    fn sweep(&self, now: Instant) -> usize {
-        self.map.retain(|_, e| e.expires_at > now);
-        self.sweeps.fetch_add(1, Ordering::Relaxed);
-        self.map.len()
+    /// Writes unless another token holds the key.
+    fn cas_now(&self, key: &str, entry: WindowEntry, ttl: Duration) -> bool {
+        let now = Instant::now();
+        self.make_room(key, now);
+        self.inner
+            .table
+            .upsert_at(InlineKey::new(key), now, |live| match live {
+                Some(held) if held.token != entry.token => (None, false),
+                _ => (Some((entry, ttl)), true),
+            })
     }
 }
 
 impl WindowStore for MemoryWindowStore {
-    fn get<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<String>> {
-        Box::pin(async move { Ok(self.get_now(key)) })
-    }
-
-    fn set<'a>(
+    fn claim<'a>(
         &'a self,
         key: &'a str,
-        value: &'a str,
-        options: SetOptions,
-    ) -> WindowStoreFuture<'a, bool> {
-        Box::pin(async move { Ok(self.set_now(key, value, options)) })
+        entry: WindowEntry,
+        ttl: Duration,
+    ) -> WindowStoreFuture<'a, WindowClaim> {
+        let out = self.claim_now(key, entry, ttl);
+        Box::pin(std::future::ready(Ok(out)))
     }
 
-    fn del<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, ()> {
-        Box::pin(async move {
-            self.inner.map.remove(key);
-            Ok(())
-        })
+    fn extend<'a>(
+        &'a self,
+        key: &'a str,
+        entry: WindowEntry,
+        ttl: Duration,
+    ) -> WindowStoreFuture<'a, bool> {
+        let out = self.cas_now(key, entry, ttl);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn record<'a>(
+        &'a self,
+        key: &'a str,
+        entry: WindowEntry,
+        ttl: Duration,
+    ) -> WindowStoreFuture<'a, bool> {
+        let out = self.cas_now(key, entry, ttl);
+        Box::pin(std::future::ready(Ok(out)))
+    }
+
+    fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
+        let out = self.inner.table.get(key.as_bytes());
+        Box::pin(std::future::ready(Ok(out)))
     }
 
     fn clear(&self) -> WindowStoreFuture<'_, ()> {
-        Box::pin(async move {
-            self.inner.map.clear();
-            Ok(())
-        })
+        self.inner.table.clear();
+        self.inner.table.shrink_to_fit();
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn sweep(&self) -> usize {
+        self.sweep_now()
+    }
+
+    fn stats(&self) -> WindowStoreStats {
+        WindowStoreStats {
+            keys: self.len(),
+            evictions: self.evictions(),
+        }
     }
 }

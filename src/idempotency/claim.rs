@@ -8,7 +8,10 @@
 //! - claim: look the result up, claim the slot, look the result up again
 //!   (a completion may have landed between the two);
 //! - complete: fence (mark the claim completing if it is still ours), store
-//!   the result, compare-and-remove the slot, then wake the waiters.
+//!   the result, compare-and-remove the slot, then wake the waiters;
+//! - renew: push the lease out if the claim is still ours. The holder renews
+//!   every third of its lease while it is alive, so only a gone holder's
+//!   lease lapses, and only then may another caller take the key over.
 
 use std::cell::RefCell;
 use std::fmt::Write as _;
@@ -21,8 +24,8 @@ use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry};
 use tokio::time::Instant;
 
-use super::options::IdempotencyOptions;
-use super::store::{Pending, Record, ResultStore};
+use super::options::{Fingerprint, IdempotencyOptions};
+use super::store::{IdempotencyStore, Pending, Record};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
 use crate::key::{InlineKey, shown};
@@ -31,7 +34,7 @@ use crate::key::{InlineKey, shown};
 #[derive(Debug, Clone)]
 pub(crate) enum Settled {
     /// Completed: replay this.
-    Done(Arc<Record>),
+    Done(Record),
     /// Released, failed, taken over or shut down: look again.
     Released,
 }
@@ -40,7 +43,7 @@ pub(crate) enum Settled {
 struct Claim {
     /// Unique per holder; taking a key over issues a new one (fencing).
     token: u64,
-    fingerprint: Option<Arc<str>>,
+    fingerprint: Option<Fingerprint>,
     lease_until: Instant,
     /// Set once the holder is storing its result; no takeover after that.
     completing: bool,
@@ -68,20 +71,43 @@ enum Joined<T> {
     Wait(Step<T>),
 }
 
+/// Counters of what the ledger decided, for [`crate::IdempotencyStats`].
+#[derive(Debug, Default)]
+pub(crate) struct Tally {
+    pub(crate) fresh: AtomicU64,
+    pub(crate) replays: AtomicU64,
+    pub(crate) fingerprint_mismatches: AtomicU64,
+    pub(crate) takeovers: AtomicU64,
+    pub(crate) in_flight_rejections: AtomicU64,
+    pub(crate) timeouts: AtomicU64,
+}
+
+impl Tally {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// Keys in flight plus the store of completed results.
 pub(crate) struct Ledger {
     claims: Registry<InlineKey, Claim>,
-    store: Box<dyn ResultStore>,
+    pub(crate) store: Box<dyn IdempotencyStore>,
+    pub(crate) tally: Tally,
     tokens: AtomicU64,
     cap: usize,
     closed: AtomicBool,
 }
 
 impl Ledger {
-    pub(crate) fn new(counters: Arc<Counters>, cap: usize, store: Box<dyn ResultStore>) -> Self {
+    pub(crate) fn new(
+        counters: Arc<Counters>,
+        cap: usize,
+        store: Box<dyn IdempotencyStore>,
+    ) -> Self {
         Self {
             claims: Registry::new(counters, cap),
             store,
+            tally: Tally::default(),
             tokens: AtomicU64::new(1),
             cap,
             closed: AtomicBool::new(false),
@@ -102,7 +128,7 @@ impl Ledger {
         with_full_key(options.scope(), key, |full| {
             let mut out = None;
             self.store.read_now(full, now, &mut |record| {
-                out = Some(replay(record, key, options.fingerprint()));
+                out = Some(self.replay(record, key, options.fingerprint().as_ref()));
             });
             out
         })
@@ -122,7 +148,9 @@ impl Ledger {
         let round_trip = matches!(lookup, Pending::Later(_));
         let found = lookup.resolve().await.map_err(|e| unavailable(key, e))?;
         if let Some(record) = found {
-            return replay(&record, key, options.fingerprint()).map(Step::Replay);
+            return self
+                .replay(&record, key, options.fingerprint().as_ref())
+                .map(Step::Replay);
         }
         // A round trip took time: claim with a fresh clock.
         let now = if round_trip { Instant::now() } else { now };
@@ -140,7 +168,9 @@ impl Ledger {
             .await
             .map_err(|e| unavailable(key, e))?;
         match found {
-            Some(record) => replay(&record, key, options.fingerprint()).map(Step::Replay),
+            Some(record) => self
+                .replay(&record, key, options.fingerprint().as_ref())
+                .map(Step::Replay),
             None => Ok(Step::Owner(ticket)),
         }
     }
@@ -153,12 +183,12 @@ impl Ledger {
         options: &IdempotencyOptions,
         now: Instant,
     ) -> Result<Step<T>, Error> {
-        let fingerprint = options.fingerprint_shared();
+        let fingerprint = options.fingerprint();
         let token = self.tokens.fetch_add(1, Ordering::Relaxed);
         let cell = RunCell::new();
         let fresh = Claim {
             token,
-            fingerprint: fingerprint.clone(),
+            fingerprint,
             lease_until: now + options.lease(),
             completing: false,
             cell: Arc::clone(&cell),
@@ -169,6 +199,7 @@ impl Ledger {
                 let claim = &mut slot.state;
                 if claim.completing || claim.lease_until > now {
                     if claim.fingerprint != fingerprint {
+                        Tally::bump(&self.tally.fingerprint_mismatches);
                         return Err(Error::FingerprintMismatch { key: shown(key) });
                     }
                     return Ok(Joined::Wait(Step::Wait {
@@ -176,7 +207,7 @@ impl Ledger {
                         lease_until: (!claim.completing).then_some(claim.lease_until),
                     }));
                 }
-                // The lease lapsed: its holder is presumed gone, whatever it was doing.
+                // The lease lapsed: a live holder renews it, so the holder is gone.
                 let old = std::mem::replace(claim, fresh);
                 Ok(Joined::Claimed(generation, Some(old.cell)))
             }
@@ -193,6 +224,7 @@ impl Ledger {
             Joined::Wait(wait) => return Ok(wait),
         };
         if let Some(old) = superseded {
+            Tally::bump(&self.tally.takeovers);
             tracing::debug!(key = %shown(key), "idempotency lease lapsed; key taken over");
             // Wakes the old holder's waiters; they will find the new claim.
             old.set(Ok(Settled::Released));
@@ -205,9 +237,47 @@ impl Ledger {
             token,
             fingerprint,
             ttl: options.ttl(),
+            lease: options.lease(),
             cell,
             held: true,
         }))
+    }
+
+    /// Pushes the lease of the claim `(generation, token)` on `full` out to
+    /// `lease` from now. `false` once the claim is no longer that holder's
+    /// (completed, released or taken over): renewing can stop.
+    fn renew(&self, full: &str, generation: Generation, token: u64, lease: Duration) -> bool {
+        self.claims
+            .with_slot(full.as_bytes(), |slot| {
+                let ours = slot.generation() == generation && slot.state.token == token;
+                if ours && !slot.state.completing {
+                    slot.state.lease_until = Instant::now() + lease;
+                }
+                ours
+            })
+            .unwrap_or(false)
+    }
+
+    /// The record's value for this caller, if the fingerprints agree;
+    /// counts the replay or the mismatch.
+    pub(crate) fn replay<T>(
+        &self,
+        record: &Record,
+        key: &str,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Result<T, Error>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        if record.fingerprint() != fingerprint {
+            Tally::bump(&self.tally.fingerprint_mismatches);
+            return Err(Error::FingerprintMismatch { key: shown(key) });
+        }
+        let value = record
+            .value()
+            .ok_or_else(|| Error::TypeMismatch { key: shown(key) })?;
+        Tally::bump(&self.tally.replays);
+        Ok(value)
     }
 
     /// Stops storing results, wakes every waiter (they see the shutdown
@@ -232,7 +302,7 @@ impl Ledger {
 
 /// The right to complete or release one claim; releases it when dropped.
 ///
-/// Held by the per-key process of a run, or inside a [`super::Reservation`].
+/// Held by the per-key process of a run, or inside a [`super::IdempotencyReservation`].
 pub(crate) struct Ticket {
     ledger: Arc<Ledger>,
     /// The scoped key the ledger knows.
@@ -241,16 +311,72 @@ pub(crate) struct Ticket {
     key: Box<str>,
     generation: Generation,
     token: u64,
-    fingerprint: Option<Arc<str>>,
+    fingerprint: Option<Fingerprint>,
     ttl: Duration,
+    lease: Duration,
     cell: Arc<RunCell<Settled>>,
     held: bool,
+}
+
+/// Renews one claim's lease from wherever its holder lives.
+pub(crate) struct Renewer {
+    ledger: Arc<Ledger>,
+    full: Box<str>,
+    generation: Generation,
+    token: u64,
+    lease: Duration,
+}
+
+impl Renewer {
+    /// How often the holder renews.
+    pub(crate) fn period(&self) -> Duration {
+        renew_period(self.lease)
+    }
+
+    /// Renews the lease; `false` once the claim is no longer this holder's.
+    pub(crate) fn renew(&self) -> bool {
+        self.ledger
+            .renew(&self.full, self.generation, self.token, self.lease)
+    }
+}
+
+/// How often a holder renews a `lease`: every third of it (at least 1 ms),
+/// so two renewals can be late before the lease lapses.
+fn renew_period(lease: Duration) -> Duration {
+    (lease / 3).max(Duration::from_millis(1))
 }
 
 impl Ticket {
     /// The caller's key, shortened for messages.
     pub(crate) fn key(&self) -> &str {
         &self.key
+    }
+
+    /// Runs `work`, renewing the lease every third of it until `work` ends:
+    /// a holder that is alive is never taken over, however long it takes.
+    pub(crate) async fn hold<F: std::future::Future>(&self, work: F) -> F::Output {
+        let mut work = std::pin::pin!(work);
+        let period = renew_period(self.lease);
+        loop {
+            match tokio::time::timeout(period, work.as_mut()).await {
+                Ok(output) => return output,
+                Err(_) => {
+                    self.ledger
+                        .renew(&self.full, self.generation, self.token, self.lease);
+                }
+            }
+        }
+    }
+
+    /// What renews this ticket's lease from elsewhere.
+    pub(crate) fn renewer(&self) -> Renewer {
+        Renewer {
+            ledger: Arc::clone(&self.ledger),
+            full: self.full.clone(),
+            generation: self.generation,
+            token: self.token,
+            lease: self.lease,
+        }
     }
 
     /// Stores `value` as the key's result and wakes the waiters.
@@ -289,8 +415,8 @@ impl Ticket {
                 key: self.key.to_string(),
             });
         }
-        let record = match Record::new(ledger.store.form(), self.fingerprint.clone(), value) {
-            Ok(record) => Arc::new(record),
+        let record = match Record::new(ledger.store.form(), self.fingerprint, value) {
+            Ok(record) => record,
             Err(e) => {
                 self.release_now();
                 return Err(unavailable(&self.key, Arc::new(e)));
@@ -298,7 +424,7 @@ impl Ticket {
         };
         let put = ledger
             .store
-            .put(&self.full, Arc::clone(&record), self.ttl)
+            .put(&self.full, record.clone(), self.ttl)
             .resolve()
             .await;
         if let Err(e) = put {
@@ -352,19 +478,6 @@ impl std::fmt::Debug for Ticket {
             .field("held", &self.held)
             .finish_non_exhaustive()
     }
-}
-
-/// The record's value for this caller, if the fingerprints agree.
-pub(crate) fn replay<T>(record: &Record, key: &str, fingerprint: Option<&str>) -> Result<T, Error>
-where
-    T: DeserializeOwned + Clone + 'static,
-{
-    if record.fingerprint() != fingerprint {
-        return Err(Error::FingerprintMismatch { key: shown(key) });
-    }
-    record
-        .value()
-        .ok_or_else(|| Error::TypeMismatch { key: shown(key) })
 }
 
 fn unavailable(key: &str, source: BoxError) -> Error {

@@ -3,27 +3,60 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use sha2::{Digest, Sha256};
+
 use crate::error::Error;
 use crate::key::{MAX_KEY_LEN, check_timer, shown};
 
-/// Settings of one idempotent call: scope, fingerprint and its three times.
+/// What a duplicate does when it finds its key in flight (another call
+/// holds it and is still running).
+///
+/// # Examples
+///
+/// ```
+/// use throttlebeam::{IdempotencyOptions, InFlight};
+///
+/// // An HTTP handler answers 409 with `Retry-After` instead of holding the request.
+/// let options = IdempotencyOptions::new().with_in_flight(InFlight::Reject);
+/// assert_eq!(options.in_flight(), InFlight::Reject);
+/// assert_eq!(IdempotencyOptions::new().in_flight(), InFlight::Wait);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum InFlight {
+    /// Wait for the holder, up to the wait timeout, and replay its result
+    /// (or take the key over if the holder fails or is gone). The default.
+    #[default]
+    Wait,
+    /// Fail at once with [`Error::InFlight`], which carries a retry hint
+    /// (Stripe's `idempotency_key_in_use`).
+    Reject,
+}
+
+/// The SHA-256 digest of a fingerprint: all that is kept of it, so a
+/// fingerprint of any size costs 32 bytes.
+pub(crate) type Fingerprint = [u8; 32];
+
+/// Settings of one idempotent call: scope, fingerprint, its three times and
+/// what a duplicate does while the key is in flight.
 ///
 /// Every setting has a default (no scope, no fingerprint, TTL 24 h, lease
-/// 30 s, wait timeout 30 s); the setters override one each. Settings are
-/// checked when the call is made, not here.
+/// 30 s, wait timeout 30 s, duplicates wait); the setters override one
+/// each. Settings are checked when the call is made, not here.
 ///
 /// # Examples
 ///
 /// ```
 /// use std::time::Duration;
-/// use throttlebeam::IdempotencyOptions;
+/// use throttlebeam::{IdempotencyOptions, InFlight};
 ///
 /// let options = IdempotencyOptions::new()
 ///     .with_scope("tenant-7")
 ///     .with_fingerprint("POST /charges amount=100")
 ///     .with_ttl(Duration::from_secs(3600))
 ///     .with_lease(Duration::from_secs(10))
-///     .with_wait_timeout(Duration::from_secs(5));
+///     .with_wait_timeout(Duration::from_secs(5))
+///     .with_in_flight(InFlight::Wait);
 /// assert_eq!(options.scope(), Some("tenant-7"));
 /// assert_eq!(IdempotencyOptions::new().ttl(), IdempotencyOptions::DEFAULT_TTL);
 /// ```
@@ -31,10 +64,11 @@ use crate::key::{MAX_KEY_LEN, check_timer, shown};
 #[must_use]
 pub struct IdempotencyOptions {
     scope: Option<Arc<str>>,
-    fingerprint: Option<Arc<str>>,
+    fingerprint: Option<Fingerprint>,
     ttl: Duration,
     lease: Duration,
     wait_timeout: Duration,
+    in_flight: InFlight,
 }
 
 impl Default for IdempotencyOptions {
@@ -61,6 +95,7 @@ impl IdempotencyOptions {
             ttl: Self::DEFAULT_TTL,
             lease: Self::DEFAULT_LEASE,
             wait_timeout: Self::DEFAULT_WAIT_TIMEOUT,
+            in_flight: InFlight::Wait,
         }
     }
 
@@ -72,12 +107,16 @@ impl IdempotencyOptions {
         self
     }
 
-    /// Describes the request the key stands for (a digest of method, path
-    /// and body, say). A key reused with another fingerprint fails with
+    /// Describes the request the key stands for (method, path and body, say).
+    /// A key reused with another fingerprint fails with
     /// [`Error::FingerprintMismatch`] instead of replaying. Fingerprints are
     /// compared exactly, and "no fingerprint" only matches "no fingerprint".
-    pub fn with_fingerprint(mut self, fingerprint: impl Into<String>) -> Self {
-        self.fingerprint = Some(Arc::from(fingerprint.into()));
+    ///
+    /// Only its SHA-256 digest is kept (here, with keys in flight and with
+    /// stored results), so the fingerprint may be a whole request body: it
+    /// costs 32 bytes whatever its size.
+    pub fn with_fingerprint(mut self, fingerprint: impl AsRef<[u8]>) -> Self {
+        self.fingerprint = Some(Sha256::digest(fingerprint.as_ref()).into());
         self
     }
 
@@ -87,17 +126,36 @@ impl IdempotencyOptions {
         self
     }
 
-    /// How long the first caller may hold the key before another may take
-    /// it over (default 30 s). Set it above your slowest operation.
+    /// How long the holder of a key may go without showing it is alive
+    /// before another caller may take the key over (default 30 s).
+    ///
+    /// The holder renews its lease every third of it while its function
+    /// runs (or while its [`IdempotencyReservation`] exists), so a live run
+    /// is never taken over however long it takes. The lease only lapses
+    /// when its holder is gone without releasing the key (its process
+    /// ended, or, with a store shared by several instances, its instance
+    /// stopped renewing). Shorter leases notice a gone holder sooner and
+    /// cost more renewals. Renewal runs on the holder's tokio runtime: a
+    /// function that blocks its worker thread for longer than the lease
+    /// keeps it from renewing.
+    ///
+    /// [`IdempotencyReservation`]: crate::IdempotencyReservation
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
     }
 
     /// How long a duplicate waits for the first caller before failing with
-    /// [`Error::Timeout`] (default 30 s).
+    /// [`Error::Timeout`] (default 30 s). Unused with [`InFlight::Reject`].
     pub fn with_wait_timeout(mut self, wait_timeout: Duration) -> Self {
         self.wait_timeout = wait_timeout;
+        self
+    }
+
+    /// What a duplicate does when its key is in flight: wait for the
+    /// holder (the default) or fail at once with [`Error::InFlight`].
+    pub fn with_in_flight(mut self, in_flight: InFlight) -> Self {
+        self.in_flight = in_flight;
         self
     }
 
@@ -107,10 +165,11 @@ impl IdempotencyOptions {
         self.scope.as_deref()
     }
 
-    /// The fingerprint, if any.
+    /// The SHA-256 digest of the fingerprint, if any: the fingerprint
+    /// itself is not kept.
     #[must_use]
-    pub fn fingerprint(&self) -> Option<&str> {
-        self.fingerprint.as_deref()
+    pub fn fingerprint_digest(&self) -> Option<&[u8; 32]> {
+        self.fingerprint.as_ref()
     }
 
     /// How long a completed result is replayed.
@@ -131,8 +190,14 @@ impl IdempotencyOptions {
         self.wait_timeout
     }
 
-    pub(crate) fn fingerprint_shared(&self) -> Option<Arc<str>> {
-        self.fingerprint.clone()
+    /// What a duplicate does when its key is in flight.
+    #[must_use]
+    pub fn in_flight(&self) -> InFlight {
+        self.in_flight
+    }
+
+    pub(crate) fn fingerprint(&self) -> Option<Fingerprint> {
+        self.fingerprint
     }
 
     /// Checks every setting for `key`; needs no clock read.

@@ -3,17 +3,18 @@
 use std::marker::PhantomData;
 
 use serde::Serialize;
+use tokio::sync::oneshot;
 
-use super::claim::Ticket;
+use super::claim::{Renewer, Ticket};
 use crate::error::Error;
 
-/// What [`Deduplicator::reserve`](super::Deduplicator::reserve) found.
+/// What [`IdempotencyHandle::reserve`](super::IdempotencyHandle::reserve) found.
 #[derive(Debug)]
 #[must_use]
-pub enum Reserved<T> {
+pub enum IdempotencyReserved<T> {
     /// The key is now held by this caller; produce the result and
-    /// [`complete`](Reservation::complete) it.
-    Fresh(Reservation<T>),
+    /// [`complete`](IdempotencyReservation::complete) it.
+    Fresh(IdempotencyReservation<T>),
     /// The key already completed within its TTL: this is its result.
     Replay(T),
 }
@@ -21,45 +22,57 @@ pub enum Reserved<T> {
 /// The right to produce a key's result, for results made somewhere other
 /// than one function call.
 ///
-/// While it is held, duplicates of the key wait (see
-/// [`Deduplicator::run`](super::Deduplicator::run)). End it with
-/// [`complete`](Self::complete) or [`release`](Self::release); dropping it
-/// unfinished releases the key, so the next caller runs. Like a run, a
-/// reservation holds the key for its lease only: once the lease lapses,
-/// another caller may take the key over, and this reservation's
-/// `complete` is then rejected.
+/// While it exists, the key is held: duplicates wait for it (or are
+/// rejected, see [`InFlight`](crate::InFlight)), and its lease is renewed
+/// in the background every third of the lease, so it is never taken over
+/// however long it is held. End it with [`complete`](Self::complete) or
+/// [`release`](Self::release); dropping it unfinished releases the key, so
+/// the next caller runs. The renewal runs on the tokio runtime that made
+/// the reservation: if that runtime ends first, renewal stops, the lease
+/// lapses, another caller may take the key over, and this reservation's
+/// `complete` is then refused with [`Error::LeaseLost`].
 ///
 /// # Examples
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
-/// use throttlebeam::{IdempotencyOptions, Outcome, Reserved, Runtime};
+/// use throttlebeam::{IdempotencyOptions, IdempotencyOutcome, IdempotencyReserved, Runtime};
 ///
-/// let dedup = Runtime::start().await?.idempotency();
-/// match dedup.reserve::<u64>("refund:31", IdempotencyOptions::new()).await? {
-///     Reserved::Fresh(reservation) => reservation.complete(31).await?,
-///     Reserved::Replay(refund) => println!("already refunded: {refund}"),
+/// let idempotency = Runtime::start().await?.idempotency();
+/// match idempotency.reserve::<u64>("refund:31", IdempotencyOptions::new()).await? {
+///     IdempotencyReserved::Fresh(reservation) => reservation.complete(31).await?,
+///     IdempotencyReserved::Replay(refund) => println!("already refunded: {refund}"),
 /// }
-/// let again = dedup
-///     .run("refund:31", || async { Ok::<u64, std::io::Error>(0) }, IdempotencyOptions::new())
+/// let again = idempotency
+///     .run("refund:31", || async { Ok::<u64, std::io::Error>(0) })
 ///     .await?;
-/// assert_eq!(again, Outcome::Replay(31));
+/// assert_eq!(again, IdempotencyOutcome::Replay(31));
 /// # Ok(()) }
 /// ```
-pub struct Reservation<T> {
+pub struct IdempotencyReservation<T> {
     ticket: Ticket,
+    /// Dropped with the reservation: stops its renewal.
+    _renewing: oneshot::Sender<()>,
     _result: PhantomData<fn(T)>,
 }
 
-impl<T> Reservation<T>
+impl<T> IdempotencyReservation<T>
 where
     T: Serialize + Send + Sync + 'static,
 {
-    pub(crate) fn new(ticket: Ticket) -> Self {
-        Self {
+    /// Holds `ticket` and starts renewing its lease on the current tokio
+    /// runtime; without one, the ticket is dropped (released).
+    pub(crate) fn new(ticket: Ticket) -> Result<Self, Error> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| Error::NoTokio)?;
+        let (renewing, stopped) = oneshot::channel();
+        // A heartbeat, not work: it ends with the reservation (or once the
+        // claim is no longer its own), and shutdown has nothing to wait for.
+        runtime.spawn(renew_until(ticket.renewer(), stopped));
+        Ok(Self {
             ticket,
+            _renewing: renewing,
             _result: PhantomData,
-        }
+        })
     }
 
     /// The key this reservation holds (shortened if very long).
@@ -73,10 +86,11 @@ where
     ///
     /// # Errors
     ///
-    /// [`Error::LeaseLost`] if the lease lapsed and another caller took the
-    /// key over (nothing is stored); [`Error::ShutDown`] if the runtime shut
-    /// down (nothing is stored); [`Error::StoreUnavailable`] if the store
-    /// refused the result (the key is released).
+    /// [`Error::LeaseLost`] if the lease lapsed (renewal stopped with its
+    /// tokio runtime) and another caller took the key over (nothing is
+    /// stored); [`Error::ShutDown`] if the runtime shut down (nothing is
+    /// stored); [`Error::StoreUnavailable`] if the store refused the result
+    /// (the key is released).
     pub async fn complete(self, value: T) -> Result<(), Error> {
         self.ticket.complete(value).await
     }
@@ -88,9 +102,21 @@ where
     }
 }
 
-impl<T> std::fmt::Debug for Reservation<T> {
+/// Renews every period until `stopped` fires or is dropped, or the claim
+/// is no longer the renewer's.
+async fn renew_until(renewer: Renewer, mut stopped: oneshot::Receiver<()>) {
+    let period = renewer.period();
+    loop {
+        match tokio::time::timeout(period, &mut stopped).await {
+            Err(_) if renewer.renew() => {}
+            _ => return,
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for IdempotencyReservation<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reservation")
+        f.debug_struct("IdempotencyReservation")
             .field("key", &self.ticket.key())
             .finish_non_exhaustive()
     }

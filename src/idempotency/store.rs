@@ -9,6 +9,7 @@ use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -16,6 +17,7 @@ use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Sweeper, TtlTable};
 use tokio::time::Instant;
 
+use super::options::Fingerprint;
 use crate::error::BoxError;
 use crate::key::InlineKey;
 
@@ -35,37 +37,48 @@ pub(crate) enum Form {
 /// A value in bincode bytes, readable by another process.
 struct Encoded(Box<[u8]>);
 
-/// A completed result with the fingerprint of the request that produced it.
-/// Cloning it is two reference counts.
-#[derive(Clone)]
-pub(crate) struct Record {
-    fingerprint: Option<Arc<str>>,
-    /// The typed value, or [`Encoded`] bytes: one pointer either way, so a
-    /// table entry stays within a cache line.
-    value: Arc<dyn Any + Send + Sync>,
+/// A record's contents: the fingerprint digest beside the value, in one
+/// allocation.
+struct Stored<V: ?Sized> {
+    fingerprint: Option<Fingerprint>,
+    /// The typed value, or [`Encoded`] bytes.
+    value: V,
 }
+
+/// A completed result with the digest of the fingerprint of the request
+/// that produced it: one pointer, so a table entry stays within a cache
+/// line, and cloning it is one reference count.
+#[derive(Clone)]
+pub(crate) struct Record(Arc<Stored<dyn Any + Send + Sync>>);
 
 impl Record {
     /// Wraps `value` in the form the store takes.
     pub(crate) fn new<T>(
         form: Form,
-        fingerprint: Option<Arc<str>>,
+        fingerprint: Option<Fingerprint>,
         value: T,
     ) -> Result<Self, bincode::error::EncodeError>
     where
         T: Serialize + Send + Sync + 'static,
     {
-        let value: Arc<dyn Any + Send + Sync> = match form {
-            Form::Typed => Arc::new(value),
-            Form::Encoded => Arc::new(Encoded(
-                bincode::serde::encode_to_vec(&value, CODEC)?.into_boxed_slice(),
-            )),
-        };
-        Ok(Self { fingerprint, value })
+        Ok(Self(match form {
+            Form::Typed => Arc::new(Stored { fingerprint, value }),
+            Form::Encoded => Arc::new(Stored {
+                fingerprint,
+                value: Encoded(bincode::serde::encode_to_vec(&value, CODEC)?.into_boxed_slice()),
+            }),
+        }))
     }
 
-    pub(crate) fn fingerprint(&self) -> Option<&str> {
-        self.fingerprint.as_deref()
+    pub(crate) fn fingerprint(&self) -> Option<&Fingerprint> {
+        self.0.fingerprint.as_ref()
+    }
+
+    /// Bytes this record holds in its own allocation: the fingerprint
+    /// digest and the value (not what the value points to).
+    #[cfg(test)]
+    pub(crate) fn footprint(&self) -> usize {
+        std::mem::size_of_val(&*self.0)
     }
 
     /// The value as a `T`, or `None` if it was stored as another type.
@@ -76,25 +89,30 @@ impl Record {
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        if let Some(Encoded(bytes)) = self.value.downcast_ref::<Encoded>() {
+        let value: &(dyn Any + Send + Sync) = &self.0.value;
+        if let Some(Encoded(bytes)) = value.downcast_ref::<Encoded>() {
             return match bincode::serde::decode_from_slice::<T, _>(bytes, CODEC) {
                 Ok((value, read)) if read == bytes.len() => Some(value),
                 _ => None,
             };
         }
-        self.value.downcast_ref::<T>().cloned()
+        value.downcast_ref::<T>().cloned()
+    }
+
+    fn is_encoded(&self) -> bool {
+        self.0.value.is::<Encoded>()
     }
 }
 
 impl std::fmt::Debug for Record {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let form = if self.value.is::<Encoded>() {
+        let form = if self.is_encoded() {
             Form::Encoded
         } else {
             Form::Typed
         };
         f.debug_struct("Record")
-            .field("fingerprint", &self.fingerprint)
+            .field("fingerprint", &self.fingerprint().is_some())
             .field("form", &form)
             .finish()
     }
@@ -120,53 +138,96 @@ impl<T> Pending<'_, T> {
     }
 }
 
+/// What a store holds, for [`IdempotencyStore::counts`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct StoreCounts {
+    /// Results held, expired ones not yet swept included.
+    pub(crate) stored: usize,
+    /// Results evicted by a cap before their TTL.
+    pub(crate) evictions: u64,
+}
+
 /// Where completed results live for their TTL.
 ///
 /// Keys arrive already scoped. A store never hands out an expired record,
 /// whether or not it has been swept.
-pub(crate) trait ResultStore: Send + Sync + 'static {
+pub(crate) trait IdempotencyStore: Send + Sync + 'static {
     /// The form [`Record::new`] must produce for this store.
     fn form(&self) -> Form;
 
     /// Runs `read` on the live record for `key` as of `now` without a
     /// round trip, if this store can: `Some(found)`, or `None` when only
-    /// [`ResultStore::get`] can answer. The replay fast path.
+    /// [`IdempotencyStore::get`] can answer. The replay fast path.
     fn read_now(&self, key: &str, now: Instant, read: &mut dyn FnMut(&Record)) -> Option<bool> {
         let _ = (key, now, read);
         None
     }
 
     /// The live record for `key` as of `now`.
-    fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Arc<Record>>, BoxError>>;
+    fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>>;
 
     /// Stores `record` for `ttl`, replacing any record for `key`.
-    fn put(
-        &self,
-        key: &str,
-        record: Arc<Record>,
-        ttl: Duration,
-    ) -> Pending<'_, Result<(), BoxError>>;
+    fn put(&self, key: &str, record: Record, ttl: Duration) -> Pending<'_, Result<(), BoxError>>;
+
+    /// Results held and evicted, for stats; zero where the store cannot
+    /// tell cheaply.
+    fn counts(&self) -> StoreCounts {
+        StoreCounts::default()
+    }
 
     /// The runtime shut down: drop what this instance alone holds (a shared
     /// store keeps its records for the other instances).
     fn close(&self);
 }
 
-/// Results in a [`TtlTable`] swept by the runtime's sweeper.
-pub(crate) struct MemoryStore {
+/// Results in a [`TtlTable`] swept by the runtime's sweeper, capped at
+/// `max_results` entries (the oldest evicted first).
+pub(crate) struct MemoryIdempotencyStore {
     // Records inline in the table: a replay touches the entry and the value.
     table: Arc<TtlTable<InlineKey, Record>>,
+    /// When the last eviction warning was logged, in ms after `base`
+    /// (`u64::MAX`: never).
+    warned_at: AtomicU64,
+    base: Instant,
 }
 
-impl MemoryStore {
-    pub(crate) fn new(counters: Arc<Counters>, sweeper: &Sweeper) -> Self {
+/// Evictions are logged at warn at most this often.
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+impl MemoryIdempotencyStore {
+    pub(crate) fn new(counters: Arc<Counters>, sweeper: &Sweeper, max_results: usize) -> Self {
         Self {
-            table: TtlTable::with_sweeper(counters, sweeper),
+            table: TtlTable::new(counters)
+                .with_max_len(max_results)
+                .swept_by(sweeper),
+            warned_at: AtomicU64::new(u64::MAX),
+            base: Instant::now(),
+        }
+    }
+
+    /// Logs evictions at warn, at most once per [`WARN_EVERY`].
+    fn evicted(&self, n: usize) {
+        let now = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        let last = self.warned_at.load(Ordering::Relaxed);
+        let due = last == u64::MAX || now.saturating_sub(last) >= WARN_EVERY.as_millis() as u64;
+        if due
+            && self
+                .warned_at
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                evicted = n,
+                evictions = self.table.evictions(),
+                max_results = self.table.max_len().unwrap_or(usize::MAX),
+                "idempotency results evicted before their ttl: the store is at its cap; \
+                 raise it with RuntimeBuilder::with_max_idempotency_results"
+            );
         }
     }
 }
 
-impl ResultStore for MemoryStore {
+impl IdempotencyStore for MemoryIdempotencyStore {
     fn form(&self) -> Form {
         Form::Typed
     }
@@ -179,19 +240,23 @@ impl ResultStore for MemoryStore {
         )
     }
 
-    fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Arc<Record>>, BoxError>> {
-        Pending::Ready(Ok(self.table.get_at(key.as_bytes(), now).map(Arc::new)))
+    fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>> {
+        Pending::Ready(Ok(self.table.get_at(key.as_bytes(), now)))
     }
 
-    fn put(
-        &self,
-        key: &str,
-        record: Arc<Record>,
-        ttl: Duration,
-    ) -> Pending<'_, Result<(), BoxError>> {
-        self.table
-            .insert(InlineKey::new(key), Arc::unwrap_or_clone(record), ttl);
+    fn put(&self, key: &str, record: Record, ttl: Duration) -> Pending<'_, Result<(), BoxError>> {
+        let evicted = self.table.insert(InlineKey::new(key), record, ttl);
+        if evicted > 0 {
+            self.evicted(evicted);
+        }
         Pending::Ready(Ok(()))
+    }
+
+    fn counts(&self) -> StoreCounts {
+        StoreCounts {
+            stored: self.table.len(),
+            evictions: self.table.evictions(),
+        }
     }
 
     fn close(&self) {
@@ -215,8 +280,8 @@ mod tests {
             id: 7,
             note: "ok".into(),
         };
-        let record = Record::new(Form::Typed, Some("fp".into()), charge.clone()).unwrap();
-        assert_eq!(record.fingerprint(), Some("fp"));
+        let record = Record::new(Form::Typed, Some([7; 32]), charge.clone()).unwrap();
+        assert_eq!(record.fingerprint(), Some(&[7; 32]));
         assert_eq!(record.value::<Charge>(), Some(charge));
         assert_eq!(record.value::<u64>(), None);
     }
@@ -228,7 +293,7 @@ mod tests {
             note: "paid".into(),
         };
         let record = Record::new(Form::Encoded, None, charge.clone()).unwrap();
-        assert!(record.value.is::<Encoded>());
+        assert!(record.is_encoded());
         assert_eq!(record.value::<Charge>(), Some(charge));
         // Trailing bytes left over mean the stored value was of another type.
         assert_eq!(record.value::<u8>(), None);

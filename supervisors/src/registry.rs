@@ -340,6 +340,12 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         self.len()
     }
 
+    /// Releases capacity the registry retains beyond what its slots need,
+    /// as after a flood of keys that has been swept.
+    pub fn shrink_to_fit(&self) {
+        self.map.shrink_to_fit();
+    }
+
     /// Removes every slot, returning keys and states. A key inserted while
     /// the drain runs may stay.
     pub fn drain(&self) -> Vec<(K, S)> {

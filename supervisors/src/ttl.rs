@@ -1,9 +1,10 @@
 //! A concurrent table whose entries expire, checked on every read.
 
 use std::borrow::Borrow;
+use std::collections::VecDeque;
 use std::hash::Hash;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -19,6 +20,9 @@ struct TtlEntry<V> {
     /// Nanoseconds after the table's base instant: 8 bytes instead of 16
     /// keeps small entries within one cache line.
     expires_at: u64,
+    /// Insertion number: tells this entry's slot in a capped table's
+    /// order queue from the slots of entries it replaced.
+    seq: u64,
 }
 
 /// A map whose entries live for a TTL.
@@ -27,6 +31,10 @@ struct TtlEntry<V> {
 /// even before the sweeper removes it. Register the table with a [`Sweeper`]
 /// (see [`TtlTable::with_sweeper`]) to have expired entries removed
 /// periodically; the sweeper runs only while the table holds entries.
+///
+/// A table may be capped ([`TtlTable::with_max_len`]): an insert past the
+/// cap evicts the oldest inserted entries first, which has the effect of
+/// an early expiry, and counts them ([`TtlTable::evictions`]).
 ///
 /// # Examples
 ///
@@ -48,9 +56,22 @@ pub struct TtlTable<K, V> {
     counters: Arc<Counters>,
     sweeper: Option<Sweeper>,
     base: Instant,
+    /// The cap, with the keys in insertion order (and their insertion
+    /// number, which tells a live entry from a replaced or removed one).
+    bound: Option<Bound<K>>,
+    evictions: AtomicU64,
+    inserts: AtomicU64,
 }
 
-impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> TtlTable<K, V> {
+#[derive(Debug)]
+struct Bound<K> {
+    max_len: usize,
+    order: Mutex<VecDeque<(K, u64)>>,
+}
+
+impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'static>
+    TtlTable<K, V>
+{
     /// Creates an empty table without a sweeper.
     #[must_use]
     pub fn new(counters: Arc<Counters>) -> Self {
@@ -63,18 +84,64 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
             counters,
             base: Instant::now(),
             sweeper: None,
+            bound: None,
+            evictions: AtomicU64::new(0),
+            inserts: AtomicU64::new(0),
         }
+    }
+
+    /// Caps the table at `max_len` entries (at least one): an insert past
+    /// the cap evicts the oldest inserted entries first. Each entry then
+    /// also costs a slot in an insertion-order queue.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap().block_on(async {
+    /// use std::{sync::Arc, time::Duration};
+    /// use throttlebeam_supervisors::{Counters, TtlTable};
+    ///
+    /// let table: TtlTable<u32, u32> = TtlTable::new(Arc::new(Counters::new())).with_max_len(2);
+    /// for k in 0..3 {
+    ///     table.insert(k, k, Duration::from_secs(10));
+    /// }
+    /// assert_eq!((table.get(&0), table.get(&1), table.get(&2)), (None, Some(1), Some(2)));
+    /// assert_eq!(table.evictions(), 1);
+    /// # });
+    /// ```
+    #[must_use]
+    pub fn with_max_len(mut self, max_len: usize) -> Self {
+        self.bound = Some(Bound {
+            max_len: max_len.max(1),
+            order: Mutex::new(VecDeque::new()),
+        });
+        self
     }
 
     /// Creates an empty table registered with `sweeper`.
     #[must_use]
     pub fn with_sweeper(counters: Arc<Counters>, sweeper: &Sweeper) -> Arc<Self> {
-        let mut table = Self::new(counters);
-        table.sweeper = Some(sweeper.clone());
-        let table = Arc::new(table);
+        Self::new(counters).swept_by(sweeper)
+    }
+
+    /// Registers this table with `sweeper`.
+    #[must_use]
+    pub fn swept_by(mut self, sweeper: &Sweeper) -> Arc<Self> {
+        self.sweeper = Some(sweeper.clone());
+        let table = Arc::new(self);
         let weak = Arc::downgrade(&table);
         sweeper.register(weak);
         table
+    }
+
+    /// The cap set with [`TtlTable::with_max_len`], if any.
+    pub fn max_len(&self) -> Option<usize> {
+        self.bound.as_ref().map(|bound| bound.max_len)
+    }
+
+    /// Entries evicted by the cap since the table was created.
+    pub fn evictions(&self) -> u64 {
+        self.evictions.load(Ordering::Relaxed)
     }
 
     /// Entries held, including expired ones not yet swept.
@@ -132,10 +199,27 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
 
     /// Stores `value` for `ttl`, replacing any entry for `key` (a replaced
     /// entry still counts once). A `ttl` too large to represent means about
-    /// thirty years.
-    pub fn insert(&self, key: K, value: V, ttl: Duration) {
+    /// thirty years. Returns how many entries the cap evicted (0 without a
+    /// cap).
+    pub fn insert(&self, key: K, value: V, ttl: Duration) -> usize {
         let expires_at = self.tick(expiry(Instant::now(), ttl));
-        let entry = TtlEntry { value, expires_at };
+        // Only a capped table needs insertion numbers: spare the others the shared atomic.
+        let seq = match self.bound {
+            Some(_) => self.inserts.fetch_add(1, Ordering::Relaxed),
+            None => 0,
+        };
+        let entry = TtlEntry {
+            value,
+            expires_at,
+            seq,
+        };
+        // With a cap, order and map change under the order lock (taken
+        // before any shard lock, never after), so the queue never misses a key.
+        let mut order = self.bound.as_ref().map(|bound| {
+            let mut order = bound.order.lock().unwrap_or_else(PoisonError::into_inner);
+            order.push_back((key.clone(), seq));
+            order
+        });
         // Count a new entry before it becomes visible, under its shard lock,
         // so a concurrent remove never decrements below zero.
         let (replaced, first) = match self.map.entry(key) {
@@ -148,11 +232,167 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
             }
         };
         drop(replaced);
+        let evicted = match (&self.bound, order.as_deref_mut()) {
+            (Some(bound), Some(order)) => self.evict(bound.max_len, order),
+            _ => 0,
+        };
+        drop(order);
         if first {
             if let Some(sweeper) = &self.sweeper {
                 sweeper.kick();
             }
         }
+        evicted
+    }
+
+    /// Evicts the oldest entries until at most `max_len` remain; drops
+    /// queue slots of replaced or removed entries on the way.
+    fn evict(&self, max_len: usize, order: &mut VecDeque<(K, u64)>) -> usize {
+        let mut evicted = 0;
+        while self.len() > max_len {
+            let Some((key, seq)) = order.pop_front() else {
+                break;
+            };
+            if self.map.remove_if(&key, |_, e| e.seq == seq).is_some() {
+                self.forget(1);
+                evicted += 1;
+            }
+        }
+        // Replaced and swept entries leave stale slots: keep the queue
+        // within twice the live entries.
+        if order.len() > 2 * self.len() + 64 {
+            order.retain(|(key, seq)| self.map.get(key).is_some_and(|e| e.seq == *seq));
+            if order.capacity() > 2 * order.len() + 64 {
+                order.shrink_to_fit();
+            }
+        }
+        if evicted > 0 {
+            self.evictions.fetch_add(evicted as u64, Ordering::Relaxed);
+        }
+        evicted
+    }
+
+    /// Reads and conditionally writes `key` in one step under its shard lock:
+    /// `f` sees the live value as of `now` (`None` when missing or expired)
+    /// and returns what to store, with its TTL from `now`, if anything, plus
+    /// a result. This is set-if-absent and compare-and-set in one primitive.
+    ///
+    /// Keep `f` short: it holds the shard's write lock.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap().block_on(async {
+    /// use std::{sync::Arc, time::Duration};
+    /// use throttlebeam_supervisors::{Counters, TtlTable};
+    /// use tokio::time::Instant;
+    ///
+    /// let table: TtlTable<&str, u32> = TtlTable::new(Arc::new(Counters::new()));
+    /// let ttl = Duration::from_secs(1);
+    /// // Set if absent: the first writer wins, the second sees its value.
+    /// let nx = |v| move |live: Option<&u32>| match live {
+    ///     Some(held) => (None, Err(*held)),
+    ///     None => (Some((v, ttl)), Ok(())),
+    /// };
+    /// assert_eq!(table.upsert_at("k", Instant::now(), nx(1)), Ok(()));
+    /// assert_eq!(table.upsert_at("k", Instant::now(), nx(2)), Err(1));
+    /// # });
+    /// ```
+    pub fn upsert_at<R>(
+        &self,
+        key: K,
+        now: Instant,
+        f: impl FnOnce(Option<&V>) -> (Option<(V, Duration)>, R),
+    ) -> R {
+        let tick = self.tick(now);
+        // A capped table records every write in its order queue, under the
+        // order lock taken before the shard lock (as `insert` does).
+        let seq = match self.bound {
+            Some(_) => self.inserts.fetch_add(1, Ordering::Relaxed),
+            None => 0,
+        };
+        let mut order = self.bound.as_ref().map(|bound| {
+            (
+                bound.order.lock().unwrap_or_else(PoisonError::into_inner),
+                key.clone(),
+            )
+        });
+        let (out, first, written) = match self.map.entry(key) {
+            Entry::Occupied(mut occupied) => {
+                let live = (occupied.get().expires_at > tick).then(|| &occupied.get().value);
+                let (write, out) = f(live);
+                let written = write.is_some();
+                if let Some((value, ttl)) = write {
+                    let expires_at = self.tick(expiry(now, ttl));
+                    drop(occupied.insert(TtlEntry {
+                        value,
+                        expires_at,
+                        seq,
+                    }));
+                }
+                (out, false, written)
+            }
+            Entry::Vacant(vacant) => {
+                let (write, out) = f(None);
+                let mut first = false;
+                let written = write.is_some();
+                if let Some((value, ttl)) = write {
+                    let expires_at = self.tick(expiry(now, ttl));
+                    self.counters.ttl_added();
+                    first = self.len.fetch_add(1, Ordering::AcqRel) == 0;
+                    vacant.insert(TtlEntry {
+                        value,
+                        expires_at,
+                        seq,
+                    });
+                }
+                (out, first, written)
+            }
+        };
+        if let (Some(bound), Some((order, key))) = (&self.bound, order.as_mut()) {
+            if written {
+                order.push_back((key.clone(), seq));
+                self.evict(bound.max_len, order);
+            }
+        }
+        drop(order);
+        if first {
+            if let Some(sweeper) = &self.sweeper {
+                sweeper.kick();
+            }
+        }
+        out
+    }
+
+    /// Removes up to `n` entries, those that expire soonest first (expired
+    /// ones included); returns how many were removed. For caps: evicting
+    /// what would expire first is the least harmful early expiry. One pass
+    /// over the table, so evict in batches.
+    pub fn evict_soonest(&self, n: usize) -> usize {
+        if n == 0 {
+            return 0;
+        }
+        let mut ends: Vec<u64> = self.map.iter().map(|e| e.expires_at).collect();
+        if ends.is_empty() {
+            return 0;
+        }
+        let nth = n.min(ends.len()) - 1;
+        let (_, threshold, _) = ends.select_nth_unstable(nth);
+        let threshold = *threshold;
+        drop(ends);
+        let mut removed = 0;
+        self.map.retain(|_, e| {
+            let evict = removed < n && e.expires_at <= threshold;
+            removed += usize::from(evict);
+            !evict
+        });
+        self.forget(removed);
+        removed
+    }
+
+    /// Releases capacity the table retains beyond what its entries need.
+    pub fn shrink_to_fit(&self) {
+        self.map.shrink_to_fit();
     }
 
     /// Removes `key`, returning its value if it was live.
@@ -168,12 +408,20 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
 
     /// Removes every entry.
     pub fn clear(&self) {
+        let order = self
+            .bound
+            .as_ref()
+            .map(|bound| bound.order.lock().unwrap_or_else(PoisonError::into_inner));
         let mut removed = 0;
         self.map.retain(|_, _| {
             removed += 1;
             false
         });
         self.forget(removed);
+        if let Some(mut order) = order {
+            order.clear();
+            order.shrink_to_fit();
+        }
     }
 
     fn forget(&self, n: usize) {
@@ -212,7 +460,7 @@ fn expiry(now: Instant, ttl: Duration) -> Instant {
 
 impl<K, V> Sweep for TtlTable<K, V>
 where
-    K: Eq + Hash + Send + Sync + 'static,
+    K: Eq + Hash + Clone + Send + Sync + 'static,
     V: Clone + Send + Sync + 'static,
 {
     fn sweep(&self, now: Instant) -> usize {
@@ -224,6 +472,14 @@ where
             keep
         });
         self.forget(removed);
+        if let Some(bound) = &self.bound {
+            let mut order = bound.order.lock().unwrap_or_else(PoisonError::into_inner);
+            self.evict(bound.max_len, &mut order);
+        }
+        if removed > 0 {
+            // Give back what a flood left behind once it is swept.
+            self.map.shrink_to_fit();
+        }
         self.len()
     }
 }
@@ -233,5 +489,152 @@ impl<K, V> std::fmt::Debug for TtlTable<K, V> {
         f.debug_struct("TtlTable")
             .field("len", &self.len.load(Ordering::Relaxed))
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEC: Duration = Duration::from_secs(1);
+
+    fn capped(max_len: usize) -> (Arc<Counters>, TtlTable<u32, u32>) {
+        let counters = Arc::new(Counters::new());
+        (
+            Arc::clone(&counters),
+            TtlTable::new(Arc::clone(&counters)).with_max_len(max_len),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn past_the_cap_the_oldest_inserted_go_first_and_are_counted() {
+        let (counters, table) = capped(3);
+        for k in 0..3 {
+            assert_eq!(table.insert(k, k * 10, 10 * SEC), 0);
+        }
+        // Replacing key 0 makes it the newest.
+        assert_eq!(table.insert(0, 1, 10 * SEC), 0);
+        assert_eq!(table.insert(3, 30, 10 * SEC), 1, "key 1 evicted");
+        assert_eq!(table.insert(4, 40, 10 * SEC), 1, "key 2 evicted");
+        assert_eq!(table.get(&1), None);
+        assert_eq!(table.get(&2), None);
+        assert_eq!(
+            (table.get(&0), table.get(&3), table.get(&4)),
+            (Some(1), Some(30), Some(40))
+        );
+        assert_eq!((table.len(), table.evictions()), (3, 2));
+        assert_eq!(counters.ttl_entries(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_order_queue_stays_within_bounds_under_churn() {
+        let (_, table) = capped(1_000);
+        for round in 0..50 {
+            for k in 0..100 {
+                table.insert(k, round, 10 * SEC);
+            }
+        }
+        assert_eq!((table.len(), table.evictions()), (100, 0));
+        let queued = table.bound.as_ref().unwrap().order.lock().unwrap().len();
+        assert!(queued <= 2 * 100 + 64 + 1, "{queued} slots for 100 entries");
+        tokio::time::advance(10 * SEC).await;
+        assert_eq!(table.sweep(Instant::now()), 0);
+        let bound = table.bound.as_ref().unwrap().order.lock().unwrap();
+        assert!(
+            bound.is_empty() && bound.capacity() <= 64,
+            "{}",
+            bound.capacity()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_uncapped_table_never_evicts() {
+        let table: TtlTable<u32, u32> = TtlTable::new(Arc::new(Counters::new()));
+        for k in 0..10_000 {
+            assert_eq!(table.insert(k, k, SEC), 0);
+        }
+        assert_eq!(
+            (table.len(), table.evictions(), table.max_len()),
+            (10_000, 0, None)
+        );
+    }
+
+    fn table() -> TtlTable<u32, u32> {
+        TtlTable::new(Arc::new(Counters::new()))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn upsert_sees_only_live_values_and_counts_new_entries() {
+        let t = table();
+        let ttl = Duration::from_millis(100);
+        let nx = |v: u32| {
+            move |live: Option<&u32>| match live {
+                Some(_) => (None, false),
+                None => (Some((v, ttl)), true),
+            }
+        };
+        assert!(t.upsert_at(1, Instant::now(), nx(10)));
+        assert!(!t.upsert_at(1, Instant::now(), nx(11)));
+        assert_eq!(t.get(&1), Some(10));
+        assert_eq!(t.len(), 1);
+        // Expired: absent for `f`, replaced without counting twice.
+        tokio::time::advance(ttl).await;
+        assert!(t.upsert_at(1, Instant::now(), nx(12)));
+        assert_eq!(
+            (t.get(&1), t.len(), t.counters.ttl_entries()),
+            (Some(12), 1, 1)
+        );
+        // Compare-and-set: writes only when `f` says so.
+        let cas = |expect: u32, v: u32| {
+            move |live: Option<&u32>| {
+                if live == Some(&expect) {
+                    (Some((v, ttl)), true)
+                } else {
+                    (None, false)
+                }
+            }
+        };
+        assert!(!t.upsert_at(1, Instant::now(), cas(99, 13)));
+        assert!(t.upsert_at(1, Instant::now(), cas(12, 13)));
+        assert_eq!(t.get(&1), Some(13));
+        // Nothing written for a missing key when `f` declines.
+        assert!(!t.upsert_at(2, Instant::now(), cas(0, 1)));
+        assert_eq!(t.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn evict_soonest_removes_the_earliest_expiries_first() {
+        let t = table();
+        for k in 0..10u32 {
+            t.insert(k, k, Duration::from_secs(u64::from(10 - k)));
+        }
+        assert_eq!(t.evict_soonest(3), 3);
+        assert_eq!(t.len(), 7);
+        assert_eq!(t.counters.ttl_entries(), 7);
+        for k in 7..10 {
+            assert_eq!(t.get(&k), None, "{k} expires soonest");
+        }
+        for k in 0..7 {
+            assert_eq!(t.get(&k), Some(k));
+        }
+        assert_eq!(t.evict_soonest(100), 7);
+        assert!(t.is_empty());
+        assert_eq!(t.evict_soonest(1), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sweep_gives_back_capacity() {
+        let t = table();
+        for k in 0..10_000u32 {
+            t.insert(k, k, Duration::from_millis(10));
+        }
+        let grown = t.map.capacity();
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert_eq!(t.sweep(Instant::now()), 0);
+        assert!(
+            t.map.capacity() < grown / 10,
+            "{} of {grown}",
+            t.map.capacity()
+        );
     }
 }

@@ -1,0 +1,325 @@
+//! The HTTP layers in process (`tower::ServiceExt::oneshot` on a trivial handler), each beside
+//! its anchor.
+//!
+//! Run: `cargo bench --features http,axum --bench http`. After criterion's report it prints
+//! one line per comparison: `compare <name>: ours <ns/op> ns, anchor <ns/op> ns, ratio
+//! <ours/anchor>`, from short timed rounds alternating between the sides (medians; the ratio
+//! is the median of adjacent pairs, which share the machine's load).
+//!
+//! - `http_rate_limit`: `RateLimitLayer` (GCRA, in-memory store, draft headers) against
+//!   tower_governor's `GovernorLayer` (with its headers), same quota, same 10 000 client IPs.
+//!   `http_rate_limit_no_headers`: both without headers.
+//! - `http_idempotency_replay`: a replayed 1 KiB response through `IdempotencyLayer` against
+//!   calling the handler itself.
+//! - `http_idempotency_fresh`: a first request (new key) with a 1 KiB body through the layer
+//!   against calling the handler itself.
+//!
+//! The handler reads its 1 KiB request body and answers 1 KiB: the least a real endpoint does.
+
+use std::convert::Infallible;
+use std::hint::black_box;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use bytes::Bytes;
+use criterion::Criterion;
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use throttlebeam::clock::QuantaClock;
+use throttlebeam::http::{IdempotencyLayer, RateLimitLayer};
+use throttlebeam::rate_limit::{Enforcer, Gcra, HeaderOptions, Limiter};
+use throttlebeam::{IdempotencyOptions, Runtime};
+use tokio::runtime::Runtime as Tokio;
+use tower::util::BoxCloneService;
+use tower::{Layer, ServiceExt, service_fn};
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+
+const CLIENTS: usize = 10_000;
+const KIB: usize = 1024;
+
+type Svc = BoxCloneService<Request<Body>, Response<Body>, Infallible>;
+
+/// The trivial handler: reads the request body, answers 1 KiB.
+fn handler<B>() -> impl tower::Service<
+    Request<B>,
+    Response = Response<Body>,
+    Error = Infallible,
+    Future = impl Future<Output = Result<Response<Body>, Infallible>> + Send,
+> + Clone
++ Send
++ Sync
++ 'static
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+{
+    let answer = Bytes::from(vec![b'a'; KIB]);
+    service_fn(move |req: Request<B>| {
+        let answer = answer.clone();
+        async move {
+            let read = req.into_body().collect().await.map(|c| c.to_bytes().len());
+            black_box(read.ok());
+            Ok::<_, Infallible>(Response::new(Body::from(answer)))
+        }
+    })
+}
+
+fn boxed<S>(svc: S) -> Svc
+where
+    S: tower::Service<Request<Body>, Error = Infallible> + Clone + Send + 'static,
+    S::Response: axum::response::IntoResponse,
+    S::Future: Send + 'static,
+{
+    BoxCloneService::new(svc.map_response(axum::response::IntoResponse::into_response))
+}
+
+/// How each side builds its `i`th request.
+#[derive(Clone, Copy)]
+enum Requests {
+    /// GET from client `i % CLIENTS`.
+    Clients,
+    /// POST with 1 KiB under one key.
+    SameKey,
+    /// POST with 1 KiB under key `i` of this round.
+    NewKey(u64),
+}
+
+struct Fixture {
+    tokio: Tokio,
+    peers: Vec<SocketAddr>,
+    payload: Bytes,
+    bare: Svc,
+    ours_rate_limit: Svc,
+    ours_rate_limit_no_headers: Svc,
+    governor: Svc,
+    governor_no_headers: Svc,
+    idempotent: Svc,
+}
+
+impl Fixture {
+    fn request(&self, requests: Requests, i: u64) -> Request<Body> {
+        match requests {
+            Requests::Clients => {
+                let peer = self.peers[i as usize % CLIENTS];
+                let mut req = Request::get("/").body(Body::empty()).expect("request");
+                req.extensions_mut().insert(peer);
+                req.extensions_mut().insert(ConnectInfo(peer));
+                req
+            }
+            Requests::SameKey => Request::post("/pay")
+                .header("idempotency-key", "replayed")
+                .body(Body::from(self.payload.clone()))
+                .expect("request"),
+            Requests::NewKey(round) => Request::post("/pay")
+                .header("idempotency-key", format!("fresh-{round}-{i}"))
+                .body(Body::from(self.payload.clone()))
+                .expect("request"),
+        }
+    }
+
+    fn timed(&self, svc: &Svc, requests: Requests, ops: u64) -> Duration {
+        self.tokio.block_on(async {
+            let start = Instant::now();
+            for i in 0..ops {
+                let response = svc.clone().oneshot(self.request(requests, i)).await;
+                black_box(response.map(|r| r.status()).ok());
+            }
+            start.elapsed()
+        })
+    }
+}
+
+fn fixture() -> Fixture {
+    let tokio = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio");
+    let runtime = tokio.block_on(async {
+        Runtime::builder()
+            .with_sweep_interval(Duration::from_secs(1))
+            .start()
+            .await
+            .expect("runtime")
+    });
+    let peers = (0..CLIENTS)
+        .map(|i| SocketAddr::from(([10, 0, (i / 256) as u8, (i % 256) as u8], 40_000)))
+        .collect();
+    // Generous quotas: every request is allowed, so both sides take the same path.
+    let limiter = || {
+        Limiter::builder(Gcra::new(1_000_000, Duration::from_secs(1)).expect("quota"))
+            .with_clock(QuantaClock::new())
+            .build()
+    };
+    let governor = |headers: bool| {
+        let mut builder = GovernorConfigBuilder::default();
+        builder.per_nanosecond(1_000).burst_size(1_000_000);
+        if headers {
+            let config = builder.use_headers().finish().expect("config");
+            boxed(GovernorLayer::new(config).layer(handler()))
+        } else {
+            let config = builder.finish().expect("config");
+            boxed(GovernorLayer::new(config).layer(handler()))
+        }
+    };
+    let idempotent = IdempotencyLayer::new(&runtime)
+        .with_options(IdempotencyOptions::new().with_ttl(Duration::from_secs(1)));
+    let fixture = Fixture {
+        peers,
+        payload: Bytes::from(vec![b'p'; KIB]),
+        bare: boxed(handler()),
+        ours_rate_limit: boxed(RateLimitLayer::new(Enforcer::new(limiter())).layer(handler())),
+        ours_rate_limit_no_headers: boxed(
+            RateLimitLayer::new(Enforcer::new(limiter()).with_headers(HeaderOptions::none()))
+                .layer(handler()),
+        ),
+        governor: governor(true),
+        governor_no_headers: governor(false),
+        idempotent: boxed(idempotent.layer(handler())),
+        tokio,
+    };
+    // Every client and the replayed key exist before timing.
+    for svc in [
+        &fixture.ours_rate_limit,
+        &fixture.ours_rate_limit_no_headers,
+        &fixture.governor,
+        &fixture.governor_no_headers,
+    ] {
+        fixture.timed(svc, Requests::Clients, CLIENTS as u64);
+    }
+    fixture.timed(&fixture.idempotent, Requests::SameKey, 1);
+    fixture
+}
+
+struct Comparison {
+    name: &'static str,
+    ours: fn(&Fixture) -> &Svc,
+    anchor: fn(&Fixture) -> &Svc,
+    requests: Requests,
+    ops: u64,
+}
+
+const COMPARISONS: [Comparison; 4] = [
+    Comparison {
+        name: "http_rate_limit",
+        ours: |f| &f.ours_rate_limit,
+        anchor: |f| &f.governor,
+        requests: Requests::Clients,
+        ops: 50_000,
+    },
+    Comparison {
+        name: "http_rate_limit_no_headers",
+        ours: |f| &f.ours_rate_limit_no_headers,
+        anchor: |f| &f.governor_no_headers,
+        requests: Requests::Clients,
+        ops: 50_000,
+    },
+    Comparison {
+        name: "http_idempotency_replay",
+        ours: |f| &f.idempotent,
+        anchor: |f| &f.bare,
+        requests: Requests::SameKey,
+        ops: 20_000,
+    },
+    Comparison {
+        name: "http_idempotency_fresh",
+        ours: |f| &f.idempotent,
+        anchor: |f| &f.bare,
+        requests: Requests::NewKey(0),
+        ops: 5_000,
+    },
+];
+
+fn criterion_benches(c: &mut Criterion, f: &Fixture) {
+    let mut round = 1_000_000;
+    for cmp in &COMPARISONS {
+        let mut group = c.benchmark_group(cmp.name);
+        group.bench_function("ours", |b| {
+            b.iter_custom(|iters| {
+                round += 1;
+                let requests = match cmp.requests {
+                    Requests::NewKey(_) => Requests::NewKey(round),
+                    other => other,
+                };
+                f.timed((cmp.ours)(f), requests, iters)
+            })
+        });
+        group.bench_function("anchor", |b| {
+            b.iter_custom(|iters| f.timed((cmp.anchor)(f), cmp.requests, iters))
+        });
+        group.finish();
+    }
+}
+
+fn median(samples: &mut [f64]) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+fn compare(cmp: &Comparison, f: &Fixture, rounds: u64) -> (f64, f64, f64) {
+    let (mut ours, mut anchor, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let requests = match cmp.requests {
+            Requests::NewKey(_) => Requests::NewKey(round),
+            other => other,
+        };
+        let per_op = |svc: &Svc| f.timed(svc, requests, cmp.ops).as_nanos() as f64 / cmp.ops as f64;
+        let (o, a) = if round % 2 == 0 {
+            let o = per_op((cmp.ours)(f));
+            (o, per_op((cmp.anchor)(f)))
+        } else {
+            let a = per_op((cmp.anchor)(f));
+            (per_op((cmp.ours)(f)), a)
+        };
+        ours.push(o);
+        anchor.push(a);
+        ratios.push(o / a);
+    }
+    (median(&mut ours), median(&mut anchor), median(&mut ratios))
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--test");
+    let f = fixture();
+    let mut c = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .configure_from_args();
+    criterion_benches(&mut c, &f);
+    c.final_summary();
+
+    // `cargo bench -- --test` only checks that the benches run: no figures then.
+    if quick {
+        return;
+    }
+    // `cargo bench --bench http -- http_idempotency` compares only the matching names.
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    for cmp in &COMPARISONS {
+        if filter
+            .as_ref()
+            .is_some_and(|f| !cmp.name.contains(f.as_str()))
+        {
+            continue;
+        }
+        let (ours, anchor, ratio) = compare(cmp, &f, 21);
+        println!(
+            "compare {}: ours {ours:.1} ns, anchor {anchor:.1} ns, ratio {ratio:.2}",
+            cmp.name
+        );
+    }
+    // What the fingerprint alone costs: SHA-256 over a 1 KiB body (the floor of both
+    // idempotency rows).
+    let mut samples: Vec<f64> = (0..21)
+        .map(|_| {
+            let start = Instant::now();
+            for _ in 0..20_000 {
+                black_box(<sha2::Sha256 as sha2::Digest>::digest(black_box(
+                    &f.payload[..],
+                )));
+            }
+            start.elapsed().as_nanos() as f64 / 20_000.0
+        })
+        .collect();
+    println!("sha256 of 1 KiB: {:.1} ns", median(&mut samples));
+}

@@ -1,0 +1,238 @@
+//! Every call the idempotency layer makes into the rest of the crate, and how its errors
+//! become HTTP answers. Kept in one place so the runtime's API can change under it.
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::CONTENT_TYPE;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use serde::{Deserialize, Serialize};
+
+use crate::error::Error;
+use crate::idempotency::{IdempotencyOptions, IdempotencyOutcome, InFlight};
+use crate::runtime::Runtime;
+
+/// A stored response: one serializable envelope, so a shared store can keep it as it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct StoredResponse {
+    pub(super) status: u16,
+    /// `Content-Type` and the allow-listed headers, in order.
+    pub(super) headers: Vec<(String, Bytes)>,
+    pub(super) body: Bytes,
+}
+
+impl StoredResponse {
+    pub(super) fn new(
+        status: StatusCode,
+        headers: &HeaderMap,
+        keep: &[HeaderName],
+        body: Bytes,
+    ) -> Self {
+        let headers = std::iter::once(&CONTENT_TYPE)
+            .chain(keep.iter().filter(|name| **name != CONTENT_TYPE))
+            .flat_map(|name| {
+                headers.get_all(name).iter().map(|value| {
+                    (
+                        name.as_str().to_owned(),
+                        Bytes::copy_from_slice(value.as_bytes()),
+                    )
+                })
+            })
+            .collect();
+        Self {
+            status: status.as_u16(),
+            headers,
+            body,
+        }
+    }
+
+    /// The status and headers to answer a replay with (entries that no longer parse are
+    /// skipped; they were valid when stored).
+    pub(super) fn head(&self) -> (StatusCode, HeaderMap) {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
+        let mut map = HeaderMap::with_capacity(self.headers.len() + 1);
+        for (name, value) in &self.headers {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_maybe_shared(value.clone()),
+            ) {
+                map.append(name, value);
+            }
+        }
+        (status, map)
+    }
+}
+
+/// Whether a run ran here or replayed another's.
+pub(super) type RunOutcome = IdempotencyOutcome<StoredResponse>;
+
+/// Settings every guarded request shares: TTL, lease and wait timeout. The scope and
+/// fingerprint are set per request.
+pub(super) fn base_options(options: IdempotencyOptions, fail_fast: bool) -> IdempotencyOptions {
+    if fail_fast {
+        // A duplicate that finds the key in flight is refused at once, with a retry hint.
+        options.with_in_flight(InFlight::Reject)
+    } else {
+        options
+    }
+}
+
+/// Runs `f` once for `key` under `options` on `runtime`.
+pub(super) async fn run<F, Fut>(
+    runtime: &Runtime,
+    key: &str,
+    options: IdempotencyOptions,
+    f: F,
+) -> Result<RunOutcome, Error>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<StoredResponse, NotStored>> + Send + 'static,
+{
+    // Boxed: the run is the slow path; it keeps the future of every request small.
+    Box::pin(runtime.idempotency().run_with(key, options, f)).await
+}
+
+/// The stored response of `key`, when it has one that can be read at once.
+pub(super) fn try_replay(
+    runtime: &Runtime,
+    key: &str,
+    options: &IdempotencyOptions,
+) -> Result<Option<StoredResponse>, Error> {
+    runtime.idempotency().try_replay(key, options)
+}
+
+/// The handler's response was handed back but not stored (a 5xx, too large, or its body
+/// failed): the key is released.
+#[derive(Debug, thiserror::Error)]
+#[error("response not stored")]
+pub(super) struct NotStored;
+
+/// Why a guarded request got no response of the handler's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Refusal {
+    /// The key was used for another request (422).
+    Reused,
+    /// The key is in flight; `waited` is how long this duplicate waited, if it did, and
+    /// `retry_after` when to try again (409).
+    InFlight {
+        waited: Option<Duration>,
+        retry_after: Duration,
+    },
+    /// The handler panicked (500).
+    Panicked,
+    /// The store or runtime cannot take it (503).
+    Unavailable,
+    /// A setting of the layer is out of range (500).
+    Misconfigured,
+}
+
+/// The answer for an error of a run that did not hand back a handler response.
+pub(super) fn refusal(err: &Error, fail_fast: bool) -> Refusal {
+    match err {
+        Error::FingerprintMismatch { .. } => Refusal::Reused,
+        Error::Timeout { after, .. } => Refusal::InFlight {
+            waited: (!fail_fast).then_some(*after),
+            retry_after: Duration::from_secs(1),
+        },
+        Error::InFlight { retry_after, .. } => Refusal::InFlight {
+            waited: None,
+            retry_after: *retry_after,
+        },
+        Error::Panicked { .. } | Error::Failed { .. } => Refusal::Panicked,
+        Error::StoreUnavailable { .. }
+        | Error::ShutDown { .. }
+        | Error::TooManyKeys { .. }
+        | Error::NoTokio
+        | Error::Start(_)
+        | Error::Discarded { .. }
+        | Error::LeaseLost { .. } => Refusal::Unavailable,
+        _ => Refusal::Misconfigured,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stored_response_keeps_content_type_and_the_allow_list_only() {
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.append("location", HeaderValue::from_static("/charges/1"));
+        headers.append("set-cookie", HeaderValue::from_static("s=1"));
+        headers.append("x-a", HeaderValue::from_static("1"));
+        headers.append("x-a", HeaderValue::from_static("2"));
+        let keep = [
+            HeaderName::from_static("location"),
+            HeaderName::from_static("x-a"),
+        ];
+        let stored = StoredResponse::new(StatusCode::CREATED, &headers, &keep, Bytes::from("{}"));
+        let (status, head) = stored.head();
+        assert_eq!(status, StatusCode::CREATED);
+        assert_eq!(head[CONTENT_TYPE], "application/json");
+        assert_eq!(head["location"], "/charges/1");
+        assert_eq!(head.get_all("x-a").iter().count(), 2);
+        assert!(head.get("set-cookie").is_none());
+    }
+
+    #[test]
+    fn the_envelope_round_trips_through_serde() {
+        let stored = StoredResponse {
+            status: 201,
+            headers: vec![("content-type".to_owned(), Bytes::from("text/plain"))],
+            body: Bytes::from("ok"),
+        };
+        let json = serde_json::to_string(&stored).unwrap();
+        assert_eq!(
+            serde_json::from_str::<StoredResponse>(&json).unwrap(),
+            stored
+        );
+    }
+
+    #[test]
+    fn errors_map_to_refusals() {
+        let key = "k".to_owned();
+        assert_eq!(
+            refusal(&Error::FingerprintMismatch { key: key.clone() }, false),
+            Refusal::Reused
+        );
+        let timeout = Error::Timeout {
+            key: key.clone(),
+            after: Duration::from_millis(50),
+        };
+        assert_eq!(
+            refusal(&timeout, false),
+            Refusal::InFlight {
+                waited: Some(Duration::from_millis(50)),
+                retry_after: Duration::from_secs(1),
+            }
+        );
+        let in_flight = Error::InFlight {
+            key: key.clone(),
+            retry_after: Duration::from_millis(300),
+        };
+        assert_eq!(
+            refusal(&in_flight, true),
+            Refusal::InFlight {
+                waited: None,
+                retry_after: Duration::from_millis(300),
+            }
+        );
+        assert_eq!(
+            refusal(&Error::ShutDown { key: key.clone() }, false),
+            Refusal::Unavailable
+        );
+        assert_eq!(
+            refusal(
+                &Error::InvalidArgument {
+                    key,
+                    what: "scope",
+                    reason: "is longer than 1024 bytes"
+                },
+                false
+            ),
+            Refusal::Misconfigured
+        );
+    }
+}
