@@ -15,6 +15,7 @@ use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 
 mod claims;
 mod notify;
+mod window;
 
 /// Environment variable read by [`Redis::from_env`]: the URL of a single
 /// Redis node, e.g. `redis://127.0.0.1:6379/0`.
