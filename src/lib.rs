@@ -85,6 +85,7 @@ mod key;
 pub mod rate_limit;
 #[cfg(feature = "runtime")]
 mod runtime;
+pub mod store;
 #[cfg(feature = "runtime")]
 mod throttle;
 

@@ -49,3 +49,6 @@ pub async fn settle() {
         tokio::task::yield_now().await;
     }
 }
+
+#[cfg(feature = "redis")]
+pub mod redis;

@@ -1,0 +1,68 @@
+//! Shared stores: the error type every store reports, the circuit breaker
+//! that guards a remote store, and (feature `redis`) the Redis backend.
+//!
+//! The in-memory stores live beside the seam they implement
+//! ([`crate::MemoryWindowStore`], the rate limiter's memory store, the
+//! idempotency result table). A remote store is guarded by a [`Breaker`]:
+//! after a run of consecutive failures it stops sending commands for a
+//! cooldown, then lets one probe decide whether the store is back.
+
+mod breaker;
+#[cfg(feature = "redis")]
+mod redis;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use self::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats};
+#[cfg(feature = "redis")]
+pub use self::redis::{REDIS_CLUSTER_ENV, REDIS_URL_ENV, Redis, RedisBuilder, RedisStats};
+
+/// Why a store could not answer.
+///
+/// A store failure is never a decision: each primitive maps it to its
+/// failure policy (throttles fail open, idempotency fails closed, rate
+/// limiting follows its `FailMode`).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The store did not answer within the command timeout.
+    #[error("store command timed out after {after:?}")]
+    Timeout {
+        /// The timeout that elapsed.
+        after: Duration,
+    },
+    /// The circuit breaker is open: the store failed repeatedly and is
+    /// skipped until its cooldown ends.
+    #[error("store circuit breaker is open; next probe in {retry_in:?}")]
+    BreakerOpen {
+        /// Time until the breaker lets a probe through.
+        retry_in: Duration,
+    },
+    /// The store could not be reached or refused the command.
+    #[error("store unavailable")]
+    Unavailable(#[source] Arc<dyn std::error::Error + Send + Sync + 'static>),
+    /// The store answered with something this library did not expect.
+    #[error("unexpected store reply: {0}")]
+    Protocol(String),
+    /// The store's configuration is invalid.
+    #[error("invalid store configuration: {0}")]
+    Config(String),
+}
+
+impl StoreError {
+    /// Wraps any error as [`StoreError::Unavailable`].
+    pub fn unavailable<E>(source: E) -> Self
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        Self::Unavailable(Arc::new(source))
+    }
+
+    /// Whether this failure counts against the circuit breaker (the store
+    /// misbehaved), as opposed to a refusal made locally.
+    #[must_use]
+    pub fn is_store_fault(&self) -> bool {
+        matches!(self, Self::Timeout { .. } | Self::Unavailable(_))
+    }
+}

@@ -1,0 +1,697 @@
+//! The Redis backend: one value that talks to a single node or a Redis
+//! Cluster, with a key prefix, timeouts and a circuit breaker.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, FromRedisValue, Script, ScriptInvocation};
+use serde::Serialize;
+
+use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
+
+mod claims;
+mod notify;
+mod window;
+
+/// Environment variable read by [`Redis::from_env`]: the URL of a single
+/// Redis node, e.g. `redis://127.0.0.1:6379/0`.
+pub const REDIS_URL_ENV: &str = "THROTTLEBEAM_REDIS_URL";
+
+/// Environment variable read by [`Redis::from_env`]: a comma-separated list
+/// of Redis Cluster seed nodes, e.g. `redis://10.0.0.1:7000,redis://10.0.0.2:7000`.
+/// Takes precedence over [`REDIS_URL_ENV`].
+pub const REDIS_CLUSTER_ENV: &str = "THROTTLEBEAM_REDIS_CLUSTER";
+
+const DEFAULT_PREFIX: &str = "throttlebeam";
+
+/// Configures a [`Redis`] backend.
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), throttlebeam::store::StoreError> {
+/// use std::time::Duration;
+/// use throttlebeam::store::Redis;
+///
+/// let redis = Redis::builder("redis://127.0.0.1:6379")
+///     .with_prefix("billing")
+///     .with_command_timeout(Duration::from_millis(250))
+///     .connect()
+///     .await?;
+/// redis.ping().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct RedisBuilder {
+    nodes: Vec<String>,
+    cluster: bool,
+    prefix: String,
+    connect_timeout: Duration,
+    command_timeout: Duration,
+    breaker: BreakerConfig,
+}
+
+impl RedisBuilder {
+    fn new(nodes: Vec<String>, cluster: bool) -> Self {
+        Self {
+            nodes,
+            cluster,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            connect_timeout: Duration::from_secs(1),
+            command_timeout: Duration::from_millis(500),
+            breaker: BreakerConfig::default(),
+        }
+    }
+
+    /// The namespace of every key (default `throttlebeam`). A logical key
+    /// `k` is stored as `{prefix:k}`, the hash tag around the whole key, so
+    /// every key of one operation lands in one cluster slot.
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// How long connecting may take (default 1 s).
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long one command or script call may take (default 500 ms). No
+    /// call waits longer: past it the call fails with
+    /// [`StoreError::Timeout`] and counts against the breaker.
+    pub fn with_command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// The circuit breaker (default: 5 consecutive failures open it for 10 s).
+    pub fn with_breaker(mut self, breaker: BreakerConfig) -> Self {
+        self.breaker = breaker;
+        self
+    }
+
+    fn validate(&self) -> Result<(), StoreError> {
+        if self.nodes.is_empty() {
+            return Err(StoreError::Config("no Redis node given".to_owned()));
+        }
+        if self.prefix.is_empty() {
+            return Err(StoreError::Config("the key prefix is empty".to_owned()));
+        }
+        if self.prefix.contains(['{', '}']) {
+            return Err(StoreError::Config(format!(
+                "the key prefix {:?} contains a brace, which would break its hash tag",
+                self.prefix
+            )));
+        }
+        if self.connect_timeout.is_zero() || self.command_timeout.is_zero() {
+            return Err(StoreError::Config(
+                "connect and command timeouts must be greater than zero".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Connects. A single node is reached through a reconnecting connection
+    /// manager; a cluster through a cluster client that follows the slot map.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Config`] for a bad URL or setting,
+    /// [`StoreError::Unavailable`] or [`StoreError::Timeout`] if no node
+    /// answered in time.
+    pub async fn connect(self) -> Result<Redis, StoreError> {
+        self.validate()?;
+        let conn = if self.cluster {
+            let client = ClusterClientBuilder::new(self.nodes.clone())
+                .connection_timeout(self.connect_timeout)
+                .response_timeout(self.command_timeout)
+                .retries(1)
+                .build()
+                .map_err(|e| StoreError::Config(e.to_string()))?;
+            let connecting = client.get_async_connection();
+            let conn = tokio::time::timeout(self.connect_timeout, connecting)
+                .await
+                .map_err(|_| StoreError::Timeout {
+                    after: self.connect_timeout,
+                })?
+                .map_err(StoreError::unavailable)?;
+            Conn::Cluster(conn)
+        } else {
+            let client = redis::Client::open(self.nodes[0].as_str())
+                .map_err(|e| StoreError::Config(e.to_string()))?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(self.connect_timeout))
+                .set_response_timeout(Some(self.command_timeout))
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(200));
+            let connecting = ConnectionManager::new_with_config(client, config);
+            let conn = tokio::time::timeout(self.connect_timeout, connecting)
+                .await
+                .map_err(|_| StoreError::Timeout {
+                    after: self.connect_timeout,
+                })?
+                .map_err(StoreError::unavailable)?;
+            Conn::Single(conn)
+        };
+        Ok(Redis {
+            inner: Arc::new(Inner {
+                conn,
+                prefix: self.prefix,
+                command_timeout: self.command_timeout,
+                breaker: Breaker::new(self.breaker),
+                commands: AtomicU64::new(0),
+                pinned_now: AtomicU64::new(0),
+                nodes: self.nodes,
+                waiters: notify::Waiters::default(),
+            }),
+        })
+    }
+}
+
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+struct Inner {
+    conn: Conn,
+    prefix: String,
+    command_timeout: Duration,
+    breaker: Breaker,
+    commands: AtomicU64,
+    pinned_now: AtomicU64,
+    nodes: Vec<String>,
+    waiters: notify::Waiters,
+}
+
+/// A Redis (or Redis Cluster) backend shared by several instances.
+///
+/// A cheap handle (`Clone`). Every decision made through it is one command
+/// or one script call (`EVALSHA`, with a fallback to `EVAL` when the server
+/// does not know the script yet); every call is bounded by the command
+/// timeout and guarded by a circuit breaker.
+#[derive(Clone)]
+pub struct Redis {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Redis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Redis")
+            .field("cluster", &self.is_cluster())
+            .field("prefix", &self.inner.prefix)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Counters of a [`Redis`] backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct RedisStats {
+    /// Commands and script calls sent.
+    pub commands: u64,
+    /// The circuit breaker.
+    pub breaker: BreakerStats,
+}
+
+impl Redis {
+    /// A builder for one node, from a `redis://` (or `rediss://`) URL.
+    pub fn builder(url: impl Into<String>) -> RedisBuilder {
+        RedisBuilder::new(vec![url.into()], false)
+    }
+
+    /// A builder for a Redis Cluster, from one or more seed node URLs.
+    pub fn cluster<I, S>(nodes: I) -> RedisBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        RedisBuilder::new(nodes.into_iter().map(Into::into).collect(), true)
+    }
+
+    /// A builder from the environment: [`REDIS_CLUSTER_ENV`] (comma-separated
+    /// seed nodes) if set, else [`REDIS_URL_ENV`]; `None` when neither is
+    /// set or both are empty.
+    #[must_use]
+    pub fn from_env() -> Option<RedisBuilder> {
+        let read = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        if let Some(nodes) = read(REDIS_CLUSTER_ENV) {
+            let nodes: Vec<String> = nodes
+                .split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(str::to_owned)
+                .collect();
+            return Some(RedisBuilder::new(nodes, true));
+        }
+        read(REDIS_URL_ENV).map(|url| RedisBuilder::new(vec![url.trim().to_owned()], false))
+    }
+
+    /// Whether this talks to a Redis Cluster.
+    #[must_use]
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.inner.conn, Conn::Cluster(_))
+    }
+
+    /// The key prefix.
+    #[must_use]
+    pub fn prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    /// Counters, breaker included.
+    #[must_use]
+    pub fn stats(&self) -> RedisStats {
+        RedisStats {
+            commands: self.inner.commands.load(Ordering::Relaxed),
+            breaker: self.inner.breaker.stats(),
+        }
+    }
+
+    /// Sends `PING`.
+    ///
+    /// # Errors
+    ///
+    /// As every command: timeout, breaker open, unavailable.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let reply: String = self.query(&redis::cmd("PING")).await?;
+        if reply == "PONG" {
+            Ok(())
+        } else {
+            Err(StoreError::Protocol(format!("PING answered {reply:?}")))
+        }
+    }
+
+    /// The stored name of a logical key: `{prefix:key}` followed by
+    /// `suffix`, so every key of one operation shares one hash tag. Each
+    /// primitive has its own suffix (`:t` leading throttle, `:w` coalescing
+    /// window, `:r` rate limit, `:i`/`:in` idempotency record and fence), so
+    /// one logical key used by two primitives never collides.
+    pub(crate) fn key(&self, logical: &str, suffix: &str) -> String {
+        let mut k =
+            String::with_capacity(self.inner.prefix.len() + logical.len() + suffix.len() + 3);
+        k.push('{');
+        k.push_str(&self.inner.prefix);
+        k.push(':');
+        k.push_str(logical);
+        k.push('}');
+        k.push_str(suffix);
+        k
+    }
+
+    /// Sends one command, under the timeout and the breaker.
+    pub(crate) async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+        let permit = self
+            .inner
+            .breaker
+            .admit()
+            .map_err(|retry_in| StoreError::BreakerOpen { retry_in })?;
+        self.inner.commands.fetch_add(1, Ordering::Relaxed);
+        let result = match self.inner.conn.clone() {
+            Conn::Single(mut c) => self.bounded(cmd.query_async(&mut c)).await,
+            Conn::Cluster(mut c) => self.bounded(cmd.query_async(&mut c)).await,
+        };
+        self.inner
+            .breaker
+            .record(permit, !matches!(&result, Err(e) if e.is_store_fault()));
+        result
+    }
+
+    /// Calls a script (`EVALSHA`, loading it on `NOSCRIPT`), under the
+    /// timeout and the breaker.
+    pub(crate) async fn invoke<T: FromRedisValue>(
+        &self,
+        invocation: &ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
+        let permit = self
+            .inner
+            .breaker
+            .admit()
+            .map_err(|retry_in| StoreError::BreakerOpen { retry_in })?;
+        self.inner.commands.fetch_add(1, Ordering::Relaxed);
+        let result = match self.inner.conn.clone() {
+            Conn::Single(mut c) => self.bounded(invocation.invoke_async(&mut c)).await,
+            Conn::Cluster(mut c) => self.bounded(invocation.invoke_async(&mut c)).await,
+        };
+        self.inner
+            .breaker
+            .record(permit, !matches!(&result, Err(e) if e.is_store_fault()));
+        result
+    }
+
+    async fn bounded<T>(
+        &self,
+        fut: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        let after = self.inner.command_timeout;
+        match tokio::time::timeout(after, fut).await {
+            Err(_) => Err(StoreError::Timeout { after }),
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout { after }),
+            Ok(Err(e)) if is_reply_error(&e) => Err(StoreError::Protocol(e.to_string())),
+            Ok(Err(e)) => Err(StoreError::unavailable(e)),
+        }
+    }
+}
+
+/// A reply the server made on purpose (a script error, a type error): the
+/// store is up, so it does not count against the breaker.
+fn is_reply_error(e: &redis::RedisError) -> bool {
+    !(e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_cluster_error()
+        || e.is_timeout())
+        && e.kind() != redis::ErrorKind::Client
+}
+
+/// Scripts, loaded once per process.
+#[allow(dead_code)]
+pub(crate) fn script(source: &'static str) -> Script {
+    Script::new(source)
+}
+
+/// Opens a leading-throttle window with `SET NX PX`, or returns the time
+/// left on the open one, in one round trip. Expiry runs on the server's
+/// clock, so instances with skewed clocks agree.
+const OPEN_WINDOW: &str = r"
+local opened = redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[1])
+if opened then return -1 end
+local left = redis.call('PTTL', KEYS[1])
+if left < 0 then return tonumber(ARGV[1]) end
+return left
+";
+
+/// What [`Redis::open_window`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WindowOpen {
+    /// This call opened the window: run.
+    Opened,
+    /// The window is open for this long still: throttled.
+    Closed(Duration),
+}
+
+impl Redis {
+    /// Opens the leading-throttle window of `key` for `window`, or learns
+    /// how long the open one has left.
+    pub(crate) async fn open_window(
+        &self,
+        key: &str,
+        window: Duration,
+        token: u64,
+    ) -> Result<WindowOpen, StoreError> {
+        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        let script = SCRIPT.get_or_init(|| Script::new(OPEN_WINDOW));
+        let px = u64::try_from(window.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut call = script.prepare_invoke();
+        call.key(self.key(key, ":t")).arg(px).arg(token);
+        let left: i64 = self.invoke(&call).await?;
+        Ok(if left < 0 {
+            WindowOpen::Opened
+        } else {
+            WindowOpen::Closed(Duration::from_millis(left.unsigned_abs()))
+        })
+    }
+}
+
+/// Server time in ms, or the pinned time a test passed as the last ARGV.
+const NOW: &str = r"
+local function now_ms(pinned)
+  if pinned ~= nil and pinned ~= '' then return tonumber(pinned) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+";
+
+/// Coalescing-throttle window claim: `SET NX PX` of `"<end_ms>:<token>"`
+/// (end on the server's clock); on a lost race, what the holder stores and
+/// its time left, in the same round trip.
+const WINDOW_CLAIM: &str = r"
+local now = now_ms(ARGV[3])
+local value = string.format('%.0f', now + tonumber(ARGV[2])) .. ':' .. ARGV[1]
+if redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2]) then return {1, 0, ''} end
+local held = redis.call('GET', KEYS[1])
+local left = redis.call('PTTL', KEYS[1])
+return {0, left, held or ''}
+";
+
+/// Compare-and-set on the owner's token: write `"<end_ms>:<token>"` for
+/// `ttl` unless another token holds the key.
+const WINDOW_CAS: &str = r"
+local held = redis.call('GET', KEYS[1])
+if held then
+  local token = string.match(held, ':(%d+)$') or '0'
+  if token ~= ARGV[1] then return 0 end
+end
+local now = now_ms(ARGV[3])
+local value = string.format('%.0f', now + tonumber(ARGV[2])) .. ':' .. ARGV[1]
+redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+return 1
+";
+
+/// The live value of a window and its time left.
+const WINDOW_READ: &str = r"
+local held = redis.call('GET', KEYS[1])
+if not held then return {0, 0, ''} end
+return {1, redis.call('PTTL', KEYS[1]), held}
+";
+
+/// What a window key holds, from the Redis side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct HeldWindow {
+    /// Time left on the key, by the server's clock.
+    pub(crate) left: Duration,
+    /// The owner's token, when the value is readable.
+    pub(crate) token: Option<u64>,
+    /// The stored text.
+    pub(crate) raw: String,
+}
+
+impl HeldWindow {
+    fn parse(left: i64, raw: String) -> Self {
+        let token = raw.rsplit_once(':').and_then(|(_, t)| t.parse().ok());
+        Self {
+            left: Duration::from_millis(left.max(0).unsigned_abs()),
+            token,
+            raw,
+        }
+    }
+}
+
+fn cached(
+    cell: &'static std::sync::OnceLock<Script>,
+    body: &str,
+    with_now: bool,
+) -> &'static Script {
+    cell.get_or_init(|| {
+        if with_now {
+            Script::new(&format!("{NOW}{body}"))
+        } else {
+            Script::new(body)
+        }
+    })
+}
+
+fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl Redis {
+    fn pinned(&self) -> String {
+        match self.inner.pinned_now.load(Ordering::Relaxed) {
+            0 => String::new(),
+            n => n.to_string(),
+        }
+    }
+
+    /// Pins the time scripts read (ms since the epoch) instead of the
+    /// server's `TIME`; 0 unpins. For tests that need exact instants.
+    #[doc(hidden)]
+    pub fn pin_time(&self, now_ms: u64) {
+        self.inner.pinned_now.store(now_ms, Ordering::Relaxed);
+    }
+
+    /// Takes a coalescing-throttle window for `token` if it is free.
+    /// `Ok(None)`: won; `Ok(Some(held))`: lost to `held`.
+    pub(crate) async fn window_claim(
+        &self,
+        key: &str,
+        token: u64,
+        ttl: Duration,
+    ) -> Result<Option<HeldWindow>, StoreError> {
+        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        let mut call = cached(&SCRIPT, WINDOW_CLAIM, true).prepare_invoke();
+        call.key(key).arg(token).arg(ms(ttl)).arg(self.pinned());
+        let (won, left, raw): (i64, i64, String) = self.invoke(&call).await?;
+        Ok((won != 1).then(|| HeldWindow::parse(left, raw)))
+    }
+
+    /// Extends or records the window of `key` for `token`, unless another
+    /// token holds it. `true` if written.
+    pub(crate) async fn window_cas(
+        &self,
+        key: &str,
+        token: u64,
+        ttl: Duration,
+    ) -> Result<bool, StoreError> {
+        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        let mut call = cached(&SCRIPT, WINDOW_CAS, true).prepare_invoke();
+        call.key(key).arg(token).arg(ms(ttl)).arg(self.pinned());
+        let written: i64 = self.invoke(&call).await?;
+        Ok(written == 1)
+    }
+
+    /// What the window key holds, if it is live.
+    pub(crate) async fn window_read(&self, key: &str) -> Result<Option<HeldWindow>, StoreError> {
+        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        let mut call = cached(&SCRIPT, WINDOW_READ, false).prepare_invoke();
+        call.key(key);
+        let (found, left, raw): (i64, i64, String) = self.invoke(&call).await?;
+        Ok((found == 1).then(|| HeldWindow::parse(left, raw)))
+    }
+}
+
+#[cfg(test)]
+#[path = "../../tests/support/redis.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod harness;
+
+/// Runs `check` against a fresh single node, then a fresh 3-node cluster.
+#[cfg(test)]
+async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
+    if let Some(node) = harness::RedisNode::start(test) {
+        check(
+            Redis::builder(node.url())
+                .connect()
+                .await
+                .expect("connects"),
+        )
+        .await;
+    }
+    if let Some(cluster) = harness::RedisCluster::start(test) {
+        check(
+            Redis::cluster(cluster.urls())
+                .connect()
+                .await
+                .expect("connects"),
+        )
+        .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
+        if let Some(node) = harness::RedisNode::start(test) {
+            check(
+                Redis::builder(node.url())
+                    .connect()
+                    .await
+                    .expect("connects"),
+            )
+            .await;
+        }
+        if let Some(cluster) = harness::RedisCluster::start(test) {
+            check(
+                Redis::cluster(cluster.urls())
+                    .connect()
+                    .await
+                    .expect("connects"),
+            )
+            .await;
+        }
+    }
+
+    #[tokio::test]
+    async fn leading_window_opens_once_then_reports_its_time_left() {
+        each_server("leading_window_opens_once", async |redis: Redis| {
+            for key in ["a", "b", "c", "d"] {
+                let w = Duration::from_secs(10);
+                assert_eq!(
+                    redis.open_window(key, w, 1).await.unwrap(),
+                    WindowOpen::Opened
+                );
+                match redis.open_window(key, w, 2).await.unwrap() {
+                    WindowOpen::Closed(left) => assert!(left > Duration::from_secs(9) && left <= w),
+                    other => panic!("{other:?}"),
+                }
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn window_claim_and_compare_and_set_on_the_token() {
+        each_server("window_claim_and_cas", async |redis: Redis| {
+            let lease = Duration::from_secs(30);
+            for k in ["w1", "w2", "w3"] {
+                redis.pin_time(1_000_000);
+                let key = redis.key(k, "");
+                assert_eq!(redis.window_claim(&key, 7, lease).await.unwrap(), None);
+                let held = redis
+                    .window_claim(&key, 8, lease)
+                    .await
+                    .unwrap()
+                    .expect("lost");
+                assert_eq!(held.token, Some(7));
+                assert_eq!(held.raw, "1030000:7");
+                assert!(held.left > Duration::from_secs(29));
+                // Another token can neither extend nor record.
+                assert!(!redis.window_cas(&key, 8, lease).await.unwrap());
+                // The owner can; the stored end follows the (pinned) server time.
+                redis.pin_time(2_000_000);
+                assert!(
+                    redis
+                        .window_cas(&key, 7, Duration::from_secs(5))
+                        .await
+                        .unwrap()
+                );
+                let held = redis.window_read(&key).await.unwrap().expect("live");
+                assert_eq!(held.raw, "2005000:7");
+                assert!(held.left <= Duration::from_secs(5));
+                assert_eq!(
+                    redis.window_read(&redis.key("missing", "")).await.unwrap(),
+                    None
+                );
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn keys_carry_one_hash_tag_around_the_whole_logical_key() {
+        let b = Redis::builder("redis://127.0.0.1:1").with_prefix("app");
+        // No connection needed to name keys: build the parts by hand.
+        let inner = Inner {
+            conn: Conn::Single(
+                ConnectionManager::new_lazy_with_config(
+                    redis::Client::open(b.nodes[0].as_str()).expect("url"),
+                    ConnectionManagerConfig::new(),
+                )
+                .expect("lazy manager"),
+            ),
+            prefix: b.prefix,
+            command_timeout: b.command_timeout,
+            breaker: Breaker::new(b.breaker),
+            commands: AtomicU64::new(0),
+            pinned_now: AtomicU64::new(0),
+            nodes: vec![],
+            waiters: notify::Waiters::default(),
+        };
+        let redis = Redis {
+            inner: Arc::new(inner),
+        };
+        assert_eq!(redis.key("user:1", ""), "{app:user:1}");
+        assert_eq!(redis.key("user:1", ":lease"), "{app:user:1}:lease");
+    }
+}

@@ -1,0 +1,127 @@
+//! Completion notices for idempotency waiters: one pub/sub subscription per
+//! backend value, multiplexed over every waiting key, with polling as the
+//! fallback when the subscription is down.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use futures_util::StreamExt;
+use tokio::sync::Notify;
+
+use super::Inner;
+
+/// Keys someone on this instance waits for, each with its wake-up.
+pub(crate) struct Waiters {
+    keys: DashMap<String, Arc<Notify>>,
+    started: std::sync::Once,
+}
+
+impl Default for Waiters {
+    fn default() -> Self {
+        Self {
+            keys: DashMap::new(),
+            started: std::sync::Once::new(),
+        }
+    }
+}
+
+impl Waiters {
+    fn wake(&self, key: &str) {
+        if let Some(notify) = self.keys.get(key) {
+            notify.notify_waiters();
+        }
+    }
+}
+
+/// A registration for one key; dropping it forgets the key once nobody
+/// else waits for it.
+pub(crate) struct Watch {
+    inner: Arc<Inner>,
+    key: String,
+    notify: Arc<Notify>,
+}
+
+impl Watch {
+    /// Waits until the key's record changes (a completion or release was
+    /// published) or `max` passes, whichever is first.
+    pub(crate) async fn changed(&self, max: Duration) {
+        let _ = tokio::time::timeout(max, self.notify.notified()).await;
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        // Two references: this watch's and the map's.
+        self.inner.waiters.keys.remove_if(&self.key, |_, n| {
+            Arc::ptr_eq(n, &self.notify) && Arc::strong_count(n) <= 2
+        });
+    }
+}
+
+impl super::Redis {
+    /// Starts watching `key` for completion notices. Register before
+    /// reading the record, so a notice between the read and the wait is
+    /// never missed.
+    pub(crate) fn watch(&self, key: &str) -> Watch {
+        let inner = &self.inner;
+        inner.waiters.started.call_once(|| {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                tokio::spawn(listen(
+                    Arc::downgrade(&self.inner),
+                    self.inner.nodes[0].clone(),
+                    self.claims_channel(),
+                ));
+            }
+        });
+        let notify = inner
+            .waiters
+            .keys
+            .entry(key.to_owned())
+            .or_insert_with(|| Arc::new(Notify::new()))
+            .clone();
+        Watch {
+            inner: self.inner.clone(),
+            key: key.to_owned(),
+            notify,
+        }
+    }
+}
+
+/// The subscription loop: reconnects with a pause while the backend value
+/// lives. Regular `PUBLISH` reaches every node of a cluster, so one seed
+/// node is enough.
+async fn listen(inner: Weak<Inner>, url: String, channel: String) {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        if inner.strong_count() == 0 {
+            return;
+        }
+        let subscribed = async {
+            let client = redis::Client::open(url.as_str())?;
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(&channel).await?;
+            Ok::<_, redis::RedisError>(pubsub)
+        }
+        .await;
+        match subscribed {
+            Ok(pubsub) => {
+                pause = Duration::from_millis(100);
+                tracing::debug!(%channel, "subscribed to idempotency completions");
+                let mut messages = pubsub.into_on_message();
+                while let Some(msg) = messages.next().await {
+                    let Some(inner) = inner.upgrade() else { return };
+                    if let Ok(key) = msg.get_payload::<String>() {
+                        inner.waiters.wake(&key);
+                    }
+                }
+                tracing::debug!(%channel, "completion subscription ended; reconnecting");
+            }
+            Err(e) => {
+                tracing::debug!(%channel, error = %e, "completion subscription failed; polling meanwhile");
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}

@@ -1,0 +1,281 @@
+//! Real `redis-server` processes for tests: a single node or a 3-node
+//! cluster on free loopback ports, never the shared server on 6379.
+//!
+//! Under `CI=true` a server that cannot start fails the test; elsewhere the
+//! test prints one line saying it was skipped and why.
+
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// Whether Redis tests must run (CI) rather than skip.
+pub fn required() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// Skips (returns `None` after one line on stderr) or, under CI, panics.
+fn unavailable<T>(test: &str, why: &str) -> Option<T> {
+    if required() {
+        panic!("{test}: Redis is required under CI=true but {why}");
+    }
+    eprintln!("skipped {test}: {why}");
+    None
+}
+
+fn server_binary() -> Option<String> {
+    let bin = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned());
+    Command::new(&bin)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .ok()
+        .filter(|s| s.success())
+        .map(|_| bin)
+}
+
+fn free(port: u16) -> bool {
+    TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// A free port; for a cluster node also its bus port (+10000), so at most 55535.
+fn free_port(cluster: bool) -> u16 {
+    if !cluster {
+        return TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free loopback port");
+    }
+    let seed = std::process::id().wrapping_mul(7919);
+    for _ in 0..10_000 {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20_000 + ((seed.wrapping_add(n.wrapping_mul(13))) % 35_000) as u16;
+        if port <= 55_535 && free(port) && free(port + 10_000) {
+            return port;
+        }
+    }
+    panic!("no free port pair for a cluster node");
+}
+
+/// One `redis-server` process.
+pub struct RedisNode {
+    pub port: u16,
+    bin: String,
+    dir: PathBuf,
+    cluster: bool,
+    child: Option<Child>,
+}
+
+impl RedisNode {
+    /// Starts a single node, or skips (see the module docs).
+    pub fn start(test: &str) -> Option<Self> {
+        let Some(bin) = server_binary() else {
+            return unavailable(test, "redis-server was not found on PATH");
+        };
+        match Self::spawn(bin, false) {
+            Ok(node) => Some(node),
+            Err(e) => unavailable(test, &e),
+        }
+    }
+
+    fn spawn(bin: String, cluster: bool) -> Result<Self, String> {
+        let port = free_port(cluster);
+        let dir =
+            std::env::temp_dir().join(format!("throttlebeam-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {dir:?}: {e}"))?;
+        let mut node = Self {
+            port,
+            bin,
+            dir,
+            cluster,
+            child: None,
+        };
+        node.launch()?;
+        Ok(node)
+    }
+
+    fn launch(&mut self) -> Result<(), String> {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .arg("--dir")
+            .arg(&self.dir);
+        if self.cluster {
+            let _ = std::fs::remove_file(self.dir.join("nodes.conf"));
+            cmd.args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ])
+            .args(["--cluster-node-timeout", "2000"]);
+        }
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("redis-server did not start: {e}"))?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+                && cli(self.port, &["PING"]).as_deref() == Some("PONG")
+            {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err(format!(
+            "redis-server on port {} did not answer PING within 10 s",
+            self.port
+        ))
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (SIGKILL) and waits for it to exit.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port (a single node comes back
+    /// empty; a cluster node rejoins with its saved configuration).
+    pub fn restart(&mut self) {
+        self.kill();
+        let keep_conf = self.cluster;
+        if keep_conf {
+            // Keep nodes.conf so the node rejoins with its slots.
+            let mut cmd = Command::new(&self.bin);
+            cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+                .arg("--dir")
+                .arg(&self.dir)
+                .args([
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                ])
+                .args(["--cluster-node-timeout", "2000"]);
+            self.child = Some(
+                cmd.stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("redis-server restarts"),
+            );
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline && cli(self.port, &["PING"]).as_deref() != Some("PONG")
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        } else {
+            self.launch().expect("redis-server restarts");
+        }
+    }
+
+    /// Runs a command through `redis-cli` and returns its trimmed output.
+    pub fn cli(&self, args: &[&str]) -> Option<String> {
+        cli(self.port, args)
+    }
+}
+
+impl Drop for RedisNode {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn cli(port: u16, args: &[&str]) -> Option<String> {
+    let out = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// A 3-node Redis Cluster (no replicas).
+pub struct RedisCluster {
+    pub nodes: Vec<RedisNode>,
+}
+
+impl RedisCluster {
+    /// Starts and joins three nodes, or skips (see the module docs).
+    pub fn start(test: &str) -> Option<Self> {
+        let Some(bin) = server_binary() else {
+            return unavailable(test, "redis-server was not found on PATH");
+        };
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            match RedisNode::spawn(bin.clone(), true) {
+                Ok(node) => nodes.push(node),
+                Err(e) => return unavailable(test, &e),
+            }
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let created = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !created.is_ok_and(|s| s.success()) {
+            return unavailable(test, "redis-cli --cluster create failed");
+        }
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            let ok = nodes.iter().all(|n| {
+                n.cli(&["CLUSTER", "INFO"])
+                    .is_some_and(|info| info.contains("cluster_state:ok"))
+            });
+            if ok {
+                return Some(Self { nodes });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        unavailable(
+            test,
+            "the cluster did not reach cluster_state:ok within 15 s",
+        )
+    }
+
+    /// Seed URLs of every node.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisNode::url).collect()
+    }
+
+    /// Waits until every node reports `cluster_state:ok` again.
+    pub fn wait_ok(&self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if self.nodes.iter().all(|n| {
+                n.cli(&["CLUSTER", "INFO"])
+                    .is_some_and(|info| info.contains("cluster_state:ok"))
+            }) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+}
