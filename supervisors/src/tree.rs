@@ -4,7 +4,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
+use arc_swap::ArcSwap;
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, ActorStatus, SupervisionEvent};
 use tokio::time::Instant;
 
 use crate::stats::{Counters, Snapshot};
@@ -115,10 +116,20 @@ pub struct StartTreeError(#[source] ractor::SpawnErr);
 /// ```
 #[derive(Debug, Clone)]
 pub struct Tree {
-    root: ActorRef<RootMsg>,
+    inner: Arc<TreeInner>,
     supervisor: Supervisor,
     sweeper: Sweeper,
     counters: Arc<Counters>,
+}
+
+#[derive(Debug)]
+struct TreeInner {
+    /// The current root; replaced by [`Tree::restart`].
+    root: ArcSwap<ActorRef<RootMsg>>,
+    host: Option<ActorCell>,
+    config: TreeConfig,
+    /// Serializes restarts.
+    restarting: tokio::sync::Mutex<()>,
 }
 
 impl Tree {
@@ -206,22 +217,84 @@ impl Tree {
     ) -> Result<Self, StartTreeError> {
         let supervisor = Supervisor::new(config.partitions);
         let sweeper = Sweeper::new(config.sweep_interval, Arc::clone(&counters));
-        let root = Root {
-            supervisor: supervisor.clone(),
-            sweeper: sweeper.clone(),
-            config,
-        };
-        let (root, _join) = match host {
-            Some(host) => Actor::spawn_linked(None, root, (), host).await,
-            None => Actor::spawn(None, root, ()).await,
-        }
-        .map_err(StartTreeError)?;
+        let root = spawn_root(&supervisor, &sweeper, &config, host.clone()).await?;
         Ok(Self {
-            root,
+            inner: Arc::new(TreeInner {
+                root: ArcSwap::from_pointee(root),
+                host,
+                config,
+                restarting: tokio::sync::Mutex::new(()),
+            }),
             supervisor,
             sweeper,
             counters,
         })
+    }
+
+    /// Whether the root has stopped without [`Tree::shutdown`]: it failed
+    /// (restart intensity exceeded) or was killed. Nothing is swept and no
+    /// infrastructure is supervised until [`Tree::restart`].
+    ///
+    /// One atomic load: cheap enough for every call's hot path.
+    #[must_use]
+    pub fn is_down(&self) -> bool {
+        self.inner.root.load().get_status() >= ActorStatus::Stopping
+            && !self.supervisor.is_shut_down()
+    }
+
+    /// Starts a fresh root (and its partition actors and sweeper) after the
+    /// old one failed, linked under the same host supervisor, if any. The
+    /// [`Supervisor`], [`Sweeper`] and their registered targets are kept, so
+    /// every handle to this tree works again. Returns whether a restart
+    /// happened: `false` while the root is alive, or once the tree was shut
+    /// down.
+    ///
+    /// Safe to call from the host's `handle_supervisor_evt`.
+    ///
+    /// # Errors
+    ///
+    /// [`StartTreeError`] when the new root fails to start or the host is
+    /// shutting down; the tree stays down and may be restarted again.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// use std::sync::Arc;
+    /// use throttlebeam_supervisors::{Counters, Tree, TreeConfig};
+    ///
+    /// let tree = Tree::start(TreeConfig::default(), Arc::new(Counters::new())).await?;
+    /// tree.root().kill();
+    /// while !tree.is_down() {
+    ///     tokio::task::yield_now().await;
+    /// }
+    /// assert!(tree.restart().await?);
+    /// assert!(!tree.is_down());
+    /// tree.shutdown(tokio::time::Instant::now()).await;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn restart(&self) -> Result<bool, StartTreeError> {
+        let _one_at_a_time = self.inner.restarting.lock().await;
+        if !self.is_down() {
+            return Ok(false);
+        }
+        // Wait for the old root to be gone, so its post-stop detaching can
+        // never undo the new root's attaching.
+        let old = self.inner.root.load_full();
+        while old.get_status() != ActorStatus::Stopped {
+            tokio::task::yield_now().await;
+        }
+        let root = spawn_root(
+            &self.supervisor,
+            &self.sweeper,
+            &self.inner.config,
+            self.inner.host.clone(),
+        )
+        .await?;
+        self.inner.root.store(Arc::new(root));
+        tracing::info!("supervision tree restarted");
+        Ok(true)
     }
 
     /// The per-key supervisor.
@@ -257,7 +330,7 @@ impl Tree {
     /// events.
     #[must_use]
     pub fn root(&self) -> ActorCell {
-        self.root.get_cell()
+        self.inner.root.load().get_cell()
     }
 
     /// Shuts down: stops accepting per-key processes, waits for them until
@@ -271,12 +344,29 @@ impl Tree {
     /// processes are still running.
     pub async fn shutdown(&self, deadline: Instant) -> usize {
         let left = self.supervisor.shutdown(deadline).await;
-        let _ = self
-            .root
-            .stop_and_wait(Some("shutdown".to_owned()), None)
-            .await;
+        let root = self.inner.root.load_full();
+        let _ = root.stop_and_wait(Some("shutdown".to_owned()), None).await;
         left
     }
+}
+
+async fn spawn_root(
+    supervisor: &Supervisor,
+    sweeper: &Sweeper,
+    config: &TreeConfig,
+    host: Option<ActorCell>,
+) -> Result<ActorRef<RootMsg>, StartTreeError> {
+    let root = Root {
+        supervisor: supervisor.clone(),
+        sweeper: sweeper.clone(),
+        config: config.clone(),
+    };
+    let (root, _join) = match host {
+        Some(host) => Actor::spawn_linked(None, root, (), host).await,
+        None => Actor::spawn(None, root, ()).await,
+    }
+    .map_err(StartTreeError)?;
+    Ok(root)
 }
 
 #[derive(Debug)]

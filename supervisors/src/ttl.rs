@@ -174,6 +174,21 @@ impl<K: Eq + Hash + Send + Sync + 'static, V: Clone + Send + Sync + 'static> Ttl
             false
         });
         self.forget(removed);
+        self.release_capacity();
+    }
+
+    /// Gives retained capacity back once the table holds under a quarter of
+    /// what it could (as governor's `shrink_to_fit`); sweeps call it.
+    pub fn release_capacity(&self) {
+        let len = self.len().max(crate::registry::SHRINK_FLOOR);
+        if self.map.capacity() > 4 * len {
+            self.map.shrink_to_fit();
+        }
+    }
+
+    /// Entries the table can hold without growing (its memory, in entries).
+    pub fn capacity(&self) -> usize {
+        self.map.capacity()
     }
 
     fn forget(&self, n: usize) {
@@ -224,6 +239,9 @@ where
             keep
         });
         self.forget(removed);
+        if removed > 0 {
+            self.release_capacity();
+        }
         self.len()
     }
 }
