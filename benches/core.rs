@@ -19,7 +19,7 @@ use criterion::Criterion;
 use dashmap::DashMap;
 use governor::{Quota, RateLimiter};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use throttlebeam::{IdempotencyOptions, Outcome, Runtime, RuntimeClock, Throttled};
+use throttlebeam::{IdempotencyOptions, Outcome, Runtime, RuntimeClock, ThrottleOutcome};
 
 const KEYS: usize = 100_000;
 const HOUR: Duration = Duration::from_secs(3600);
@@ -79,7 +79,7 @@ fn tokio_rt() -> tokio::runtime::Runtime {
 fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
     let rt = tokio_rt();
     let runtime = rt.block_on(Runtime::start()).expect("runtime");
-    let throttle = runtime.throttler();
+    let throttle = runtime.throttle();
     let keys = keys();
     rt.block_on(async {
         for key in &keys {
@@ -97,7 +97,10 @@ fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
     let ours = |i: u64| {
         let key = &keys[i as usize % KEYS];
         let outcome = poll_once(throttle.call(key, HOUR, || async { Ok::<_, Infallible>(()) }));
-        debug_assert!(matches!(outcome, Some(Ok(Throttled::Throttled { .. }))));
+        debug_assert!(matches!(
+            outcome,
+            Some(Ok(ThrottleOutcome::Throttled { .. }))
+        ));
         black_box(outcome);
     };
     let anchor = |i: u64| {
@@ -124,7 +127,7 @@ fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
     let on_tokio = rt
         .block_on(Runtime::builder().with_clock(RuntimeClock::Tokio).start())
         .expect("runtime");
-    let tokio_throttle = on_tokio.throttler();
+    let tokio_throttle = on_tokio.throttle();
     rt.block_on(async {
         for key in &keys {
             let first = tokio_throttle
@@ -152,7 +155,7 @@ fn debounce_burst(c: &mut Criterion, lines: &mut Vec<Line>) {
     let rt = tokio_rt();
     let _enter = rt.enter();
     let runtime = rt.block_on(Runtime::start()).expect("runtime");
-    let debounce = runtime.debouncer();
+    let debounce = runtime.debounce();
     let first = debounce
         .call("burst", HOUR, || async { Ok::<u64, Infallible>(0) })
         .expect("call");
@@ -317,7 +320,7 @@ fn fresh_key(c: &mut Criterion, lines: &mut Vec<Line>) {
                 .start(),
         )
         .expect("runtime");
-    let throttle = runtime.throttler();
+    let throttle = runtime.throttle();
     static NEXT: AtomicU64 = AtomicU64::new(0);
     // Two tasks, each running its share of calls back to back.
     let ours = |n: u64| -> Duration {
@@ -406,8 +409,8 @@ fn memory() -> String {
     let _enter = rt.enter();
     let runtime = rt.block_on(Runtime::start()).expect("runtime");
     let keys: Vec<String> = (0..N).map(|i| format!("mem:{i:08}")).collect();
-    let debounce = runtime.debouncer();
-    let throttle = runtime.throttler();
+    let debounce = runtime.debounce();
+    let throttle = runtime.throttle();
 
     let before = rss_bytes();
     for key in &keys {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use throttlebeam::{Debounce, Idempotency, IdempotencyOptions, Outcome, Throttle, Throttled};
+use throttlebeam::{Debounce, Idempotency, IdempotencyOptions, Outcome, Throttle, ThrottleOutcome};
 
 #[derive(Debug)]
 struct AppError(&'static str);
@@ -55,8 +55,8 @@ async fn main() -> Result<(), throttlebeam::Error> {
         )
         .await?
         {
-            Throttled::Executed(what) => println!("throttle: {what}"),
-            Throttled::Throttled { retry_after } => {
+            ThrottleOutcome::Executed(what) => println!("throttle: {what}"),
+            ThrottleOutcome::Throttled { retry_after } => {
                 println!(
                     "throttle: attempt {attempt} throttled, retry in {:.0}s",
                     retry_after.as_secs_f64().ceil()

@@ -73,7 +73,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // A function that panics inside its key: the caller gets an error, the host hears nothing.
     let outcome = runtime
-        .debouncer()
+        .debounce()
         .call("job:1", Duration::from_millis(10), || async {
             if true {
                 panic!("bug in a job");
@@ -88,7 +88,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         other => println!("unexpected: {other:?}"),
     }
     let ok = runtime
-        .debouncer()
+        .debounce()
         .call("job:2", Duration::from_millis(10), || async {
             Ok::<_, Never>(2)
         })?

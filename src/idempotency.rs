@@ -15,6 +15,7 @@ mod store;
 use std::future::Future;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Sweeper, catch_panic};
@@ -27,7 +28,7 @@ pub use self::reservation::{Reservation, Reserved};
 use self::store::MemoryStore;
 use crate::error::Error;
 use crate::key::{check_key, shown};
-use crate::runtime::{Core, Runtime};
+use crate::runtime::{Core, Runtime, Service};
 
 /// Whether an idempotent call ran its function or replayed a stored result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -69,21 +70,53 @@ impl<T> Outcome<T> {
 }
 
 /// The idempotency part of a runtime: its ledger of keys in flight and its
-/// results store.
+/// results store. A restart swaps in a fresh ledger: what the old one held is
+/// forgotten, as after an expiry.
 pub(crate) struct State {
-    ledger: Arc<Ledger>,
+    ledger: ArcSwap<Ledger>,
+    counters: Arc<Counters>,
+    cap: usize,
+    sweeper: Sweeper,
 }
 
 impl State {
-    pub(crate) fn new(counters: Arc<Counters>, cap: usize, sweeper: &Sweeper) -> Self {
-        let store = MemoryStore::new(Arc::clone(&counters), sweeper);
+    fn new(core: &Core) -> Self {
+        let counters = Arc::clone(&core.counters);
+        let sweeper = core.tree.sweeper().clone();
         Self {
-            ledger: Arc::new(Ledger::new(counters, cap, Box::new(store))),
+            ledger: ArcSwap::new(Self::ledger_for(&counters, core.cap, &sweeper)),
+            counters,
+            cap: core.cap,
+            sweeper,
         }
     }
 
-    pub(crate) fn shutdown(&self) {
-        self.ledger.shutdown();
+    fn ledger_for(counters: &Arc<Counters>, cap: usize, sweeper: &Sweeper) -> Arc<Ledger> {
+        let store = MemoryStore::new(Arc::clone(counters), sweeper);
+        Arc::new(Ledger::new(Arc::clone(counters), cap, Box::new(store)))
+    }
+
+    /// This runtime's idempotency state.
+    pub(crate) fn of(core: &Core) -> Arc<Self> {
+        core.service(Self::new)
+    }
+
+    /// The ledger in force.
+    pub(crate) fn ledger(&self) -> Arc<Ledger> {
+        self.ledger.load_full()
+    }
+}
+
+impl Service for State {
+    fn stopped(&self) {
+        self.ledger.load().shutdown();
+    }
+
+    fn reset(&self) {
+        let fresh = Self::ledger_for(&self.counters, self.cap, &self.sweeper);
+        let old = self.ledger.swap(fresh);
+        // Waiters on the old ledger look again and find the fresh one empty.
+        old.shutdown();
     }
 }
 
@@ -91,9 +124,16 @@ impl State {
 ///
 /// A cheap handle (`Clone`). See [`Deduplicator::run`] for the behaviour and
 /// [`Idempotency`] for the same calls on the default runtime.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Deduplicator {
     runtime: Runtime,
+    state: Arc<State>,
+}
+
+impl std::fmt::Debug for Deduplicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Deduplicator").finish_non_exhaustive()
+    }
 }
 
 impl Runtime {
@@ -102,6 +142,7 @@ impl Runtime {
     pub fn idempotency(&self) -> Deduplicator {
         Deduplicator {
             runtime: self.clone(),
+            state: State::of(&self.core),
         }
     }
 }
@@ -173,7 +214,7 @@ impl Deduplicator {
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         let core = &self.runtime.core;
-        run_in(core, &core.idempotency.ledger, key, f, options).await
+        run_in(core, &self.state.ledger(), key, f, options).await
     }
 
     /// Claims `key` by hand, for a result produced somewhere other than one
@@ -214,7 +255,7 @@ impl Deduplicator {
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
     {
         let core = &self.runtime.core;
-        reserve_in(core, &core.idempotency.ledger, key, options).await
+        reserve_in(core, &self.state.ledger(), key, options).await
     }
 }
 

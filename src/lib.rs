@@ -4,7 +4,7 @@
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
 //! use std::time::Duration;
-//! use throttlebeam::{Debounce, Throttle, Throttled};
+//! use throttlebeam::{Debounce, Throttle, ThrottleOutcome};
 //!
 //! // Debounce: runs once, 50 ms after the last call for the key.
 //! let saved = Debounce::call("autosave:doc-9", Duration::from_millis(50), || async {
@@ -17,14 +17,14 @@
 //!     Ok::<_, std::io::Error>(())
 //! })
 //! .await?;
-//! assert!(matches!(sent, Throttled::Executed(())));
+//! assert!(matches!(sent, ThrottleOutcome::Executed(())));
 //! # Ok(()) }
 //! ```
 //!
 //! | primitive | what it does |
 //! |---|---|
-//! | [`Debounce`] / [`Debouncer`] | run once a key has been quiet for a delay; latest function wins; `max_wait`, leading edge, cancel, flush |
-//! | [`Throttle`] / [`Throttler`] | leading edge: run now, or [`Throttled::Throttled`] with the time left |
+//! | [`Debounce`] / [`DebounceHandle`] | run once a key has been quiet for a delay; latest function wins; `max_wait`, leading edge, cancel, flush |
+//! | [`Throttle`] / [`ThrottleHandle`] | leading edge: run now, or [`ThrottleOutcome::Throttled`] with the time left |
 //! | [`TrailingThrottle`] | leading + trailing throttle: calls in a window coalesce into one trailing run whose value every covered caller can await |
 //! | [`Idempotency`] / [`Deduplicator`] | run at most once per key; duplicates in flight wait and share the result; results replayed for a TTL |
 //! | [`rate_limit`] | pure strategies (GCRA, token bucket, fixed and sliding window, leaky-bucket shaper), decisions, forecasts, the decision algebra, headers, an enforcer, client-IP and HMAC keys |
@@ -60,20 +60,22 @@ mod idempotency;
 mod key;
 pub mod rate_limit;
 mod runtime;
+mod stats;
 mod throttle;
 
 pub use coalesce::{
     MemoryWindowStore, Phase, SetOptions, TrailingStats, TrailingThrottle, TrailingThrottleBuilder,
     WindowStore, WindowStoreError, WindowStoreFuture,
 };
-pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
+pub use debounce::{Debounce, DebounceHandle, DebounceOptions, Debounced};
 pub use error::{BoxError, Error};
 pub use idempotency::{
     Deduplicator, Idempotency, IdempotencyOptions, Outcome, Reservation, Reserved,
 };
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
-pub use runtime::{Runtime, RuntimeBuilder, RuntimeClock, ShutdownPolicy, ShutdownReport, Stats};
-pub use throttle::{Throttle, Throttled, Throttler};
+pub use runtime::{Runtime, RuntimeBuilder, RuntimeClock, ShutdownPolicy, ShutdownReport};
+pub use stats::{DebounceStats, Stats, ThrottleStats};
+pub use throttle::{Throttle, ThrottleHandle, ThrottleOutcome};
 
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]

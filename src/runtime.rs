@@ -2,9 +2,8 @@
 
 use std::future::Future;
 use std::num::NonZeroUsize;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ractor::ActorCell;
@@ -13,12 +12,15 @@ use tokio::time::Instant;
 
 use crate::error::Error;
 use crate::key::shown;
+use crate::stats::Stats;
 
 mod clock;
+mod service;
 
 pub(crate) use self::clock::Clock;
 pub use self::clock::RuntimeClock;
-use crate::{debounce, idempotency, throttle};
+use self::service::Services;
+pub(crate) use self::service::{Service, ServiceFuture};
 
 /// What [`Runtime::shutdown`] does with debounced calls still waiting for
 /// their delay.
@@ -157,35 +159,24 @@ impl RuntimeBuilder {
             None => Tree::start(config, counters.clone()).await,
         }
         .map_err(|e| Error::Start(Arc::new(e)))?;
-        let cap = self.max_keys.unwrap_or(usize::MAX);
-        let sweeper = tree.sweeper().clone();
-        let clock = Clock::new(self.clock);
         let core = Arc::new(Core {
             router: ahash::RandomState::new(),
-            debounce: debounce::State::new(counters.clone(), cap),
-            throttle: throttle::State::new(counters.clone(), cap, &sweeper, clock.clone()),
-            idempotency: idempotency::State::new(counters.clone(), cap, &sweeper),
             tree,
             counters,
-            cap,
+            cap: self.max_keys.unwrap_or(usize::MAX),
             policy: self.policy,
+            clock: self.clock,
             closed: AtomicBool::new(false),
-            hooks: Mutex::new(Vec::new()),
+            restarts: AtomicU64::new(0),
+            services: Services::default(),
         });
-        core.throttle.register(&sweeper);
         Ok(Runtime { core })
     }
 }
 
-/// Something that must be told when its runtime shuts down.
-pub(crate) trait ShutdownHook: Send + Sync + 'static {
-    fn shutdown(
-        &self,
-        deadline: Instant,
-        graceful: bool,
-    ) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
-}
-
+/// The runtime proper, shared by every handle. It knows no primitive: each
+/// one keeps its state in a [`Service`] created on first use
+/// ([`Core::service`]) or attached per instance ([`Core::attach`]).
 pub(crate) struct Core {
     /// Hashes keys to supervisor partitions.
     router: ahash::RandomState,
@@ -193,11 +184,11 @@ pub(crate) struct Core {
     pub(crate) counters: Arc<Counters>,
     pub(crate) cap: usize,
     pub(crate) policy: ShutdownPolicy,
+    /// The clock choice for services that keep windows on it.
+    pub(crate) clock: RuntimeClock,
     closed: AtomicBool,
-    hooks: Mutex<Vec<Weak<dyn ShutdownHook>>>,
-    pub(crate) debounce: debounce::State,
-    pub(crate) throttle: throttle::State,
-    pub(crate) idempotency: idempotency::State,
+    restarts: AtomicU64,
+    services: Services,
 }
 
 impl Core {
@@ -205,12 +196,29 @@ impl Core {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// Fails with [`Error::ShutDown`] once shutdown began.
+    /// Fails with [`Error::ShutDown`] once shutdown began, and with
+    /// [`Error::RuntimeDown`] while the root is down awaiting a restart.
+    #[inline]
     pub(crate) fn check_open(&self, key: &str) -> Result<(), Error> {
         if self.is_closed() {
             return Err(Error::ShutDown { key: shown(key) });
         }
+        if self.tree.is_down() {
+            return Err(Error::RuntimeDown { key: shown(key) });
+        }
         Ok(())
+    }
+
+    /// This runtime's instance of service `S`, created by `make` on first use.
+    pub(crate) fn service<S: Service>(&self, make: impl FnOnce(&Core) -> S) -> Arc<S> {
+        self.services.get_or_insert(|| make(self))
+    }
+
+    /// Attaches a service with a life of its own (one per instance of a
+    /// primitive, such as a trailing throttle): told about shutdown,
+    /// restarts and stats while it lives, forgotten once dropped.
+    pub(crate) fn attach(&self, service: std::sync::Weak<dyn Service>) {
+        self.services.attach(service);
     }
 
     /// Starts a per-key process under the partitioned supervisor; the key
@@ -227,27 +235,6 @@ impl Core {
                 _ => Error::ShutDown { key: shown(key) },
             })
     }
-
-    pub(crate) fn add_hook(&self, hook: Weak<dyn ShutdownHook>) {
-        if let Ok(mut hooks) = self.hooks.lock() {
-            hooks.retain(|h| h.strong_count() > 0);
-            hooks.push(hook);
-        }
-    }
-}
-
-/// Live figures of a runtime, from [`Runtime::stats`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct Stats {
-    /// Keys tracked (debounce, throttle, idempotency in flight).
-    pub keys: usize,
-    /// Per-key processes alive now.
-    pub processes: usize,
-    /// Timers scheduled now (per-key timers and the sweeper tick).
-    pub timers: usize,
-    /// Completed idempotency results held, expired ones not yet swept included.
-    pub ttl_entries: usize,
 }
 
 /// What [`Runtime::shutdown`] left behind.
@@ -265,8 +252,8 @@ pub struct ShutdownReport {
 /// `Runtime` is a cheap handle (`Clone`). Most programs use the default
 /// runtime through [`crate::Debounce`], [`crate::Throttle`] and
 /// [`crate::Idempotency`]; tests and hosts that want no globals build their
-/// own with [`Runtime::builder`] and use [`Runtime::debouncer`],
-/// [`Runtime::throttler`] and [`Runtime::idempotency`].
+/// own with [`Runtime::builder`] and use [`Runtime::debounce`],
+/// [`Runtime::throttle`] and [`Runtime::idempotency`].
 ///
 /// # Examples
 ///
@@ -277,7 +264,7 @@ pub struct ShutdownReport {
 ///
 /// let runtime = Runtime::start().await?;
 /// let outcome = runtime
-///     .throttler()
+///     .throttle()
 ///     .call("report:7", Duration::from_secs(1), || async { Ok::<_, std::io::Error>(42) })
 ///     .await?;
 /// assert_eq!(outcome.executed(), Some(42));
@@ -294,7 +281,6 @@ impl std::fmt::Debug for Runtime {
         f.debug_struct("Runtime")
             .field("stats", &self.stats())
             .field("closed", &self.core.is_closed())
-            .field("tsc_clock", &self.core.throttle.uses_tsc())
             .finish_non_exhaustive()
     }
 }
@@ -330,16 +316,23 @@ impl Runtime {
         GLOBAL.get_or_init(start_global).clone()
     }
 
-    /// Live counters.
+    /// Live figures: the runtime's own and each primitive's.
     #[must_use]
     pub fn stats(&self) -> Stats {
         let snapshot = self.core.tree.snapshot();
-        Stats {
+        let mut stats = Stats {
             keys: snapshot.keys,
             processes: snapshot.processes,
             timers: snapshot.timers,
             ttl_entries: snapshot.ttl_entries,
+            down: self.core.tree.is_down(),
+            restarts: self.core.restarts.load(Ordering::Relaxed),
+            ..Stats::default()
+        };
+        for service in self.core.services.all() {
+            service.stats(&mut stats);
         }
+        stats
     }
 
     /// The cap on tracked keys, if one was set.
@@ -361,8 +354,82 @@ impl Runtime {
         self.core.is_closed()
     }
 
-    /// Sweeps expired idempotency results and throttle windows now, instead
-    /// of waiting for the next periodic sweep. Returns the entries left.
+    /// Whether the runtime's root actor has failed (or was killed) and the
+    /// runtime waits for [`Runtime::restart`]. Meanwhile every call fails at
+    /// once with [`Error::RuntimeDown`] and nothing is swept.
+    #[must_use]
+    pub fn is_down(&self) -> bool {
+        self.core.tree.is_down()
+    }
+
+    /// Restarts a runtime whose root actor failed, OTP-style: a fresh root
+    /// with its sweeper and supervisor partitions, linked under the same
+    /// host supervisor as before (if any). Every handle to this runtime
+    /// (clones of it, [`crate::DebounceHandle`], [`crate::ThrottleHandle`],
+    /// trailing throttles, ...) works again afterwards.
+    ///
+    /// State held only in memory is gone, as after an expiry: pending
+    /// debounced runs are discarded (their waiters get
+    /// [`Error::Discarded`]), throttle windows and stored idempotency
+    /// results are forgotten. Functions still running finish; their callers
+    /// get their results.
+    ///
+    /// Returns whether a restart happened: `false` while the root is alive,
+    /// and for a runtime that was shut down (it stays shut down). Meant to
+    /// be called from the host's supervision handler on the root's
+    /// `ActorFailed` or `ActorTerminated` event.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Start`] when the new root fails to start (for example the
+    /// host is stopping); the runtime stays down and may be restarted again.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use std::time::Duration;
+    /// use throttlebeam::{Error, Runtime};
+    ///
+    /// let runtime = Runtime::start().await?;
+    /// let throttle = runtime.throttle();
+    /// runtime.root_actor().kill(); // what a failing root looks like
+    /// while !runtime.is_down() {
+    ///     tokio::task::yield_now().await;
+    /// }
+    /// let call = throttle.call("k", Duration::from_secs(1), || async { Ok::<_, std::io::Error>(()) });
+    /// assert!(matches!(call.await, Err(Error::RuntimeDown { .. })));
+    ///
+    /// assert!(runtime.restart().await?);
+    /// let call = throttle.call("k", Duration::from_secs(1), || async { Ok::<_, std::io::Error>(()) });
+    /// assert!(call.await?.is_executed());
+    /// # Ok(()) }
+    /// ```
+    pub async fn restart(&self) -> Result<bool, Error> {
+        if !self.core.tree.is_down() {
+            return Ok(false);
+        }
+        // Forget state first: while down no call is accepted, so nothing
+        // new can land between the reset and the restart.
+        for service in self.core.services.all() {
+            service.reset();
+        }
+        let restarted = self
+            .core
+            .tree
+            .restart()
+            .await
+            .map_err(|e| Error::Start(Arc::new(e)))?;
+        if restarted {
+            self.core.restarts.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(restarted)
+    }
+
+    /// Sweeps every expiring map of the runtime now (throttle windows,
+    /// idempotency results, whatever a primitive registered with the
+    /// runtime's sweeper), instead of waiting for the next periodic sweep,
+    /// and gives back memory a flood left behind. Returns the entries left.
     pub fn sweep_now(&self) -> usize {
         self.core.tree.sweeper().sweep_now()
     }
@@ -372,24 +439,24 @@ impl Runtime {
     /// Stops accepting calls ([`Error::ShutDown`]), runs or discards pending
     /// debounced work according to the [`ShutdownPolicy`], lets coalescing
     /// throttles drain, waits for running functions until the deadline
-    /// (never cancelling them), then stops the supervision tree. Calling it
-    /// again is harmless.
+    /// (never cancelling them), then stops the supervision tree and drops
+    /// what the primitives still track (throttle windows, stored results).
+    /// Returns by the deadline whatever is pending: the work it does per key
+    /// is constant and runs beside it, not before it. Calling it again is
+    /// harmless.
     pub async fn shutdown(&self, grace: Duration) -> ShutdownReport {
         let deadline = Instant::now()
             .checked_add(grace)
             .unwrap_or_else(|| Instant::now() + crate::key::MAX_TIMER);
         self.core.closed.store(true, Ordering::Release);
-        self.core.debounce.shutdown(self.core.policy);
-        let hooks: Vec<Arc<dyn ShutdownHook>> = match self.core.hooks.lock() {
-            Ok(hooks) => hooks.iter().filter_map(Weak::upgrade).collect(),
-            Err(_) => Vec::new(),
-        };
-        let graceful = self.core.policy == ShutdownPolicy::Flush;
-        for hook in hooks {
-            hook.shutdown(deadline, graceful).await;
+        let services = self.core.services.all();
+        for service in &services {
+            service.shutdown(deadline, self.core.policy).await;
         }
         let still_running = self.core.tree.shutdown(deadline).await;
-        self.core.idempotency.shutdown();
+        for service in &services {
+            service.stopped();
+        }
         ShutdownReport { still_running }
     }
 }

@@ -18,7 +18,7 @@ fn since(start: Instant) -> u64 {
 #[tokio::test(start_paused = true)]
 async fn d1_five_calls_run_once_after_the_last() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let runs = Runs::default();
     let start = Instant::now();
     let log: Log = Arc::default();
@@ -56,7 +56,7 @@ async fn d1_five_calls_run_once_after_the_last() {
 #[tokio::test(start_paused = true)]
 async fn d2_latest_function_wins_and_every_caller_sees_it() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let a = d
         .call("k", ms(100), || async { Ok::<_, Oops>("first") })
         .unwrap();
@@ -74,7 +74,7 @@ async fn d2_latest_function_wins_and_every_caller_sees_it() {
 #[tokio::test(start_paused = true)]
 async fn d3_keys_are_independent_and_a_slow_key_does_not_delay_another() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let start = Instant::now();
     let slow = d
         .call("a", ms(10), move || async move {
@@ -96,7 +96,7 @@ async fn d3_keys_are_independent_and_a_slow_key_does_not_delay_another() {
 #[tokio::test(start_paused = true)]
 async fn d4_max_wait_bounds_the_delay_under_constant_calls() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let start = Instant::now();
     let log: Log = Arc::default();
     let options = DebounceOptions::new().with_max_wait(ms(500));
@@ -120,7 +120,7 @@ async fn d4_max_wait_bounds_the_delay_under_constant_calls() {
 #[tokio::test(start_paused = true)]
 async fn d5_leading_runs_first_call_now_and_one_trailing_run() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let start = Instant::now();
     let runs = Runs::default();
     let options = DebounceOptions::new().with_leading(true);
@@ -175,7 +175,7 @@ async fn futures_join<T: Clone + Send + Sync + 'static>(
 #[tokio::test(start_paused = true)]
 async fn d6_cancel_and_flush() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let runs = Runs::default();
     let r = runs.clone();
     let cancelled = d
@@ -229,7 +229,7 @@ async fn d6_cancel_and_flush() {
 #[tokio::test(start_paused = true)]
 async fn d7_every_caller_gets_the_run_error_and_non_waiters_are_not_blocked() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let a = d
         .call("k", ms(50), || async { Err::<u8, _>(Oops("db down")) })
         .unwrap();
@@ -264,7 +264,7 @@ async fn d7_every_caller_gets_the_run_error_and_non_waiters_are_not_blocked() {
 #[tokio::test(start_paused = true)]
 async fn d8_graceful_shutdown_flushes_pending_work() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let runs = Runs::default();
     let mut handles = Vec::new();
     for key in ["a", "b", "c"] {
@@ -303,7 +303,7 @@ async fn d8_shutdown_with_drop_policy_discards_pending_work() {
         .start()
         .await
         .unwrap();
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let runs = Runs::default();
     let r = runs.clone();
     let h = d
@@ -327,7 +327,7 @@ async fn d8_shutdown_with_drop_policy_discards_pending_work() {
 #[tokio::test(start_paused = true)]
 async fn d9_bad_input_is_a_typed_error_and_schedules_nothing() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let ok = || async { Ok::<_, Oops>(()) };
     assert!(matches!(
         d.call("", ms(10), ok),
@@ -382,7 +382,7 @@ async fn d9_bad_input_is_a_typed_error_and_schedules_nothing() {
 #[tokio::test(start_paused = true)]
 async fn a_burst_costs_about_one_timer_wakeup() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let first = d.call("k", ms(100), || async { Ok::<_, Oops>(0) }).unwrap();
     settle().await;
     for i in 1..1000 {

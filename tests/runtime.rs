@@ -10,7 +10,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use support::{Oops, Runs, ms, runtime};
 use throttlebeam::{
-    Debounce, Error, Idempotency, IdempotencyOptions, Outcome, Runtime, Throttle, Throttled,
+    Debounce, Error, Idempotency, IdempotencyOptions, Outcome, Runtime, Throttle, ThrottleOutcome,
 };
 use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep};
@@ -20,7 +20,7 @@ use tokio::time::{Instant, sleep};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hammering_one_key_while_its_process_exits_loses_nothing() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let running = Arc::new(AtomicBool::new(false));
     let runs = Arc::new(AtomicUsize::new(0));
     let overlaps = Arc::new(AtomicUsize::new(0));
@@ -78,7 +78,7 @@ async fn hammering_one_key_while_its_process_exits_loses_nothing() {
 #[tokio::test(start_paused = true)]
 async fn ten_thousand_panics_leave_nothing_tracked_and_the_runtime_serving() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let mut calls = Vec::new();
     for i in 0..10_000 {
         calls.push(
@@ -104,7 +104,7 @@ async fn ten_thousand_panics_leave_nothing_tracked_and_the_runtime_serving() {
         .call("after", ms(10), || async { Ok::<_, Oops>(7) })
         .unwrap();
     assert_eq!(ok.await.unwrap(), 7);
-    let t = rt.throttler();
+    let t = rt.throttle();
     for i in 0..1000 {
         let r = t
             .call(&format!("t{i}"), ms(10), || async {
@@ -126,8 +126,8 @@ async fn a_hundred_thousand_idle_keys_leave_nothing_behind() {
         .start()
         .await
         .unwrap();
-    let d = rt.debouncer();
-    let t = rt.throttler();
+    let d = rt.debounce();
+    let t = rt.throttle();
     let runs = Runs::default();
     let mut calls = Vec::with_capacity(100_000);
     for i in 0..100_000 {
@@ -167,7 +167,7 @@ async fn a_hundred_thousand_idle_keys_leave_nothing_behind() {
 #[tokio::test(start_paused = true)]
 async fn shutdown_waits_for_running_functions_without_cancelling_them() {
     let rt = runtime().await;
-    let t = rt.throttler();
+    let t = rt.throttle();
     let t2 = t.clone();
     let slow = tokio::spawn(async move {
         t2.call("slow", ms(10), || async {
@@ -186,7 +186,7 @@ async fn shutdown_waits_for_running_functions_without_cancelling_them() {
     assert_eq!(start.elapsed(), ms(100));
     assert_eq!(
         slow.await.unwrap().unwrap(),
-        Throttled::Executed("done"),
+        ThrottleOutcome::Executed("done"),
         "not cancelled"
     );
     assert!(matches!(
@@ -262,7 +262,7 @@ async fn embedded_under_a_host_supervisor() {
     let (rt, host, host_join, mut events) = embedded().await;
 
     // A crash inside a key stays inside the key.
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let crash = d
         .call("k", ms(1), || async {
             if true {
@@ -272,7 +272,7 @@ async fn embedded_under_a_host_supervisor() {
         })
         .unwrap();
     assert!(matches!(crash.await, Err(Error::Panicked { .. })));
-    let t = rt.throttler();
+    let t = rt.throttle();
     assert!(
         t.call("k", ms(1), || async { Ok::<_, Oops>(()) })
             .await
@@ -311,7 +311,7 @@ async fn the_default_runtime_needs_no_setup() {
     })
     .await
     .unwrap();
-    assert_eq!(outcome, Throttled::Executed(1));
+    assert_eq!(outcome, ThrottleOutcome::Executed(1));
     let debounced = Debounce::call("global:debounce", Duration::from_millis(1), || async {
         Ok::<_, Oops>("ran")
     })
@@ -348,5 +348,5 @@ async fn the_default_runtime_outlives_the_tokio_runtime_that_started_it() {
     })
     .await
     .unwrap();
-    assert_eq!(outcome, Throttled::Executed(2));
+    assert_eq!(outcome, ThrottleOutcome::Executed(2));
 }

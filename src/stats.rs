@@ -1,0 +1,182 @@
+//! Figures a runtime reports: plain data, one struct per primitive.
+//!
+//! Each primitive owns its counters and fills its own struct; the runtime's
+//! [`Stats`] gathers them without knowing what they count. Every struct is
+//! `serde::Serialize`, so a host can log or publish it as it is; with the
+//! `metrics` feature, [`crate::Runtime::export_metrics`] publishes them
+//! through the `metrics` facade.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+
+/// Live figures of a runtime, from [`crate::Runtime::stats`].
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+/// use std::time::Duration;
+/// use throttlebeam::Runtime;
+///
+/// let runtime = Runtime::start().await?;
+/// let throttle = runtime.throttle();
+/// for _ in 0..3 {
+///     let _ = throttle.call("k", Duration::from_secs(1), || async { Ok::<_, std::io::Error>(()) }).await?;
+/// }
+/// let stats = runtime.stats();
+/// assert_eq!((stats.throttle.executed, stats.throttle.throttled), (1, 2));
+/// assert_eq!(stats.throttle.windows, 1);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Keys tracked now, over every primitive (the budget
+    /// [`crate::RuntimeBuilder::with_max_keys`] caps).
+    pub keys: usize,
+    /// Per-key processes alive now.
+    pub processes: usize,
+    /// Timers scheduled now (per-key timers and the sweeper tick).
+    pub timers: usize,
+    /// Entries held in the runtime's TTL tables (completed idempotency
+    /// results), expired ones not yet swept included.
+    pub ttl_entries: usize,
+    /// Whether the runtime's root has failed and waits for
+    /// [`crate::Runtime::restart`]; calls fail with
+    /// [`crate::Error::RuntimeDown`] meanwhile.
+    pub down: bool,
+    /// Restarts after a failed root so far.
+    pub restarts: u64,
+    /// The debounce primitive.
+    pub debounce: DebounceStats,
+    /// The leading-edge throttle.
+    pub throttle: ThrottleStats,
+}
+
+/// Counters of the debounce primitive of one runtime.
+///
+/// Totals count since the runtime started (a restart keeps them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[non_exhaustive]
+pub struct DebounceStats {
+    /// Calls accepted.
+    pub calls: u64,
+    /// Runs started (leading, trailing, flushed).
+    pub runs: u64,
+    /// Calls folded into a run already pending for their key.
+    pub coalesced: u64,
+    /// Pending runs cancelled by `cancel`.
+    pub cancelled: u64,
+    /// Pending runs flushed by `flush`.
+    pub flushed: u64,
+    /// Runs whose function failed or panicked, and pending runs lost
+    /// (dropped at shutdown, their process gone).
+    pub failed: u64,
+    /// Keys debounced now (pending or in their quiet window).
+    pub keys: usize,
+}
+
+/// Counters of the leading-edge throttle of one runtime.
+///
+/// Totals count since the runtime started (a restart keeps them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[non_exhaustive]
+pub struct ThrottleStats {
+    /// Calls that opened a window and ran their function.
+    pub executed: u64,
+    /// Calls turned away inside a window.
+    pub throttled: u64,
+    /// Windows tracked now, expired ones not yet swept included.
+    pub windows: usize,
+}
+
+/// Stripes of a [`Counter`]: enough that two threads rarely share one.
+const STRIPES: usize = 8;
+
+#[repr(align(128))]
+#[derive(Default)]
+struct Padded(AtomicU64);
+
+/// A counter bumped on hot paths from many threads: each thread adds to its
+/// own cache line, so counting costs no line bouncing between cores.
+#[derive(Default)]
+pub(crate) struct Counter {
+    stripes: [Padded; STRIPES],
+}
+
+fn stripe() -> usize {
+    use std::cell::Cell;
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    thread_local! {
+        static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    STRIPE.with(|s| {
+        let mut i = s.get();
+        if i == usize::MAX {
+            i = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+            s.set(i);
+        }
+        i
+    })
+}
+
+impl Counter {
+    #[inline]
+    pub(crate) fn add(&self, n: u64) {
+        self.stripes[stripe()].0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn incr(&self) {
+        self.add(1);
+    }
+
+    pub(crate) fn get(&self) -> u64 {
+        self.stripes
+            .iter()
+            .map(|s| s.0.load(Ordering::Relaxed))
+            .fold(0, u64::wrapping_add)
+    }
+}
+
+impl std::fmt::Debug for Counter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Counter").field(&self.get()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_from_many_threads() {
+        let counter = Counter::default();
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..1000 {
+                        counter.incr();
+                    }
+                });
+            }
+        });
+        assert_eq!(counter.get(), 4000);
+    }
+
+    #[test]
+    fn stats_serialize_with_one_object_per_primitive() {
+        let stats = Stats {
+            throttle: ThrottleStats {
+                executed: 2,
+                ..ThrottleStats::default()
+            },
+            ..Stats::default()
+        };
+        let json = serde_json::to_value(stats).unwrap();
+        assert_eq!(json["throttle"]["executed"], 2);
+        assert_eq!(json["debounce"]["calls"], 0);
+        assert_eq!(json["down"], false);
+    }
+}
