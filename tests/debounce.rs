@@ -393,3 +393,187 @@ async fn a_burst_costs_about_one_timer_wakeup() {
     assert_eq!(first.await.unwrap(), 999);
     assert!(d.timer_wakeups() <= 2, "wakeups: {}", d.timer_wakeups());
 }
+
+/// Issue 7 item 2: a key scheduled from a tokio runtime that then ends
+/// (every `#[tokio::test]` does that) used to keep its slot with no process,
+/// so every later call for the key hung forever.
+#[test]
+fn a_key_scheduled_from_an_ended_tokio_runtime_never_wedges() {
+    use throttlebeam::Debounce;
+    let key = "wedge:ended-runtime";
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let lost = first.block_on(async {
+        let lost = Debounce::call(key, Duration::from_secs(3600), || async {
+            Ok::<_, Oops>("never")
+        })
+        .unwrap();
+        assert!(Debounce::is_pending(key).unwrap());
+        lost
+    });
+    // The runtime that ran the key's process ends, dropping the process.
+    drop(first);
+    assert!(
+        !Debounce::is_pending(key).unwrap(),
+        "the slot went with its process"
+    );
+
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        let outcome = tokio::time::timeout(Duration::from_secs(5), lost.into_future())
+            .await
+            .expect("the lost run's waiter is told at once");
+        assert!(
+            matches!(&outcome, Err(Error::Discarded { key: k, reason }) if k == key && reason.contains("process was lost")),
+            "{outcome:?}"
+        );
+        let again = Debounce::call(key, ms(1), || async { Ok::<_, Oops>("ran") }).unwrap();
+        let ran = tokio::time::timeout(Duration::from_secs(5), again.into_future())
+            .await
+            .expect("a new call on the key runs, it does not hang");
+        assert_eq!(ran.unwrap(), "ran");
+    });
+}
+
+/// Runs `f` on a thread of its own; fails the test if it has not returned
+/// within 5 s (a deadlock).
+fn within_5s(f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(5))
+        .expect("returned (a user closure dropped under a shard lock deadlocks here)");
+}
+
+/// Touches the key's shard when dropped, as a user's `Drop` may (through
+/// another handle, a log sink, ...): dropped under the shard lock, it
+/// deadlocks.
+struct TouchesTheKeyOnDrop(throttlebeam::DebounceHandle, &'static str);
+
+impl Drop for TouchesTheKeyOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.is_pending(self.1);
+    }
+}
+
+/// Issue 7 item 2: replaced, cancelled and refused functions are dropped
+/// after the shard lock is released.
+#[test]
+fn user_functions_are_never_dropped_under_the_shard_lock() {
+    within_5s(|| {
+        let tokio = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        tokio.block_on(async {
+            let rt = runtime().await;
+            let d = rt.debounce();
+            let call = |value: u8| {
+                let guard = TouchesTheKeyOnDrop(d.clone(), "k");
+                d.call("k", ms(100), move || async move {
+                    let _guard = guard;
+                    Ok::<_, Oops>(value)
+                })
+            };
+            let first = call(1).unwrap();
+            // Replaced: the first function is dropped.
+            let second = call(2).unwrap();
+            // Cancelled: the second one is dropped.
+            assert!(d.cancel("k"));
+            assert!(matches!(first.await, Err(Error::Discarded { .. })));
+            assert!(matches!(second.await, Err(Error::Discarded { .. })));
+            // Refused for its type: dropped without being scheduled.
+            let _pending = call(3).unwrap();
+            let guard = TouchesTheKeyOnDrop(d.clone(), "k");
+            let refused = d.call("k", ms(100), move || async move {
+                let _guard = guard;
+                Ok::<_, Oops>("other type")
+            });
+            assert!(matches!(refused, Err(Error::TypeMismatch { .. })));
+        });
+    });
+}
+
+#[tokio::test(start_paused = true)]
+async fn debounce_stats_count_calls_runs_and_what_became_of_them() {
+    let rt = runtime().await;
+    let d = rt.debounce();
+    let a1 = d.call("a", ms(100), || async { Ok::<_, Oops>(1) }).unwrap();
+    let a2 = d.call("a", ms(100), || async { Ok::<_, Oops>(2) }).unwrap();
+    let _b = d.call("b", ms(100), || async { Ok::<_, Oops>(3) }).unwrap();
+    let c = d
+        .call("c", ms(100), || async { Err::<u8, _>(Oops("c")) })
+        .unwrap();
+    let _e = d.call("e", ms(100), || async { Ok::<_, Oops>(5) }).unwrap();
+    assert!(d.cancel("b"));
+    assert!(d.flush("e"));
+    assert_eq!(rt.stats().debounce.keys, 4);
+    assert_eq!((a1.await.unwrap(), a2.await.unwrap()), (2, 2));
+    assert!(c.await.is_err());
+    let stats = rt.stats().debounce;
+    assert_eq!(stats.calls, 5);
+    assert_eq!(stats.coalesced, 1);
+    assert_eq!(stats.cancelled, 1);
+    assert_eq!(stats.flushed, 1);
+    assert_eq!(stats.runs, 3);
+    assert_eq!(stats.failed, 1);
+    settle().await;
+    advance(ms(1)).await;
+    settle().await;
+    assert_eq!(rt.stats().debounce.keys, 0);
+}
+
+/// Collects warn-level events for one test.
+#[derive(Clone, Default)]
+struct Warnings(Arc<Mutex<Vec<String>>>);
+
+impl std::io::Write for Warnings {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap()
+            .push(String::from_utf8_lossy(buf).into_owned());
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Issue 7 item 19: a failed run nobody awaited is logged at warn, not
+/// only at debug (where it failed silently); an awaited one stays at debug.
+#[tokio::test(start_paused = true)]
+async fn a_failed_fire_and_forget_run_is_logged_at_warn() {
+    let warnings = Warnings::default();
+    let sink = warnings.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || sink.clone())
+        .finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+    let rt = runtime().await;
+    let d = rt.debounce();
+    drop(
+        d.call("forgotten", ms(10), || async { Err::<u8, _>(Oops("lost")) })
+            .unwrap(),
+    );
+    let awaited = d
+        .call("watched", ms(10), || async { Err::<u8, _>(Oops("seen")) })
+        .unwrap();
+    assert!(awaited.await.is_err());
+    advance(ms(10)).await;
+    settle().await;
+    let lines = warnings.0.lock().unwrap().join("");
+    assert!(lines.contains("WARN"), "{lines}");
+    assert!(lines.contains("forgotten"), "{lines}");
+    assert!(!lines.contains("watched"), "{lines}");
+}

@@ -350,3 +350,173 @@ async fn the_default_runtime_outlives_the_tokio_runtime_that_started_it() {
     .unwrap();
     assert_eq!(outcome, ThrottleOutcome::Executed(2));
 }
+
+/// A host supervisor that restarts the runtime it supervises, OTP-style,
+/// once `gate` lets it (so the test can look at the runtime while down).
+struct RestartingHost {
+    events: mpsc::UnboundedSender<String>,
+    gate: Arc<tokio::sync::Semaphore>,
+    /// The runtime to supervise, set once started.
+    runtime: Arc<std::sync::OnceLock<Runtime>>,
+}
+
+#[cfg_attr(feature = "async-trait", ractor::async_trait)]
+
+impl Actor for RestartingHost {
+    type Msg = ();
+    type State = ();
+    type Arguments = ();
+
+    async fn pre_start(&self, _: ActorRef<()>, (): ()) -> Result<(), ActorProcessingErr> {
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _: ActorRef<()>,
+        event: SupervisionEvent,
+        (): &mut (),
+    ) -> Result<(), ActorProcessingErr> {
+        let exited = matches!(
+            event,
+            SupervisionEvent::ActorFailed(..) | SupervisionEvent::ActorTerminated(..)
+        );
+        if let (true, Some(runtime)) = (exited, self.runtime.get()) {
+            if runtime.is_down() {
+                let _ = self.events.send("down".to_owned());
+                self.gate.acquire().await?.forget();
+                let restarted = runtime.restart().await?;
+                let _ = self.events.send(format!("restarted: {restarted}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Issue 7 item 3: a failed root leaves no zombie. Until the host restarts
+/// the runtime every call fails fast with a typed error; after one call to
+/// `restart` from the host's supervision handler, handles held elsewhere
+/// work again, and state held in memory is gone as after an expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_root_fails_calls_fast_until_the_host_restarts_it() {
+    let (tx, mut events) = mpsc::unbounded_channel();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let supervised = Arc::new(std::sync::OnceLock::new());
+    let (host, host_join) = Actor::spawn(
+        None,
+        RestartingHost {
+            events: tx,
+            gate: Arc::clone(&gate),
+            runtime: Arc::clone(&supervised),
+        },
+        (),
+    )
+    .await
+    .unwrap();
+    let rt = Runtime::builder()
+        .start_linked(host.get_cell())
+        .await
+        .unwrap();
+    supervised.set(rt.clone()).unwrap();
+
+    // Handles held elsewhere, made before the failure.
+    let clone = rt.clone();
+    let throttle = rt.throttle();
+    let debounce = rt.debounce();
+    let idempotency = rt.idempotency();
+    let trailing = rt
+        .trailing_throttle("t:")
+        .with_window(ms(10))
+        .build::<u8>()
+        .unwrap();
+    let ok = || async { Ok::<_, Oops>(1u8) };
+    assert!(
+        throttle
+            .call("k", ms(3_600_000), ok)
+            .await
+            .unwrap()
+            .is_executed()
+    );
+    assert!(
+        throttle
+            .call("k", ms(3_600_000), ok)
+            .await
+            .unwrap()
+            .is_throttled()
+    );
+    let fresh = idempotency
+        .run("i", ok, IdempotencyOptions::new())
+        .await
+        .unwrap();
+    assert!(fresh.is_fresh());
+    let pending = debounce.call("d", ms(3_600_000), ok).unwrap();
+
+    rt.root_actor().kill();
+    assert_eq!(next_event(&mut events).await, "down");
+    assert!(clone.is_down() && clone.stats().down);
+    // Down: every primitive fails fast with a typed error that names the key.
+    let down = |e: &Error, key: &str| matches!(e, Error::RuntimeDown { key: k } if k == key);
+    let e = throttle.call("k2", ms(10), ok).await.unwrap_err();
+    assert!(down(&e, "k2"), "{e}");
+    assert_eq!(
+        e.to_string(),
+        "runtime is down until restarted; call for key \"k2\" was not accepted"
+    );
+    assert!(down(&debounce.call("d2", ms(10), ok).unwrap_err(), "d2"));
+    let e = idempotency
+        .run("i2", ok, IdempotencyOptions::new())
+        .await
+        .unwrap_err();
+    assert!(down(&e, "i2"), "{e}");
+    assert!(down(
+        &trailing.call("x", move |_| ok()).await.unwrap_err(),
+        "x"
+    ));
+
+    gate.add_permits(1);
+    assert_eq!(next_event(&mut events).await, "restarted: true");
+    assert!(!clone.is_down());
+    let stats = clone.stats();
+    assert_eq!((stats.down, stats.restarts), (false, 1));
+    assert_ne!(rt.root_actor().get_status(), ractor::ActorStatus::Stopped);
+
+    // Every handle works again; in-memory state is gone as after an expiry.
+    let e = pending.await.unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::Discarded {
+                reason: "the runtime restarted",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        throttle
+            .call("k", ms(3_600_000), ok)
+            .await
+            .unwrap()
+            .is_executed()
+    );
+    let again = idempotency
+        .run("i", ok, IdempotencyOptions::new())
+        .await
+        .unwrap();
+    assert!(again.is_fresh());
+    assert_eq!(debounce.call("d", ms(1), ok).unwrap().await.unwrap(), 1);
+    assert!(trailing.call("x", move |_| ok()).await.unwrap());
+    // Sweeping and the root work again too.
+    clone.sweep_now();
+    assert!(
+        !clone.restart().await.unwrap(),
+        "nothing to restart while up"
+    );
+
+    // A graceful shutdown is not a failure: the host does not restart it.
+    rt.shutdown(ms(100)).await;
+    assert!(!rt.is_down());
+    host.stop(None);
+    host_join.await.unwrap();
+    assert!(events.try_recv().is_err(), "no restart after shutdown");
+}
