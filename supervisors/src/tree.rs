@@ -334,8 +334,10 @@ impl Tree {
     }
 
     /// Shuts down: stops accepting per-key processes, waits for them until
-    /// `deadline`, then stops the root and its children. Returns the number
-    /// of per-key processes still running at the deadline (never cancelled).
+    /// `deadline`, then stops the root and its children, waiting for that at
+    /// most 5 ms past `deadline` (the stop goes on past it). Returns the
+    /// number of per-key processes still running at the deadline (never
+    /// cancelled).
     /// Calling it twice, or after the root failed, is harmless.
     ///
     /// # Panics
@@ -345,10 +347,18 @@ impl Tree {
     pub async fn shutdown(&self, deadline: Instant) -> usize {
         let left = self.supervisor.shutdown(deadline).await;
         let root = self.inner.root.load_full();
-        let _ = root.stop_and_wait(Some("shutdown".to_owned()), None).await;
+        // The stop is sent at the first poll; waiting for it runs at most a
+        // few ms past the deadline (the root's task may queue behind many
+        // woken keys), and the stop goes on without us after that.
+        let stop = root.stop_and_wait(Some("shutdown".to_owned()), None);
+        let until = deadline.max(Instant::now()) + STOP_ALLOWANCE;
+        let _ = tokio::time::timeout_at(until, stop).await;
         left
     }
 }
+
+/// How long past its deadline a shutdown waits for the root to stop.
+const STOP_ALLOWANCE: Duration = Duration::from_millis(5);
 
 async fn spawn_root(
     supervisor: &Supervisor,
