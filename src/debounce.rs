@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use throttlebeam_supervisors::{
-    Counters, Generation, Registry, SlotEntry, TimerGuard, catch_panic,
+    Counters, Generation, Registry, SlotEntry, Sweep, TimerGuard, catch_panic,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -164,6 +164,8 @@ const CLOSING_DROP: u8 = 2;
 /// The debounce primitive of one runtime: its keys and counters.
 pub(crate) struct State {
     registry: Arc<Registry<InlineKey, Slot>>,
+    /// Registered (weakly) with the runtime's sweeper; kept alive here.
+    _shrink: Arc<dyn Sweep>,
     counters: Arc<Counters>,
     /// Shutdown's policy, read by every process when it wakes: one store
     /// tells every key, however many there are.
@@ -177,10 +179,26 @@ pub(crate) struct State {
     failed: Counter,
 }
 
+/// Keys leave the map one by one as their processes exit; a sweep gives
+/// back the memory a flood of keys left behind.
+struct Shrink(Arc<Registry<InlineKey, Slot>>);
+
+impl Sweep for Shrink {
+    fn sweep(&self, _: Instant) -> usize {
+        self.0.release_capacity();
+        // Nothing here expires: never keeps the sweeper awake.
+        0
+    }
+}
+
 impl State {
     fn new(core: &Core) -> Self {
+        let registry = Arc::new(Registry::new(Arc::clone(&core.counters), core.cap));
+        let shrink: Arc<dyn Sweep> = Arc::new(Shrink(Arc::clone(&registry)));
+        core.tree.sweeper().register(Arc::downgrade(&shrink));
         Self {
-            registry: Arc::new(Registry::new(Arc::clone(&core.counters), core.cap)),
+            _shrink: shrink,
+            registry,
             counters: Arc::clone(&core.counters),
             closing: AtomicU8::new(OPEN),
             wakeups: AtomicU64::new(0),
@@ -244,6 +262,7 @@ impl Service for State {
         d.flushed = self.flushed.get();
         d.failed = self.failed.get();
         d.keys = self.registry.len();
+        d.capacity = self.registry.capacity();
     }
 }
 

@@ -75,6 +75,9 @@ pub struct DebounceStats {
     pub failed: u64,
     /// Keys debounced now (pending or in their quiet window).
     pub keys: usize,
+    /// Slots the key map holds memory for (it gives memory back after a
+    /// flood once swept).
+    pub capacity: usize,
 }
 
 /// Counters of the leading-edge throttle of one runtime.
@@ -89,6 +92,9 @@ pub struct ThrottleStats {
     pub throttled: u64,
     /// Windows tracked now, expired ones not yet swept included.
     pub windows: usize,
+    /// Slots the window map holds memory for (it gives memory back after a
+    /// flood once swept).
+    pub capacity: usize,
 }
 
 /// Stripes of a [`Counter`]: enough that two threads rarely share one.

@@ -150,6 +150,7 @@ impl Service for State {
         stats.throttle.executed = self.executed.get();
         stats.throttle.throttled = self.throttled.get();
         stats.throttle.windows = self.windows.registry.len();
+        stats.throttle.capacity = self.windows.registry.capacity();
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use support::{Oops, Runs, ms, runtime};
 use throttlebeam::{Error, ThrottleOutcome};
-use tokio::time::{Instant, sleep};
+use tokio::time::{Instant, advance, sleep};
 
 #[tokio::test(start_paused = true)]
 async fn t1_five_immediate_calls_execute_once() {
@@ -292,4 +292,73 @@ async fn windows_on_the_timestamp_counter_behave_the_same() {
         );
         tokio::task::yield_now().await;
     }
+}
+
+/// Issue 7 item 15: memory comes back. After a flood of keys is swept,
+/// neither the windows nor the debounce keys keep their peak capacity, and
+/// both show in stats.
+#[tokio::test(start_paused = true)]
+async fn a_swept_flood_gives_its_memory_back_and_shows_in_stats() {
+    let rt = runtime().await;
+    let t = rt.throttle();
+    let d = rt.debounce();
+    let mut runs = Vec::new();
+    for i in 0..20_000 {
+        let key = format!("flood:{i}");
+        assert!(
+            t.call(&key, ms(10), || async { Ok::<_, Oops>(()) })
+                .await
+                .unwrap()
+                .is_executed()
+        );
+        runs.push(d.call(&key, ms(1), || async { Ok::<_, Oops>(()) }).unwrap());
+    }
+    let peak = rt.stats();
+    assert_eq!(
+        (peak.throttle.windows, peak.debounce.keys),
+        (20_000, 20_000)
+    );
+    assert!(peak.throttle.capacity >= 20_000 && peak.debounce.capacity >= 20_000);
+    advance(ms(10)).await;
+    for run in runs {
+        run.await.unwrap();
+    }
+    support::settle().await;
+    assert_eq!(rt.sweep_now(), 0);
+    let swept = rt.stats();
+    assert_eq!(
+        (swept.throttle.windows, swept.debounce.keys, swept.keys),
+        (0, 0, 0)
+    );
+    assert!(
+        swept.throttle.capacity < peak.throttle.capacity / 4,
+        "windows kept {} of {} slots",
+        swept.throttle.capacity,
+        peak.throttle.capacity
+    );
+    assert!(
+        swept.debounce.capacity < peak.debounce.capacity / 4,
+        "debounce kept {} of {} slots",
+        swept.debounce.capacity,
+        peak.debounce.capacity
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn throttle_stats_count_executed_and_throttled_calls() {
+    let rt = runtime().await;
+    let t = rt.throttle();
+    for _ in 0..5 {
+        let _ = t
+            .call("a", ms(100), || async { Ok::<_, Oops>(()) })
+            .await
+            .unwrap();
+    }
+    let _ = t
+        .call("b", ms(100), || async { Err::<(), _>(Oops("b")) })
+        .await;
+    let stats = rt.stats().throttle;
+    assert_eq!((stats.executed, stats.throttled, stats.windows), (2, 4, 2));
+    let json = serde_json::to_value(rt.stats()).unwrap();
+    assert_eq!(json["throttle"]["throttled"], 4);
 }
