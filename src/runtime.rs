@@ -62,11 +62,13 @@ pub struct RuntimeBuilder {
     policy: ShutdownPolicy,
     partitions: Option<usize>,
     clock: RuntimeClock,
+    name: Arc<str>,
 }
 
 impl Default for RuntimeBuilder {
     fn default() -> Self {
         Self {
+            name: Arc::from("throttlebeam"),
             sweep_interval: Duration::from_secs(60),
             max_keys: None,
             policy: ShutdownPolicy::Flush,
@@ -101,6 +103,13 @@ impl RuntimeBuilder {
     /// CPU's timestamp counter, or tokio's clock when it is paused at start).
     pub fn with_clock(mut self, clock: RuntimeClock) -> Self {
         self.clock = clock;
+        self
+    }
+
+    /// The runtime's name, for telling runtimes apart in exported metrics
+    /// and logs (default `"throttlebeam"`).
+    pub fn with_name(mut self, name: &str) -> Self {
+        self.name = Arc::from(name);
         self
     }
 
@@ -166,6 +175,7 @@ impl RuntimeBuilder {
             cap: self.max_keys.unwrap_or(usize::MAX),
             policy: self.policy,
             clock: self.clock,
+            name: self.name,
             closed: AtomicBool::new(false),
             restarts: AtomicU64::new(0),
             services: Services::default(),
@@ -186,6 +196,8 @@ pub(crate) struct Core {
     pub(crate) policy: ShutdownPolicy,
     /// The clock choice for services that keep windows on it.
     pub(crate) clock: RuntimeClock,
+    /// The name metrics and logs know the runtime by.
+    name: Arc<str>,
     closed: AtomicBool,
     restarts: AtomicU64,
     services: Services,
@@ -279,6 +291,7 @@ pub struct Runtime {
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runtime")
+            .field("name", &self.core.name)
             .field("stats", &self.stats())
             .field("closed", &self.core.is_closed())
             .finish_non_exhaustive()
@@ -426,6 +439,42 @@ impl Runtime {
         Ok(restarted)
     }
 
+    /// Publishes [`Runtime::stats`] through the [`metrics`](https://docs.rs/metrics)
+    /// facade, to whatever recorder the host installed (Prometheus,
+    /// StatsD, ...). Call it periodically or before each scrape: it reads
+    /// the counters the hot paths keep anyway, so a runtime pays nothing for
+    /// metrics between exports. Every metric carries the label
+    /// `runtime` = [`RuntimeBuilder::with_name`] (default `"throttlebeam"`).
+    ///
+    /// | metric | kind | what |
+    /// |---|---|---|
+    /// | `throttlebeam_keys` | gauge | keys tracked, every primitive |
+    /// | `throttlebeam_processes` | gauge | per-key processes alive |
+    /// | `throttlebeam_timers` | gauge | timers armed |
+    /// | `throttlebeam_ttl_entries` | gauge | entries in TTL tables |
+    /// | `throttlebeam_down` | gauge | 1 while the root is down |
+    /// | `throttlebeam_restarts_total` | counter | restarts after a failed root |
+    /// | `throttlebeam_debounce_keys`, `throttlebeam_debounce_capacity` | gauge | [`crate::DebounceStats`] |
+    /// | `throttlebeam_debounce_{calls,runs,coalesced,cancelled,flushed,failed}_total` | counter | [`crate::DebounceStats`] |
+    /// | `throttlebeam_throttle_windows`, `throttlebeam_throttle_capacity` | gauge | [`crate::ThrottleStats`] |
+    /// | `throttlebeam_throttle_{executed,throttled}_total` | counter | [`crate::ThrottleStats`] |
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use throttlebeam::Runtime;
+    ///
+    /// let runtime = Runtime::builder().with_name("api").start().await?;
+    /// // With a recorder installed (metrics-exporter-prometheus, ...):
+    /// runtime.export_metrics();
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "metrics")]
+    pub fn export_metrics(&self) {
+        self.stats().export(&self.core.name);
+    }
+
     /// Sweeps every expiring map of the runtime now (throttle windows,
     /// idempotency results, whatever a primitive registered with the
     /// runtime's sweeper), instead of waiting for the next periodic sweep,
@@ -478,7 +527,11 @@ fn start_global() -> Result<Runtime, Error> {
             };
             rt.block_on(async move {
                 let partitions = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
-                let started = Runtime::builder().with_partitions(partitions).start().await;
+                let started = Runtime::builder()
+                    .with_name("default")
+                    .with_partitions(partitions)
+                    .start()
+                    .await;
                 let ok = started.is_ok();
                 let _ = tx.send(started);
                 if ok {

@@ -97,6 +97,60 @@ pub struct ThrottleStats {
     pub capacity: usize,
 }
 
+#[cfg(feature = "metrics")]
+impl Stats {
+    /// Publishes these figures through the `metrics` facade, labelled
+    /// `runtime = name`. Totals are counters set to their absolute value
+    /// (`*_total`), live figures are gauges. See
+    /// [`crate::Runtime::export_metrics`] for the names.
+    pub(crate) fn export(&self, name: &str) {
+        use metrics::{counter, gauge};
+        let label = [("runtime", name.to_owned())];
+        let gauges: [(&'static str, usize); 9] = [
+            ("throttlebeam_keys", self.keys),
+            ("throttlebeam_processes", self.processes),
+            ("throttlebeam_timers", self.timers),
+            ("throttlebeam_ttl_entries", self.ttl_entries),
+            ("throttlebeam_down", usize::from(self.down)),
+            ("throttlebeam_debounce_keys", self.debounce.keys),
+            ("throttlebeam_debounce_capacity", self.debounce.capacity),
+            ("throttlebeam_throttle_windows", self.throttle.windows),
+            ("throttlebeam_throttle_capacity", self.throttle.capacity),
+        ];
+        for (metric, value) in gauges {
+            // Gauges are f64 by the facade's contract.
+            #[allow(clippy::cast_precision_loss)]
+            gauge!(metric, &label).set(value as f64);
+        }
+        let counters: [(&'static str, u64); 9] = [
+            ("throttlebeam_restarts_total", self.restarts),
+            ("throttlebeam_debounce_calls_total", self.debounce.calls),
+            ("throttlebeam_debounce_runs_total", self.debounce.runs),
+            (
+                "throttlebeam_debounce_coalesced_total",
+                self.debounce.coalesced,
+            ),
+            (
+                "throttlebeam_debounce_cancelled_total",
+                self.debounce.cancelled,
+            ),
+            ("throttlebeam_debounce_flushed_total", self.debounce.flushed),
+            ("throttlebeam_debounce_failed_total", self.debounce.failed),
+            (
+                "throttlebeam_throttle_executed_total",
+                self.throttle.executed,
+            ),
+            (
+                "throttlebeam_throttle_throttled_total",
+                self.throttle.throttled,
+            ),
+        ];
+        for (metric, value) in counters {
+            counter!(metric, &label).absolute(value);
+        }
+    }
+}
+
 /// Stripes of a [`Counter`]: enough that two threads rarely share one.
 const STRIPES: usize = 8;
 

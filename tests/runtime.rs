@@ -616,3 +616,61 @@ async fn shutdown_leaves_no_window_or_key_tracked() {
     );
     assert_eq!(stats.processes, 0);
 }
+
+/// Issue 7 item 19: stats reach a `metrics` recorder under documented names.
+#[cfg(feature = "metrics")]
+#[tokio::test(start_paused = true)]
+async fn stats_are_exported_through_the_metrics_facade() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let rt = Runtime::builder().with_name("api").start().await.unwrap();
+    let t = rt.throttle();
+    for _ in 0..3 {
+        let _ = t
+            .call("k", ms(100), || async { Ok::<_, Oops>(()) })
+            .await
+            .unwrap();
+    }
+    rt.debounce()
+        .call("d", ms(1), || async { Ok::<_, Oops>(()) })
+        .unwrap()
+        .await
+        .unwrap();
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || rt.export_metrics());
+    let seen: std::collections::HashMap<String, (Vec<String>, DebugValue)> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(key, _, _, value)| {
+            let key = key.key();
+            let labels = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            (key.name().to_owned(), (labels, value))
+        })
+        .collect();
+    let value = |name: &str| {
+        let (labels, value) = seen.get(name).unwrap_or_else(|| panic!("{name} exported"));
+        assert_eq!(labels, &vec!["runtime=api".to_owned()]);
+        value
+    };
+    assert_eq!(
+        value("throttlebeam_throttle_executed_total"),
+        &DebugValue::Counter(1)
+    );
+    assert_eq!(
+        value("throttlebeam_throttle_throttled_total"),
+        &DebugValue::Counter(2)
+    );
+    assert_eq!(
+        value("throttlebeam_debounce_runs_total"),
+        &DebugValue::Counter(1)
+    );
+    assert_eq!(
+        value("throttlebeam_throttle_windows"),
+        &DebugValue::Gauge(1.0.into())
+    );
+    assert_eq!(value("throttlebeam_down"), &DebugValue::Gauge(0.0.into()));
+}
