@@ -448,17 +448,35 @@ fn memory() -> String {
 
 fn main() {
     // Memory first, in a fresh process, so RSS growth is not hidden by freed pages.
-    let memory = memory();
+    let memory = if std::env::var("CORE_BENCH").is_ok() {
+        String::new()
+    } else {
+        memory()
+    };
     let mut c = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .sample_size(10)
         .configure_from_args();
     let mut lines = Vec::new();
-    throttle_reject(&mut c, &mut lines);
-    idempotency_replay(&mut c, &mut lines);
-    debounce_burst(&mut c, &mut lines);
-    fresh_key(&mut c, &mut lines);
+    // `CORE_BENCH=throttle_reject,fresh_key` runs only those (quick checks).
+    let only = std::env::var("CORE_BENCH").ok();
+    let wanted = |name: &str| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|n| n == name))
+    };
+    if wanted("throttle_reject") {
+        throttle_reject(&mut c, &mut lines);
+    }
+    if wanted("idempotency_replay") {
+        idempotency_replay(&mut c, &mut lines);
+    }
+    if wanted("debounce_burst") {
+        debounce_burst(&mut c, &mut lines);
+    }
+    if wanted("fresh_key") {
+        fresh_key(&mut c, &mut lines);
+    }
     c.final_summary();
     println!();
     for l in &lines {
