@@ -48,7 +48,15 @@
 //! # Logging
 //!
 //! Events go through `tracing`; nothing is logged above debug level except a
-//! per-key process crashing outside user code. ractor logs a span per actor
+//! per-key process crashing outside user code, a debounced run that failed
+//! while nobody awaited it (warn), and a failed trailing run (error).
+//!
+//! # Observability
+//!
+//! [`Runtime::stats`] returns a [`Stats`] (`serde::Serialize`) with one
+//! struct per primitive ([`DebounceStats`], [`ThrottleStats`]); with the
+//! `metrics` feature, `Runtime::export_metrics` publishes them through the
+//! `metrics` facade. ractor logs a span per actor
 //! at INFO: hosts usually filter with `ractor=warn`.
 
 mod cell;

@@ -215,7 +215,7 @@ impl Core {
         if self.is_closed() {
             return Err(Error::ShutDown { key: shown(key) });
         }
-        if self.tree.is_down() {
+        if self.tree.is_known_down() {
             return Err(Error::RuntimeDown { key: shown(key) });
         }
         Ok(())

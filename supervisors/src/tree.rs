@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -126,6 +127,10 @@ pub struct Tree {
 struct TreeInner {
     /// The current root; replaced by [`Tree::restart`].
     root: ArcSwap<ActorRef<RootMsg>>,
+    /// Set once the current root is known to be down: at once when it fails
+    /// its restart intensity or is stopped, moments later when it is killed
+    /// (by its watcher), or by whoever sees it down first.
+    down: Arc<AtomicBool>,
     host: Option<ActorCell>,
     config: TreeConfig,
     /// Serializes restarts.
@@ -217,10 +222,12 @@ impl Tree {
     ) -> Result<Self, StartTreeError> {
         let supervisor = Supervisor::new(config.partitions);
         let sweeper = Sweeper::new(config.sweep_interval, Arc::clone(&counters));
-        let root = spawn_root(&supervisor, &sweeper, &config, host.clone()).await?;
-        Ok(Self {
+        let down = Arc::new(AtomicBool::new(false));
+        let (root, join) = spawn_root(&supervisor, &sweeper, &config, host.clone(), &down).await?;
+        let tree = Self {
             inner: Arc::new(TreeInner {
                 root: ArcSwap::from_pointee(root),
+                down,
                 host,
                 config,
                 restarting: tokio::sync::Mutex::new(()),
@@ -228,18 +235,58 @@ impl Tree {
             supervisor,
             sweeper,
             counters,
-        })
+        };
+        tree.watch(join);
+        Ok(tree)
+    }
+
+    /// Marks the tree down when the current root's task ends, however it
+    /// ended (a kill runs none of the root's own code), unless the tree was
+    /// shut down or has restarted since.
+    fn watch(&self, join: ractor::concurrency::JoinHandle<()>) {
+        let id = self.inner.root.load().get_id();
+        let inner = Arc::downgrade(&self.inner);
+        let supervisor = self.supervisor.clone();
+        tokio::spawn(async move {
+            let _ = join.await;
+            if let Some(inner) = inner.upgrade() {
+                if !supervisor.is_shut_down() && inner.root.load().get_id() == id {
+                    inner.down.store(true, Ordering::Release);
+                }
+            }
+        });
+    }
+
+    /// The hot-path form of [`Tree::is_down`]: one relaxed load, no lookup.
+    /// True once the tree knows its root is down: at once for a root that
+    /// failed its restart intensity or was stopped from outside, moments
+    /// later for one that was killed (or at once if [`Tree::is_down`] saw it
+    /// first).
+    #[inline]
+    #[must_use]
+    pub fn is_known_down(&self) -> bool {
+        self.inner.down.load(Ordering::Relaxed)
     }
 
     /// Whether the root has stopped without [`Tree::shutdown`]: it failed
     /// (restart intensity exceeded) or was killed. Nothing is swept and no
     /// infrastructure is supervised until [`Tree::restart`].
     ///
-    /// One atomic load: cheap enough for every call's hot path.
+    /// Exact, but reads the current root: hot paths use
+    /// [`Tree::is_known_down`].
     #[must_use]
     pub fn is_down(&self) -> bool {
-        self.inner.root.load().get_status() >= ActorStatus::Stopping
-            && !self.supervisor.is_shut_down()
+        if self.supervisor.is_shut_down() {
+            return false;
+        }
+        if self.inner.down.load(Ordering::Acquire) {
+            return true;
+        }
+        let down = self.inner.root.load().get_status() >= ActorStatus::Stopping;
+        if down {
+            self.inner.down.store(true, Ordering::Release);
+        }
+        down
     }
 
     /// Starts a fresh root (and its partition actors and sweeper) after the
@@ -285,14 +332,17 @@ impl Tree {
         while old.get_status() != ActorStatus::Stopped {
             tokio::task::yield_now().await;
         }
-        let root = spawn_root(
+        let (root, join) = spawn_root(
             &self.supervisor,
             &self.sweeper,
             &self.inner.config,
             self.inner.host.clone(),
+            &self.inner.down,
         )
         .await?;
         self.inner.root.store(Arc::new(root));
+        self.inner.down.store(false, Ordering::Release);
+        self.watch(join);
         tracing::info!("supervision tree restarted");
         Ok(true)
     }
@@ -365,18 +415,19 @@ async fn spawn_root(
     sweeper: &Sweeper,
     config: &TreeConfig,
     host: Option<ActorCell>,
-) -> Result<ActorRef<RootMsg>, StartTreeError> {
+    down: &Arc<AtomicBool>,
+) -> Result<(ActorRef<RootMsg>, ractor::concurrency::JoinHandle<()>), StartTreeError> {
     let root = Root {
         supervisor: supervisor.clone(),
         sweeper: sweeper.clone(),
         config: config.clone(),
+        down: Arc::clone(down),
     };
-    let (root, _join) = match host {
+    match host {
         Some(host) => Actor::spawn_linked(None, root, (), host).await,
         None => Actor::spawn(None, root, ()).await,
     }
-    .map_err(StartTreeError)?;
-    Ok(root)
+    .map_err(StartTreeError)
 }
 
 #[derive(Debug)]
@@ -386,6 +437,8 @@ struct Root {
     supervisor: Supervisor,
     sweeper: Sweeper,
     config: TreeConfig,
+    /// The tree's "known down" flag.
+    down: Arc<AtomicBool>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -504,6 +557,8 @@ impl Actor for Root {
             // A failing actor gets no post_stop: detach here, so handles stop
             // sending to actors that ractor is about to kill.
             self.detach_all();
+            // Before the host hears of it: calls fail fast from now on.
+            self.down.store(true, Ordering::Release);
             return Err(format!("restart intensity exceeded; last child exit: {why}").into());
         }
         state.restarts.push_back(now);
@@ -518,6 +573,10 @@ impl Actor for Root {
         myself: ActorRef<RootMsg>,
         _state: &mut RootState,
     ) -> Result<(), ActorProcessingErr> {
+        // Stopped by someone other than `Tree::shutdown`: down, not closed.
+        if !self.supervisor.is_shut_down() {
+            self.down.store(true, Ordering::Release);
+        }
         self.detach_all();
         myself.stop_children_and_wait(None, None).await;
         Ok(())

@@ -384,6 +384,7 @@ async fn a_failed_root_is_down_until_restarted_and_then_sweeps_again() {
     tokio::time::advance(INTERVAL).await;
     support::settle().await;
     assert!(matches!(hosted.seen().as_slice(), [Seen::Failed(..)]));
+    assert!(hosted.tree.is_known_down(), "known before anyone asks");
     assert!(hosted.tree.is_down());
     assert_eq!(
         hosted.tree.counters().timers(),
@@ -393,7 +394,7 @@ async fn a_failed_root_is_down_until_restarted_and_then_sweeps_again() {
 
     assert!(hosted.tree.restart().await.unwrap());
     support::settle().await;
-    assert!(!hosted.tree.is_down());
+    assert!(!hosted.tree.is_down() && !hosted.tree.is_known_down());
     let new_root = hosted.root_id();
     assert_ne!(new_root, old_root);
     assert_eq!(hosted.seen(), vec![Seen::Started(new_root)]);
@@ -416,6 +417,7 @@ async fn a_killed_root_is_down_and_a_shut_down_tree_is_not_restarted() {
     assert!(!tree.is_down());
     tree.root().kill();
     support::settle().await;
+    assert!(tree.is_known_down(), "the root's watcher noticed the kill");
     assert!(tree.is_down());
     assert!(tree.restart().await.unwrap());
     assert!(!tree.is_down());
