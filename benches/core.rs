@@ -178,12 +178,6 @@ fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
             black_box(quanta.now());
         }),
     );
-    let checks = format!(
-        "; runtime up check {:.1} ns",
-        read(&|| {
-            black_box(runtime.is_down());
-        })
-    );
     let (ours_tokio_ns, anchor_ns) = paired(
         7,
         2_000_000,
@@ -194,7 +188,7 @@ fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
         name: "throttle_reject_tokio_clock",
         ours: ours_tokio_ns,
         anchor: anchor_ns,
-        extra: format!(" (windows on tokio's clock instead of the TSC{clocks}{checks})"),
+        extra: format!(" (windows on tokio's clock instead of the TSC{clocks})"),
     });
 }
 
@@ -249,10 +243,16 @@ fn debounce_burst(c: &mut Criterion, lines: &mut Vec<Line>) {
         }
     });
     let per_burst = (debounce.timer_wakeups() - before) as f64 / 50.0;
+    let (ours_ns, anchor_ns) = paired(
+        7,
+        2_000_000,
+        |n| parallel(1, n, &ours),
+        |n| parallel(1, n, &anchor),
+    );
     lines.push(Line {
         name: "debounce_burst",
-        ours: ns_per_op(4_000_000, |n| parallel(1, n, &ours)),
-        anchor: ns_per_op(4_000_000, |n| parallel(1, n, &anchor)),
+        ours: ours_ns,
+        anchor: anchor_ns,
         extra: format!(
             " (timer wakeups per 1,000-call burst: {per_burst:.2}; during the bench: {wakeups_during_bench})"
         ),
@@ -494,11 +494,17 @@ fn memory() -> String {
 }
 
 fn main() {
+    // `CORE_BENCH=throttle_reject,fresh_key` runs only those (quick checks).
     // Memory first, in a fresh process, so RSS growth is not hidden by freed pages.
-    let memory = if std::env::var("CORE_BENCH").is_ok() {
-        String::new()
-    } else {
+    let only = std::env::var("CORE_BENCH").ok();
+    let wanted = |name: &str| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|n| n == name))
+    };
+    let memory = if wanted("memory") {
         memory()
+    } else {
+        String::new()
     };
     let mut c = Criterion::default()
         .warm_up_time(Duration::from_millis(500))

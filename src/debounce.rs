@@ -171,7 +171,9 @@ pub(crate) struct State {
     /// tells every key, however many there are.
     closing: AtomicU8,
     wakeups: AtomicU64,
-    calls: Counter,
+    /// Calls that started a burst; `calls` is this plus `coalesced`, so
+    /// each call bumps one counter.
+    bursts: Counter,
     runs: Counter,
     coalesced: Counter,
     cancelled: Counter,
@@ -202,7 +204,7 @@ impl State {
             counters: Arc::clone(&core.counters),
             closing: AtomicU8::new(OPEN),
             wakeups: AtomicU64::new(0),
-            calls: Counter::default(),
+            bursts: Counter::default(),
             runs: Counter::default(),
             coalesced: Counter::default(),
             cancelled: Counter::default(),
@@ -255,9 +257,9 @@ impl Service for State {
 
     fn stats(&self, stats: &mut Stats) {
         let d = &mut stats.debounce;
-        d.calls = self.calls.get();
-        d.runs = self.runs.get();
         d.coalesced = self.coalesced.get();
+        d.calls = self.bursts.get() + d.coalesced;
+        d.runs = self.runs.get();
         d.cancelled = self.cancelled.get();
         d.flushed = self.flushed.get();
         d.failed = self.failed.get();
@@ -585,6 +587,7 @@ impl DebounceHandle {
         // refused) comes back out here, to be dropped after the shard lock.
         let mut job = Some(job);
         let mut replaced = None;
+        let mut joined = false;
         let type_id = TypeId::of::<T>();
         let now = Instant::now();
         let state = &self.state;
@@ -602,6 +605,7 @@ impl DebounceHandle {
                 let cell = match &mut s.pending {
                     Some(p) => {
                         replaced = Some(p.replace(job));
+                        joined = true;
                         Arc::clone(&p.cell)
                     }
                     None => {
@@ -653,9 +657,13 @@ impl DebounceHandle {
         });
         drop((job, replaced));
         let (cell, spawn) = started?;
-        state.calls.incr();
+        if joined {
+            state.coalesced.incr();
+        } else {
+            state.bursts.incr();
+        }
         match spawn {
-            None => state.coalesced.incr(),
+            None => {}
             Some((key, generation, leading)) => {
                 let driver = Driver {
                     state: Arc::clone(state),
