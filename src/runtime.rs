@@ -321,6 +321,10 @@ impl Runtime {
     /// time: tests with paused tokio time should build their own runtime,
     /// which then follows the paused clock.
     ///
+    /// No host supervises it, so it supervises itself: if its root goes
+    /// down, calls fail with [`Error::RuntimeDown`] for about 100 ms, then
+    /// it restarts (as [`Runtime::restart`]) and serves again.
+    ///
     /// # Errors
     ///
     /// [`Error::Start`] if it could not start (reported to every caller).
@@ -532,10 +536,24 @@ fn start_global() -> Result<Runtime, Error> {
                     .with_partitions(partitions)
                     .start()
                     .await;
-                let ok = started.is_ok();
+                let runtime = started.as_ref().ok().cloned();
                 let _ = tx.send(started);
-                if ok {
-                    std::future::pending::<()>().await;
+                // Nobody supervises the default runtime: it restarts itself,
+                // 100 ms after its root goes down.
+                if let Some(runtime) = runtime {
+                    loop {
+                        runtime.core.tree.wait_down().await;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        match runtime.restart().await {
+                            Ok(_) => {
+                                tracing::warn!("default runtime restarted after its root went down")
+                            }
+                            Err(error) => {
+                                let error: &(dyn std::error::Error + 'static) = &error;
+                                tracing::error!(error, "default runtime failed to restart");
+                            }
+                        }
+                    }
                 }
             });
         });

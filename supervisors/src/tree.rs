@@ -130,7 +130,7 @@ struct TreeInner {
     /// Set once the current root is known to be down: at once when it fails
     /// its restart intensity or is stopped, moments later when it is killed
     /// (by its watcher), or by whoever sees it down first.
-    down: Arc<AtomicBool>,
+    down: Arc<Down>,
     host: Option<ActorCell>,
     config: TreeConfig,
     /// Serializes restarts.
@@ -222,7 +222,7 @@ impl Tree {
     ) -> Result<Self, StartTreeError> {
         let supervisor = Supervisor::new(config.partitions);
         let sweeper = Sweeper::new(config.sweep_interval, Arc::clone(&counters));
-        let down = Arc::new(AtomicBool::new(false));
+        let down = Arc::new(Down::default());
         let (root, join) = spawn_root(&supervisor, &sweeper, &config, host.clone(), &down).await?;
         let tree = Self {
             inner: Arc::new(TreeInner {
@@ -251,10 +251,22 @@ impl Tree {
             let _ = join.await;
             if let Some(inner) = inner.upgrade() {
                 if !supervisor.is_shut_down() && inner.root.load().get_id() == id {
-                    inner.down.store(true, Ordering::Release);
+                    inner.down.set();
                 }
             }
         });
+    }
+
+    /// Waits until the root is known to be down (see
+    /// [`Tree::is_known_down`]); for a tree with no host supervisor, whose
+    /// owner restarts it itself. Meant for one waiter at a time.
+    pub async fn wait_down(&self) {
+        loop {
+            if self.is_known_down() {
+                return;
+            }
+            self.inner.down.notify.notified().await;
+        }
     }
 
     /// The hot-path form of [`Tree::is_down`]: one relaxed load, no lookup.
@@ -265,7 +277,7 @@ impl Tree {
     #[inline]
     #[must_use]
     pub fn is_known_down(&self) -> bool {
-        self.inner.down.load(Ordering::Relaxed)
+        self.inner.down.flag.load(Ordering::Relaxed)
     }
 
     /// Whether the root has stopped without [`Tree::shutdown`]: it failed
@@ -279,12 +291,12 @@ impl Tree {
         if self.supervisor.is_shut_down() {
             return false;
         }
-        if self.inner.down.load(Ordering::Acquire) {
+        if self.inner.down.flag.load(Ordering::Acquire) {
             return true;
         }
         let down = self.inner.root.load().get_status() >= ActorStatus::Stopping;
         if down {
-            self.inner.down.store(true, Ordering::Release);
+            self.inner.down.set();
         }
         down
     }
@@ -341,7 +353,7 @@ impl Tree {
         )
         .await?;
         self.inner.root.store(Arc::new(root));
-        self.inner.down.store(false, Ordering::Release);
+        self.inner.down.flag.store(false, Ordering::Release);
         self.watch(join);
         tracing::info!("supervision tree restarted");
         Ok(true)
@@ -407,6 +419,22 @@ impl Tree {
     }
 }
 
+/// Whether the current root is known to be down, and who to tell.
+#[derive(Debug, Default)]
+struct Down {
+    flag: AtomicBool,
+    /// Holds a permit once the root went down, for [`Tree::wait_down`].
+    notify: tokio::sync::Notify,
+}
+
+impl Down {
+    fn set(&self) {
+        if !self.flag.swap(true, Ordering::AcqRel) {
+            self.notify.notify_one();
+        }
+    }
+}
+
 /// How long past its deadline a shutdown waits for the root to stop.
 const STOP_ALLOWANCE: Duration = Duration::from_millis(5);
 
@@ -415,7 +443,7 @@ async fn spawn_root(
     sweeper: &Sweeper,
     config: &TreeConfig,
     host: Option<ActorCell>,
-    down: &Arc<AtomicBool>,
+    down: &Arc<Down>,
 ) -> Result<(ActorRef<RootMsg>, ractor::concurrency::JoinHandle<()>), StartTreeError> {
     let root = Root {
         supervisor: supervisor.clone(),
@@ -438,7 +466,7 @@ struct Root {
     sweeper: Sweeper,
     config: TreeConfig,
     /// The tree's "known down" flag.
-    down: Arc<AtomicBool>,
+    down: Arc<Down>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -558,7 +586,7 @@ impl Actor for Root {
             // sending to actors that ractor is about to kill.
             self.detach_all();
             // Before the host hears of it: calls fail fast from now on.
-            self.down.store(true, Ordering::Release);
+            self.down.set();
             return Err(format!("restart intensity exceeded; last child exit: {why}").into());
         }
         state.restarts.push_back(now);
@@ -575,7 +603,7 @@ impl Actor for Root {
     ) -> Result<(), ActorProcessingErr> {
         // Stopped by someone other than `Tree::shutdown`: down, not closed.
         if !self.supervisor.is_shut_down() {
-            self.down.store(true, Ordering::Release);
+            self.down.set();
         }
         self.detach_all();
         myself.stop_children_and_wait(None, None).await;
