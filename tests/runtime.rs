@@ -565,9 +565,9 @@ async fn shutdown_keeps_its_deadline_with_fifty_thousand_pending_keys() {
         throttlebeam::ShutdownPolicy::Flush,
     ] {
         let took = shutdown_time(policy, 50_000).await;
-        // Loose for a debug build on a shared 2-vCPU machine; the old code
-        // took longer than this in release.
-        assert!(took < Duration::from_millis(50), "{policy:?}: {took:?}");
+        // Debug build on a shared 2-vCPU machine: 4 to 60 ms now (the
+        // higher figures with other tests running), 1.23 s before the fix.
+        assert!(took < Duration::from_millis(250), "{policy:?}: {took:?}");
     }
 }
 
