@@ -110,6 +110,10 @@ struct Pending {
     // `&mut`, never locked.
     job: std::sync::Mutex<Job>,
     cell: Cell,
+    /// Calls that joined this run, counted under the shard lock and added
+    /// to the shared counter once the run is taken: a coalesced call costs
+    /// no atomic.
+    joined: u64,
 }
 
 impl Pending {
@@ -117,12 +121,14 @@ impl Pending {
         Self {
             job: std::sync::Mutex::new(job),
             cell,
+            joined: 0,
         }
     }
 
     /// Swaps in a newer function, handing back the old one to be dropped
     /// outside the shard lock.
     fn replace(&mut self, job: Job) -> Job {
+        self.joined += 1;
         let slot = self
             .job
             .get_mut()
@@ -171,9 +177,9 @@ pub(crate) struct State {
     /// tells every key, however many there are.
     closing: AtomicU8,
     wakeups: AtomicU64,
-    /// Calls that started a burst; `calls` is this plus `coalesced`, so
-    /// each call bumps one counter.
-    bursts: Counter,
+    /// Calls covered by runs taken so far (run, cancelled, dropped): counted
+    /// per run, not per call.
+    calls: Counter,
     runs: Counter,
     coalesced: Counter,
     cancelled: Counter,
@@ -204,12 +210,21 @@ impl State {
             counters: Arc::clone(&core.counters),
             closing: AtomicU8::new(OPEN),
             wakeups: AtomicU64::new(0),
-            bursts: Counter::default(),
+            calls: Counter::default(),
             runs: Counter::default(),
             coalesced: Counter::default(),
             cancelled: Counter::default(),
             flushed: Counter::default(),
             failed: Counter::default(),
+        }
+    }
+
+    /// Counts the calls a run covered once it is taken: its first call and
+    /// the `joined` ones after it.
+    fn settle(&self, joined: u64) {
+        self.calls.add(1 + joined);
+        if joined > 0 {
+            self.coalesced.add(joined);
         }
     }
 }
@@ -248,6 +263,7 @@ impl Service for State {
         // Taken out under the shard locks, failed and dropped outside them.
         for (_, slot) in self.registry.drain() {
             if let Some(pending) = slot.pending {
+                self.settle(pending.joined);
                 pending.cell.discard("the runtime restarted");
                 self.failed.incr();
             }
@@ -258,7 +274,7 @@ impl Service for State {
     fn stats(&self, stats: &mut Stats) {
         let d = &mut stats.debounce;
         d.coalesced = self.coalesced.get();
-        d.calls = self.bursts.get() + d.coalesced;
+        d.calls = self.calls.get();
         d.runs = self.runs.get();
         d.cancelled = self.cancelled.get();
         d.flushed = self.flushed.get();
@@ -343,6 +359,7 @@ impl Driver {
                 .unwrap_or(Step::Gone);
             // Outside the shard lock: the user's function is dropped here.
             if let Some(p) = dropped {
+                state.settle(p.joined);
                 p.cell.discard("dropped at shutdown");
                 state.failed.incr();
             }
@@ -377,7 +394,8 @@ impl Driver {
     }
 
     async fn execute(&mut self, run: Pending) {
-        let Pending { job, cell } = run;
+        let Pending { job, cell, joined } = run;
+        self.state.settle(joined);
         let job = job
             .into_inner()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -412,10 +430,14 @@ impl Drop for Driver {
                 .remove_if(self.key.as_bytes(), self.generation, |_| true)
         };
         // Outside the shard lock: user functions are dropped here.
+        let left = left.and_then(|s| s.pending).map(|p| {
+            self.state.settle(p.joined);
+            p.cell
+        });
         let lost = [
             self.leading.take().map(|p| p.cell),
             self.running.take(),
-            left.and_then(|s| s.pending).map(|p| p.cell),
+            left,
         ];
         for cell in lost.into_iter().flatten() {
             if cell.discard("its process was lost") {
@@ -587,7 +609,6 @@ impl DebounceHandle {
         // refused) comes back out here, to be dropped after the shard lock.
         let mut job = Some(job);
         let mut replaced = None;
-        let mut joined = false;
         let type_id = TypeId::of::<T>();
         let now = Instant::now();
         let state = &self.state;
@@ -605,7 +626,6 @@ impl DebounceHandle {
                 let cell = match &mut s.pending {
                     Some(p) => {
                         replaced = Some(p.replace(job));
-                        joined = true;
                         Arc::clone(&p.cell)
                     }
                     None => {
@@ -657,11 +677,6 @@ impl DebounceHandle {
         });
         drop((job, replaced));
         let (cell, spawn) = started?;
-        if joined {
-            state.coalesced.incr();
-        } else {
-            state.bursts.incr();
-        }
         match spawn {
             None => {}
             Some((key, generation, leading)) => {
@@ -702,6 +717,7 @@ impl DebounceHandle {
         // Outside the shard lock: the user's function is dropped here.
         match cancelled {
             Some(pending) => {
+                self.state.settle(pending.joined);
                 pending.cell.discard("cancelled");
                 self.state.cancelled.incr();
                 true

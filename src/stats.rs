@@ -56,11 +56,14 @@ pub struct Stats {
 
 /// Counters of the debounce primitive of one runtime.
 ///
-/// Totals count since the runtime started (a restart keeps them).
+/// Totals count since the runtime started (a restart keeps them). Calls are
+/// counted when the run covering them is taken (run, cancelled or dropped),
+/// so a pending burst's calls show once it ends: a call costs no shared
+/// counter on the hot path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[non_exhaustive]
 pub struct DebounceStats {
-    /// Calls accepted.
+    /// Calls whose covering run was taken (run, cancelled or dropped).
     pub calls: u64,
     /// Runs started (leading, trailing, flushed).
     pub runs: u64,
