@@ -114,3 +114,57 @@ impl Services {
             .collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    #[derive(Default)]
+    struct Counting(AtomicUsize);
+
+    impl Service for Counting {
+        fn reset(&self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    struct Other;
+
+    impl Service for Other {}
+
+    #[test]
+    fn one_service_per_type_made_once() {
+        let services = Services::default();
+        let made = AtomicUsize::new(0);
+        let make = || {
+            made.fetch_add(1, Ordering::SeqCst);
+            Counting::default()
+        };
+        let first = services.get_or_insert(make);
+        let again = services.get_or_insert(|| unreachable!("made once"));
+        assert!(Arc::ptr_eq(&first, &again));
+        let _other = services.get_or_insert(|| Other);
+        assert_eq!(made.load(Ordering::SeqCst), 1);
+        assert_eq!(services.all().len(), 2);
+        for service in services.all() {
+            service.reset();
+        }
+        assert_eq!(first.0.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn attached_services_are_forgotten_once_dropped() {
+        let services = Services::default();
+        let attached: Arc<dyn Service> = Arc::new(Counting::default());
+        services.attach(Arc::downgrade(&attached));
+        assert_eq!(services.all().len(), 1);
+        drop(attached);
+        assert_eq!(services.all().len(), 0);
+        // Dead entries are pruned on the next attach.
+        let kept: Arc<dyn Service> = Arc::new(Other);
+        services.attach(Arc::downgrade(&kept));
+        assert_eq!(services.entries.read().unwrap().len(), 1);
+    }
+}
