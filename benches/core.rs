@@ -19,7 +19,7 @@ use criterion::Criterion;
 use dashmap::DashMap;
 use governor::{Quota, RateLimiter};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use throttlebeam::{IdempotencyOutcome, Runtime, RuntimeClock, Throttled};
+use throttlebeam::{IdempotencyOutcome, Runtime, RuntimeClock, ThrottleOutcome};
 
 const KEYS: usize = 100_000;
 const HOUR: Duration = Duration::from_secs(3600);
@@ -48,6 +48,21 @@ fn parallel(threads: usize, total: u64, op: &(dyn Fn(u64) + Sync)) -> Duration {
         }
     });
     start.elapsed()
+}
+
+/// ns/op of ours and of the anchor, passes alternating so both see the same
+/// machine load: the best of `rounds` passes of `total` operations each.
+fn paired(
+    rounds: usize,
+    total: u64,
+    mut ours: impl FnMut(u64) -> Duration,
+    mut anchor: impl FnMut(u64) -> Duration,
+) -> (f64, f64) {
+    let ns = |d: Duration| d.as_nanos() as f64 / total as f64;
+    (0..rounds).fold((f64::INFINITY, f64::INFINITY), |(o, a), _| {
+        let a = a.min(ns(anchor(total)));
+        (o.min(ns(ours(total))), a)
+    })
 }
 
 /// ns/op of the best of three passes of `total` operations.
@@ -79,7 +94,7 @@ fn tokio_rt() -> tokio::runtime::Runtime {
 fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
     let rt = tokio_rt();
     let runtime = rt.block_on(Runtime::start()).expect("runtime");
-    let throttle = runtime.throttler();
+    let throttle = runtime.throttle();
     let keys = keys();
     rt.block_on(async {
         for key in &keys {
@@ -97,7 +112,10 @@ fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
     let ours = |i: u64| {
         let key = &keys[i as usize % KEYS];
         let outcome = poll_once(throttle.call(key, HOUR, || async { Ok::<_, Infallible>(()) }));
-        debug_assert!(matches!(outcome, Some(Ok(Throttled::Throttled { .. }))));
+        debug_assert!(matches!(
+            outcome,
+            Some(Ok(ThrottleOutcome::Throttled { .. }))
+        ));
         black_box(outcome);
     };
     let anchor = |i: u64| {
@@ -112,10 +130,15 @@ fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
         b.iter_custom(|n| parallel(2, n.max(2), &anchor))
     });
     g.finish();
-    let anchor_ns = ns_per_op(4_000_000, |n| parallel(2, n, &anchor));
+    let (ours_ns, anchor_ns) = paired(
+        7,
+        2_000_000,
+        |n| parallel(2, n, &ours),
+        |n| parallel(2, n, &anchor),
+    );
     lines.push(Line {
         name: "throttle_reject",
-        ours: ns_per_op(4_000_000, |n| parallel(2, n, &ours)),
+        ours: ours_ns,
         anchor: anchor_ns,
         extra: String::new(),
     });
@@ -124,7 +147,7 @@ fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
     let on_tokio = rt
         .block_on(Runtime::builder().with_clock(RuntimeClock::Tokio).start())
         .expect("runtime");
-    let tokio_throttle = on_tokio.throttler();
+    let tokio_throttle = on_tokio.throttle();
     rt.block_on(async {
         for key in &keys {
             let first = tokio_throttle
@@ -140,11 +163,32 @@ fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
             tokio_throttle.call(key, HOUR, || async { Ok::<_, Infallible>(()) }),
         ));
     };
+    // What one clock read costs on this machine, on the bench's threads.
+    let read = |f: &(dyn Fn() + Sync)| ns_per_op(4_000_000, |n| parallel(2, n, &|_| f()));
+    let quanta = quanta::Clock::new();
+    let clocks = format!(
+        "; one read, 2 threads: tokio {:.1} ns, std {:.1} ns, quanta {:.1} ns",
+        read(&|| {
+            black_box(tokio::time::Instant::now());
+        }),
+        read(&|| {
+            black_box(Instant::now());
+        }),
+        read(&|| {
+            black_box(quanta.now());
+        }),
+    );
+    let (ours_tokio_ns, anchor_ns) = paired(
+        7,
+        2_000_000,
+        |n| parallel(2, n, &ours_tokio),
+        |n| parallel(2, n, &anchor),
+    );
     lines.push(Line {
         name: "throttle_reject_tokio_clock",
-        ours: ns_per_op(4_000_000, |n| parallel(2, n, &ours_tokio)),
+        ours: ours_tokio_ns,
         anchor: anchor_ns,
-        extra: " (windows on tokio's clock instead of the TSC)".to_owned(),
+        extra: format!(" (windows on tokio's clock instead of the TSC{clocks})"),
     });
 }
 
@@ -152,7 +196,7 @@ fn debounce_burst(c: &mut Criterion, lines: &mut Vec<Line>) {
     let rt = tokio_rt();
     let _enter = rt.enter();
     let runtime = rt.block_on(Runtime::start()).expect("runtime");
-    let debounce = runtime.debouncer();
+    let debounce = runtime.debounce();
     let first = debounce
         .call("burst", HOUR, || async { Ok::<u64, Infallible>(0) })
         .expect("call");
@@ -199,10 +243,16 @@ fn debounce_burst(c: &mut Criterion, lines: &mut Vec<Line>) {
         }
     });
     let per_burst = (debounce.timer_wakeups() - before) as f64 / 50.0;
+    let (ours_ns, anchor_ns) = paired(
+        7,
+        2_000_000,
+        |n| parallel(1, n, &ours),
+        |n| parallel(1, n, &anchor),
+    );
     lines.push(Line {
         name: "debounce_burst",
-        ours: ns_per_op(4_000_000, |n| parallel(1, n, &ours)),
-        anchor: ns_per_op(4_000_000, |n| parallel(1, n, &anchor)),
+        ours: ours_ns,
+        anchor: anchor_ns,
         extra: format!(
             " (timer wakeups per 1,000-call burst: {per_burst:.2}; during the bench: {wakeups_during_bench})"
         ),
@@ -312,7 +362,7 @@ fn fresh_key(c: &mut Criterion, lines: &mut Vec<Line>) {
                 .start(),
         )
         .expect("runtime");
-    let throttle = runtime.throttler();
+    let throttle = runtime.throttle();
     static NEXT: AtomicU64 = AtomicU64::new(0);
     // Two tasks, each running its share of calls back to back.
     let ours = |n: u64| -> Duration {
@@ -401,8 +451,8 @@ fn memory() -> String {
     let _enter = rt.enter();
     let runtime = rt.block_on(Runtime::start()).expect("runtime");
     let keys: Vec<String> = (0..N).map(|i| format!("mem:{i:08}")).collect();
-    let debounce = runtime.debouncer();
-    let throttle = runtime.throttler();
+    let debounce = runtime.debounce();
+    let throttle = runtime.throttle();
 
     let before = rss_bytes();
     for key in &keys {
@@ -439,18 +489,42 @@ fn memory() -> String {
 }
 
 fn main() {
+    // `CORE_BENCH=throttle_reject,fresh_key` runs only those (quick checks).
     // Memory first, in a fresh process, so RSS growth is not hidden by freed pages.
-    let memory = memory();
+    let only = std::env::var("CORE_BENCH").ok();
+    let wanted = |name: &str| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|n| n == name))
+    };
+    let memory = if wanted("memory") {
+        memory()
+    } else {
+        String::new()
+    };
     let mut c = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .sample_size(10)
         .configure_from_args();
     let mut lines = Vec::new();
-    throttle_reject(&mut c, &mut lines);
-    idempotency_replay(&mut c, &mut lines);
-    debounce_burst(&mut c, &mut lines);
-    fresh_key(&mut c, &mut lines);
+    // `CORE_BENCH=throttle_reject,fresh_key` runs only those (quick checks).
+    let only = std::env::var("CORE_BENCH").ok();
+    let wanted = |name: &str| {
+        only.as_deref()
+            .is_none_or(|o| o.split(',').any(|n| n == name))
+    };
+    if wanted("throttle_reject") {
+        throttle_reject(&mut c, &mut lines);
+    }
+    if wanted("idempotency_replay") {
+        idempotency_replay(&mut c, &mut lines);
+    }
+    if wanted("debounce_burst") {
+        debounce_burst(&mut c, &mut lines);
+    }
+    if wanted("fresh_key") {
+        fresh_key(&mut c, &mut lines);
+    }
     c.final_summary();
     println!();
     for l in &lines {

@@ -163,11 +163,11 @@ async fn coalesced_call(runtime: &Runtime) -> Coalesced {
 }
 
 /// A key inside its leading-only window.
-struct Throttled {
-    throttler: throttlebeam::Throttler,
+struct ThrottleOutcome {
+    throttler: throttlebeam::ThrottleHandle,
 }
 
-impl Throttled {
+impl ThrottleOutcome {
     async fn run(&self, iters: u64) -> Duration {
         let start = Instant::now();
         for i in 0..iters {
@@ -183,8 +183,8 @@ impl Throttled {
     }
 }
 
-async fn throttled_call(runtime: &Runtime) -> Throttled {
-    let throttler = runtime.throttler();
+async fn throttled_call(runtime: &Runtime) -> ThrottleOutcome {
+    let throttler = runtime.throttle();
     let first = throttler
         .call("hot", Duration::from_secs(3600), || async {
             Ok::<_, Infallible>(0u64)
@@ -192,7 +192,7 @@ async fn throttled_call(runtime: &Runtime) -> Throttled {
         .await
         .expect("executes");
     assert!(!first.is_throttled());
-    Throttled { throttler }
+    ThrottleOutcome { throttler }
 }
 
 // ---------------------------------------------------------------- trailing_keys
@@ -362,7 +362,7 @@ async fn anchor_keys(
     runtime: &Runtime,
     keys: &std::sync::Arc<Vec<String>>,
 ) -> Option<TrailingThrottle<u64>> {
-    let throttler = runtime.throttler();
+    let throttler = runtime.throttle();
     let mut tasks = Vec::new();
     for part in 0..TASKS {
         let t = throttler.clone();

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use throttlebeam::{
-    Debounce, Idempotency, IdempotencyOptions, IdempotencyOutcome, Throttle, Throttled,
+    Debounce, Idempotency, IdempotencyOptions, IdempotencyOutcome, Throttle, ThrottleOutcome,
 };
 
 #[derive(Debug)]
@@ -57,8 +57,8 @@ async fn main() -> Result<(), throttlebeam::Error> {
         )
         .await?
         {
-            Throttled::Executed(what) => println!("throttle: {what}"),
-            Throttled::Throttled { retry_after } => {
+            ThrottleOutcome::Executed(what) => println!("throttle: {what}"),
+            ThrottleOutcome::Throttled { retry_after } => {
                 println!(
                     "throttle: attempt {attempt} throttled, retry in {:.0}s",
                     retry_after.as_secs_f64().ceil()

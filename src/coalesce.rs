@@ -99,6 +99,24 @@ pub struct TrailingStats {
     pub evictions: u64,
 }
 
+impl TrailingStats {
+    /// Adds `other`'s figures to these (for a runtime's total).
+    pub(crate) fn add(&mut self, other: &Self) {
+        self.active += other.active;
+        self.pending += other.pending;
+        self.keys += other.keys;
+        self.timers += other.timers;
+        self.store_keys += other.store_keys;
+        self.calls += other.calls;
+        self.leading_runs += other.leading_runs;
+        self.trailing_runs += other.trailing_runs;
+        self.coalesced += other.coalesced;
+        self.store_errors += other.store_errors;
+        self.store_timeouts += other.store_timeouts;
+        self.evictions += other.evictions;
+    }
+}
+
 /// Configures a [`TrailingThrottle`]; from [`Runtime::trailing_throttle`] or
 /// [`TrailingThrottleBuilder::new`] (default runtime).
 #[derive(Debug)]
@@ -477,23 +495,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
     /// ```
     #[must_use]
     pub fn stats(&self) -> TrailingStats {
-        let gauges = &self.shared.gauges;
-        let store = self.shared.store.stats();
-        let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
-        TrailingStats {
-            active: gauges.active.load(Ordering::Relaxed),
-            pending: gauges.pending.load(Ordering::Relaxed),
-            keys: self.shared.registry.len(),
-            timers: gauges.timers.load(Ordering::Relaxed),
-            store_keys: store.keys,
-            calls: count(&gauges.leads) + count(&gauges.coalesced),
-            leading_runs: count(&gauges.leading_runs),
-            trailing_runs: count(&gauges.trailing_runs),
-            coalesced: count(&gauges.coalesced),
-            store_errors: count(&gauges.store_errors),
-            store_timeouts: count(&gauges.store_timeouts),
-            evictions: store.evictions,
-        }
+        self.shared.snapshot()
     }
 
     /// The bound on every window store call.
@@ -561,5 +563,28 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
             .checked_add(grace)
             .unwrap_or_else(|| now + crate::key::MAX_TIMER);
         self.shared.drain(deadline).await;
+    }
+}
+
+impl<T: Clone + Send + Sync + 'static> Shared<T> {
+    /// The figures of [`TrailingThrottle::stats`].
+    pub(crate) fn snapshot(&self) -> TrailingStats {
+        let gauges = &self.gauges;
+        let store = self.store.stats();
+        let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        TrailingStats {
+            active: gauges.active.load(Ordering::Relaxed),
+            pending: gauges.pending.load(Ordering::Relaxed),
+            keys: self.registry.len(),
+            timers: gauges.timers.load(Ordering::Relaxed),
+            store_keys: store.keys,
+            calls: count(&gauges.leads) + count(&gauges.coalesced),
+            leading_runs: count(&gauges.leading_runs),
+            trailing_runs: count(&gauges.trailing_runs),
+            coalesced: count(&gauges.coalesced),
+            store_errors: count(&gauges.store_errors),
+            store_timeouts: count(&gauges.store_timeouts),
+            evictions: store.evictions,
+        }
     }
 }

@@ -4,12 +4,12 @@ use std::any::{Any, TypeId};
 use std::future::{Future, IntoFuture};
 use std::marker::PhantomData;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use throttlebeam_supervisors::{
-    Counters, Generation, Registry, SlotEntry, TimerGuard, catch_panic,
+    Counters, Generation, Registry, SlotEntry, Sweep, TimerGuard, catch_panic,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -17,7 +17,8 @@ use tokio::time::Instant;
 use crate::cell::RunCell;
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, check_timer, shown};
-use crate::runtime::{Core, Runtime, ShutdownPolicy};
+use crate::runtime::{Core, Runtime, Service, ServiceFuture, ShutdownPolicy};
+use crate::stats::{Counter, Stats};
 
 type Value = Arc<dyn Any + Send + Sync>;
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Value, Error>> + Send>>;
@@ -40,6 +41,13 @@ impl Burst {
 
     fn set(&self, result: Result<Value, Error>) -> bool {
         self.result.set(result)
+    }
+
+    fn discard(&self, reason: &'static str) -> bool {
+        self.set(Err(Error::Discarded {
+            key: shown(&self.key),
+            reason,
+        }))
     }
 }
 
@@ -102,6 +110,31 @@ struct Pending {
     // `&mut`, never locked.
     job: std::sync::Mutex<Job>,
     cell: Cell,
+    /// Calls that joined this run, counted under the shard lock and added
+    /// to the shared counter once the run is taken: a coalesced call costs
+    /// no atomic.
+    joined: u64,
+}
+
+impl Pending {
+    fn new(job: Job, cell: Cell) -> Self {
+        Self {
+            job: std::sync::Mutex::new(job),
+            cell,
+            joined: 0,
+        }
+    }
+
+    /// Swaps in a newer function, handing back the old one to be dropped
+    /// outside the shard lock.
+    fn replace(&mut self, job: Job) -> Job {
+        self.joined += 1;
+        let slot = self
+            .job
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        std::mem::replace(slot, job)
+    }
 }
 
 /// A key's debounce state, owned by the registry.
@@ -118,7 +151,6 @@ struct Slot {
     armed: Option<Instant>,
     last_run: Option<Instant>,
     flush: bool,
-    shutdown: Option<ShutdownPolicy>,
     wake: Arc<Notify>,
 }
 
@@ -131,30 +163,124 @@ impl Slot {
     }
 }
 
+const OPEN: u8 = 0;
+const CLOSING_FLUSH: u8 = 1;
+const CLOSING_DROP: u8 = 2;
+
+/// The debounce primitive of one runtime: its keys and counters.
 pub(crate) struct State {
     registry: Arc<Registry<InlineKey, Slot>>,
+    /// Registered (weakly) with the runtime's sweeper; kept alive here.
+    _shrink: Arc<dyn Sweep>,
+    counters: Arc<Counters>,
+    /// Shutdown's policy, read by every process when it wakes: one store
+    /// tells every key, however many there are.
+    closing: AtomicU8,
     wakeups: AtomicU64,
+    /// Calls covered by runs taken so far (run, cancelled, dropped): counted
+    /// per run, not per call.
+    calls: Counter,
+    runs: Counter,
+    coalesced: Counter,
+    cancelled: Counter,
+    flushed: Counter,
+    failed: Counter,
+}
+
+/// Keys leave the map one by one as their processes exit; a sweep gives
+/// back the memory a flood of keys left behind.
+struct Shrink(Arc<Registry<InlineKey, Slot>>);
+
+impl Sweep for Shrink {
+    fn sweep(&self, _: Instant) -> usize {
+        self.0.release_capacity();
+        // Nothing here expires: never keeps the sweeper awake.
+        0
+    }
 }
 
 impl State {
-    pub(crate) fn new(counters: Arc<Counters>, cap: usize) -> Self {
+    fn new(core: &Core) -> Self {
+        let registry = Arc::new(Registry::new(Arc::clone(&core.counters), core.cap));
+        let shrink: Arc<dyn Sweep> = Arc::new(Shrink(Arc::clone(&registry)));
+        core.tree.sweeper().register(Arc::downgrade(&shrink));
         Self {
-            registry: Arc::new(Registry::new(counters, cap)),
+            _shrink: shrink,
+            registry,
+            counters: Arc::clone(&core.counters),
+            closing: AtomicU8::new(OPEN),
             wakeups: AtomicU64::new(0),
+            calls: Counter::default(),
+            runs: Counter::default(),
+            coalesced: Counter::default(),
+            cancelled: Counter::default(),
+            flushed: Counter::default(),
+            failed: Counter::default(),
         }
     }
 
-    pub(crate) fn wakeups(&self) -> u64 {
-        self.wakeups.load(Ordering::Relaxed)
+    /// Counts the calls a run covered once it is taken: its first call and
+    /// the `joined` ones after it.
+    fn settle(&self, joined: u64) {
+        self.calls.add(1 + joined);
+        if joined > 0 {
+            self.coalesced.add(joined);
+        }
+    }
+}
+
+/// Wakes every key's process, a chunk at a time, yielding in between.
+async fn wake_all(registry: Arc<Registry<InlineKey, Slot>>) {
+    let mut wakes = Vec::with_capacity(registry.len());
+    registry.retain(|_, slot| {
+        wakes.push(Arc::clone(&slot.wake));
+        true
+    });
+    for chunk in wakes.chunks(256) {
+        for wake in chunk {
+            wake.notify_one();
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
+impl Service for State {
+    fn shutdown(&self, _deadline: Instant, policy: ShutdownPolicy) -> ServiceFuture<'_> {
+        let closing = match policy {
+            ShutdownPolicy::Flush => CLOSING_FLUSH,
+            ShutdownPolicy::Drop => CLOSING_DROP,
+        };
+        self.closing.store(closing, Ordering::Release);
+        // Constant work here: every process reads the policy when it wakes,
+        // and waking them all goes on beside the shutdown, not before it.
+        if !self.registry.is_empty() {
+            tokio::spawn(wake_all(Arc::clone(&self.registry)));
+        }
+        Box::pin(std::future::ready(()))
     }
 
-    /// Tells every pending key's process that the runtime is shutting down.
-    pub(crate) fn shutdown(&self, policy: ShutdownPolicy) {
-        self.registry.retain(|_, slot| {
-            slot.shutdown = Some(policy);
+    fn reset(&self) {
+        // Taken out under the shard locks, failed and dropped outside them.
+        for (_, slot) in self.registry.drain() {
+            if let Some(pending) = slot.pending {
+                self.settle(pending.joined);
+                pending.cell.discard("the runtime restarted");
+                self.failed.incr();
+            }
             slot.wake.notify_one();
-            true
-        });
+        }
+    }
+
+    fn stats(&self, stats: &mut Stats) {
+        let d = &mut stats.debounce;
+        d.coalesced = self.coalesced.get();
+        d.calls = self.calls.get();
+        d.runs = self.runs.get();
+        d.cancelled = self.cancelled.get();
+        d.flushed = self.flushed.get();
+        d.failed = self.failed.get();
+        d.keys = self.registry.len();
+        d.capacity = self.registry.capacity();
     }
 }
 
@@ -165,100 +291,160 @@ enum Step {
     Gone,
 }
 
-/// The per-key process: owns the key's timer and runs its functions.
-async fn process(
-    core: Arc<Core>,
+/// A key's process: owns the key's timer and runs its functions.
+///
+/// Dropping it on any path (normal exit, panic, a start that failed, its
+/// tokio runtime ending) releases the key: the slot of its own generation is
+/// removed, and callers still waiting get [`Error::Discarded`], so the next
+/// call starts afresh instead of joining a key nobody serves.
+struct Driver {
+    state: Arc<State>,
     key: Arc<str>,
     generation: Generation,
-    mut leading: Option<Pending>,
-) {
-    let state = &core.debounce;
-    loop {
-        if let Some(run) = leading.take() {
-            execute(state, &key, run).await;
-            continue;
+    /// A leading run not started yet.
+    leading: Option<Pending>,
+    /// The result cell of the run executing now.
+    running: Option<Cell>,
+    /// The slot is gone (removed by the idle exit, or replaced).
+    done: bool,
+}
+
+impl Driver {
+    async fn run(mut self) {
+        if let Some(run) = self.leading.take() {
+            self.execute(run).await;
         }
-        let now = Instant::now();
-        let step = state
-            .registry
-            .with_slot(key.as_bytes(), |slot| {
-                if slot.generation() != generation {
-                    return Step::Gone;
-                }
-                let s = &mut slot.state;
-                match s.shutdown {
-                    Some(ShutdownPolicy::Drop) => {
-                        if let Some(p) = s.pending.take() {
-                            p.cell.set(Err(Error::Discarded {
-                                key: shown(&key),
-                                reason: "dropped at shutdown",
-                            }));
+        let state = Arc::clone(&self.state);
+        loop {
+            let now = Instant::now();
+            let closing = state.closing.load(Ordering::Acquire);
+            let mut dropped = None;
+            let step = state
+                .registry
+                .with_slot(self.key.as_bytes(), |slot| {
+                    if slot.generation() != self.generation {
+                        return Step::Gone;
+                    }
+                    let s = &mut slot.state;
+                    match closing {
+                        CLOSING_DROP => {
+                            dropped = s.pending.take();
+                            return Step::TryExit;
                         }
-                        return Step::TryExit;
+                        CLOSING_FLUSH => s.flush = true,
+                        _ => {}
                     }
-                    Some(ShutdownPolicy::Flush) => s.flush = true,
-                    None => {}
-                }
-                match s.pending.take() {
-                    Some(p) if s.flush || now >= s.due() => {
-                        s.flush = false;
-                        s.armed = None;
-                        s.last_run = Some(now);
-                        s.max_deadline = None;
-                        Step::Run(p)
+                    match s.pending.take() {
+                        Some(p) if s.flush || now >= s.due() => {
+                            s.flush = false;
+                            s.armed = None;
+                            s.last_run = Some(now);
+                            s.max_deadline = None;
+                            Step::Run(p)
+                        }
+                        Some(p) => {
+                            s.pending = Some(p);
+                            let due = s.due();
+                            s.armed = Some(due);
+                            Step::Sleep(due, Arc::clone(&s.wake))
+                        }
+                        None if closing != OPEN || now >= s.deadline => Step::TryExit,
+                        None => {
+                            // A leading run's quiet window: keep the key until it passes.
+                            s.armed = Some(s.deadline);
+                            Step::Sleep(s.deadline, Arc::clone(&s.wake))
+                        }
                     }
-                    Some(p) => {
-                        s.pending = Some(p);
-                        let due = s.due();
-                        s.armed = Some(due);
-                        Step::Sleep(due, Arc::clone(&s.wake))
-                    }
-                    None if s.shutdown.is_some() || now >= s.deadline => Step::TryExit,
-                    None => {
-                        // A leading run's quiet window: keep the key until it passes.
-                        s.armed = Some(s.deadline);
-                        Step::Sleep(s.deadline, Arc::clone(&s.wake))
-                    }
-                }
-            })
-            .unwrap_or(Step::Gone);
-        match step {
-            Step::Run(run) => execute(state, &key, run).await,
-            Step::Sleep(until, wake) => {
-                let _timer = TimerGuard::arm(&core.counters);
-                tokio::select! {
-                    () = tokio::time::sleep_until(until) => {}
-                    () = wake.notified() => {}
-                }
-                state.wakeups.fetch_add(1, Ordering::Relaxed);
+                })
+                .unwrap_or(Step::Gone);
+            // Outside the shard lock: the user's function is dropped here.
+            if let Some(p) = dropped {
+                state.settle(p.joined);
+                p.cell.discard("dropped at shutdown");
+                state.failed.incr();
             }
-            Step::TryExit => {
-                if state
-                    .registry
-                    .remove_if(key.as_bytes(), generation, |s| s.pending.is_none())
-                    .is_some()
-                {
+            match step {
+                Step::Run(run) => self.execute(run).await,
+                Step::Sleep(until, wake) => {
+                    let _timer = TimerGuard::arm(&state.counters);
+                    tokio::select! {
+                        () = tokio::time::sleep_until(until) => {}
+                        () = wake.notified() => {}
+                    }
+                    state.wakeups.fetch_add(1, Ordering::Relaxed);
+                }
+                Step::TryExit => {
+                    if state
+                        .registry
+                        .remove_if(self.key.as_bytes(), self.generation, |s| {
+                            s.pending.is_none()
+                        })
+                        .is_some()
+                    {
+                        self.done = true;
+                        return;
+                    }
+                }
+                Step::Gone => {
+                    self.done = true;
                     return;
                 }
             }
-            Step::Gone => return,
         }
+    }
+
+    async fn execute(&mut self, run: Pending) {
+        let Pending { job, cell, joined } = run;
+        self.state.settle(joined);
+        let job = job
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.state.runs.incr();
+        self.running = Some(Arc::clone(&cell));
+        let result = match catch_panic(job(Arc::clone(&self.key))).await {
+            Ok(result) => result,
+            Err(panic) => Err(Error::panicked(&self.key, &panic)),
+        };
+        if let Err(error) = &result {
+            self.state.failed.incr();
+            // Nobody holds a `Debounced` for this run: nobody else will see it.
+            let error: &(dyn std::error::Error + 'static) = error;
+            if Arc::strong_count(&cell) <= 2 {
+                tracing::warn!(key = %shown(&self.key), error, "debounced function failed and nobody awaited it");
+            } else {
+                tracing::debug!(key = %shown(&self.key), error, "debounced function failed");
+            }
+        }
+        self.running = None;
+        cell.set(result);
     }
 }
 
-async fn execute(_state: &State, key: &Arc<str>, run: Pending) {
-    let Pending { job, cell } = run;
-    let job = job
-        .into_inner()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let result = match catch_panic(job(Arc::clone(key))).await {
-        Ok(result) => result,
-        Err(panic) => Err(Error::panicked(key, &panic)),
-    };
-    if let Err(error) = &result {
-        tracing::debug!(key = %shown(key), %error, "debounced function failed");
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let left = if self.done {
+            None
+        } else {
+            self.state
+                .registry
+                .remove_if(self.key.as_bytes(), self.generation, |_| true)
+        };
+        // Outside the shard lock: user functions are dropped here.
+        let left = left.and_then(|s| s.pending).map(|p| {
+            self.state.settle(p.joined);
+            p.cell
+        });
+        let lost = [
+            self.leading.take().map(|p| p.cell),
+            self.running.take(),
+            left,
+        ];
+        for cell in lost.into_iter().flatten() {
+            if cell.discard("its process was lost") {
+                self.state.failed.incr();
+            }
+        }
     }
-    cell.set(result);
 }
 
 /// A scheduled debounced call; await it for the outcome of the run that
@@ -311,31 +497,41 @@ impl<T: Clone + Send + Sync + 'static> IntoFuture for Debounced<T> {
     }
 }
 
-/// Debounce on an explicit [`Runtime`]; from [`Runtime::debouncer`].
+/// Debounce on an explicit [`Runtime`]; from [`Runtime::debounce`].
 ///
-/// See [`Debounce`] for the behaviour.
-#[derive(Debug, Clone)]
-pub struct Debouncer {
+/// A cheap handle (`Clone`). See [`Debounce`] for the behaviour.
+#[derive(Clone)]
+pub struct DebounceHandle {
     runtime: Runtime,
+    state: Arc<State>,
+}
+
+impl std::fmt::Debug for DebounceHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DebounceHandle")
+            .field("keys", &self.state.registry.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Runtime {
-    /// The debouncer of this runtime.
+    /// The debounce primitive of this runtime.
     #[must_use]
-    pub fn debouncer(&self) -> Debouncer {
-        Debouncer {
+    pub fn debounce(&self) -> DebounceHandle {
+        DebounceHandle {
             runtime: self.clone(),
+            state: self.core.service(State::new),
         }
     }
 }
 
-impl Debouncer {
+impl DebounceHandle {
     /// Schedules `f` to run once `key` has had no call for `delay`; returns as
-    /// soon as it is scheduled. See [`Debouncer::call_with`].
+    /// soon as it is scheduled. See [`DebounceHandle::call_with`].
     ///
     /// # Errors
     ///
-    /// As [`Debouncer::call_with`].
+    /// As [`DebounceHandle::call_with`].
     ///
     /// # Examples
     ///
@@ -344,7 +540,7 @@ impl Debouncer {
     /// use std::time::Duration;
     /// use throttlebeam::Runtime;
     ///
-    /// let debounce = Runtime::start().await?.debouncer();
+    /// let debounce = Runtime::start().await?.debounce();
     /// let first = debounce.call("search:7", Duration::from_millis(20), || async { Ok::<_, std::io::Error>("a") })?;
     /// let second = debounce.call("search:7", Duration::from_millis(20), || async { Ok::<_, std::io::Error>("ab") })?;
     /// // One run, with the latest function, covers both calls.
@@ -409,20 +605,27 @@ impl Debouncer {
                 }
             })
         });
+        // Every function that does not end up in the slot (replaced, or
+        // refused) comes back out here, to be dropped after the shard lock.
+        let mut job = Some(job);
+        let mut replaced = None;
         let type_id = TypeId::of::<T>();
         let now = Instant::now();
-        let state = &core.debounce;
+        let state = &self.state;
         let started = state.registry.update(key.as_bytes(), |entry| match entry {
             SlotEntry::Occupied(slot) => {
                 let s = &mut slot.state;
                 if s.type_id != type_id {
                     return Err(Error::TypeMismatch { key: shown(key) });
                 }
+                let Some(job) = job.take() else {
+                    return Err(Error::TypeMismatch { key: shown(key) });
+                };
                 s.deadline = now + delay;
                 s.max_wait = options.max_wait;
                 let cell = match &mut s.pending {
                     Some(p) => {
-                        p.job = std::sync::Mutex::new(job);
+                        replaced = Some(p.replace(job));
                         Arc::clone(&p.cell)
                     }
                     None => {
@@ -431,10 +634,7 @@ impl Debouncer {
                             Some(last) if last + w > now => last + w,
                             _ => now + w,
                         });
-                        s.pending = Some(Pending {
-                            job: std::sync::Mutex::new(job),
-                            cell: Arc::clone(&cell),
-                        });
+                        s.pending = Some(Pending::new(job, Arc::clone(&cell)));
                         cell
                     }
                 };
@@ -445,44 +645,52 @@ impl Debouncer {
             }
             SlotEntry::Vacant(vacant) => {
                 let owned: Arc<str> = Arc::from(key);
-                let cell = Burst::new(&owned);
-                let run = Pending {
-                    job: std::sync::Mutex::new(job),
-                    cell: Arc::clone(&cell),
-                };
-                let (pending, leading) = if options.leading {
-                    (None, Some(run))
-                } else {
-                    (Some(run), None)
-                };
                 let slot = Slot {
                     key: Arc::clone(&owned),
                     type_id,
                     deadline: now + delay,
                     max_deadline: options.max_wait.map(|w| now + w),
                     max_wait: options.max_wait,
-                    pending,
+                    pending: None,
                     armed: None,
-                    last_run: leading.as_ref().map(|_| now),
+                    last_run: options.leading.then_some(now),
                     flush: false,
-                    shutdown: None,
                     wake: Arc::new(Notify::new()),
                 };
-                let guard = vacant.insert(slot).map_err(|e| Error::TooManyKeys {
+                let mut guard = vacant.insert(slot).map_err(|e| Error::TooManyKeys {
                     key: shown(key),
                     cap: e.cap,
                 })?;
+                let cell = Burst::new(&owned);
+                let Some(job) = job.take() else {
+                    return Err(Error::TypeMismatch { key: shown(key) });
+                };
+                let run = Pending::new(job, Arc::clone(&cell));
+                let leading = if options.leading {
+                    Some(run)
+                } else {
+                    guard.state.pending = Some(run);
+                    None
+                };
                 Ok((cell, Some((owned, guard.generation(), leading))))
             }
-        })?;
-        let (cell, spawn) = started;
-        if let Some((key, generation, leading)) = spawn {
-            let process = process(Arc::clone(core), Arc::clone(&key), generation, leading);
-            if let Err(e) = core.start_process(&key, process) {
-                state
-                    .registry
-                    .remove_if(key.as_bytes(), generation, |_| true);
-                return Err(e);
+        });
+        drop((job, replaced));
+        let (cell, spawn) = started?;
+        match spawn {
+            None => {}
+            Some((key, generation, leading)) => {
+                let driver = Driver {
+                    state: Arc::clone(state),
+                    key: Arc::clone(&key),
+                    generation,
+                    leading,
+                    running: None,
+                    done: false,
+                };
+                // A process that cannot start is dropped unpolled: its guard
+                // releases the key.
+                core.start_process(&key, driver.run())?;
             }
         }
         Ok(Debounced {
@@ -495,53 +703,56 @@ impl Debouncer {
     /// [`Error::Discarded`], and the next call starts a fresh burst. Returns
     /// whether a run was pending. A run already executing is not cancelled.
     pub fn cancel(&self, key: &str) -> bool {
-        self.runtime
-            .core
-            .debounce
+        let cancelled = self
+            .state
             .registry
             .with_slot(key.as_bytes(), |slot| {
                 let s = &mut slot.state;
                 s.max_deadline = None;
                 s.flush = false;
-                let pending = s.pending.take();
                 s.wake.notify_one();
-                pending.map(|p| {
-                    p.cell.set(Err(Error::Discarded {
-                        key: shown(key),
-                        reason: "cancelled",
-                    }))
-                })
+                s.pending.take()
             })
-            .flatten()
-            .is_some()
+            .flatten();
+        // Outside the shard lock: the user's function is dropped here.
+        match cancelled {
+            Some(pending) => {
+                self.state.settle(pending.joined);
+                pending.cell.discard("cancelled");
+                self.state.cancelled.incr();
+                true
+            }
+            None => false,
+        }
     }
 
     /// Runs the key's pending function now, once, instead of at its deadline.
     /// Returns whether a run was pending.
     pub fn flush(&self, key: &str) -> bool {
-        self.runtime
-            .core
-            .debounce
+        let flushed = self
+            .state
             .registry
             .with_slot(key.as_bytes(), |slot| {
                 let s = &mut slot.state;
-                if s.pending.is_some() {
+                if s.pending.is_some() && !s.flush {
                     s.flush = true;
                     s.wake.notify_one();
                     true
                 } else {
-                    false
+                    s.pending.is_some()
                 }
             })
-            .unwrap_or(false)
+            .unwrap_or(false);
+        if flushed {
+            self.state.flushed.incr();
+        }
+        flushed
     }
 
     /// Whether the key has a run waiting for its deadline.
     #[must_use]
     pub fn is_pending(&self, key: &str) -> bool {
-        self.runtime
-            .core
-            .debounce
+        self.state
             .registry
             .with_slot(key.as_bytes(), |slot| slot.state.pending.is_some())
             .unwrap_or(false)
@@ -551,7 +762,7 @@ impl Debouncer {
     /// make a burst of calls cost about one wakeup).
     #[must_use]
     pub fn timer_wakeups(&self) -> u64 {
-        self.runtime.core.debounce.wakeups()
+        self.state.wakeups.load(Ordering::Relaxed)
     }
 }
 
@@ -584,11 +795,11 @@ impl Debouncer {
 pub struct Debounce;
 
 impl Debounce {
-    /// [`Debouncer::call`] on the default runtime.
+    /// [`DebounceHandle::call`] on the default runtime.
     ///
     /// # Errors
     ///
-    /// As [`Debouncer::call_with`], plus [`Error::Start`].
+    /// As [`DebounceHandle::call_with`], plus [`Error::Start`].
     pub fn call<F, Fut, T, E>(key: &str, delay: Duration, f: F) -> Result<Debounced<T>, Error>
     where
         F: FnOnce() -> Fut + Send + 'static,
@@ -596,14 +807,14 @@ impl Debounce {
         T: Clone + Send + Sync + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
-        Runtime::global()?.debouncer().call(key, delay, f)
+        global()?.call(key, delay, f)
     }
 
-    /// [`Debouncer::call_with`] on the default runtime.
+    /// [`DebounceHandle::call_with`] on the default runtime.
     ///
     /// # Errors
     ///
-    /// As [`Debouncer::call_with`], plus [`Error::Start`].
+    /// As [`DebounceHandle::call_with`], plus [`Error::Start`].
     pub fn call_with<F, Fut, T, E>(
         key: &str,
         delay: Duration,
@@ -616,35 +827,42 @@ impl Debounce {
         T: Clone + Send + Sync + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
-        Runtime::global()?
-            .debouncer()
-            .call_with(key, delay, options, f)
+        global()?.call_with(key, delay, options, f)
     }
 
-    /// [`Debouncer::cancel`] on the default runtime.
+    /// [`DebounceHandle::cancel`] on the default runtime.
     ///
     /// # Errors
     ///
     /// [`Error::Start`] if the default runtime could not start.
     pub fn cancel(key: &str) -> Result<bool, Error> {
-        Ok(Runtime::global()?.debouncer().cancel(key))
+        Ok(global()?.cancel(key))
     }
 
-    /// [`Debouncer::flush`] on the default runtime.
+    /// [`DebounceHandle::flush`] on the default runtime.
     ///
     /// # Errors
     ///
     /// [`Error::Start`] if the default runtime could not start.
     pub fn flush(key: &str) -> Result<bool, Error> {
-        Ok(Runtime::global()?.debouncer().flush(key))
+        Ok(global()?.flush(key))
     }
 
-    /// [`Debouncer::is_pending`] on the default runtime.
+    /// [`DebounceHandle::is_pending`] on the default runtime.
     ///
     /// # Errors
     ///
     /// [`Error::Start`] if the default runtime could not start.
     pub fn is_pending(key: &str) -> Result<bool, Error> {
-        Ok(Runtime::global()?.debouncer().is_pending(key))
+        Ok(global()?.is_pending(key))
     }
+}
+
+/// The default runtime's debounce, looked up once.
+fn global() -> Result<&'static DebounceHandle, Error> {
+    static GLOBAL: OnceLock<Result<DebounceHandle, Error>> = OnceLock::new();
+    GLOBAL
+        .get_or_init(|| Runtime::global().map(|rt| rt.debounce()))
+        .as_ref()
+        .map_err(Clone::clone)
 }

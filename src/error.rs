@@ -8,7 +8,7 @@ pub type BoxError = Arc<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Everything that can go wrong with a call on the keyed runtime.
 ///
-/// Being throttled is not an error (see [`crate::Throttled`]); this type
+/// Being throttled is not an error (see [`crate::ThrottleOutcome`]); this type
 /// covers bad input, a stopped runtime, and a user function that failed,
 /// panicked or took too long. Messages name the key; causes are kept as
 /// [`source`](std::error::Error::source).
@@ -66,13 +66,22 @@ pub enum Error {
         /// The key the call was for.
         key: String,
     },
+    /// The runtime's root actor failed and the runtime has not been
+    /// restarted yet ([`crate::Runtime::restart`]); the call was not
+    /// accepted.
+    #[error("runtime is down until restarted; call for key {key:?} was not accepted")]
+    RuntimeDown {
+        /// The key the call was for.
+        key: String,
+    },
     /// Accepted work was discarded before it ran: cancelled, or dropped by
     /// a shutdown or a destroyed throttle.
     #[error("pending call for key {key:?} was discarded: {reason}")]
     Discarded {
         /// The key the call was for.
         key: String,
-        /// Why (`"cancelled"`, `"destroyed"`, `"dropped at shutdown"`).
+        /// Why (`"cancelled"`, `"destroyed"`, `"dropped at shutdown"`,
+        /// `"its process was lost"`, `"the runtime restarted"`).
         reason: &'static str,
     },
     /// The user function returned an error.
@@ -158,6 +167,7 @@ impl Error {
             | Self::InvalidArgument { key, .. }
             | Self::TooManyKeys { key, .. }
             | Self::ShutDown { key }
+            | Self::RuntimeDown { key }
             | Self::Discarded { key, .. }
             | Self::Failed { key, .. }
             | Self::Panicked { key, .. }

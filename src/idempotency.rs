@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Sweeper, catch_panic};
@@ -31,7 +32,8 @@ pub use self::reservation::{IdempotencyReservation, IdempotencyReserved};
 use self::store::MemoryIdempotencyStore;
 use crate::error::Error;
 use crate::key::{check_key, shown};
-use crate::runtime::{Core, Runtime};
+use crate::runtime::{Core, Runtime, Service};
+use crate::stats::Stats;
 
 /// Completed results a runtime keeps by default, see
 /// [`RuntimeBuilder::with_max_idempotency_results`](crate::RuntimeBuilder::with_max_idempotency_results).
@@ -124,32 +126,70 @@ pub struct IdempotencyStats {
 }
 
 /// The idempotency part of a runtime: its ledger of keys in flight and its
-/// results store.
+/// results store. A restart swaps in a fresh ledger: what the old one held is
+/// forgotten, as after an expiry.
 pub(crate) struct State {
-    ledger: Arc<Ledger>,
+    ledger: ArcSwap<Ledger>,
+    counters: Arc<Counters>,
+    cap: usize,
+    max_results: usize,
+    sweeper: Sweeper,
 }
 
 impl State {
-    pub(crate) fn new(
-        counters: Arc<Counters>,
-        cap: usize,
-        sweeper: &Sweeper,
-        max_results: usize,
-    ) -> Self {
-        let store = MemoryIdempotencyStore::new(Arc::clone(&counters), sweeper, max_results);
+    fn new(core: &Core) -> Self {
+        let counters = Arc::clone(&core.counters);
+        let sweeper = core.tree.sweeper().clone();
+        let max_results = core.max_idempotency_results;
         Self {
-            ledger: Arc::new(Ledger::new(counters, cap, Box::new(store))),
+            ledger: ArcSwap::new(Self::ledger_for(&counters, core.cap, &sweeper, max_results)),
+            counters,
+            cap: core.cap,
+            max_results,
+            sweeper,
         }
     }
 
-    pub(crate) fn shutdown(&self) {
-        self.ledger.shutdown();
+    fn ledger_for(
+        counters: &Arc<Counters>,
+        cap: usize,
+        sweeper: &Sweeper,
+        max_results: usize,
+    ) -> Arc<Ledger> {
+        let store = MemoryIdempotencyStore::new(Arc::clone(counters), sweeper, max_results);
+        Arc::new(Ledger::new(Arc::clone(counters), cap, Box::new(store)))
     }
 
-    /// This runtime's idempotency counters (also what the runtime's own
-    /// stats can aggregate).
+    /// This runtime's idempotency state.
+    pub(crate) fn of(core: &Core) -> Arc<Self> {
+        core.service(Self::new)
+    }
+
+    /// The ledger in force.
+    pub(crate) fn ledger(&self) -> Arc<Ledger> {
+        self.ledger.load_full()
+    }
+
+    /// This runtime's idempotency counters (since the last restart).
     pub(crate) fn stats(&self) -> IdempotencyStats {
-        stats_of(&self.ledger)
+        stats_of(&self.ledger.load())
+    }
+}
+
+impl Service for State {
+    fn stopped(&self) {
+        self.ledger.load().shutdown();
+    }
+
+    fn reset(&self) {
+        let fresh = Self::ledger_for(&self.counters, self.cap, &self.sweeper, self.max_results);
+        let old = self.ledger.swap(fresh);
+        // Waiters on the old ledger look again and find the fresh one empty.
+        old.shutdown();
+    }
+
+    fn stats(&self, stats: &mut Stats) {
+        stats.idempotency = State::stats(self);
     }
 }
 
@@ -157,9 +197,16 @@ impl State {
 ///
 /// A cheap handle (`Clone`). See [`IdempotencyHandle::run_with`] for the
 /// behaviour and [`Idempotency`] for the same calls on the default runtime.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct IdempotencyHandle {
     runtime: Runtime,
+    state: Arc<State>,
+}
+
+impl std::fmt::Debug for IdempotencyHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyHandle").finish_non_exhaustive()
+    }
 }
 
 impl Runtime {
@@ -168,6 +215,7 @@ impl Runtime {
     pub fn idempotency(&self) -> IdempotencyHandle {
         IdempotencyHandle {
             runtime: self.clone(),
+            state: State::of(&self.core),
         }
     }
 }
@@ -278,11 +326,15 @@ impl IdempotencyHandle {
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         let core = &self.runtime.core;
-        run_in(core, &core.idempotency.ledger, key, f, options).await
+        // A replay reads the ledger in force without taking a reference to it.
+        if let Some(value) = fast_replay(core, &self.state.ledger.load(), key, &options)? {
+            return Ok(IdempotencyOutcome::Replay(value));
+        }
+        run_in(core, &self.state.ledger(), key, f, options).await
     }
 
     /// The completed result of `key`, read at once without building a future
-    /// (the replay fast path of [`Deduplicator::run`]); `None` when the key has
+    /// (the replay fast path of [`IdempotencyHandle::run_with`]); `None` when the key has
     /// no result yet or the store cannot answer at once.
     #[cfg(feature = "tower")]
     pub(crate) fn try_replay<T>(
@@ -293,8 +345,7 @@ impl IdempotencyHandle {
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        let core = &self.runtime.core;
-        fast_replay(core, &core.idempotency.ledger, key, options)
+        fast_replay(&self.runtime.core, &self.state.ledger.load(), key, options)
     }
 
     /// Claims `key` by hand, for a result produced somewhere other than one
@@ -341,13 +392,13 @@ impl IdempotencyHandle {
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
     {
         let core = &self.runtime.core;
-        reserve_in(core, &core.idempotency.ledger, key, options).await
+        reserve_in(core, &self.state.ledger(), key, options).await
     }
 
     /// Counters of this runtime's idempotent calls and its stored results.
     #[must_use]
     pub fn stats(&self) -> IdempotencyStats {
-        self.runtime.core.idempotency.stats()
+        self.state.stats()
     }
 }
 
@@ -833,7 +884,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_holder_that_stops_renewing_is_taken_over_once_and_its_late_completion_is_fenced() {
         let runtime = Runtime::builder().start().await.unwrap();
-        let ledger = Arc::clone(&runtime.core.idempotency.ledger);
+        let ledger = State::of(&runtime.core).ledger();
         let options = IdempotencyOptions::new().with_lease(SEC);
         // A holder that claimed the key, then stopped renewing without
         // releasing it: what a cut-off instance of a shared store looks like.
@@ -900,7 +951,7 @@ mod tests {
 
         let runtime = Runtime::builder().start().await.unwrap();
         let core = &runtime.core;
-        let ledger = Arc::clone(&core.idempotency.ledger);
+        let ledger = State::of(core).ledger();
         let body = vec![b'x'; 1 << 20];
         let options = IdempotencyOptions::new().with_fingerprint(&body);
         assert!(std::mem::size_of_val(&options) <= 128);

@@ -4,7 +4,7 @@
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
 //! use std::time::Duration;
-//! use throttlebeam::{Debounce, Throttle, Throttled};
+//! use throttlebeam::{Debounce, Throttle, ThrottleOutcome};
 //!
 //! // Debounce: runs once, 50 ms after the last call for the key.
 //! let saved = Debounce::call("autosave:doc-9", Duration::from_millis(50), || async {
@@ -17,14 +17,14 @@
 //!     Ok::<_, std::io::Error>(())
 //! })
 //! .await?;
-//! assert!(matches!(sent, Throttled::Executed(())));
+//! assert!(matches!(sent, ThrottleOutcome::Executed(())));
 //! # Ok(()) }
 //! ```
 //!
 //! | primitive | what it does |
 //! |---|---|
-//! | [`Debounce`] / [`Debouncer`] | run once a key has been quiet for a delay; latest function wins; `max_wait`, leading edge, cancel, flush |
-//! | [`Throttle`] / [`Throttler`] | leading edge: run now, or [`Throttled::Throttled`] with the time left |
+//! | [`Debounce`] / [`DebounceHandle`] | run once a key has been quiet for a delay; latest function wins; `max_wait`, leading edge, cancel, flush |
+//! | [`Throttle`] / [`ThrottleHandle`] | leading edge: run now, or [`ThrottleOutcome::Throttled`] with the time left |
 //! | [`TrailingThrottle`] | leading + trailing throttle: calls in a window coalesce into one trailing run whose value every covered caller can await |
 //! | [`Idempotency`] / [`IdempotencyHandle`] | run at most once per key; duplicates in flight wait and share the result (or fail fast with a retry hint); a live run is never taken over; results replayed for a TTL, capped |
 //! | [`rate_limit`] | pure strategies (GCRA, token bucket, fixed and sliding window, leaky-bucket shaper), decisions, forecasts, the decision algebra, headers, an enforcer, client-IP and HMAC keys |
@@ -62,7 +62,15 @@
 //! # Logging
 //!
 //! Events go through `tracing`; nothing is logged above debug level except a
-//! per-key process crashing outside user code. ractor logs a span per actor
+//! per-key process crashing outside user code, a debounced run that failed
+//! while nobody awaited it (warn), and a failed trailing run (error).
+//!
+//! # Observability
+//!
+//! [`Runtime::stats`] returns a [`Stats`] (`serde::Serialize`) with one
+//! struct per primitive ([`DebounceStats`], [`ThrottleStats`]); with the
+//! `metrics` feature, `Runtime::export_metrics` publishes them through the
+//! `metrics` facade. ractor logs a span per actor
 //! at INFO: hosts usually filter with `ractor=warn`.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -85,6 +93,8 @@ mod key;
 pub mod rate_limit;
 #[cfg(feature = "runtime")]
 mod runtime;
+#[cfg(feature = "runtime")]
+mod stats;
 pub mod store;
 #[cfg(feature = "runtime")]
 mod throttle;
@@ -98,7 +108,7 @@ pub use coalesce::{
 };
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
-pub use debounce::{Debounce, DebounceOptions, Debounced, Debouncer};
+pub use debounce::{Debounce, DebounceHandle, DebounceOptions, Debounced};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use error::{BoxError, Error};
@@ -111,10 +121,13 @@ pub use idempotency::{
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
-pub use runtime::{Runtime, RuntimeBuilder, RuntimeClock, ShutdownPolicy, ShutdownReport, Stats};
+pub use runtime::{Runtime, RuntimeBuilder, RuntimeClock, ShutdownPolicy, ShutdownReport};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
-pub use throttle::{Throttle, Throttled, Throttler};
+pub use stats::{DebounceStats, Stats, ThrottleStats};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+pub use throttle::{Throttle, ThrottleHandle, ThrottleOutcome};
 
 #[cfg(all(doctest, feature = "runtime", feature = "http"))]
 #[doc = include_str!("../README.md")]

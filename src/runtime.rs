@@ -2,9 +2,8 @@
 
 use std::future::Future;
 use std::num::NonZeroUsize;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ractor::ActorCell;
@@ -13,12 +12,15 @@ use tokio::time::Instant;
 
 use crate::error::Error;
 use crate::key::shown;
+use crate::stats::Stats;
 
 mod clock;
+mod service;
 
 pub(crate) use self::clock::Clock;
 pub use self::clock::RuntimeClock;
-use crate::{debounce, idempotency, throttle};
+use self::service::Services;
+pub(crate) use self::service::{Service, ServiceFuture};
 
 /// What [`Runtime::shutdown`] does with debounced calls still waiting for
 /// their delay.
@@ -61,17 +63,23 @@ pub struct RuntimeBuilder {
     partitions: Option<usize>,
     clock: RuntimeClock,
     max_idempotency_results: usize,
+    name: Arc<str>,
+    #[cfg(feature = "redis")]
+    redis: Option<crate::store::Redis>,
 }
 
 impl Default for RuntimeBuilder {
     fn default() -> Self {
         Self {
+            name: Arc::from("throttlebeam"),
             sweep_interval: Duration::from_secs(60),
             max_keys: None,
             policy: ShutdownPolicy::Flush,
             partitions: None,
             clock: RuntimeClock::Auto,
-            max_idempotency_results: idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS,
+            max_idempotency_results: crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS,
+            #[cfg(feature = "redis")]
+            redis: None,
         }
     }
 }
@@ -102,6 +110,23 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Shares this runtime's throttle windows with every other runtime
+    /// connected to the same Redis (single node or cluster): the leading
+    /// throttle opens its windows there, so one call runs per window across
+    /// all instances. A key known closed until T is answered locally until
+    /// T, with no round trip; while Redis is unreachable (or its circuit
+    /// breaker is open) the throttle decides per instance (fail open).
+    ///
+    /// The default runtime picks Redis up from the environment
+    /// ([`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV) or
+    /// [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV)).
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    pub fn with_redis(mut self, redis: crate::store::Redis) -> Self {
+        self.redis = Some(redis);
+        self
+    }
+
     /// What shutdown does with pending debounced work (default flush).
     pub fn with_shutdown_policy(mut self, policy: ShutdownPolicy) -> Self {
         self.policy = policy;
@@ -112,6 +137,13 @@ impl RuntimeBuilder {
     /// CPU's timestamp counter, or tokio's clock when it is paused at start).
     pub fn with_clock(mut self, clock: RuntimeClock) -> Self {
         self.clock = clock;
+        self
+    }
+
+    /// The runtime's name, for telling runtimes apart in exported metrics
+    /// and logs (default `"throttlebeam"`).
+    pub fn with_name(mut self, name: &str) -> Self {
+        self.name = Arc::from(name);
         self
     }
 
@@ -177,40 +209,28 @@ impl RuntimeBuilder {
             None => Tree::start(config, counters.clone()).await,
         }
         .map_err(|e| Error::Start(Arc::new(e)))?;
-        let cap = self.max_keys.unwrap_or(usize::MAX);
-        let sweeper = tree.sweeper().clone();
-        let clock = Clock::new(self.clock);
         let core = Arc::new(Core {
             router: ahash::RandomState::new(),
-            debounce: debounce::State::new(counters.clone(), cap),
-            throttle: throttle::State::new(counters.clone(), cap, &sweeper, clock.clone()),
-            idempotency: idempotency::State::new(
-                counters.clone(),
-                cap,
-                &sweeper,
-                self.max_idempotency_results,
-            ),
             tree,
             counters,
-            cap,
+            cap: self.max_keys.unwrap_or(usize::MAX),
             policy: self.policy,
+            clock: self.clock,
+            name: self.name,
+            max_idempotency_results: self.max_idempotency_results,
+            #[cfg(feature = "redis")]
+            redis: self.redis,
             closed: AtomicBool::new(false),
-            hooks: Mutex::new(Vec::new()),
+            restarts: AtomicU64::new(0),
+            services: Services::default(),
         });
-        core.throttle.register(&sweeper);
         Ok(Runtime { core })
     }
 }
 
-/// Something that must be told when its runtime shuts down.
-pub(crate) trait ShutdownHook: Send + Sync + 'static {
-    fn shutdown(
-        &self,
-        deadline: Instant,
-        graceful: bool,
-    ) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
-}
-
+/// The runtime proper, shared by every handle. It knows no primitive: each
+/// one keeps its state in a [`Service`] created on first use
+/// ([`Core::service`]) or attached per instance ([`Core::attach`]).
 pub(crate) struct Core {
     /// Hashes keys to supervisor partitions.
     router: ahash::RandomState,
@@ -218,11 +238,18 @@ pub(crate) struct Core {
     pub(crate) counters: Arc<Counters>,
     pub(crate) cap: usize,
     pub(crate) policy: ShutdownPolicy,
+    /// The clock choice for services that keep windows on it.
+    pub(crate) clock: RuntimeClock,
+    /// The name metrics and logs know the runtime by.
+    name: Arc<str>,
+    /// The cap on completed idempotency results, read by that service.
+    pub(crate) max_idempotency_results: usize,
+    /// The shared store every primitive of this runtime agrees through.
+    #[cfg(feature = "redis")]
+    pub(crate) redis: Option<crate::store::Redis>,
     closed: AtomicBool,
-    hooks: Mutex<Vec<Weak<dyn ShutdownHook>>>,
-    pub(crate) debounce: debounce::State,
-    pub(crate) throttle: throttle::State,
-    pub(crate) idempotency: idempotency::State,
+    restarts: AtomicU64,
+    services: Services,
 }
 
 impl Core {
@@ -230,12 +257,29 @@ impl Core {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// Fails with [`Error::ShutDown`] once shutdown began.
+    /// Fails with [`Error::ShutDown`] once shutdown began, and with
+    /// [`Error::RuntimeDown`] while the root is down awaiting a restart.
+    #[inline]
     pub(crate) fn check_open(&self, key: &str) -> Result<(), Error> {
         if self.is_closed() {
             return Err(Error::ShutDown { key: shown(key) });
         }
+        if self.tree.is_known_down() {
+            return Err(Error::RuntimeDown { key: shown(key) });
+        }
         Ok(())
+    }
+
+    /// This runtime's instance of service `S`, created by `make` on first use.
+    pub(crate) fn service<S: Service>(&self, make: impl FnOnce(&Core) -> S) -> Arc<S> {
+        self.services.get_or_insert(|| make(self))
+    }
+
+    /// Attaches a service with a life of its own (one per instance of a
+    /// primitive, such as a trailing throttle): told about shutdown,
+    /// restarts and stats while it lives, forgotten once dropped.
+    pub(crate) fn attach(&self, service: std::sync::Weak<dyn Service>) {
+        self.services.attach(service);
     }
 
     /// Starts a per-key process under the partitioned supervisor; the key
@@ -252,27 +296,6 @@ impl Core {
                 _ => Error::ShutDown { key: shown(key) },
             })
     }
-
-    pub(crate) fn add_hook(&self, hook: Weak<dyn ShutdownHook>) {
-        if let Ok(mut hooks) = self.hooks.lock() {
-            hooks.retain(|h| h.strong_count() > 0);
-            hooks.push(hook);
-        }
-    }
-}
-
-/// Live figures of a runtime, from [`Runtime::stats`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct Stats {
-    /// Keys tracked (debounce, throttle, idempotency in flight).
-    pub keys: usize,
-    /// Per-key processes alive now.
-    pub processes: usize,
-    /// Timers scheduled now (per-key timers and the sweeper tick).
-    pub timers: usize,
-    /// Completed idempotency results held, expired ones not yet swept included.
-    pub ttl_entries: usize,
 }
 
 /// What [`Runtime::shutdown`] left behind.
@@ -290,8 +313,8 @@ pub struct ShutdownReport {
 /// `Runtime` is a cheap handle (`Clone`). Most programs use the default
 /// runtime through [`crate::Debounce`], [`crate::Throttle`] and
 /// [`crate::Idempotency`]; tests and hosts that want no globals build their
-/// own with [`Runtime::builder`] and use [`Runtime::debouncer`],
-/// [`Runtime::throttler`] and [`Runtime::idempotency`].
+/// own with [`Runtime::builder`] and use [`Runtime::debounce`],
+/// [`Runtime::throttle`] and [`Runtime::idempotency`].
 ///
 /// # Examples
 ///
@@ -302,7 +325,7 @@ pub struct ShutdownReport {
 ///
 /// let runtime = Runtime::start().await?;
 /// let outcome = runtime
-///     .throttler()
+///     .throttle()
 ///     .call("report:7", Duration::from_secs(1), || async { Ok::<_, std::io::Error>(42) })
 ///     .await?;
 /// assert_eq!(outcome.executed(), Some(42));
@@ -317,9 +340,9 @@ pub struct Runtime {
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runtime")
+            .field("name", &self.core.name)
             .field("stats", &self.stats())
             .field("closed", &self.core.is_closed())
-            .field("tsc_clock", &self.core.throttle.uses_tsc())
             .finish_non_exhaustive()
     }
 }
@@ -347,6 +370,10 @@ impl Runtime {
     /// time: tests with paused tokio time should build their own runtime,
     /// which then follows the paused clock.
     ///
+    /// No host supervises it, so it supervises itself: if its root goes
+    /// down, calls fail with [`Error::RuntimeDown`] for about 100 ms, then
+    /// it restarts (as [`Runtime::restart`]) and serves again.
+    ///
     /// # Errors
     ///
     /// [`Error::Start`] if it could not start (reported to every caller).
@@ -355,16 +382,23 @@ impl Runtime {
         GLOBAL.get_or_init(start_global).clone()
     }
 
-    /// Live counters.
+    /// Live figures: the runtime's own and each primitive's.
     #[must_use]
     pub fn stats(&self) -> Stats {
         let snapshot = self.core.tree.snapshot();
-        Stats {
+        let mut stats = Stats {
             keys: snapshot.keys,
             processes: snapshot.processes,
             timers: snapshot.timers,
             ttl_entries: snapshot.ttl_entries,
+            down: self.core.tree.is_down(),
+            restarts: self.core.restarts.load(Ordering::Relaxed),
+            ..Stats::default()
+        };
+        for service in self.core.services.all() {
+            service.stats(&mut stats);
         }
+        stats
     }
 
     /// The cap on tracked keys, if one was set.
@@ -386,8 +420,118 @@ impl Runtime {
         self.core.is_closed()
     }
 
-    /// Sweeps expired idempotency results and throttle windows now, instead
-    /// of waiting for the next periodic sweep. Returns the entries left.
+    /// Whether the runtime's root actor has failed (or was killed) and the
+    /// runtime waits for [`Runtime::restart`]. Meanwhile every call fails at
+    /// once with [`Error::RuntimeDown`] and nothing is swept.
+    #[must_use]
+    pub fn is_down(&self) -> bool {
+        self.core.tree.is_down()
+    }
+
+    /// Restarts a runtime whose root actor failed, OTP-style: a fresh root
+    /// with its sweeper and supervisor partitions, linked under the same
+    /// host supervisor as before (if any). Every handle to this runtime
+    /// (clones of it, [`crate::DebounceHandle`], [`crate::ThrottleHandle`],
+    /// trailing throttles, ...) works again afterwards.
+    ///
+    /// State held only in memory is gone, as after an expiry: pending
+    /// debounced runs are discarded (their waiters get
+    /// [`Error::Discarded`]), throttle windows and stored idempotency
+    /// results are forgotten. Functions still running finish; their callers
+    /// get their results.
+    ///
+    /// Returns whether a restart happened: `false` while the root is alive,
+    /// and for a runtime that was shut down (it stays shut down). Meant to
+    /// be called from the host's supervision handler on the root's
+    /// `ActorFailed` or `ActorTerminated` event.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Start`] when the new root fails to start (for example the
+    /// host is stopping); the runtime stays down and may be restarted again.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use std::time::Duration;
+    /// use throttlebeam::{Error, Runtime};
+    ///
+    /// let runtime = Runtime::start().await?;
+    /// let throttle = runtime.throttle();
+    /// runtime.root_actor().kill(); // what a failing root looks like
+    /// while !runtime.is_down() {
+    ///     tokio::task::yield_now().await;
+    /// }
+    /// let call = throttle.call("k", Duration::from_secs(1), || async { Ok::<_, std::io::Error>(()) });
+    /// assert!(matches!(call.await, Err(Error::RuntimeDown { .. })));
+    ///
+    /// assert!(runtime.restart().await?);
+    /// let call = throttle.call("k", Duration::from_secs(1), || async { Ok::<_, std::io::Error>(()) });
+    /// assert!(call.await?.is_executed());
+    /// # Ok(()) }
+    /// ```
+    pub async fn restart(&self) -> Result<bool, Error> {
+        if !self.core.tree.is_down() {
+            return Ok(false);
+        }
+        // Forget state first: while down no call is accepted, so nothing
+        // new can land between the reset and the restart.
+        for service in self.core.services.all() {
+            service.reset();
+        }
+        let restarted = self
+            .core
+            .tree
+            .restart()
+            .await
+            .map_err(|e| Error::Start(Arc::new(e)))?;
+        if restarted {
+            self.core.restarts.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(restarted)
+    }
+
+    /// Publishes [`Runtime::stats`] through the [`metrics`](https://docs.rs/metrics)
+    /// facade, to whatever recorder the host installed (Prometheus,
+    /// StatsD, ...). Call it periodically or before each scrape: it reads
+    /// the counters the hot paths keep anyway, so a runtime pays nothing for
+    /// metrics between exports. Every metric carries the label
+    /// `runtime` = [`RuntimeBuilder::with_name`] (default `"throttlebeam"`).
+    ///
+    /// | metric | kind | what |
+    /// |---|---|---|
+    /// | `throttlebeam_keys` | gauge | keys tracked, every primitive |
+    /// | `throttlebeam_processes` | gauge | per-key processes alive |
+    /// | `throttlebeam_timers` | gauge | timers armed |
+    /// | `throttlebeam_ttl_entries` | gauge | entries in TTL tables |
+    /// | `throttlebeam_down` | gauge | 1 while the root is down |
+    /// | `throttlebeam_restarts_total` | counter | restarts after a failed root |
+    /// | `throttlebeam_debounce_keys`, `throttlebeam_debounce_capacity` | gauge | [`crate::DebounceStats`] |
+    /// | `throttlebeam_debounce_{calls,runs,coalesced,cancelled,flushed,failed}_total` | counter | [`crate::DebounceStats`] |
+    /// | `throttlebeam_throttle_windows`, `throttlebeam_throttle_capacity` | gauge | [`crate::ThrottleStats`] |
+    /// | `throttlebeam_throttle_{executed,throttled}_total` | counter | [`crate::ThrottleStats`] |
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use throttlebeam::Runtime;
+    ///
+    /// let runtime = Runtime::builder().with_name("api").start().await?;
+    /// // With a recorder installed (metrics-exporter-prometheus, ...):
+    /// runtime.export_metrics();
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "metrics")]
+    pub fn export_metrics(&self) {
+        self.stats().export(&self.core.name);
+    }
+
+    /// Sweeps every expiring map of the runtime now (throttle windows,
+    /// idempotency results, whatever a primitive registered with the
+    /// runtime's sweeper), instead of waiting for the next periodic sweep,
+    /// and gives back memory a flood left behind. Returns the entries left.
     pub fn sweep_now(&self) -> usize {
         self.core.tree.sweeper().sweep_now()
     }
@@ -397,24 +541,24 @@ impl Runtime {
     /// Stops accepting calls ([`Error::ShutDown`]), runs or discards pending
     /// debounced work according to the [`ShutdownPolicy`], lets coalescing
     /// throttles drain, waits for running functions until the deadline
-    /// (never cancelling them), then stops the supervision tree. Calling it
-    /// again is harmless.
+    /// (never cancelling them), then stops the supervision tree and drops
+    /// what the primitives still track (throttle windows, stored results).
+    /// Returns by the deadline whatever is pending: the work it does per key
+    /// is constant and runs beside it, not before it. Calling it again is
+    /// harmless.
     pub async fn shutdown(&self, grace: Duration) -> ShutdownReport {
         let deadline = Instant::now()
             .checked_add(grace)
             .unwrap_or_else(|| Instant::now() + crate::key::MAX_TIMER);
         self.core.closed.store(true, Ordering::Release);
-        self.core.debounce.shutdown(self.core.policy);
-        let hooks: Vec<Arc<dyn ShutdownHook>> = match self.core.hooks.lock() {
-            Ok(hooks) => hooks.iter().filter_map(Weak::upgrade).collect(),
-            Err(_) => Vec::new(),
-        };
-        let graceful = self.core.policy == ShutdownPolicy::Flush;
-        for hook in hooks {
-            hook.shutdown(deadline, graceful).await;
+        let services = self.core.services.all();
+        for service in &services {
+            service.shutdown(deadline, self.core.policy).await;
         }
         let still_running = self.core.tree.shutdown(deadline).await;
-        self.core.idempotency.shutdown();
+        for service in &services {
+            service.stopped();
+        }
         ShutdownReport { still_running }
     }
 }
@@ -436,11 +580,43 @@ fn start_global() -> Result<Runtime, Error> {
             };
             rt.block_on(async move {
                 let partitions = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
-                let started = Runtime::builder().with_partitions(partitions).start().await;
-                let ok = started.is_ok();
+                #[allow(unused_mut)]
+                let mut builder = Runtime::builder()
+                    .with_name("default")
+                    .with_partitions(partitions);
+                #[cfg(feature = "redis")]
+                if let Some(redis) = crate::store::Redis::from_env() {
+                    match redis.connect().await {
+                        Ok(redis) => builder = builder.with_redis(redis),
+                        Err(error) => {
+                            // Throttles fail open: decide per instance rather than not start.
+                            let error: &(dyn std::error::Error + 'static) = &error;
+                            tracing::error!(
+                                error,
+                                "default runtime: Redis from the environment is unreachable; deciding per instance"
+                            );
+                        }
+                    }
+                }
+                let started = builder.start().await;
+                let runtime = started.as_ref().ok().cloned();
                 let _ = tx.send(started);
-                if ok {
-                    std::future::pending::<()>().await;
+                // Nobody supervises the default runtime: it restarts itself,
+                // 100 ms after its root goes down.
+                if let Some(runtime) = runtime {
+                    loop {
+                        runtime.core.tree.wait_down().await;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        match runtime.restart().await {
+                            Ok(_) => {
+                                tracing::warn!("default runtime restarted after its root went down")
+                            }
+                            Err(error) => {
+                                let error: &(dyn std::error::Error + 'static) = &error;
+                                tracing::error!(error, "default runtime failed to restart");
+                            }
+                        }
+                    }
                 }
             });
         });

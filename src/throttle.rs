@@ -2,21 +2,22 @@
 //! turned away at once.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use throttlebeam_supervisors::{Counters, Registry, SlotEntry, Sweep, Sweeper, catch_panic};
+use throttlebeam_supervisors::{Registry, SlotEntry, Sweep, catch_panic};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, check_timer, shown};
-use crate::runtime::{Clock, Runtime};
+use crate::runtime::{Clock, Core, Runtime, Service};
+use crate::stats::{Counter, Stats};
 
 /// What a leading-edge throttle did with a call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]
-pub enum Throttled<T> {
+pub enum ThrottleOutcome<T> {
     /// The call opened a window and its function ran, returning this value.
     Executed(T),
     /// A window is open; the function did not run.
@@ -26,7 +27,7 @@ pub enum Throttled<T> {
     },
 }
 
-impl<T> Throttled<T> {
+impl<T> ThrottleOutcome<T> {
     /// The value, if the function ran.
     pub fn executed(self) -> Option<T> {
         match self {
@@ -35,10 +36,25 @@ impl<T> Throttled<T> {
         }
     }
 
+    /// Whether the function ran.
+    #[must_use]
+    pub fn is_executed(&self) -> bool {
+        matches!(self, Self::Executed(_))
+    }
+
     /// Whether the call was turned away.
     #[must_use]
     pub fn is_throttled(&self) -> bool {
         matches!(self, Self::Throttled { .. })
+    }
+
+    /// How long until the key may execute again, if the call was turned away.
+    #[must_use]
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::Executed(_) => None,
+            Self::Throttled { retry_after } => Some(*retry_after),
+        }
     }
 }
 
@@ -48,8 +64,12 @@ struct Window {
     until: Instant,
 }
 
+/// The leading-edge throttle of one runtime: its windows and counters.
 pub(crate) struct State {
     windows: Arc<Windows>,
+    cap: usize,
+    executed: Counter,
+    throttled: Counter,
 }
 
 struct Windows {
@@ -66,36 +86,25 @@ impl Sweep for Windows {
 }
 
 impl State {
-    pub(crate) fn new(
-        counters: Arc<Counters>,
-        cap: usize,
-        sweeper: &Sweeper,
-        clock: Clock,
-    ) -> Self {
+    fn new(core: &Core) -> Self {
+        let sweeper = core.tree.sweeper();
+        let windows = Arc::new(Windows {
+            clock: Clock::new(core.clock),
+            registry: Registry::with_sweeper(Arc::clone(&core.counters), core.cap, sweeper),
+        });
+        let weak = Arc::downgrade(&windows);
+        sweeper.register(weak);
         Self {
-            windows: Arc::new(Windows {
-                clock,
-                registry: Registry::with_sweeper(counters, cap, sweeper),
-            }),
+            windows,
+            cap: core.cap,
+            executed: Counter::default(),
+            throttled: Counter::default(),
         }
     }
 
-    pub(crate) fn uses_tsc(&self) -> bool {
-        self.windows.clock.is_tsc()
-    }
-
-    pub(crate) fn register(&self, sweeper: &Sweeper) {
-        let weak = Arc::downgrade(&self.windows);
-        sweeper.register(weak);
-    }
-
     /// Opens the key's window if none is open; otherwise reports the time left.
-    fn try_open(
-        &self,
-        key: &str,
-        interval: Duration,
-        cap: usize,
-    ) -> Result<Option<Duration>, Error> {
+    #[inline]
+    fn try_open(&self, key: &str, interval: Duration) -> Result<Option<Duration>, Error> {
         let now = self.windows.clock.now();
         // Inside a window nothing changes: a shared lock is enough.
         if let Some(Some(left)) = self.windows.registry.read(key.as_bytes(), |slot| {
@@ -121,34 +130,63 @@ impl State {
                     .map(|_| None)
                     .map_err(|_| Error::TooManyKeys {
                         key: shown(key),
-                        cap,
+                        cap: self.cap,
                     }),
             })
     }
 }
 
-/// Leading-edge throttle on an explicit [`Runtime`]; from [`Runtime::throttler`].
+impl Service for State {
+    fn stopped(&self) {
+        // Nothing reads the windows of a stopped runtime: none stays tracked.
+        self.windows.registry.retain(|_, _| false);
+    }
+
+    fn reset(&self) {
+        self.windows.registry.retain(|_, _| false);
+    }
+
+    fn stats(&self, stats: &mut Stats) {
+        stats.throttle.executed = self.executed.get();
+        stats.throttle.throttled = self.throttled.get();
+        stats.throttle.windows = self.windows.registry.len();
+        stats.throttle.capacity = self.windows.registry.capacity();
+    }
+}
+
+/// Leading-edge throttle on an explicit [`Runtime`]; from [`Runtime::throttle`].
 ///
-/// See [`Throttle`] for the behaviour.
-#[derive(Debug, Clone)]
-pub struct Throttler {
+/// A cheap handle (`Clone`). See [`Throttle`] for the behaviour.
+#[derive(Clone)]
+pub struct ThrottleHandle {
     runtime: Runtime,
+    state: Arc<State>,
+}
+
+impl std::fmt::Debug for ThrottleHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThrottleHandle")
+            .field("windows", &self.state.windows.registry.len())
+            .field("tsc_clock", &self.state.windows.clock.is_tsc())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Runtime {
     /// The leading-edge throttle of this runtime.
     #[must_use]
-    pub fn throttler(&self) -> Throttler {
-        Throttler {
+    pub fn throttle(&self) -> ThrottleHandle {
+        ThrottleHandle {
             runtime: self.clone(),
+            state: self.core.service(State::new),
         }
     }
 }
 
-impl Throttler {
+impl ThrottleHandle {
     /// Runs `f` now if `key` has no open window, opening one of `interval`
-    /// from now; otherwise returns [`Throttled::Throttled`] at once, even while
-    /// the executed function is still running.
+    /// from now; otherwise returns [`ThrottleOutcome::Throttled`] at once,
+    /// even while the executed function is still running.
     ///
     /// The function runs in the key's own process: dropping this future does
     /// not cancel it. Its error or panic is returned to this caller, and the
@@ -158,18 +196,19 @@ impl Throttler {
     ///
     /// [`Error::InvalidKey`], [`Error::InvalidArgument`] (zero or
     /// unschedulable interval), [`Error::TooManyKeys`], [`Error::ShutDown`],
-    /// and, when the function ran, [`Error::Failed`] or [`Error::Panicked`].
+    /// [`Error::RuntimeDown`], and, when the function ran, [`Error::Failed`]
+    /// or [`Error::Panicked`].
     ///
     /// # Examples
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
     /// use std::time::Duration;
-    /// use throttlebeam::{Runtime, Throttled};
+    /// use throttlebeam::{Runtime, ThrottleOutcome};
     ///
-    /// let throttle = Runtime::start().await?.throttler();
+    /// let throttle = Runtime::start().await?.throttle();
     /// let first = throttle.call("save:9", Duration::from_secs(2), || async { Ok::<_, std::io::Error>("saved") }).await?;
-    /// assert_eq!(first, Throttled::Executed("saved"));
+    /// assert_eq!(first, ThrottleOutcome::Executed("saved"));
     /// let second = throttle.call("save:9", Duration::from_secs(2), || async { Ok::<_, std::io::Error>("saved") }).await?;
     /// assert!(second.is_throttled());
     /// # Ok(()) }
@@ -179,7 +218,7 @@ impl Throttler {
         key: &str,
         interval: Duration,
         f: F,
-    ) -> Result<Throttled<T>, Error>
+    ) -> Result<ThrottleOutcome<T>, Error>
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
@@ -190,10 +229,12 @@ impl Throttler {
         check_timer(key, "interval", interval)?;
         let core = &self.runtime.core;
         core.check_open(key)?;
-        let state = &core.throttle;
-        if let Some(retry_after) = state.try_open(key, interval, core.cap)? {
-            return Ok(Throttled::Throttled { retry_after });
+        let state = &self.state;
+        if let Some(retry_after) = state.try_open(key, interval)? {
+            state.throttled.incr();
+            return Ok(ThrottleOutcome::Throttled { retry_after });
         }
+        state.executed.incr();
         let (tx, rx) = oneshot::channel();
         let owned_key: Box<str> = key.into();
         core.start_process(key, async move {
@@ -201,7 +242,7 @@ impl Throttler {
             let _ = tx.send(Error::from_run(&owned_key, caught));
         })?;
         match rx.await {
-            Ok(outcome) => outcome.map(Throttled::Executed),
+            Ok(outcome) => outcome.map(ThrottleOutcome::Executed),
             Err(_) => Err(Error::process_lost(key)),
         }
     }
@@ -211,7 +252,7 @@ impl Throttler {
 ///
 /// The first call for a key runs its function now and opens a window of
 /// `interval` that starts when the call starts; calls inside the window are
-/// turned away with [`Throttled::Throttled`] and how long is left. Turned-away
+/// turned away with [`ThrottleOutcome::Throttled`] and how long is left. Turned-away
 /// calls return at once: they never wait for a slow running function. A key
 /// whose window is open but whose function has finished costs a timestamp in
 /// the registry, not a process; expired windows are swept.
@@ -221,15 +262,15 @@ impl Throttler {
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
 /// use std::time::Duration;
-/// use throttlebeam::{Throttle, Throttled};
+/// use throttlebeam::{Throttle, ThrottleOutcome};
 ///
 /// match Throttle::call("email:42", Duration::from_secs(60), || async {
 ///     Ok::<_, std::io::Error>("sent")
 /// })
 /// .await?
 /// {
-///     Throttled::Executed(v) => assert_eq!(v, "sent"),
-///     Throttled::Throttled { retry_after } => println!("try again in {retry_after:?}"),
+///     ThrottleOutcome::Executed(v) => assert_eq!(v, "sent"),
+///     ThrottleOutcome::Throttled { retry_after } => println!("try again in {retry_after:?}"),
 /// }
 /// # Ok(()) }
 /// ```
@@ -237,23 +278,32 @@ impl Throttler {
 pub struct Throttle;
 
 impl Throttle {
-    /// [`Throttler::call`] on the default runtime.
+    /// [`ThrottleHandle::call`] on the default runtime.
     ///
     /// # Errors
     ///
-    /// As [`Throttler::call`], plus [`Error::Start`] if the default runtime
-    /// could not start.
+    /// As [`ThrottleHandle::call`], plus [`Error::Start`] if the default
+    /// runtime could not start.
     pub async fn call<F, Fut, T, E>(
         key: &str,
         interval: Duration,
         f: F,
-    ) -> Result<Throttled<T>, Error>
+    ) -> Result<ThrottleOutcome<T>, Error>
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Send + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
-        Runtime::global()?.throttler().call(key, interval, f).await
+        global()?.call(key, interval, f).await
     }
+}
+
+/// The default runtime's throttle, looked up once.
+fn global() -> Result<&'static ThrottleHandle, Error> {
+    static GLOBAL: OnceLock<Result<ThrottleHandle, Error>> = OnceLock::new();
+    GLOBAL
+        .get_or_init(|| Runtime::global().map(|rt| rt.throttle()))
+        .as_ref()
+        .map_err(Clone::clone)
 }

@@ -18,7 +18,7 @@ fn since(start: Instant) -> u64 {
 #[tokio::test(start_paused = true)]
 async fn d1_five_calls_run_once_after_the_last() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let runs = Runs::default();
     let start = Instant::now();
     let log: Log = Arc::default();
@@ -56,7 +56,7 @@ async fn d1_five_calls_run_once_after_the_last() {
 #[tokio::test(start_paused = true)]
 async fn d2_latest_function_wins_and_every_caller_sees_it() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let a = d
         .call("k", ms(100), || async { Ok::<_, Oops>("first") })
         .unwrap();
@@ -74,7 +74,7 @@ async fn d2_latest_function_wins_and_every_caller_sees_it() {
 #[tokio::test(start_paused = true)]
 async fn d3_keys_are_independent_and_a_slow_key_does_not_delay_another() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let start = Instant::now();
     let slow = d
         .call("a", ms(10), move || async move {
@@ -96,7 +96,7 @@ async fn d3_keys_are_independent_and_a_slow_key_does_not_delay_another() {
 #[tokio::test(start_paused = true)]
 async fn d4_max_wait_bounds_the_delay_under_constant_calls() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let start = Instant::now();
     let log: Log = Arc::default();
     let options = DebounceOptions::new().with_max_wait(ms(500));
@@ -120,7 +120,7 @@ async fn d4_max_wait_bounds_the_delay_under_constant_calls() {
 #[tokio::test(start_paused = true)]
 async fn d5_leading_runs_first_call_now_and_one_trailing_run() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let start = Instant::now();
     let runs = Runs::default();
     let options = DebounceOptions::new().with_leading(true);
@@ -175,7 +175,7 @@ async fn futures_join<T: Clone + Send + Sync + 'static>(
 #[tokio::test(start_paused = true)]
 async fn d6_cancel_and_flush() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let runs = Runs::default();
     let r = runs.clone();
     let cancelled = d
@@ -229,7 +229,7 @@ async fn d6_cancel_and_flush() {
 #[tokio::test(start_paused = true)]
 async fn d7_every_caller_gets_the_run_error_and_non_waiters_are_not_blocked() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let a = d
         .call("k", ms(50), || async { Err::<u8, _>(Oops("db down")) })
         .unwrap();
@@ -264,7 +264,7 @@ async fn d7_every_caller_gets_the_run_error_and_non_waiters_are_not_blocked() {
 #[tokio::test(start_paused = true)]
 async fn d8_graceful_shutdown_flushes_pending_work() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let runs = Runs::default();
     let mut handles = Vec::new();
     for key in ["a", "b", "c"] {
@@ -303,7 +303,7 @@ async fn d8_shutdown_with_drop_policy_discards_pending_work() {
         .start()
         .await
         .unwrap();
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let runs = Runs::default();
     let r = runs.clone();
     let h = d
@@ -327,7 +327,7 @@ async fn d8_shutdown_with_drop_policy_discards_pending_work() {
 #[tokio::test(start_paused = true)]
 async fn d9_bad_input_is_a_typed_error_and_schedules_nothing() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let ok = || async { Ok::<_, Oops>(()) };
     assert!(matches!(
         d.call("", ms(10), ok),
@@ -382,7 +382,7 @@ async fn d9_bad_input_is_a_typed_error_and_schedules_nothing() {
 #[tokio::test(start_paused = true)]
 async fn a_burst_costs_about_one_timer_wakeup() {
     let rt = runtime().await;
-    let d = rt.debouncer();
+    let d = rt.debounce();
     let first = d.call("k", ms(100), || async { Ok::<_, Oops>(0) }).unwrap();
     settle().await;
     for i in 1..1000 {
@@ -392,4 +392,188 @@ async fn a_burst_costs_about_one_timer_wakeup() {
     }
     assert_eq!(first.await.unwrap(), 999);
     assert!(d.timer_wakeups() <= 2, "wakeups: {}", d.timer_wakeups());
+}
+
+/// Issue 7 item 2: a key scheduled from a tokio runtime that then ends
+/// (every `#[tokio::test]` does that) used to keep its slot with no process,
+/// so every later call for the key hung forever.
+#[test]
+fn a_key_scheduled_from_an_ended_tokio_runtime_never_wedges() {
+    use throttlebeam::Debounce;
+    let key = "wedge:ended-runtime";
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let lost = first.block_on(async {
+        let lost = Debounce::call(key, Duration::from_secs(3600), || async {
+            Ok::<_, Oops>("never")
+        })
+        .unwrap();
+        assert!(Debounce::is_pending(key).unwrap());
+        lost
+    });
+    // The runtime that ran the key's process ends, dropping the process.
+    drop(first);
+    assert!(
+        !Debounce::is_pending(key).unwrap(),
+        "the slot went with its process"
+    );
+
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        let outcome = tokio::time::timeout(Duration::from_secs(5), lost.into_future())
+            .await
+            .expect("the lost run's waiter is told at once");
+        assert!(
+            matches!(&outcome, Err(Error::Discarded { key: k, reason }) if k == key && reason.contains("process was lost")),
+            "{outcome:?}"
+        );
+        let again = Debounce::call(key, ms(1), || async { Ok::<_, Oops>("ran") }).unwrap();
+        let ran = tokio::time::timeout(Duration::from_secs(5), again.into_future())
+            .await
+            .expect("a new call on the key runs, it does not hang");
+        assert_eq!(ran.unwrap(), "ran");
+    });
+}
+
+/// Runs `f` on a thread of its own; fails the test if it has not returned
+/// within 5 s (a deadlock).
+fn within_5s(f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(5))
+        .expect("returned (a user closure dropped under a shard lock deadlocks here)");
+}
+
+/// Touches the key's shard when dropped, as a user's `Drop` may (through
+/// another handle, a log sink, ...): dropped under the shard lock, it
+/// deadlocks.
+struct TouchesTheKeyOnDrop(throttlebeam::DebounceHandle, &'static str);
+
+impl Drop for TouchesTheKeyOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.is_pending(self.1);
+    }
+}
+
+/// Issue 7 item 2: replaced, cancelled and refused functions are dropped
+/// after the shard lock is released.
+#[test]
+fn user_functions_are_never_dropped_under_the_shard_lock() {
+    within_5s(|| {
+        let tokio = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        tokio.block_on(async {
+            let rt = runtime().await;
+            let d = rt.debounce();
+            let call = |value: u8| {
+                let guard = TouchesTheKeyOnDrop(d.clone(), "k");
+                d.call("k", ms(100), move || async move {
+                    let _guard = guard;
+                    Ok::<_, Oops>(value)
+                })
+            };
+            let first = call(1).unwrap();
+            // Replaced: the first function is dropped.
+            let second = call(2).unwrap();
+            // Cancelled: the second one is dropped.
+            assert!(d.cancel("k"));
+            assert!(matches!(first.await, Err(Error::Discarded { .. })));
+            assert!(matches!(second.await, Err(Error::Discarded { .. })));
+            // Refused for its type: dropped without being scheduled.
+            let _pending = call(3).unwrap();
+            let guard = TouchesTheKeyOnDrop(d.clone(), "k");
+            let refused = d.call("k", ms(100), move || async move {
+                let _guard = guard;
+                Ok::<_, Oops>("other type")
+            });
+            assert!(matches!(refused, Err(Error::TypeMismatch { .. })));
+        });
+    });
+}
+
+#[tokio::test(start_paused = true)]
+async fn debounce_stats_count_calls_runs_and_what_became_of_them() {
+    let rt = runtime().await;
+    let d = rt.debounce();
+    let a1 = d.call("a", ms(100), || async { Ok::<_, Oops>(1) }).unwrap();
+    let a2 = d.call("a", ms(100), || async { Ok::<_, Oops>(2) }).unwrap();
+    let _b = d.call("b", ms(100), || async { Ok::<_, Oops>(3) }).unwrap();
+    let c = d
+        .call("c", ms(100), || async { Err::<u8, _>(Oops("c")) })
+        .unwrap();
+    let _e = d.call("e", ms(100), || async { Ok::<_, Oops>(5) }).unwrap();
+    assert!(d.cancel("b"));
+    assert!(d.flush("e"));
+    assert_eq!(rt.stats().debounce.keys, 4);
+    assert_eq!((a1.await.unwrap(), a2.await.unwrap()), (2, 2));
+    assert!(c.await.is_err());
+    let stats = rt.stats().debounce;
+    assert_eq!(stats.calls, 5);
+    assert_eq!(stats.coalesced, 1);
+    assert_eq!(stats.cancelled, 1);
+    assert_eq!(stats.flushed, 1);
+    assert_eq!(stats.runs, 3);
+    assert_eq!(stats.failed, 1);
+    settle().await;
+    advance(ms(1)).await;
+    settle().await;
+    assert_eq!(rt.stats().debounce.keys, 0);
+}
+
+/// Collects warn-level events for one test.
+#[derive(Clone, Default)]
+struct Warnings(Arc<Mutex<Vec<String>>>);
+
+impl std::io::Write for Warnings {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap()
+            .push(String::from_utf8_lossy(buf).into_owned());
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Issue 7 item 19: a failed run nobody awaited is logged at warn, not
+/// only at debug (where it failed silently); an awaited one stays at debug.
+#[tokio::test(start_paused = true)]
+async fn a_failed_fire_and_forget_run_is_logged_at_warn() {
+    let warnings = Warnings::default();
+    let sink = warnings.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || sink.clone())
+        .finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+    let rt = runtime().await;
+    let d = rt.debounce();
+    drop(
+        d.call("forgotten", ms(10), || async { Err::<u8, _>(Oops("lost")) })
+            .unwrap(),
+    );
+    let awaited = d
+        .call("watched", ms(10), || async { Err::<u8, _>(Oops("seen")) })
+        .unwrap();
+    assert!(awaited.await.is_err());
+    advance(ms(10)).await;
+    settle().await;
+    let lines = warnings.0.lock().unwrap().join("");
+    assert!(lines.contains("WARN"), "{lines}");
+    assert!(lines.contains("forgotten"), "{lines}");
+    assert!(!lines.contains("watched"), "{lines}");
 }

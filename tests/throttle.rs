@@ -5,13 +5,13 @@ mod support;
 use std::time::Duration;
 
 use support::{Oops, Runs, ms, runtime};
-use throttlebeam::{Error, Throttled};
-use tokio::time::{Instant, sleep};
+use throttlebeam::{Error, ThrottleOutcome};
+use tokio::time::{Instant, advance, sleep};
 
 #[tokio::test(start_paused = true)]
 async fn t1_five_immediate_calls_execute_once() {
     let rt = runtime().await;
-    let t = rt.throttler();
+    let t = rt.throttle();
     let runs = Runs::default();
     let mut outcomes = Vec::new();
     for i in 0..5 {
@@ -25,7 +25,7 @@ async fn t1_five_immediate_calls_execute_once() {
             .unwrap(),
         );
     }
-    assert_eq!(outcomes[0], Throttled::Executed(0));
+    assert_eq!(outcomes[0], ThrottleOutcome::Executed(0));
     for o in &outcomes[1..] {
         assert!(o.is_throttled(), "{o:?}");
     }
@@ -35,20 +35,20 @@ async fn t1_five_immediate_calls_execute_once() {
 #[tokio::test(start_paused = true)]
 async fn t2_window_reopens_after_the_interval() {
     let rt = runtime().await;
-    let t = rt.throttler();
+    let t = rt.throttle();
     let call = |v| t.call("k", ms(100), move || async move { Ok::<_, Oops>(v) });
-    assert_eq!(call(0).await.unwrap(), Throttled::Executed(0));
+    assert_eq!(call(0).await.unwrap(), ThrottleOutcome::Executed(0));
     sleep(ms(50)).await;
     assert_eq!(
         call(50).await.unwrap(),
-        Throttled::Throttled {
+        ThrottleOutcome::Throttled {
             retry_after: ms(50)
         }
     );
     sleep(ms(50)).await;
     assert_eq!(
         call(100).await.unwrap(),
-        Throttled::Executed(100),
+        ThrottleOutcome::Executed(100),
         "now == window end executes"
     );
     sleep(ms(50)).await;
@@ -58,7 +58,7 @@ async fn t2_window_reopens_after_the_interval() {
 #[tokio::test(start_paused = true)]
 async fn t3_throttled_callers_do_not_wait_for_a_slow_function() {
     let rt = runtime().await;
-    let t = rt.throttler();
+    let t = rt.throttle();
     let t2 = t.clone();
     let slow = tokio::spawn(async move {
         t2.call("k", ms(100), || async {
@@ -76,13 +76,16 @@ async fn t3_throttled_callers_do_not_wait_for_a_slow_function() {
         .unwrap();
     assert_eq!(before.elapsed(), Duration::ZERO, "returned at once");
     assert!(outcome.is_throttled());
-    assert_eq!(slow.await.unwrap().unwrap(), Throttled::Executed("slow"));
+    assert_eq!(
+        slow.await.unwrap().unwrap(),
+        ThrottleOutcome::Executed("slow")
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn t4_window_starts_when_the_call_starts_and_retry_after_counts_down() {
     let rt = runtime().await;
-    let t = rt.throttler();
+    let t = rt.throttle();
     let start = Instant::now();
     // The function takes 80 of the 100 window; the window still ends at 100.
     let first = t
@@ -92,7 +95,7 @@ async fn t4_window_starts_when_the_call_starts_and_retry_after_counts_down() {
         })
         .await
         .unwrap();
-    assert_eq!(first, Throttled::Executed(()));
+    assert_eq!(first, ThrottleOutcome::Executed(()));
     assert_eq!(start.elapsed(), ms(80));
     let second = t
         .call("k", ms(100), || async { Ok::<_, Oops>(()) })
@@ -100,7 +103,7 @@ async fn t4_window_starts_when_the_call_starts_and_retry_after_counts_down() {
         .unwrap();
     assert_eq!(
         second,
-        Throttled::Throttled {
+        ThrottleOutcome::Throttled {
             retry_after: ms(20)
         }
     );
@@ -116,7 +119,7 @@ async fn t4_window_starts_when_the_call_starts_and_retry_after_counts_down() {
 #[tokio::test(start_paused = true)]
 async fn t5_errors_and_panics_reach_the_caller_and_the_window_still_opens() {
     let rt = runtime().await;
-    let t = rt.throttler();
+    let t = rt.throttle();
     let err = t
         .call("e", ms(100), || async { Err::<u8, _>(Oops("nope")) })
         .await
@@ -157,7 +160,7 @@ async fn t5_errors_and_panics_reach_the_caller_and_the_window_still_opens() {
 #[tokio::test(start_paused = true)]
 async fn dropping_the_caller_does_not_cancel_the_function() {
     let rt = runtime().await;
-    let t = rt.throttler();
+    let t = rt.throttle();
     let runs = Runs::default();
     let r = runs.clone();
     let call = t.call("k", ms(100), move || async move {
@@ -174,7 +177,7 @@ async fn dropping_the_caller_does_not_cancel_the_function() {
 #[tokio::test(start_paused = true)]
 async fn bad_input_is_a_typed_error() {
     let rt = runtime().await;
-    let t = rt.throttler();
+    let t = rt.throttle();
     let ok = || async { Ok::<_, Oops>(()) };
     assert!(matches!(
         t.call("", ms(10), ok).await,
@@ -208,7 +211,7 @@ async fn open_windows_are_swept_and_cost_no_process() {
         .start()
         .await
         .unwrap();
-    let t = rt.throttler();
+    let t = rt.throttle();
     for i in 0..100 {
         let key = format!("k{i}");
         let outcome = t
@@ -236,7 +239,7 @@ async fn key_cap_is_enforced_with_a_clear_error() {
         .start()
         .await
         .unwrap();
-    let t = rt.throttler();
+    let t = rt.throttle();
     let ok = || async { Ok::<_, Oops>(()) };
     assert!(!t.call("a", ms(100), ok).await.unwrap().is_throttled());
     assert!(!t.call("b", ms(100), ok).await.unwrap().is_throttled());
@@ -261,14 +264,14 @@ async fn windows_on_the_timestamp_counter_behave_the_same() {
         .start()
         .await
         .unwrap();
-    let t = rt.throttler();
+    let t = rt.throttle();
     let ok = || async { Ok::<_, Oops>(1) };
     assert_eq!(
         t.call("k", ms(60_000), ok).await.unwrap(),
-        Throttled::Executed(1)
+        ThrottleOutcome::Executed(1)
     );
     match t.call("k", ms(60_000), ok).await.unwrap() {
-        Throttled::Throttled { retry_after } => {
+        ThrottleOutcome::Throttled { retry_after } => {
             assert!(
                 retry_after <= ms(60_000) && retry_after > ms(59_000),
                 "{retry_after:?}"
@@ -289,4 +292,73 @@ async fn windows_on_the_timestamp_counter_behave_the_same() {
         );
         tokio::task::yield_now().await;
     }
+}
+
+/// Issue 7 item 15: memory comes back. After a flood of keys is swept,
+/// neither the windows nor the debounce keys keep their peak capacity, and
+/// both show in stats.
+#[tokio::test(start_paused = true)]
+async fn a_swept_flood_gives_its_memory_back_and_shows_in_stats() {
+    let rt = runtime().await;
+    let t = rt.throttle();
+    let d = rt.debounce();
+    let mut runs = Vec::new();
+    for i in 0..20_000 {
+        let key = format!("flood:{i}");
+        assert!(
+            t.call(&key, ms(10), || async { Ok::<_, Oops>(()) })
+                .await
+                .unwrap()
+                .is_executed()
+        );
+        runs.push(d.call(&key, ms(1), || async { Ok::<_, Oops>(()) }).unwrap());
+    }
+    let peak = rt.stats();
+    assert_eq!(
+        (peak.throttle.windows, peak.debounce.keys),
+        (20_000, 20_000)
+    );
+    assert!(peak.throttle.capacity >= 20_000 && peak.debounce.capacity >= 20_000);
+    advance(ms(10)).await;
+    for run in runs {
+        run.await.unwrap();
+    }
+    support::settle().await;
+    assert_eq!(rt.sweep_now(), 0);
+    let swept = rt.stats();
+    assert_eq!(
+        (swept.throttle.windows, swept.debounce.keys, swept.keys),
+        (0, 0, 0)
+    );
+    assert!(
+        swept.throttle.capacity < peak.throttle.capacity / 4,
+        "windows kept {} of {} slots",
+        swept.throttle.capacity,
+        peak.throttle.capacity
+    );
+    assert!(
+        swept.debounce.capacity < peak.debounce.capacity / 4,
+        "debounce kept {} of {} slots",
+        swept.debounce.capacity,
+        peak.debounce.capacity
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn throttle_stats_count_executed_and_throttled_calls() {
+    let rt = runtime().await;
+    let t = rt.throttle();
+    for _ in 0..5 {
+        let _ = t
+            .call("a", ms(100), || async { Ok::<_, Oops>(()) })
+            .await
+            .unwrap();
+    }
+    let _ = t
+        .call("b", ms(100), || async { Err::<(), _>(Oops("b")) })
+        .await;
+    let stats = rt.stats().throttle;
+    assert_eq!((stats.executed, stats.throttled, stats.windows), (2, 4, 2));
+    let json = serde_json::to_value(rt.stats()).unwrap();
+    assert_eq!(json["throttle"]["throttled"], 4);
 }

@@ -19,7 +19,7 @@ use super::store::{WindowClaim, WindowEntry, WindowStore, WindowStoreFuture};
 use crate::cell::RunCell;
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, shown};
-use crate::runtime::{Runtime, ShutdownHook};
+use crate::runtime::{Runtime, Service, ServiceFuture, ShutdownPolicy};
 
 /// A user function, boxed so the latest one can replace an older one.
 pub(super) type Job<T> = Box<dyn FnOnce(Phase) -> JobFuture<T> + Send>;
@@ -387,8 +387,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             owns_store: config.owns_store,
             store_timeout: config.store_timeout,
         });
-        let hook: std::sync::Weak<dyn ShutdownHook> = Arc::downgrade(&shared) as _;
-        shared.runtime.core.add_hook(hook);
+        let service: std::sync::Weak<dyn Service> = Arc::downgrade(&shared) as _;
+        shared.runtime.core.attach(service);
         let target: std::sync::Weak<dyn Sweep> = Arc::downgrade(&shared) as _;
         sweeper.register(target);
         shared
@@ -993,19 +993,19 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     }
 }
 
-impl<T: Clone + Send + Sync + 'static> ShutdownHook for Shared<T> {
-    fn shutdown(
-        &self,
-        deadline: Instant,
-        graceful: bool,
-    ) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+impl<T: Clone + Send + Sync + 'static> Service for Shared<T> {
+    fn shutdown(&self, deadline: Instant, policy: ShutdownPolicy) -> ServiceFuture<'_> {
         Box::pin(async move {
-            if graceful {
+            if policy == ShutdownPolicy::Flush {
                 self.drain(deadline).await;
             } else {
                 self.destroy().await;
             }
         })
+    }
+
+    fn stats(&self, stats: &mut crate::stats::Stats) {
+        stats.trailing.add(&self.snapshot());
     }
 }
 

@@ -79,7 +79,9 @@
 //! partition actors and the sweeper) is restarted by the tree's root within
 //! a restart intensity; past it the root fails, and a host that started the
 //! tree with [`Tree::start_linked`] receives `ActorFailed` for
-//! [`Tree::root`].
+//! [`Tree::root`]. The host restarts a failed tree with [`Tree::restart`],
+//! keeping its supervisor, sweeper and sweep targets, so every handle works
+//! again.
 //!
 //! ractor logs a span per actor at INFO; hosts usually filter with
 //! `ractor=warn` (for example `RUST_LOG=info,ractor=warn`).

@@ -23,6 +23,9 @@ pub(crate) fn shard_amount() -> usize {
     (threads * 4).next_power_of_two().max(64)
 }
 
+/// Below this many slots a map is never shrunk: not worth the rehash.
+pub(crate) const SHRINK_FLOOR: usize = 1024;
+
 /// Identifies one incarnation of a key's slot.
 ///
 /// A slot removed and created again for the same key gets a new generation,
@@ -336,7 +339,11 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
             removed.n += usize::from(!kept);
             kept
         });
+        let swept = removed.n > 0;
         drop(removed);
+        if swept {
+            self.release_capacity();
+        }
         self.len()
     }
 
@@ -344,6 +351,20 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     /// as after a flood of keys that has been swept.
     pub fn shrink_to_fit(&self) {
         self.map.shrink_to_fit();
+    }
+
+    /// Gives retained capacity back once the map holds under a quarter of
+    /// what it could (as governor's `shrink_to_fit`): after a flood of keys
+    /// has been swept, an idle registry costs what it holds, not its peak.
+    pub fn release_capacity(&self) {
+        if self.map.capacity() > 4 * self.len().max(SHRINK_FLOOR) {
+            self.map.shrink_to_fit();
+        }
+    }
+
+    /// Slots the map can hold without growing (its memory, in slots).
+    pub fn capacity(&self) -> usize {
+        self.map.capacity()
     }
 
     /// Removes every slot, returning keys and states. A key inserted while
@@ -357,6 +378,7 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
                 out.push((key, slot.state));
             }
         }
+        self.release_capacity();
         out
     }
 }

@@ -2,9 +2,11 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SupervisionEvent};
+use arc_swap::ArcSwap;
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, ActorStatus, SupervisionEvent};
 use tokio::time::Instant;
 
 use crate::stats::{Counters, Snapshot};
@@ -115,10 +117,24 @@ pub struct StartTreeError(#[source] ractor::SpawnErr);
 /// ```
 #[derive(Debug, Clone)]
 pub struct Tree {
-    root: ActorRef<RootMsg>,
+    inner: Arc<TreeInner>,
     supervisor: Supervisor,
     sweeper: Sweeper,
     counters: Arc<Counters>,
+}
+
+#[derive(Debug)]
+struct TreeInner {
+    /// The current root; replaced by [`Tree::restart`].
+    root: ArcSwap<ActorRef<RootMsg>>,
+    /// Set once the current root is known to be down: at once when it fails
+    /// its restart intensity or is stopped, moments later when it is killed
+    /// (by its watcher), or by whoever sees it down first.
+    down: Arc<Down>,
+    host: Option<ActorCell>,
+    config: TreeConfig,
+    /// Serializes restarts.
+    restarting: tokio::sync::Mutex<()>,
 }
 
 impl Tree {
@@ -206,22 +222,141 @@ impl Tree {
     ) -> Result<Self, StartTreeError> {
         let supervisor = Supervisor::new(config.partitions);
         let sweeper = Sweeper::new(config.sweep_interval, Arc::clone(&counters));
-        let root = Root {
-            supervisor: supervisor.clone(),
-            sweeper: sweeper.clone(),
-            config,
-        };
-        let (root, _join) = match host {
-            Some(host) => Actor::spawn_linked(None, root, (), host).await,
-            None => Actor::spawn(None, root, ()).await,
-        }
-        .map_err(StartTreeError)?;
-        Ok(Self {
-            root,
+        let down = Arc::new(Down::default());
+        let (root, join) = spawn_root(&supervisor, &sweeper, &config, host.clone(), &down).await?;
+        let tree = Self {
+            inner: Arc::new(TreeInner {
+                root: ArcSwap::from_pointee(root),
+                down,
+                host,
+                config,
+                restarting: tokio::sync::Mutex::new(()),
+            }),
             supervisor,
             sweeper,
             counters,
-        })
+        };
+        tree.watch(join);
+        Ok(tree)
+    }
+
+    /// Marks the tree down when the current root's task ends, however it
+    /// ended (a kill runs none of the root's own code), unless the tree was
+    /// shut down or has restarted since.
+    fn watch(&self, join: ractor::concurrency::JoinHandle<()>) {
+        let id = self.inner.root.load().get_id();
+        let inner = Arc::downgrade(&self.inner);
+        let supervisor = self.supervisor.clone();
+        tokio::spawn(async move {
+            let _ = join.await;
+            if let Some(inner) = inner.upgrade() {
+                if !supervisor.is_shut_down() && inner.root.load().get_id() == id {
+                    inner.down.set();
+                }
+            }
+        });
+    }
+
+    /// Waits until the root is known to be down (see
+    /// [`Tree::is_known_down`]); for a tree with no host supervisor, whose
+    /// owner restarts it itself. Meant for one waiter at a time.
+    pub async fn wait_down(&self) {
+        loop {
+            if self.is_known_down() {
+                return;
+            }
+            self.inner.down.notify.notified().await;
+        }
+    }
+
+    /// The hot-path form of [`Tree::is_down`]: one relaxed load, no lookup.
+    /// True once the tree knows its root is down: at once for a root that
+    /// failed its restart intensity or was stopped from outside, moments
+    /// later for one that was killed (or at once if [`Tree::is_down`] saw it
+    /// first).
+    #[inline]
+    #[must_use]
+    pub fn is_known_down(&self) -> bool {
+        self.inner.down.flag.load(Ordering::Relaxed)
+    }
+
+    /// Whether the root has stopped without [`Tree::shutdown`]: it failed
+    /// (restart intensity exceeded) or was killed. Nothing is swept and no
+    /// infrastructure is supervised until [`Tree::restart`].
+    ///
+    /// Exact, but reads the current root: hot paths use
+    /// [`Tree::is_known_down`].
+    #[must_use]
+    pub fn is_down(&self) -> bool {
+        if self.supervisor.is_shut_down() {
+            return false;
+        }
+        if self.inner.down.flag.load(Ordering::Acquire) {
+            return true;
+        }
+        let down = self.inner.root.load().get_status() >= ActorStatus::Stopping;
+        if down {
+            self.inner.down.set();
+        }
+        down
+    }
+
+    /// Starts a fresh root (and its partition actors and sweeper) after the
+    /// old one failed, linked under the same host supervisor, if any. The
+    /// [`Supervisor`], [`Sweeper`] and their registered targets are kept, so
+    /// every handle to this tree works again. Returns whether a restart
+    /// happened: `false` while the root is alive, or once the tree was shut
+    /// down.
+    ///
+    /// Safe to call from the host's `handle_supervisor_evt`.
+    ///
+    /// # Errors
+    ///
+    /// [`StartTreeError`] when the new root fails to start or the host is
+    /// shutting down; the tree stays down and may be restarted again.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// use std::sync::Arc;
+    /// use throttlebeam_supervisors::{Counters, Tree, TreeConfig};
+    ///
+    /// let tree = Tree::start(TreeConfig::default(), Arc::new(Counters::new())).await?;
+    /// tree.root().kill();
+    /// while !tree.is_down() {
+    ///     tokio::task::yield_now().await;
+    /// }
+    /// assert!(tree.restart().await?);
+    /// assert!(!tree.is_down());
+    /// tree.shutdown(tokio::time::Instant::now()).await;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn restart(&self) -> Result<bool, StartTreeError> {
+        let _one_at_a_time = self.inner.restarting.lock().await;
+        if !self.is_down() {
+            return Ok(false);
+        }
+        // Wait for the old root to be gone, so its post-stop detaching can
+        // never undo the new root's attaching.
+        let old = self.inner.root.load_full();
+        while old.get_status() != ActorStatus::Stopped {
+            tokio::task::yield_now().await;
+        }
+        let (root, join) = spawn_root(
+            &self.supervisor,
+            &self.sweeper,
+            &self.inner.config,
+            self.inner.host.clone(),
+            &self.inner.down,
+        )
+        .await?;
+        self.inner.root.store(Arc::new(root));
+        self.inner.down.flag.store(false, Ordering::Release);
+        self.watch(join);
+        tracing::info!("supervision tree restarted");
+        Ok(true)
     }
 
     /// The per-key supervisor.
@@ -257,12 +392,14 @@ impl Tree {
     /// events.
     #[must_use]
     pub fn root(&self) -> ActorCell {
-        self.root.get_cell()
+        self.inner.root.load().get_cell()
     }
 
     /// Shuts down: stops accepting per-key processes, waits for them until
-    /// `deadline`, then stops the root and its children. Returns the number
-    /// of per-key processes still running at the deadline (never cancelled).
+    /// `deadline`, then stops the root and its children, waiting for that at
+    /// most 5 ms past `deadline` (the stop goes on past it). Returns the
+    /// number of per-key processes still running at the deadline (never
+    /// cancelled).
     /// Calling it twice, or after the root failed, is harmless.
     ///
     /// # Panics
@@ -271,12 +408,54 @@ impl Tree {
     /// processes are still running.
     pub async fn shutdown(&self, deadline: Instant) -> usize {
         let left = self.supervisor.shutdown(deadline).await;
-        let _ = self
-            .root
-            .stop_and_wait(Some("shutdown".to_owned()), None)
-            .await;
+        let root = self.inner.root.load_full();
+        // The stop is sent at the first poll; waiting for it runs at most a
+        // few ms past the deadline (the root's task may queue behind many
+        // woken keys), and the stop goes on without us after that.
+        let stop = root.stop_and_wait(Some("shutdown".to_owned()), None);
+        let until = deadline.max(Instant::now()) + STOP_ALLOWANCE;
+        let _ = tokio::time::timeout_at(until, stop).await;
         left
     }
+}
+
+/// Whether the current root is known to be down, and who to tell.
+#[derive(Debug, Default)]
+struct Down {
+    flag: AtomicBool,
+    /// Holds a permit once the root went down, for [`Tree::wait_down`].
+    notify: tokio::sync::Notify,
+}
+
+impl Down {
+    fn set(&self) {
+        if !self.flag.swap(true, Ordering::AcqRel) {
+            self.notify.notify_one();
+        }
+    }
+}
+
+/// How long past its deadline a shutdown waits for the root to stop.
+const STOP_ALLOWANCE: Duration = Duration::from_millis(5);
+
+async fn spawn_root(
+    supervisor: &Supervisor,
+    sweeper: &Sweeper,
+    config: &TreeConfig,
+    host: Option<ActorCell>,
+    down: &Arc<Down>,
+) -> Result<(ActorRef<RootMsg>, ractor::concurrency::JoinHandle<()>), StartTreeError> {
+    let root = Root {
+        supervisor: supervisor.clone(),
+        sweeper: sweeper.clone(),
+        config: config.clone(),
+        down: Arc::clone(down),
+    };
+    match host {
+        Some(host) => Actor::spawn_linked(None, root, (), host).await,
+        None => Actor::spawn(None, root, ()).await,
+    }
+    .map_err(StartTreeError)
 }
 
 #[derive(Debug)]
@@ -286,6 +465,8 @@ struct Root {
     supervisor: Supervisor,
     sweeper: Sweeper,
     config: TreeConfig,
+    /// The tree's "known down" flag.
+    down: Arc<Down>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -404,6 +585,8 @@ impl Actor for Root {
             // A failing actor gets no post_stop: detach here, so handles stop
             // sending to actors that ractor is about to kill.
             self.detach_all();
+            // Before the host hears of it: calls fail fast from now on.
+            self.down.set();
             return Err(format!("restart intensity exceeded; last child exit: {why}").into());
         }
         state.restarts.push_back(now);
@@ -418,6 +601,10 @@ impl Actor for Root {
         myself: ActorRef<RootMsg>,
         _state: &mut RootState,
     ) -> Result<(), ActorProcessingErr> {
+        // Stopped by someone other than `Tree::shutdown`: down, not closed.
+        if !self.supervisor.is_shut_down() {
+            self.down.set();
+        }
         self.detach_all();
         myself.stop_children_and_wait(None, None).await;
         Ok(())

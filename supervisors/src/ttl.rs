@@ -422,6 +422,21 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
             order.clear();
             order.shrink_to_fit();
         }
+        self.release_capacity();
+    }
+
+    /// Gives retained capacity back once the table holds under a quarter of
+    /// what it could (as governor's `shrink_to_fit`); sweeps call it.
+    pub fn release_capacity(&self) {
+        let len = self.len().max(crate::registry::SHRINK_FLOOR);
+        if self.map.capacity() > 4 * len {
+            self.map.shrink_to_fit();
+        }
+    }
+
+    /// Entries the table can hold without growing (its memory, in entries).
+    pub fn capacity(&self) -> usize {
+        self.map.capacity()
     }
 
     fn forget(&self, n: usize) {
@@ -478,7 +493,7 @@ where
         }
         if removed > 0 {
             // Give back what a flood left behind once it is swept.
-            self.map.shrink_to_fit();
+            self.release_capacity();
         }
         self.len()
     }

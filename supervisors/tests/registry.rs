@@ -330,3 +330,23 @@ async fn with_sweeper_kicks_on_empty_to_non_empty() {
 
     tree.shutdown(Instant::now()).await;
 }
+
+#[test]
+fn a_swept_flood_gives_its_memory_back() {
+    let registry = Registry::<u32, u64>::new(Arc::new(Counters::new()), usize::MAX);
+    for key in 0..100_000u32 {
+        registry.update(&key, |slot| {
+            if let SlotEntry::Vacant(vacant) = slot {
+                vacant.insert(u64::from(key)).unwrap();
+            }
+        });
+    }
+    let peak = registry.capacity();
+    assert!(peak >= 100_000);
+    assert_eq!(registry.retain(|key, _| *key < 10), 10);
+    assert!(
+        registry.capacity() < peak / 8,
+        "capacity {} kept after sweeping down from {peak}",
+        registry.capacity()
+    );
+}

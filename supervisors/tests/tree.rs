@@ -374,3 +374,54 @@ async fn shutdown_stops_the_root_and_the_host_sees_it() {
     assert_eq!(hosted.seen(), vec![]);
     hosted.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_root_is_down_until_restarted_and_then_sweeps_again() {
+    let mut hosted = Hosted::start(config()).await;
+    let old_root = hosted.root_id();
+    let target = Faulty::new(|call| call <= 4, 1);
+    arm(&hosted.tree, &target).await;
+    tokio::time::advance(INTERVAL).await;
+    support::settle().await;
+    assert!(matches!(hosted.seen().as_slice(), [Seen::Failed(..)]));
+    assert!(hosted.tree.is_known_down(), "known before anyone asks");
+    assert!(hosted.tree.is_down());
+    assert_eq!(
+        hosted.tree.counters().timers(),
+        0,
+        "nothing sweeps while down"
+    );
+
+    assert!(hosted.tree.restart().await.unwrap());
+    support::settle().await;
+    assert!(!hosted.tree.is_down() && !hosted.tree.is_known_down());
+    let new_root = hosted.root_id();
+    assert_ne!(new_root, old_root);
+    assert_eq!(hosted.seen(), vec![Seen::Started(new_root)]);
+    // The kept sweeper resumed on the kept target: it sweeps and ticks again.
+    assert_eq!(target.calls(), 5);
+    assert_eq!(hosted.tree.counters().timers(), 1);
+    tokio::time::advance(INTERVAL).await;
+    support::settle().await;
+    assert_eq!(target.calls(), 6);
+    // Restarting a live tree does nothing.
+    assert!(!hosted.tree.restart().await.unwrap());
+    hosted.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_killed_root_is_down_and_a_shut_down_tree_is_not_restarted() {
+    let tree = Tree::start(config(), Arc::new(Counters::new()))
+        .await
+        .unwrap();
+    assert!(!tree.is_down());
+    tree.root().kill();
+    support::settle().await;
+    assert!(tree.is_known_down(), "the root's watcher noticed the kill");
+    assert!(tree.is_down());
+    assert!(tree.restart().await.unwrap());
+    assert!(!tree.is_down());
+    tree.shutdown(Instant::now()).await;
+    assert!(!tree.is_down(), "a shut-down tree is closed, not down");
+    assert!(!tree.restart().await.unwrap());
+}

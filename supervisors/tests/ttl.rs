@@ -238,3 +238,19 @@ async fn shutdown_disarms_a_ticking_sweeper() {
     table.insert("j".to_owned(), 2, Duration::from_secs(60));
     assert_eq!(tree.sweeper().sweep_now(), 2);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_swept_table_gives_its_memory_back() {
+    let table: TtlTable<u32, u32> = TtlTable::new(Arc::new(Counters::new()));
+    for key in 0..100_000 {
+        table.insert(key, key, Duration::from_secs(1));
+    }
+    let peak = table.capacity();
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert_eq!(table.sweep(tokio::time::Instant::now()), 0);
+    assert!(
+        table.capacity() < peak / 8,
+        "capacity {} of {peak}",
+        table.capacity()
+    );
+}

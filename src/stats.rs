@@ -1,0 +1,306 @@
+//! Figures a runtime reports: plain data, one struct per primitive.
+//!
+//! Each primitive owns its counters and fills its own struct; the runtime's
+//! [`Stats`] gathers them without knowing what they count. Every struct is
+//! `serde::Serialize`, so a host can log or publish it as it is; with the
+//! `metrics` feature, [`crate::Runtime::export_metrics`] publishes them
+//! through the `metrics` facade.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::Serialize;
+
+/// Live figures of a runtime, from [`crate::Runtime::stats`].
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+/// use std::time::Duration;
+/// use throttlebeam::Runtime;
+///
+/// let runtime = Runtime::start().await?;
+/// let throttle = runtime.throttle();
+/// for _ in 0..3 {
+///     let _ = throttle.call("k", Duration::from_secs(1), || async { Ok::<_, std::io::Error>(()) }).await?;
+/// }
+/// let stats = runtime.stats();
+/// assert_eq!((stats.throttle.executed, stats.throttle.throttled), (1, 2));
+/// assert_eq!(stats.throttle.windows, 1);
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Keys tracked now, over every primitive (the budget
+    /// [`crate::RuntimeBuilder::with_max_keys`] caps).
+    pub keys: usize,
+    /// Per-key processes alive now.
+    pub processes: usize,
+    /// Timers scheduled now (per-key timers and the sweeper tick).
+    pub timers: usize,
+    /// Entries held in the runtime's TTL tables (completed idempotency
+    /// results), expired ones not yet swept included.
+    pub ttl_entries: usize,
+    /// Whether the runtime's root has failed and waits for
+    /// [`crate::Runtime::restart`]; calls fail with
+    /// [`crate::Error::RuntimeDown`] meanwhile.
+    pub down: bool,
+    /// Restarts after a failed root so far.
+    pub restarts: u64,
+    /// The debounce primitive.
+    pub debounce: DebounceStats,
+    /// The leading-edge throttle.
+    pub throttle: ThrottleStats,
+    /// Idempotency (counts since the last restart).
+    pub idempotency: crate::IdempotencyStats,
+    /// Every coalescing throttle of the runtime, added up.
+    pub trailing: crate::TrailingStats,
+}
+
+/// Counters of the debounce primitive of one runtime.
+///
+/// Totals count since the runtime started (a restart keeps them). Calls are
+/// counted when the run covering them is taken (run, cancelled or dropped),
+/// so a pending burst's calls show once it ends: a call costs no shared
+/// counter on the hot path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[non_exhaustive]
+pub struct DebounceStats {
+    /// Calls whose covering run was taken (run, cancelled or dropped).
+    pub calls: u64,
+    /// Runs started (leading, trailing, flushed).
+    pub runs: u64,
+    /// Calls folded into a run already pending for their key.
+    pub coalesced: u64,
+    /// Pending runs cancelled by `cancel`.
+    pub cancelled: u64,
+    /// Pending runs flushed by `flush`.
+    pub flushed: u64,
+    /// Runs whose function failed or panicked, and pending runs lost
+    /// (dropped at shutdown, their process gone).
+    pub failed: u64,
+    /// Keys debounced now (pending or in their quiet window).
+    pub keys: usize,
+    /// Slots the key map holds memory for (it gives memory back after a
+    /// flood once swept).
+    pub capacity: usize,
+}
+
+/// Counters of the leading-edge throttle of one runtime.
+///
+/// Totals count since the runtime started (a restart keeps them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[non_exhaustive]
+pub struct ThrottleStats {
+    /// Calls that opened a window and ran their function.
+    pub executed: u64,
+    /// Calls turned away inside a window.
+    pub throttled: u64,
+    /// Windows tracked now, expired ones not yet swept included.
+    pub windows: usize,
+    /// Slots the window map holds memory for (it gives memory back after a
+    /// flood once swept).
+    pub capacity: usize,
+}
+
+#[cfg(feature = "metrics")]
+impl Stats {
+    /// Publishes these figures through the `metrics` facade, labelled
+    /// `runtime = name`. Totals are counters set to their absolute value
+    /// (`*_total`), live figures are gauges. See
+    /// [`crate::Runtime::export_metrics`] for the names.
+    pub(crate) fn export(&self, name: &str) {
+        use metrics::{counter, gauge};
+        let label = [("runtime", name.to_owned())];
+        let gauges: [(&'static str, usize); 14] = [
+            ("throttlebeam_keys", self.keys),
+            ("throttlebeam_processes", self.processes),
+            ("throttlebeam_timers", self.timers),
+            ("throttlebeam_ttl_entries", self.ttl_entries),
+            ("throttlebeam_down", usize::from(self.down)),
+            ("throttlebeam_debounce_keys", self.debounce.keys),
+            ("throttlebeam_debounce_capacity", self.debounce.capacity),
+            ("throttlebeam_throttle_windows", self.throttle.windows),
+            ("throttlebeam_throttle_capacity", self.throttle.capacity),
+            (
+                "throttlebeam_idempotency_stored_results",
+                self.idempotency.stored_results,
+            ),
+            ("throttlebeam_trailing_active", self.trailing.active),
+            ("throttlebeam_trailing_pending", self.trailing.pending),
+            ("throttlebeam_trailing_keys", self.trailing.keys),
+            ("throttlebeam_trailing_store_keys", self.trailing.store_keys),
+        ];
+        for (metric, value) in gauges {
+            // Gauges are f64 by the facade's contract.
+            #[allow(clippy::cast_precision_loss)]
+            gauge!(metric, &label).set(value as f64);
+        }
+        let counters: [(&'static str, u64); 22] = [
+            ("throttlebeam_restarts_total", self.restarts),
+            ("throttlebeam_debounce_calls_total", self.debounce.calls),
+            ("throttlebeam_debounce_runs_total", self.debounce.runs),
+            (
+                "throttlebeam_debounce_coalesced_total",
+                self.debounce.coalesced,
+            ),
+            (
+                "throttlebeam_debounce_cancelled_total",
+                self.debounce.cancelled,
+            ),
+            ("throttlebeam_debounce_flushed_total", self.debounce.flushed),
+            ("throttlebeam_debounce_failed_total", self.debounce.failed),
+            (
+                "throttlebeam_throttle_executed_total",
+                self.throttle.executed,
+            ),
+            (
+                "throttlebeam_throttle_throttled_total",
+                self.throttle.throttled,
+            ),
+            (
+                "throttlebeam_idempotency_fresh_total",
+                self.idempotency.fresh,
+            ),
+            (
+                "throttlebeam_idempotency_replays_total",
+                self.idempotency.replays,
+            ),
+            (
+                "throttlebeam_idempotency_fingerprint_mismatches_total",
+                self.idempotency.fingerprint_mismatches,
+            ),
+            (
+                "throttlebeam_idempotency_takeovers_total",
+                self.idempotency.takeovers,
+            ),
+            (
+                "throttlebeam_idempotency_in_flight_rejections_total",
+                self.idempotency.in_flight_rejections,
+            ),
+            (
+                "throttlebeam_idempotency_timeouts_total",
+                self.idempotency.timeouts,
+            ),
+            (
+                "throttlebeam_idempotency_evictions_total",
+                self.idempotency.evictions,
+            ),
+            ("throttlebeam_trailing_calls_total", self.trailing.calls),
+            (
+                "throttlebeam_trailing_leading_runs_total",
+                self.trailing.leading_runs,
+            ),
+            (
+                "throttlebeam_trailing_trailing_runs_total",
+                self.trailing.trailing_runs,
+            ),
+            (
+                "throttlebeam_trailing_coalesced_total",
+                self.trailing.coalesced,
+            ),
+            (
+                "throttlebeam_trailing_store_errors_total",
+                self.trailing.store_errors,
+            ),
+            (
+                "throttlebeam_trailing_evictions_total",
+                self.trailing.evictions,
+            ),
+        ];
+        for (metric, value) in counters {
+            counter!(metric, &label).absolute(value);
+        }
+    }
+}
+
+/// Stripes of a [`Counter`]: enough that two threads rarely share one.
+const STRIPES: usize = 8;
+
+#[repr(align(128))]
+#[derive(Default)]
+struct Padded(AtomicU64);
+
+/// A counter bumped on hot paths from many threads: each thread adds to its
+/// own cache line, so counting costs no line bouncing between cores.
+#[derive(Default)]
+pub(crate) struct Counter {
+    stripes: [Padded; STRIPES],
+}
+
+fn stripe() -> usize {
+    use std::cell::Cell;
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    thread_local! {
+        static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    STRIPE.with(|s| {
+        let mut i = s.get();
+        if i == usize::MAX {
+            i = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+            s.set(i);
+        }
+        i
+    })
+}
+
+impl Counter {
+    #[inline]
+    pub(crate) fn add(&self, n: u64) {
+        self.stripes[stripe()].0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn incr(&self) {
+        self.add(1);
+    }
+
+    pub(crate) fn get(&self) -> u64 {
+        self.stripes
+            .iter()
+            .map(|s| s.0.load(Ordering::Relaxed))
+            .fold(0, u64::wrapping_add)
+    }
+}
+
+impl std::fmt::Debug for Counter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Counter").field(&self.get()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_from_many_threads() {
+        let counter = Counter::default();
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..1000 {
+                        counter.incr();
+                    }
+                });
+            }
+        });
+        assert_eq!(counter.get(), 4000);
+    }
+
+    #[test]
+    fn stats_serialize_with_one_object_per_primitive() {
+        let stats = Stats {
+            throttle: ThrottleStats {
+                executed: 2,
+                ..ThrottleStats::default()
+            },
+            ..Stats::default()
+        };
+        let json = serde_json::to_value(stats).unwrap();
+        assert_eq!(json["throttle"]["executed"], 2);
+        assert_eq!(json["debounce"]["calls"], 0);
+        assert_eq!(json["down"], false);
+    }
+}
