@@ -510,7 +510,11 @@ impl Runtime {
     /// | `throttlebeam_debounce_keys`, `throttlebeam_debounce_capacity` | gauge | [`crate::DebounceStats`] |
     /// | `throttlebeam_debounce_{calls,runs,coalesced,cancelled,flushed,failed}_total` | counter | [`crate::DebounceStats`] |
     /// | `throttlebeam_throttle_windows`, `throttlebeam_throttle_capacity` | gauge | [`crate::ThrottleStats`] |
-    /// | `throttlebeam_throttle_{executed,throttled}_total` | counter | [`crate::ThrottleStats`] |
+    /// | `throttlebeam_throttle_{executed,throttled,throttled_remotely,store_errors}_total` | counter | [`crate::ThrottleStats`] |
+    /// | `throttlebeam_idempotency_stored_results` | gauge | [`crate::IdempotencyStats`] |
+    /// | `throttlebeam_idempotency_{fresh,replays,fingerprint_mismatches,takeovers,in_flight_rejections,timeouts,evictions}_total` | counter | [`crate::IdempotencyStats`] |
+    /// | `throttlebeam_trailing_{active,pending,keys,store_keys}` | gauge | [`crate::TrailingStats`], every coalescing throttle added up |
+    /// | `throttlebeam_trailing_{calls,leading_runs,trailing_runs,coalesced,store_errors,evictions}_total` | counter | [`crate::TrailingStats`] |
     ///
     /// # Examples
     ///

@@ -102,6 +102,11 @@ pub struct ThrottleStats {
     /// Slots the window map holds memory for (it gives memory back after a
     /// flood once swept).
     pub capacity: usize,
+    /// Calls turned away because another instance holds the window in the
+    /// shared store (feature `redis`).
+    pub throttled_remotely: u64,
+    /// Shared-store failures; each call decided per instance (fail open).
+    pub store_errors: u64,
 }
 
 #[cfg(feature = "metrics")]
@@ -137,7 +142,7 @@ impl Stats {
             #[allow(clippy::cast_precision_loss)]
             gauge!(metric, &label).set(value as f64);
         }
-        let counters: [(&'static str, u64); 22] = [
+        let counters: [(&'static str, u64); 24] = [
             ("throttlebeam_restarts_total", self.restarts),
             ("throttlebeam_debounce_calls_total", self.debounce.calls),
             ("throttlebeam_debounce_runs_total", self.debounce.runs),
@@ -158,6 +163,14 @@ impl Stats {
             (
                 "throttlebeam_throttle_throttled_total",
                 self.throttle.throttled,
+            ),
+            (
+                "throttlebeam_throttle_throttled_remotely_total",
+                self.throttle.throttled_remotely,
+            ),
+            (
+                "throttlebeam_throttle_store_errors_total",
+                self.throttle.store_errors,
             ),
             (
                 "throttlebeam_idempotency_fresh_total",

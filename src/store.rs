@@ -16,6 +16,8 @@ use std::time::Duration;
 
 pub use self::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats};
 #[cfg(feature = "redis")]
+pub(crate) use self::redis::WindowOpen;
+#[cfg(feature = "redis")]
 pub use self::redis::{REDIS_CLUSTER_ENV, REDIS_URL_ENV, Redis, RedisBuilder, RedisStats};
 
 /// Why a store could not answer.

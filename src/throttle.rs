@@ -70,6 +70,8 @@ pub(crate) struct State {
     cap: usize,
     executed: Counter,
     throttled: Counter,
+    throttled_remotely: Counter,
+    store_errors: Counter,
 }
 
 struct Windows {
@@ -99,6 +101,8 @@ impl State {
             cap: core.cap,
             executed: Counter::default(),
             throttled: Counter::default(),
+            throttled_remotely: Counter::default(),
+            store_errors: Counter::default(),
         }
     }
 
@@ -136,6 +140,41 @@ impl State {
     }
 }
 
+#[cfg(feature = "redis")]
+impl State {
+    /// Opens the window in the shared store too, after it opened here; on
+    /// `Some(left)` another instance holds it: the local window is set to
+    /// end with the shared one, so later calls are answered here until
+    /// then. A store failure decides per instance (fail open): `None`.
+    async fn open_shared(
+        &self,
+        redis: &crate::store::Redis,
+        key: &str,
+        interval: Duration,
+    ) -> Option<Duration> {
+        use crate::store::WindowOpen;
+        match redis.open_window(key, interval, 1).await {
+            Ok(WindowOpen::Opened) => None,
+            Ok(WindowOpen::Closed(left)) => {
+                let until = self.windows.clock.now() + left;
+                self.windows.registry.update(key.as_bytes(), |slot| {
+                    if let SlotEntry::Occupied(slot) = slot {
+                        slot.state.until = until;
+                    }
+                });
+                self.throttled.incr();
+                self.throttled_remotely.incr();
+                Some(left)
+            }
+            Err(error) => {
+                self.store_errors.incr();
+                tracing::debug!(key = %shown(key), %error, "shared throttle window unavailable; deciding here");
+                None
+            }
+        }
+    }
+}
+
 impl Service for State {
     fn stopped(&self) {
         // Nothing reads the windows of a stopped runtime: none stays tracked.
@@ -151,6 +190,8 @@ impl Service for State {
         stats.throttle.throttled = self.throttled.get();
         stats.throttle.windows = self.windows.registry.len();
         stats.throttle.capacity = self.windows.registry.capacity();
+        stats.throttle.throttled_remotely = self.throttled_remotely.get();
+        stats.throttle.store_errors = self.store_errors.get();
     }
 }
 
@@ -233,6 +274,12 @@ impl ThrottleHandle {
         if let Some(retry_after) = state.try_open(key, interval)? {
             state.throttled.incr();
             return Ok(ThrottleOutcome::Throttled { retry_after });
+        }
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &core.redis {
+            if let Some(retry_after) = state.open_shared(redis, key, interval).await {
+                return Ok(ThrottleOutcome::Throttled { retry_after });
+            }
         }
         state.executed.incr();
         let (tx, rx) = oneshot::channel();

@@ -1,5 +1,6 @@
 //! Several runtimes in one process sharing real Redis servers, as several
-//! instances behind a load balancer would: the coalescing throttle (S5).
+//! instances behind a load balancer would: the coalescing throttle (S5), the
+//! leading throttle (S10) and what happens when Redis goes away (S6, S7).
 #![cfg(feature = "redis")]
 
 mod support;
@@ -12,9 +13,9 @@ use throttlebeam::store::Redis;
 use throttlebeam::{Phase, Runtime};
 use tokio::time::Instant;
 
-/// Each "instance": its own runtime and its own connection to Redis.
+/// Each "instance": its own connection to Redis and its own runtime,
+/// whose primitives share their state through it.
 async fn instance(urls: &[String], cluster: bool) -> (Runtime, Redis) {
-    let runtime = Runtime::start().await.expect("runtime starts");
     let redis = if cluster {
         Redis::cluster(urls.to_vec())
     } else {
@@ -23,6 +24,11 @@ async fn instance(urls: &[String], cluster: bool) -> (Runtime, Redis) {
     .connect()
     .await
     .expect("connects");
+    let runtime = Runtime::builder()
+        .with_redis(redis.clone())
+        .start()
+        .await
+        .expect("runtime starts");
     (runtime, redis)
 }
 
@@ -92,4 +98,128 @@ async fn s5_two_instances_on_a_cluster() {
         return;
     };
     s5_one_leads_the_other_trails_never_overlapping(cluster.urls(), true).await;
+}
+
+/// S10: the leading throttle opens its window in Redis; another instance is
+/// throttled for the time left, then answers locally until the window ends.
+async fn s10_one_run_per_window_across_instances(urls: Vec<String>, cluster: bool) {
+    let (rt_a, _redis_a) = instance(&urls, cluster).await;
+    let (rt_b, redis_b) = instance(&urls, cluster).await;
+    let interval = Duration::from_secs(30);
+    for key in ["mail:1", "mail:2", "mail:3", "mail:4"] {
+        let ran = rt_a
+            .throttle()
+            .call(key, interval, || async { Ok::<_, std::io::Error>(1) })
+            .await
+            .expect("a runs");
+        assert_eq!(ran.executed(), Some(1), "{key}: the first instance runs");
+        let before = redis_b.stats().commands;
+        let turned = rt_b
+            .throttle()
+            .call(key, interval, || async { Ok::<_, std::io::Error>(2) })
+            .await
+            .expect("b is throttled");
+        let left = turned.retry_after().expect("throttled across instances");
+        assert!(
+            left > Duration::from_secs(29) && left <= interval,
+            "{left:?}"
+        );
+        assert_eq!(redis_b.stats().commands, before + 1, "one round trip");
+        // Known closed until the shared window ends: no round trip.
+        let again = rt_b
+            .throttle()
+            .call(key, interval, || async { Ok::<_, std::io::Error>(3) })
+            .await
+            .expect("b is throttled");
+        assert!(again.is_throttled());
+        assert_eq!(redis_b.stats().commands, before + 1, "answered locally");
+    }
+    let stats = rt_b.stats().throttle;
+    assert_eq!((stats.executed, stats.throttled_remotely), (0, 4));
+    rt_a.shutdown(Duration::from_secs(1)).await;
+    rt_b.shutdown(Duration::from_secs(1)).await;
+}
+
+#[tokio::test]
+async fn s10_leading_throttle_on_one_node() {
+    let Some(node) = RedisNode::start("s10_leading_throttle_on_one_node") else {
+        return;
+    };
+    s10_one_run_per_window_across_instances(vec![node.url()], false).await;
+}
+
+#[tokio::test]
+async fn s10_leading_throttle_on_a_cluster() {
+    let Some(cluster) = RedisCluster::start("s10_leading_throttle_on_a_cluster") else {
+        return;
+    };
+    s10_one_run_per_window_across_instances(cluster.urls(), true).await;
+}
+
+/// S6/S7: Redis killed mid-burst: the throttle keeps deciding per instance
+/// (fail open), the breaker opens, nothing hangs, and it recovers.
+#[tokio::test]
+async fn s7_a_dead_redis_fails_open_and_recovers() {
+    let Some(mut node) = RedisNode::start("s7_a_dead_redis_fails_open_and_recovers") else {
+        return;
+    };
+    let redis = Redis::builder(node.url())
+        .with_command_timeout(Duration::from_millis(200))
+        .with_breaker(
+            throttlebeam::store::BreakerConfig::default()
+                .with_failures(5)
+                .with_cooldown(Duration::from_millis(300)),
+        )
+        .connect()
+        .await
+        .expect("connects");
+    let rt = Runtime::builder()
+        .with_redis(redis.clone())
+        .start()
+        .await
+        .expect("runtime starts");
+    let throttle = rt.throttle();
+    let interval = Duration::from_secs(60);
+    let call = |key: String| {
+        let throttle = throttle.clone();
+        async move {
+            let started = std::time::Instant::now();
+            let outcome = throttle
+                .call(&key, interval, || async { Ok::<_, std::io::Error>(()) })
+                .await
+                .expect("never an error: fails open");
+            assert!(
+                started.elapsed() < Duration::from_millis(400),
+                "a call hung"
+            );
+            outcome
+        }
+    };
+    assert!(call("before".to_owned()).await.is_executed());
+    node.kill();
+    for i in 0..20 {
+        // Fresh keys run (per instance), a repeated key is throttled locally.
+        assert!(call(format!("down:{i}")).await.is_executed());
+        assert!(call(format!("down:{i}")).await.is_throttled());
+    }
+    let breaker = redis.stats().breaker;
+    assert_eq!(breaker.state, throttlebeam::store::BreakerState::Open);
+    assert!(breaker.opened >= 1);
+    assert!(rt.stats().throttle.store_errors >= 5);
+    node.restart();
+    // Recovery is automatic: within a few cooldowns the shared window is back.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let key = format!("after:{}", std::time::Instant::now().elapsed().as_nanos());
+        let before = rt.stats().throttle.store_errors;
+        assert!(call(key).await.is_executed());
+        if rt.stats().throttle.store_errors == before
+            && redis.stats().breaker.state == throttlebeam::store::BreakerState::Closed
+        {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "did not recover");
+    }
+    rt.shutdown(Duration::from_secs(1)).await;
 }
