@@ -1,15 +1,18 @@
 //! Run: cargo run --example quickstart
 //!
-//! The three primitives on the default in-memory runtime, with no set-up:
-//! a debounced autosave, a throttled email, and an idempotent payment.
-//! It prints what each primitive did.
+//! The five primitives on the default in-memory runtime, with no set-up: a
+//! debounced autosave, a throttled email, a coalescing (leading + trailing)
+//! throttle, an idempotent payment, and a rate limit with a denial and its
+//! HTTP headers. It prints what each primitive did.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use throttlebeam::rate_limit::{Gcra, HeaderOptions, Limiter};
 use throttlebeam::{
-    Debounce, Idempotency, IdempotencyOptions, IdempotencyOutcome, Throttle, ThrottleOutcome,
+    Debounce, Idempotency, IdempotencyOptions, IdempotencyOutcome, Phase, Runtime, Throttle,
+    ThrottleOutcome,
 };
 
 #[derive(Debug)]
@@ -24,7 +27,7 @@ impl std::fmt::Display for AppError {
 impl std::error::Error for AppError {}
 
 #[tokio::main]
-async fn main() -> Result<(), throttlebeam::Error> {
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Debounce: five keystrokes 20 ms apart, one save 100 ms after the last.
     let saves = Arc::new(AtomicU32::new(0));
     let mut last = None;
@@ -92,5 +95,60 @@ async fn main() -> Result<(), throttlebeam::Error> {
         "idempotency: charged {} time(s)",
         charges.load(Ordering::SeqCst)
     );
+
+    // Coalescing throttle: the first call runs now; calls inside the window
+    // coalesce into one trailing run whose value every waiter gets.
+    let sync = Runtime::global()?
+        .trailing_throttle("sync:")
+        .with_window(Duration::from_millis(200))
+        .build::<String>()?;
+    let leading = sync
+        .call_and_wait("room-1", |phase| async move {
+            Ok::<_, AppError>(format!("{phase:?} sync"))
+        })
+        .await?;
+    println!("coalescing throttle: first call -> {leading}");
+    let waiters: Vec<_> = (1..=3)
+        .map(|n| {
+            let sync = sync.clone();
+            tokio::spawn(async move {
+                sync.call_and_wait("room-1", move |phase| async move {
+                    assert_eq!(phase, Phase::Trailing);
+                    Ok::<_, AppError>(format!("trailing sync of call {n}"))
+                })
+                .await
+            })
+        })
+        .collect();
+    for (n, waiter) in waiters.into_iter().enumerate() {
+        let value = waiter.await.expect("task ran")?;
+        println!("coalescing throttle: call {} got {value:?}", n + 1);
+    }
+    println!(
+        "coalescing throttle: 4 calls -> {} run(s)",
+        sync.stats().leading_runs + sync.stats().trailing_runs
+    );
+
+    // Rate limiting: 2 requests per second per client; the third is denied
+    // with a Retry-After and the standard headers.
+    let limiter = Limiter::new(Gcra::new(2, Duration::from_secs(1))?);
+    let headers = HeaderOptions::new();
+    for request in 1..=3 {
+        let decision = limiter.check("client:203.0.113.9")?;
+        let verdict = if decision.allowed {
+            "allowed"
+        } else {
+            "denied"
+        };
+        println!(
+            "rate limit: request {request} {verdict}, remaining {}",
+            decision.remaining
+        );
+        if !decision.allowed {
+            for (name, value) in headers.headers(&decision, limiter.now_ms()).iter() {
+                println!("rate limit:   {name}: {}", value.to_str().unwrap_or("?"));
+            }
+        }
+    }
     Ok(())
 }

@@ -121,7 +121,9 @@ pub use idempotency::{
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
-pub use runtime::{Runtime, RuntimeBuilder, RuntimeClock, ShutdownPolicy, ShutdownReport};
+pub use runtime::{
+    DEFAULT_MAX_KEYS, Runtime, RuntimeBuilder, RuntimeClock, ShutdownPolicy, ShutdownReport,
+};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use stats::{DebounceStats, Stats, ThrottleStats};

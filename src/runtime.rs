@@ -36,6 +36,10 @@ pub enum ShutdownPolicy {
     Drop,
 }
 
+/// The default cap on keys a runtime tracks at once
+/// ([`RuntimeBuilder::with_max_keys`]).
+pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
+
 /// Configures and starts a [`Runtime`].
 ///
 /// # Examples
@@ -92,8 +96,16 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Caps the keys tracked at once; a call that would track one more fails
-    /// with [`Error::TooManyKeys`]. Unlimited by default.
+    /// Caps the keys tracked at once by this runtime's debounce, leading
+    /// throttle and idempotency keys in flight (default
+    /// [`DEFAULT_MAX_KEYS`]): a call that would track one more fails with
+    /// [`Error::TooManyKeys`], so a flood of distinct keys ends in a typed
+    /// error, never in running out of memory. An open leading-throttle
+    /// window costs about 75 bytes, a key with a live process (a pending
+    /// debounce, a running function) under 2 KiB, so the default bounds
+    /// them at about 75 MB and 2 GB. Completed idempotency results have
+    /// their own cap ([`with_max_idempotency_results`](Self::with_max_idempotency_results)),
+    /// and each coalescing throttle its own registry and window store caps.
     pub fn with_max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = Some(max_keys);
         self
@@ -213,7 +225,7 @@ impl RuntimeBuilder {
             router: ahash::RandomState::new(),
             tree,
             counters,
-            cap: self.max_keys.unwrap_or(usize::MAX),
+            cap: self.max_keys.unwrap_or(DEFAULT_MAX_KEYS),
             policy: self.policy,
             clock: self.clock,
             name: self.name,
@@ -401,10 +413,10 @@ impl Runtime {
         stats
     }
 
-    /// The cap on tracked keys, if one was set.
+    /// The cap on tracked keys ([`RuntimeBuilder::with_max_keys`]).
     #[must_use]
-    pub fn max_keys(&self) -> Option<usize> {
-        (self.core.cap != usize::MAX).then_some(self.core.cap)
+    pub fn max_keys(&self) -> usize {
+        self.core.cap
     }
 
     /// The root actor of the runtime's supervision tree, as a host's
