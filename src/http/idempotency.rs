@@ -52,17 +52,38 @@ struct Config {
     keep: Arc<[HeaderName]>,
     options: IdempotencyOptions,
     fail_fast: bool,
+    /// `options` as every request starts from (derived from `options` and `fail_fast`).
+    base: IdempotencyOptions,
+    /// `base` scoped to clients without credentials, built once.
+    anonymous: IdempotencyOptions,
 }
 
 impl Config {
-    fn scope(&self, parts: &Parts) -> Option<String> {
+    /// Derives the per-request starting points from `options` and `fail_fast`.
+    fn derive(mut self) -> Self {
+        self.base = backend::base_options(self.options.clone(), self.fail_fast);
+        self.anonymous = self.base.clone().with_scope(request::ANONYMOUS_SCOPE);
+        self
+    }
+
+    /// The options of a request whose head is `parts`, scoped, without its fingerprint.
+    fn options(&self, parts: &Parts) -> IdempotencyOptions {
+        let credentials = || {
+            if request::has_credentials(&parts.headers) {
+                self.base
+                    .clone()
+                    .with_scope(request::credentials_scope(&parts.headers))
+            } else {
+                self.anonymous.clone()
+            }
+        };
         match &self.scope {
-            Scope::Credentials => Some(request::credentials_scope(&parts.headers)),
-            Scope::Shared => None,
-            Scope::Tenant(f) => Some(f(parts).map_or_else(
-                || request::credentials_scope(&parts.headers),
-                |tenant| request::tenant_scope(&tenant),
-            )),
+            Scope::Credentials => credentials(),
+            Scope::Shared => self.base.clone(),
+            Scope::Tenant(f) => match f(parts) {
+                Some(tenant) => self.base.clone().with_scope(request::tenant_scope(&tenant)),
+                None => credentials(),
+            },
         }
     }
 }
@@ -175,17 +196,22 @@ impl IdempotencyLayer {
     /// wait.
     pub fn new(runtime: &Runtime) -> Self {
         Self {
-            config: Arc::new(Config {
-                runtime: runtime.clone(),
-                methods: vec![Method::POST, Method::PATCH],
-                required: false,
-                scope: Scope::Credentials,
-                max_body: Self::DEFAULT_MAX_BODY,
-                max_stored: Self::DEFAULT_MAX_STORED_RESPONSE,
-                keep: Arc::from(Vec::new()),
-                options: IdempotencyOptions::new(),
-                fail_fast: false,
-            }),
+            config: Arc::new(
+                Config {
+                    runtime: runtime.clone(),
+                    methods: vec![Method::POST, Method::PATCH],
+                    required: false,
+                    scope: Scope::Credentials,
+                    max_body: Self::DEFAULT_MAX_BODY,
+                    max_stored: Self::DEFAULT_MAX_STORED_RESPONSE,
+                    keep: Arc::from(Vec::new()),
+                    options: IdempotencyOptions::new(),
+                    fail_fast: false,
+                    base: IdempotencyOptions::new(),
+                    anonymous: IdempotencyOptions::new(),
+                }
+                .derive(),
+            ),
         }
     }
 
@@ -193,7 +219,7 @@ impl IdempotencyLayer {
         let mut config = Arc::unwrap_or_clone(self.config);
         f(&mut config);
         Self {
-            config: Arc::new(config),
+            config: Arc::new(config.derive()),
         }
     }
 
@@ -379,8 +405,8 @@ where
     ResB::Error: Into<BodyError>,
 {
     let (parts, body) = req.into_parts();
-    let bytes = match Limited::new(body, config.max_body).collect().await {
-        Ok(collected) => collected.to_bytes(),
+    let bytes = match read_body(body, config.max_body).await {
+        Ok(bytes) => bytes,
         Err(err) if err.is::<LengthLimitError>() => return Ok(too_large(config.max_body)),
         Err(err) => {
             return Ok(problem(
@@ -389,11 +415,9 @@ where
             ));
         }
     };
-    let mut options = backend::base_options(config.options.clone(), config.fail_fast)
+    let options = config
+        .options(&parts)
         .with_fingerprint(request::fingerprint(&parts, &bytes));
-    if let Some(scope) = config.scope(&parts) {
-        options = options.with_scope(scope);
-    }
     match backend::try_replay(&config.runtime, &key, &options) {
         Ok(Some(stored)) => return Ok(replay(&stored)),
         Ok(None) => {}
@@ -441,6 +465,37 @@ where
             replay(&stored)
         }
         Err(err) => refuse(&backend::refusal(&err, config.fail_fast), &key),
+    })
+}
+
+/// The whole request body, up to `limit` bytes; one data frame (the usual case) is kept as
+/// it came, without a copy.
+async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, BodyError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BodyError>,
+{
+    let mut body = std::pin::pin!(Limited::new(body, limit));
+    let mut first = Bytes::new();
+    let mut rest = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        // Trailers are not part of the fingerprint.
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        if first.is_empty() {
+            first = data;
+        } else {
+            if rest.is_empty() {
+                rest.extend_from_slice(&first);
+            }
+            rest.extend_from_slice(&data);
+        }
+    }
+    Ok(if rest.is_empty() {
+        first
+    } else {
+        rest.freeze()
     })
 }
 
@@ -528,5 +583,53 @@ fn refuse<B>(refusal: &Refusal, key: &str) -> Response<ResponseBody<B>> {
             ProblemType::IdempotencyMisconfigured,
             &format!("idempotency key {key:?} cannot be checked: the layer is misconfigured"),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::convert::Infallible;
+    use std::pin::Pin;
+
+    use http_body::Frame;
+    use http_body_util::Full;
+
+    use super::*;
+
+    /// A body of `chunks`, one frame each, then trailers.
+    struct Frames(VecDeque<Frame<Bytes>>);
+
+    fn frames(chunks: &[&'static str]) -> Frames {
+        let mut frames: VecDeque<_> = chunks
+            .iter()
+            .map(|c| Frame::data(Bytes::from_static(c.as_bytes())))
+            .collect();
+        frames.push_back(Frame::trailers(http::HeaderMap::new()));
+        Frames(frames)
+    }
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            Poll::Ready(self.0.pop_front().map(Ok))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_in_several_frames_reads_whole_and_one_frame_is_not_copied() {
+        let read = read_body(frames(&["ab", "", "cd", "e"]), 16).await.unwrap();
+        assert_eq!(read, "abcde");
+        assert_eq!(read_body(frames(&[]), 16).await.unwrap(), "");
+        let one = Bytes::from_static(b"whole");
+        let read = read_body(Full::new(one.clone()), 16).await.unwrap();
+        assert_eq!(read.as_ptr(), one.as_ptr());
+        let err = read_body(frames(&["abc", "def"]), 5).await.unwrap_err();
+        assert!(err.is::<LengthLimitError>(), "{err}");
     }
 }

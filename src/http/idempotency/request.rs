@@ -55,6 +55,14 @@ pub(super) fn key(headers: &HeaderMap) -> Result<Option<String>, String> {
     Ok(Some(key))
 }
 
+/// The scope of requests without credentials.
+pub(super) const ANONYMOUS_SCOPE: &str = "http/anonymous";
+
+/// Whether the request carries credentials (`Authorization` or `Cookie`).
+pub(super) fn has_credentials(headers: &HeaderMap) -> bool {
+    headers.contains_key(AUTHORIZATION) || headers.contains_key(COOKIE)
+}
+
 /// The scope of a request with no configured scope: a digest of its credentials, so one
 /// client never replays another's response.
 pub(super) fn credentials_scope(headers: &HeaderMap) -> String {
@@ -69,7 +77,7 @@ pub(super) fn credentials_scope(headers: &HeaderMap) -> String {
         }
     }
     if !any {
-        return "http/anonymous".to_owned();
+        return ANONYMOUS_SCOPE.to_owned();
     }
     let mut scope = String::from("http/credentials/");
     // 128 bits tell clients apart; the scope stays short.
@@ -195,6 +203,7 @@ mod tests {
             credentials_scope(&map)
         };
         assert_eq!(credentials_scope(&HeaderMap::new()), "http/anonymous");
+        assert!(!has_credentials(&HeaderMap::new()));
         let alice = with(AUTHORIZATION, "Bearer alice");
         assert_eq!(alice, with(AUTHORIZATION, "Bearer alice"));
         assert_ne!(alice, with(AUTHORIZATION, "Bearer bob"));

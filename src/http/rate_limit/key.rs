@@ -113,7 +113,10 @@ impl RateLimitKey {
             Kind::Header(name) => (header_key(req.headers(), name).map(KeyText::Owned), req),
             Kind::Custom(f) => {
                 let (parts, body) = req.into_parts();
-                (f(&parts).map(KeyText::Owned), Request::from_parts(parts, body))
+                (
+                    f(&parts).map(KeyText::Owned),
+                    Request::from_parts(parts, body),
+                )
             }
         };
         (found.unwrap_or(KeyText::Unknown), req)
@@ -124,7 +127,10 @@ impl RateLimitKey {
 /// cases (an IPv4 client, no key found).
 pub(super) enum KeyText {
     /// An IPv4 address in dotted decimal: at most 15 bytes.
-    V4 { text: [u8; 15], len: u8 },
+    V4 {
+        text: [u8; 15],
+        len: u8,
+    },
     Owned(String),
     Unknown,
 }
