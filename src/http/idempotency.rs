@@ -19,6 +19,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use self::backend::{NotStored, Refusal, StoredResponse};
+use self::future::Exchange;
 pub use self::future::IdempotentFuture;
 use super::body::{BodyError, RequestBody, ResponseBody};
 use super::problem::{ProblemType, problem};
@@ -325,7 +326,7 @@ where
 {
     type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;
-    type Future = IdempotentFuture<S::Future, ResB, S::Error>;
+    type Future = IdempotentFuture<S, ReqB, ResB>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -360,12 +361,16 @@ where
         // this request.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        IdempotentFuture::guarded(Box::pin(exchange(
-            Arc::clone(&self.config),
-            inner,
-            req,
-            key,
-        )))
+        let (parts, body) = req.into_parts();
+        IdempotentFuture::reading(
+            Limited::new(body, config.max_body),
+            Pending {
+                config: Arc::clone(config),
+                inner,
+                parts,
+                key,
+            },
+        )
     }
 }
 
@@ -388,12 +393,79 @@ fn too_large<B>(limit: usize) -> Response<ResponseBody<B>> {
 /// What the handler's run hands back to its caller, stored or not.
 type Handed<B, E> = Result<Response<ResponseBody<B>>, E>;
 
-/// A guarded request: buffer its body, then run the handler once for its key or replay.
+/// A guarded request whose body is being read.
+pub(super) struct Pending<S> {
+    config: Arc<Config>,
+    inner: S,
+    parts: Parts,
+    key: String,
+}
+
+/// What a guarded request becomes once its body is read.
+pub(super) enum Decided<B, E> {
+    /// Answered at once: a replay or a refusal; the run was never built.
+    Answer(Response<ResponseBody<B>>),
+    /// The handler runs (or the request waits for the run in flight).
+    Run(Exchange<B, E>),
+}
+
+impl<S> Pending<S> {
+    /// Fingerprints the request with its `read` body, then replays a stored response at
+    /// once when there is one, or builds the run.
+    pub(super) fn decide<ReqB, ResB>(
+        self,
+        read: Result<Bytes, BodyError>,
+    ) -> Decided<ResB, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Body<Data = Bytes> + Send + 'static,
+        ReqB::Error: Into<BodyError>,
+        ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+        ResB::Error: Into<BodyError>,
+    {
+        let Self {
+            config,
+            inner,
+            parts,
+            key,
+        } = self;
+        let bytes = match read {
+            Ok(bytes) => bytes,
+            Err(err) if err.is::<LengthLimitError>() => {
+                return Decided::Answer(too_large(config.max_body));
+            }
+            Err(err) => {
+                return Decided::Answer(problem(
+                    ProblemType::BodyUnreadable,
+                    &format!("the request body could not be read: {err}"),
+                ));
+            }
+        };
+        let options = config
+            .options(&parts)
+            .with_fingerprint(request::fingerprint(&parts, &bytes));
+        match backend::try_replay(&config.runtime, &key, &options) {
+            Ok(Some(stored)) => return Decided::Answer(replay(&stored)),
+            Ok(None) => {}
+            Err(err) => {
+                return Decided::Answer(refuse(&backend::refusal(&err, config.fail_fast), &key));
+            }
+        }
+        let request = Request::from_parts(parts, RequestBody::buffered(bytes));
+        Decided::Run(Box::pin(exchange(config, inner, request, key, options)))
+    }
+}
+
+/// A guarded request that found no stored response: run the handler once for its key (or
+/// wait for the run in flight and replay it).
 async fn exchange<S, ReqB, ResB>(
     config: Arc<Config>,
     mut inner: S,
-    req: Request<ReqB>,
+    request: Request<RequestBody<ReqB>>,
     key: String,
+    options: IdempotencyOptions,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
@@ -404,27 +476,7 @@ where
     ResB: Body<Data = Bytes> + Send + Unpin + 'static,
     ResB::Error: Into<BodyError>,
 {
-    let (parts, body) = req.into_parts();
-    let bytes = match read_body(body, config.max_body).await {
-        Ok(bytes) => bytes,
-        Err(err) if err.is::<LengthLimitError>() => return Ok(too_large(config.max_body)),
-        Err(err) => {
-            return Ok(problem(
-                ProblemType::BodyUnreadable,
-                &format!("the request body could not be read: {err}"),
-            ));
-        }
-    };
-    let options = config
-        .options(&parts)
-        .with_fingerprint(request::fingerprint(&parts, &bytes));
-    match backend::try_replay(&config.runtime, &key, &options) {
-        Ok(Some(stored)) => return Ok(replay(&stored)),
-        Ok(None) => {}
-        Err(err) => return Ok(refuse(&backend::refusal(&err, config.fail_fast), &key)),
-    }
     let (tx, mut rx) = oneshot::channel::<Handed<ResB, S::Error>>();
-    let request = Request::from_parts(parts, RequestBody::buffered(bytes));
     let max_stored = config.max_stored;
     let keep = Arc::clone(&config.keep);
     let handler = move || async move {
@@ -468,35 +520,52 @@ where
     })
 }
 
-/// The whole request body, up to `limit` bytes; one data frame (the usual case) is kept as
-/// it came, without a copy.
+/// The data frames of a request body read so far: one frame (the usual case) is kept as it
+/// came, without a copy.
+#[derive(Default)]
+pub(super) struct BodyRead {
+    first: Bytes,
+    rest: BytesMut,
+}
+
+impl BodyRead {
+    pub(super) fn push(&mut self, data: Bytes) {
+        if self.first.is_empty() {
+            self.first = data;
+        } else {
+            if self.rest.is_empty() {
+                self.rest.extend_from_slice(&self.first);
+            }
+            self.rest.extend_from_slice(&data);
+        }
+    }
+
+    pub(super) fn finish(&mut self) -> Bytes {
+        let first = std::mem::take(&mut self.first);
+        if self.rest.is_empty() {
+            first
+        } else {
+            std::mem::take(&mut self.rest).freeze()
+        }
+    }
+}
+
+/// The whole request body, up to `limit` bytes.
+#[cfg(test)]
 async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, BodyError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BodyError>,
 {
     let mut body = std::pin::pin!(Limited::new(body, limit));
-    let mut first = Bytes::new();
-    let mut rest = BytesMut::new();
+    let mut read = BodyRead::default();
     while let Some(frame) = body.frame().await {
         // Trailers are not part of the fingerprint.
-        let Ok(data) = frame?.into_data() else {
-            continue;
-        };
-        if first.is_empty() {
-            first = data;
-        } else {
-            if rest.is_empty() {
-                rest.extend_from_slice(&first);
-            }
-            rest.extend_from_slice(&data);
+        if let Ok(data) = frame?.into_data() {
+            read.push(data);
         }
     }
-    Ok(if rest.is_empty() {
-        first
-    } else {
-        rest.freeze()
-    })
+    Ok(read.finish())
 }
 
 enum Buffered<B> {
