@@ -19,6 +19,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use self::backend::{NotStored, Refusal, StoredResponse};
+use self::future::Exchange;
 pub use self::future::IdempotentFuture;
 use super::body::{BodyError, RequestBody, ResponseBody};
 use super::problem::{ProblemType, problem};
@@ -52,17 +53,38 @@ struct Config {
     keep: Arc<[HeaderName]>,
     options: IdempotencyOptions,
     fail_fast: bool,
+    /// `options` as every request starts from (derived from `options` and `fail_fast`).
+    base: IdempotencyOptions,
+    /// `base` scoped to clients without credentials, built once.
+    anonymous: IdempotencyOptions,
 }
 
 impl Config {
-    fn scope(&self, parts: &Parts) -> Option<String> {
+    /// Derives the per-request starting points from `options` and `fail_fast`.
+    fn derive(mut self) -> Self {
+        self.base = backend::base_options(self.options.clone(), self.fail_fast);
+        self.anonymous = self.base.clone().with_scope(request::ANONYMOUS_SCOPE);
+        self
+    }
+
+    /// The options of a request whose head is `parts`, scoped, without its fingerprint.
+    fn options(&self, parts: &Parts) -> IdempotencyOptions {
+        let credentials = || {
+            if request::has_credentials(&parts.headers) {
+                self.base
+                    .clone()
+                    .with_scope(request::credentials_scope(&parts.headers))
+            } else {
+                self.anonymous.clone()
+            }
+        };
         match &self.scope {
-            Scope::Credentials => Some(request::credentials_scope(&parts.headers)),
-            Scope::Shared => None,
-            Scope::Tenant(f) => Some(f(parts).map_or_else(
-                || request::credentials_scope(&parts.headers),
-                |tenant| request::tenant_scope(&tenant),
-            )),
+            Scope::Credentials => credentials(),
+            Scope::Shared => self.base.clone(),
+            Scope::Tenant(f) => match f(parts) {
+                Some(tenant) => self.base.clone().with_scope(request::tenant_scope(&tenant)),
+                None => credentials(),
+            },
         }
     }
 }
@@ -175,17 +197,22 @@ impl IdempotencyLayer {
     /// wait.
     pub fn new(runtime: &Runtime) -> Self {
         Self {
-            config: Arc::new(Config {
-                runtime: runtime.clone(),
-                methods: vec![Method::POST, Method::PATCH],
-                required: false,
-                scope: Scope::Credentials,
-                max_body: Self::DEFAULT_MAX_BODY,
-                max_stored: Self::DEFAULT_MAX_STORED_RESPONSE,
-                keep: Arc::from(Vec::new()),
-                options: IdempotencyOptions::new(),
-                fail_fast: false,
-            }),
+            config: Arc::new(
+                Config {
+                    runtime: runtime.clone(),
+                    methods: vec![Method::POST, Method::PATCH],
+                    required: false,
+                    scope: Scope::Credentials,
+                    max_body: Self::DEFAULT_MAX_BODY,
+                    max_stored: Self::DEFAULT_MAX_STORED_RESPONSE,
+                    keep: Arc::from(Vec::new()),
+                    options: IdempotencyOptions::new(),
+                    fail_fast: false,
+                    base: IdempotencyOptions::new(),
+                    anonymous: IdempotencyOptions::new(),
+                }
+                .derive(),
+            ),
         }
     }
 
@@ -193,7 +220,7 @@ impl IdempotencyLayer {
         let mut config = Arc::unwrap_or_clone(self.config);
         f(&mut config);
         Self {
-            config: Arc::new(config),
+            config: Arc::new(config.derive()),
         }
     }
 
@@ -299,7 +326,7 @@ where
 {
     type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;
-    type Future = IdempotentFuture<S::Future, ResB, S::Error>;
+    type Future = IdempotentFuture<S, ReqB, ResB>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -334,12 +361,16 @@ where
         // this request.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        IdempotentFuture::guarded(Box::pin(exchange(
-            Arc::clone(&self.config),
-            inner,
-            req,
-            key,
-        )))
+        let (parts, body) = req.into_parts();
+        IdempotentFuture::reading(
+            Limited::new(body, config.max_body),
+            Pending {
+                config: Arc::clone(config),
+                inner,
+                parts,
+                key,
+            },
+        )
     }
 }
 
@@ -362,12 +393,79 @@ fn too_large<B>(limit: usize) -> Response<ResponseBody<B>> {
 /// What the handler's run hands back to its caller, stored or not.
 type Handed<B, E> = Result<Response<ResponseBody<B>>, E>;
 
-/// A guarded request: buffer its body, then run the handler once for its key or replay.
+/// A guarded request whose body is being read.
+pub(super) struct Pending<S> {
+    config: Arc<Config>,
+    inner: S,
+    parts: Parts,
+    key: String,
+}
+
+/// What a guarded request becomes once its body is read.
+pub(super) enum Decided<B, E> {
+    /// Answered at once: a replay or a refusal; the run was never built.
+    Answer(Response<ResponseBody<B>>),
+    /// The handler runs (or the request waits for the run in flight).
+    Run(Exchange<B, E>),
+}
+
+impl<S> Pending<S> {
+    /// Fingerprints the request with its `read` body, then replays a stored response at
+    /// once when there is one, or builds the run.
+    pub(super) fn decide<ReqB, ResB>(
+        self,
+        read: Result<Bytes, BodyError>,
+    ) -> Decided<ResB, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Send + 'static,
+        ReqB: Body<Data = Bytes> + Send + 'static,
+        ReqB::Error: Into<BodyError>,
+        ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+        ResB::Error: Into<BodyError>,
+    {
+        let Self {
+            config,
+            inner,
+            parts,
+            key,
+        } = self;
+        let bytes = match read {
+            Ok(bytes) => bytes,
+            Err(err) if err.is::<LengthLimitError>() => {
+                return Decided::Answer(too_large(config.max_body));
+            }
+            Err(err) => {
+                return Decided::Answer(problem(
+                    ProblemType::BodyUnreadable,
+                    &format!("the request body could not be read: {err}"),
+                ));
+            }
+        };
+        let options = config
+            .options(&parts)
+            .with_fingerprint(request::fingerprint(&parts, &bytes));
+        match backend::try_replay(&config.runtime, &key, &options) {
+            Ok(Some(stored)) => return Decided::Answer(replay(&stored)),
+            Ok(None) => {}
+            Err(err) => {
+                return Decided::Answer(refuse(&backend::refusal(&err, config.fail_fast), &key));
+            }
+        }
+        let request = Request::from_parts(parts, RequestBody::buffered(bytes));
+        Decided::Run(Box::pin(exchange(config, inner, request, key, options)))
+    }
+}
+
+/// A guarded request that found no stored response: run the handler once for its key (or
+/// wait for the run in flight and replay it).
 async fn exchange<S, ReqB, ResB>(
     config: Arc<Config>,
     mut inner: S,
-    req: Request<ReqB>,
+    request: Request<RequestBody<ReqB>>,
     key: String,
+    options: IdempotencyOptions,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
@@ -378,29 +476,7 @@ where
     ResB: Body<Data = Bytes> + Send + Unpin + 'static,
     ResB::Error: Into<BodyError>,
 {
-    let (parts, body) = req.into_parts();
-    let bytes = match Limited::new(body, config.max_body).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(err) if err.is::<LengthLimitError>() => return Ok(too_large(config.max_body)),
-        Err(err) => {
-            return Ok(problem(
-                ProblemType::BodyUnreadable,
-                &format!("the request body could not be read: {err}"),
-            ));
-        }
-    };
-    let mut options = backend::base_options(config.options.clone(), config.fail_fast)
-        .with_fingerprint(request::fingerprint(&parts, &bytes));
-    if let Some(scope) = config.scope(&parts) {
-        options = options.with_scope(scope);
-    }
-    match backend::try_replay(&config.runtime, &key, &options) {
-        Ok(Some(stored)) => return Ok(replay(&stored)),
-        Ok(None) => {}
-        Err(err) => return Ok(refuse(&backend::refusal(&err, config.fail_fast), &key)),
-    }
     let (tx, mut rx) = oneshot::channel::<Handed<ResB, S::Error>>();
-    let request = Request::from_parts(parts, RequestBody::buffered(bytes));
     let max_stored = config.max_stored;
     let keep = Arc::clone(&config.keep);
     let handler = move || async move {
@@ -442,6 +518,54 @@ where
         }
         Err(err) => refuse(&backend::refusal(&err, config.fail_fast), &key),
     })
+}
+
+/// The data frames of a request body read so far: one frame (the usual case) is kept as it
+/// came, without a copy.
+#[derive(Default)]
+pub(super) struct BodyRead {
+    first: Bytes,
+    rest: BytesMut,
+}
+
+impl BodyRead {
+    pub(super) fn push(&mut self, data: Bytes) {
+        if self.first.is_empty() {
+            self.first = data;
+        } else {
+            if self.rest.is_empty() {
+                self.rest.extend_from_slice(&self.first);
+            }
+            self.rest.extend_from_slice(&data);
+        }
+    }
+
+    pub(super) fn finish(&mut self) -> Bytes {
+        let first = std::mem::take(&mut self.first);
+        if self.rest.is_empty() {
+            first
+        } else {
+            std::mem::take(&mut self.rest).freeze()
+        }
+    }
+}
+
+/// The whole request body, up to `limit` bytes.
+#[cfg(test)]
+async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, BodyError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BodyError>,
+{
+    let mut body = std::pin::pin!(Limited::new(body, limit));
+    let mut read = BodyRead::default();
+    while let Some(frame) = body.frame().await {
+        // Trailers are not part of the fingerprint.
+        if let Ok(data) = frame?.into_data() {
+            read.push(data);
+        }
+    }
+    Ok(read.finish())
 }
 
 enum Buffered<B> {
@@ -528,5 +652,53 @@ fn refuse<B>(refusal: &Refusal, key: &str) -> Response<ResponseBody<B>> {
             ProblemType::IdempotencyMisconfigured,
             &format!("idempotency key {key:?} cannot be checked: the layer is misconfigured"),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::convert::Infallible;
+    use std::pin::Pin;
+
+    use http_body::Frame;
+    use http_body_util::Full;
+
+    use super::*;
+
+    /// A body of `chunks`, one frame each, then trailers.
+    struct Frames(VecDeque<Frame<Bytes>>);
+
+    fn frames(chunks: &[&'static str]) -> Frames {
+        let mut frames: VecDeque<_> = chunks
+            .iter()
+            .map(|c| Frame::data(Bytes::from_static(c.as_bytes())))
+            .collect();
+        frames.push_back(Frame::trailers(http::HeaderMap::new()));
+        Frames(frames)
+    }
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            Poll::Ready(self.0.pop_front().map(Ok))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_in_several_frames_reads_whole_and_one_frame_is_not_copied() {
+        let read = read_body(frames(&["ab", "", "cd", "e"]), 16).await.unwrap();
+        assert_eq!(read, "abcde");
+        assert_eq!(read_body(frames(&[]), 16).await.unwrap(), "");
+        let one = Bytes::from_static(b"whole");
+        let read = read_body(Full::new(one.clone()), 16).await.unwrap();
+        assert_eq!(read.as_ptr(), one.as_ptr());
+        let err = read_body(frames(&["abc", "def"]), 5).await.unwrap_err();
+        assert!(err.is::<LengthLimitError>(), "{err}");
     }
 }

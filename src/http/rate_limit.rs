@@ -200,7 +200,7 @@ where
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let (key, req) = self.key.key_of(req);
-        match self.enforcer.enforce_now(&key) {
+        match self.enforcer.enforce_now(key.as_str()) {
             Some(enforcement) => match RateLimitDenial::check(enforcement) {
                 Ok(enforcement) => {
                     RateLimitFuture::calling(self.inner.call(req), enforcement.headers)
@@ -208,7 +208,7 @@ where
                 Err(denial) => RateLimitFuture::denied(denial),
             },
             None => {
-                let pending = Arc::clone(&self.enforcer).enforce_later(key);
+                let pending = Arc::clone(&self.enforcer).enforce_later(key.into_string());
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 RateLimitFuture::checking(pending, inner, req)

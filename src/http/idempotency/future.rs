@@ -3,12 +3,17 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 
-use http::Response;
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::Body;
+use http_body_util::Limited;
 use pin_project_lite::pin_project;
+use tower_service::Service;
 
-use crate::http::body::ResponseBody;
+use super::{BodyRead, Decided, Pending};
+use crate::http::body::{BodyError, RequestBody, ResponseBody};
 
 pub(super) type Exchange<B, E> =
     Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send + 'static>>;
@@ -16,30 +21,41 @@ pub(super) type Exchange<B, E> =
 pin_project! {
     /// The response future of [`Idempotent`](super::Idempotent): the inner service's own for
     /// a request the layer does not guard, an answer made at once (a bad key), or the
-    /// guarded exchange (buffer, claim, run or replay).
-    pub struct IdempotentFuture<F, B, E> {
+    /// guarded exchange: read the body, then replay a stored response at once, or run the
+    /// handler once for the key.
+    pub struct IdempotentFuture<S, ReqB, ResB>
+    where
+        S: Service<Request<RequestBody<ReqB>>>,
+    {
         #[pin]
-        kind: Kind<F, B, E>,
+        kind: Kind<S, ReqB, ResB>,
     }
 }
 
 pin_project! {
     #[project = KindProj]
-    enum Kind<F, B, E> {
-        Passthrough { #[pin] future: F },
-        Ready { response: Option<Response<ResponseBody<B>>> },
-        Guarded { exchange: Exchange<B, E> },
+    enum Kind<S, ReqB, ResB>
+    where
+        S: Service<Request<RequestBody<ReqB>>>,
+    {
+        Passthrough { #[pin] future: S::Future },
+        Ready { response: Option<Response<ResponseBody<ResB>>> },
+        Reading { #[pin] body: Limited<ReqB>, read: BodyRead, pending: Option<Pending<S>> },
+        Guarded { exchange: Exchange<ResB, S::Error> },
     }
 }
 
-impl<F, B, E> IdempotentFuture<F, B, E> {
-    pub(super) fn passthrough(future: F) -> Self {
+impl<S, ReqB, ResB> IdempotentFuture<S, ReqB, ResB>
+where
+    S: Service<Request<RequestBody<ReqB>>>,
+{
+    pub(super) fn passthrough(future: S::Future) -> Self {
         Self {
             kind: Kind::Passthrough { future },
         }
     }
 
-    pub(super) fn ready(response: Response<ResponseBody<B>>) -> Self {
+    pub(super) fn ready(response: Response<ResponseBody<ResB>>) -> Self {
         Self {
             kind: Kind::Ready {
                 response: Some(response),
@@ -47,37 +63,81 @@ impl<F, B, E> IdempotentFuture<F, B, E> {
         }
     }
 
-    pub(super) fn guarded(exchange: Exchange<B, E>) -> Self {
+    pub(super) fn reading(body: Limited<ReqB>, pending: Pending<S>) -> Self {
         Self {
-            kind: Kind::Guarded { exchange },
+            kind: Kind::Reading {
+                body,
+                read: BodyRead::default(),
+                pending: Some(pending),
+            },
         }
     }
 }
 
-impl<F, B, E> Future for IdempotentFuture<F, B, E>
+impl<S, ReqB, ResB> Future for IdempotentFuture<S, ReqB, ResB>
 where
-    F: Future<Output = Result<Response<B>, E>>,
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BodyError>,
+    ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+    ResB::Error: Into<BodyError>,
 {
-    type Output = Result<Response<ResponseBody<B>>, E>;
+    type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
-            KindProj::Passthrough { future } => future
-                .poll(cx)
-                .map_ok(|response| response.map(ResponseBody::streaming)),
-            KindProj::Ready { response } => {
-                Poll::Ready(Ok(response.take().expect("polled after completion")))
-            }
-            KindProj::Guarded { exchange } => exchange.as_mut().poll(cx),
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            let next = match self.as_mut().project().kind.project() {
+                KindProj::Passthrough { future } => {
+                    return future
+                        .poll(cx)
+                        .map_ok(|response| response.map(ResponseBody::streaming));
+                }
+                KindProj::Ready { response } => {
+                    return Poll::Ready(Ok(response.take().expect("polled after completion")));
+                }
+                KindProj::Guarded { exchange } => return exchange.as_mut().poll(cx),
+                KindProj::Reading {
+                    mut body,
+                    read,
+                    pending,
+                } => {
+                    let outcome = loop {
+                        match ready!(body.as_mut().poll_frame(cx)) {
+                            // Trailers are not part of the fingerprint.
+                            Some(Ok(frame)) => {
+                                if let Ok(data) = frame.into_data() {
+                                    read.push(data);
+                                }
+                            }
+                            Some(Err(err)) => break Err(err),
+                            None => break Ok(read.finish()),
+                        }
+                    };
+                    let pending = pending.take().expect("polled after completion");
+                    match pending.decide(outcome) {
+                        Decided::Answer(response) => Kind::Ready {
+                            response: Some(response),
+                        },
+                        Decided::Run(exchange) => Kind::Guarded { exchange },
+                    }
+                }
+            };
+            self.as_mut().project().kind.set(next);
         }
     }
 }
 
-impl<F, B, E> fmt::Debug for IdempotentFuture<F, B, E> {
+impl<S, ReqB, ResB> fmt::Debug for IdempotentFuture<S, ReqB, ResB>
+where
+    S: Service<Request<RequestBody<ReqB>>>,
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match &self.kind {
             Kind::Passthrough { .. } => "passthrough",
             Kind::Ready { .. } => "ready",
+            Kind::Reading { .. } => "reading",
             Kind::Guarded { .. } => "guarded",
         };
         f.debug_struct("IdempotentFuture")

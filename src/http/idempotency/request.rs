@@ -55,6 +55,14 @@ pub(super) fn key(headers: &HeaderMap) -> Result<Option<String>, String> {
     Ok(Some(key))
 }
 
+/// The scope of requests without credentials.
+pub(super) const ANONYMOUS_SCOPE: &str = "http/anonymous";
+
+/// Whether the request carries credentials (`Authorization` or `Cookie`).
+pub(super) fn has_credentials(headers: &HeaderMap) -> bool {
+    headers.contains_key(AUTHORIZATION) || headers.contains_key(COOKIE)
+}
+
 /// The scope of a request with no configured scope: a digest of its credentials, so one
 /// client never replays another's response.
 pub(super) fn credentials_scope(headers: &HeaderMap) -> String {
@@ -69,7 +77,7 @@ pub(super) fn credentials_scope(headers: &HeaderMap) -> String {
         }
     }
     if !any {
-        return "http/anonymous".to_owned();
+        return ANONYMOUS_SCOPE.to_owned();
     }
     let mut scope = String::from("http/credentials/");
     // 128 bits tell clients apart; the scope stays short.
@@ -82,8 +90,9 @@ pub(super) fn tenant_scope(tenant: &str) -> String {
     format!("http/tenant/{tenant}")
 }
 
-/// SHA-256 over method, path, query and body, each length-prefixed, as 64 hex characters.
-pub(super) fn fingerprint(parts: &Parts, body: &Bytes) -> String {
+/// SHA-256 over method, path, query and body, each length-prefixed, as 64 lowercase hex
+/// characters (on the stack: no allocation per request).
+pub(super) fn fingerprint(parts: &Parts, body: &Bytes) -> [u8; 64] {
     let mut hasher = Sha256::new();
     let fields: [&[u8]; 4] = [
         parts.method.as_str().as_bytes(),
@@ -95,13 +104,17 @@ pub(super) fn fingerprint(parts: &Parts, body: &Bytes) -> String {
         hasher.update((field.len() as u64).to_be_bytes());
         hasher.update(field);
     }
-    let mut out = String::with_capacity(64);
-    push_hex(&mut out, &hasher.finalize());
+    let mut out = [0; 64];
+    for (pair, byte) in out.chunks_exact_mut(2).zip(hasher.finalize()) {
+        pair[0] = HEX[usize::from(byte >> 4)];
+        pair[1] = HEX[usize::from(byte & 0x0f)];
+    }
     out
 }
 
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
 fn push_hex(out: &mut String, bytes: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     for byte in bytes {
         out.push(char::from(HEX[usize::from(byte >> 4)]));
         out.push(char::from(HEX[usize::from(byte & 0x0f)]));
@@ -172,7 +185,16 @@ mod tests {
             fingerprint(&parts, &Bytes::from_static(body.as_bytes()))
         };
         let base = fp("POST", "/pay?x=1", "{}");
-        assert_eq!(base.len(), 64);
+        // The hex digest of SHA-256 over the length-prefixed fields, as before it moved to
+        // the stack: stored fingerprints stay valid across the change.
+        let mut hasher = Sha256::new();
+        for field in [&b"POST"[..], b"/pay", b"x=1", b"{}"] {
+            hasher.update((field.len() as u64).to_be_bytes());
+            hasher.update(field);
+        }
+        let mut hex = String::new();
+        push_hex(&mut hex, &hasher.finalize());
+        assert_eq!(std::str::from_utf8(&base).unwrap(), hex);
         assert_eq!(base, fp("POST", "/pay?x=1", "{}"));
         for other in [
             fp("PATCH", "/pay?x=1", "{}"),
@@ -195,6 +217,7 @@ mod tests {
             credentials_scope(&map)
         };
         assert_eq!(credentials_scope(&HeaderMap::new()), "http/anonymous");
+        assert!(!has_credentials(&HeaderMap::new()));
         let alice = with(AUTHORIZATION, "Bearer alice");
         assert_eq!(alice, with(AUTHORIZATION, "Bearer alice"));
         assert_ne!(alice, with(AUTHORIZATION, "Bearer bob"));

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use http::{HeaderMap, Request, Response};
+use http::{HeaderMap, HeaderName, Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
@@ -97,26 +97,38 @@ where
                 }
                 StateProj::Calling { future, headers } => {
                     let mut response = ready!(future.poll(cx))?;
-                    // The limit's headers replace any the handler set under the same names.
-                    let mut last = None;
-                    for (name, value) in std::mem::take(headers) {
-                        match name {
-                            Some(name) => {
-                                response.headers_mut().insert(name.clone(), value);
-                                last = Some(name);
-                            }
-                            None => {
-                                if let Some(name) = &last {
-                                    response.headers_mut().append(name, value);
-                                }
-                            }
-                        }
-                    }
+                    add_limit_headers(response.headers_mut(), std::mem::take(headers));
                     return Poll::Ready(Ok(response.map(ResponseBody::streaming)));
                 }
                 StateProj::Denied { denial } => {
                     let denial = denial.take().expect("polled after completion");
                     return Poll::Ready(Ok(denial.into_response().map(ResponseBody::full)));
+                }
+            }
+        }
+    }
+}
+
+/// Adds the limit's headers to the handler's `response` headers; they replace any the handler
+/// set under the same names. The limit's map becomes the response's (no copy), and the
+/// handler's other headers, usually none or few, move into it.
+fn add_limit_headers(response: &mut HeaderMap, limit: HeaderMap) {
+    if limit.is_empty() {
+        return;
+    }
+    let own = std::mem::replace(response, limit);
+    let mut kept: Option<HeaderName> = None;
+    for (name, value) in own {
+        match name {
+            Some(name) => {
+                kept = (!response.contains_key(&name)).then_some(name);
+                if let Some(name) = &kept {
+                    response.append(name.clone(), value);
+                }
+            }
+            None => {
+                if let Some(name) = &kept {
+                    response.append(name, value);
                 }
             }
         }
@@ -133,5 +145,43 @@ impl<S: Service<Request<B>>, B> fmt::Debug for RateLimitFuture<S, B> {
         f.debug_struct("RateLimitFuture")
             .field("state", &state)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderValue;
+
+    use super::*;
+
+    #[test]
+    fn the_limit_headers_replace_the_handlers_and_keep_the_rest() {
+        let mut response = HeaderMap::new();
+        response.append("ratelimit-limit", HeaderValue::from_static("999"));
+        response.append("ratelimit-limit", HeaderValue::from_static("998"));
+        response.append("set-cookie", HeaderValue::from_static("a=1"));
+        response.append("set-cookie", HeaderValue::from_static("b=2"));
+        response.append("content-type", HeaderValue::from_static("text/plain"));
+        let mut limit = HeaderMap::new();
+        limit.insert("ratelimit-limit", HeaderValue::from_static("10"));
+        limit.insert("ratelimit-remaining", HeaderValue::from_static("9"));
+        add_limit_headers(&mut response, limit);
+        let all = |name: &str| -> Vec<&str> {
+            response
+                .get_all(name)
+                .iter()
+                .map(|v| v.to_str().unwrap())
+                .collect()
+        };
+        assert_eq!(all("ratelimit-limit"), ["10"]);
+        assert_eq!(all("ratelimit-remaining"), ["9"]);
+        assert_eq!(all("set-cookie"), ["a=1", "b=2"]);
+        assert_eq!(all("content-type"), ["text/plain"]);
+        assert_eq!(response.len(), 5);
+
+        let mut untouched = HeaderMap::new();
+        untouched.insert("content-type", HeaderValue::from_static("text/plain"));
+        add_limit_headers(&mut untouched, HeaderMap::new());
+        assert_eq!(untouched.len(), 1);
     }
 }

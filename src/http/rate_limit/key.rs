@@ -1,7 +1,7 @@
 //! [`RateLimitKey`]: which bucket a request is counted in.
 
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
 use http::header::FORWARDED;
@@ -103,19 +103,81 @@ impl RateLimitKey {
         found.unwrap_or_else(|| UNKNOWN.to_owned())
     }
 
-    /// The key of `req`, and `req`; splits the request only for a function key.
-    pub(super) fn key_of<B>(&self, req: Request<B>) -> (String, Request<B>) {
+    /// The key of `req`, and `req`; splits the request only for a function key. An IPv4
+    /// client's key is written on the stack: no allocation per request.
+    pub(super) fn key_of<B>(&self, req: Request<B>) -> (KeyText, Request<B>) {
         let (found, req) = match &self.0 {
             Kind::ClientIp(client_ip) => {
-                (client_key(client_ip, req.headers(), req.extensions()), req)
+                (client_text(client_ip, req.headers(), req.extensions()), req)
             }
-            Kind::Header(name) => (header_key(req.headers(), name), req),
+            Kind::Header(name) => (header_key(req.headers(), name).map(KeyText::Owned), req),
             Kind::Custom(f) => {
                 let (parts, body) = req.into_parts();
-                (f(&parts), Request::from_parts(parts, body))
+                (
+                    f(&parts).map(KeyText::Owned),
+                    Request::from_parts(parts, body),
+                )
             }
         };
-        (found.unwrap_or_else(|| UNKNOWN.to_owned()), req)
+        (found.unwrap_or(KeyText::Unknown), req)
+    }
+}
+
+/// A request's key, as [`RateLimitKey::key`] spells it, without allocating for the common
+/// cases (an IPv4 client, no key found).
+pub(super) enum KeyText {
+    /// An IPv4 address in dotted decimal: at most 15 bytes.
+    V4 {
+        text: [u8; 15],
+        len: u8,
+    },
+    Owned(String),
+    Unknown,
+}
+
+impl KeyText {
+    fn v4(addr: Ipv4Addr) -> Self {
+        let mut text = [0; 15];
+        let mut len = 0;
+        for (i, octet) in addr.octets().into_iter().enumerate() {
+            if i > 0 {
+                text[len] = b'.';
+                len += 1;
+            }
+            if octet >= 100 {
+                text[len] = b'0' + octet / 100;
+                len += 1;
+            }
+            if octet >= 10 {
+                text[len] = b'0' + octet / 10 % 10;
+                len += 1;
+            }
+            text[len] = b'0' + octet % 10;
+            len += 1;
+        }
+        // At most 4 x 3 digits and 3 dots.
+        Self::V4 {
+            text,
+            len: len as u8,
+        }
+    }
+
+    pub(super) fn as_str(&self) -> &str {
+        match self {
+            // Only ASCII digits and dots are written.
+            Self::V4 { text, len } => {
+                std::str::from_utf8(&text[..usize::from(*len)]).unwrap_or(UNKNOWN)
+            }
+            Self::Owned(key) => key,
+            Self::Unknown => UNKNOWN,
+        }
+    }
+
+    pub(super) fn into_string(self) -> String {
+        match self {
+            Self::Owned(key) => key,
+            other => other.as_str().to_owned(),
+        }
     }
 }
 
@@ -124,16 +186,34 @@ fn client_key(
     headers: &HeaderMap,
     extensions: &Extensions,
 ) -> Option<String> {
+    client_text(client_ip, headers, extensions).map(KeyText::into_string)
+}
+
+fn client_text(
+    client_ip: &ClientIp,
+    headers: &HeaderMap,
+    extensions: &Extensions,
+) -> Option<KeyText> {
     let peer = peer(extensions)?;
     let forwarded: Vec<String> = headers
         .get_all(FORWARDED)
         .iter()
         .flat_map(|v| v.to_str().map(forwarded_for).unwrap_or_default())
         .collect();
-    Some(if forwarded.is_empty() {
-        client_ip.key_from_headers(peer, headers)
+    let addr = if forwarded.is_empty() {
+        let xff = headers
+            .get_all("x-forwarded-for")
+            .iter()
+            .filter_map(|v| v.to_str().ok());
+        client_ip.client_addr(peer, xff)
     } else {
-        client_ip.key(peer, forwarded)
+        client_ip.client_addr(peer, &forwarded)
+    };
+    Some(match addr {
+        IpAddr::V4(v4) => KeyText::v4(v4),
+        // `ClientIp::key` aggregates IPv6 to its network; the address it derives from
+        // `addr` (already the client) is `addr` itself.
+        IpAddr::V6(_) => KeyText::Owned(client_ip.key(addr, std::iter::empty::<&str>())),
     })
 }
 
@@ -190,6 +270,23 @@ fn node_addr(node: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ipv4_keys_on_the_stack_read_as_the_address_does() {
+        for addr in [
+            Ipv4Addr::new(0, 0, 0, 0),
+            Ipv4Addr::new(255, 255, 255, 255),
+            Ipv4Addr::new(10, 0, 9, 100),
+            Ipv4Addr::new(1, 20, 199, 7),
+            Ipv4Addr::new(203, 0, 113, 42),
+        ] {
+            assert_eq!(KeyText::v4(addr).as_str(), addr.to_string());
+        }
+        for i in 0..=255u8 {
+            let addr = Ipv4Addr::new(i, 255 - i, i / 3, i.wrapping_mul(7));
+            assert_eq!(KeyText::v4(addr).as_str(), addr.to_string());
+        }
+    }
 
     #[test]
     fn forwarded_nodes_parse_per_rfc_7239() {
