@@ -153,9 +153,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     println!("\n== Redis goes away ==");
     server.kill();
-    let key = format!("outage:{run}");
     let window = Duration::from_secs(5);
-    for i in 0..4 {
+    for i in 0..5 {
+        // A fresh key per call, so each one tries Redis (a key known closed
+        // is answered locally without trying).
+        let key = format!("outage:{run}:{i}");
         let oa = a
             .throttle()
             .call(&key, window, move || async move { Ok::<_, Infallible>(i) })
@@ -167,7 +169,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("call {i}: a {}, b {}", shown(&oa), shown(&ob));
     }
     println!(
-        "instance a breaker: {:?} (opened {} time(s)); each instance decided alone",
+        "instance a breaker: {:?} (opened {} time(s)); both executed: each instance decided alone",
         redis_a.stats().breaker.state,
         redis_a.stats().breaker.opened
     );
@@ -177,9 +179,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     drop(own.take());
     let _restarted = OwnServer::start(port)?;
     tokio::time::sleep(Duration::from_millis(1_200)).await; // the breaker's cooldown
-    let key = format!("recovered:{run}");
     let mut recovered = false;
     for attempt in 0..20 {
+        let key = format!("recovered:{run}:{attempt}");
         let oa = a
             .throttle()
             .call(&key, window, || async { Ok::<_, Infallible>("a") })
