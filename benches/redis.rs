@@ -1,0 +1,241 @@
+//! Redis benches, each side by side with its anchor, against `redis-server`
+//! processes this bench starts itself on free loopback ports.
+//!
+//! - `redis_throttle_fresh`: leading throttle decisions on fresh keys, 64
+//!   concurrent callers, against raw `SET key v NX PX ms` through the same
+//!   client at the same concurrency. Target: ratio <= 1.25.
+//! - `redis_throttle_hot`: a throttled call on a closed hot key with Redis
+//!   against the in-memory throttle's throttled call. Target: <= 2.
+//! - `redis_vs_benchmark`: our decision throughput (fresh keys, 64
+//!   concurrent) against `redis-benchmark -t set -c 64 -n 200000 -q` on the
+//!   same server (ratio = their throughput / ours). Target: <= 2.
+//! - `redis_cluster_fresh`: the same decisions on a 3-node cluster, printing
+//!   throughput.
+//!
+//! Run: `cargo bench --features redis --bench redis`
+
+#[path = "../tests/support/redis.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod support_redis;
+
+use std::convert::Infallible;
+use std::hint::black_box;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use support_redis::{RedisCluster, RedisNode};
+use throttlebeam::store::Redis;
+use throttlebeam::{Runtime, ThrottleOutcome};
+
+const CALLERS: usize = 64;
+const DECISIONS: u64 = 100_000;
+const HOT_CALLS: u64 = 1_000_000;
+const WINDOW: Duration = Duration::from_secs(60);
+
+fn tokio_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn compare(name: &str, ours: f64, anchor: f64) {
+    println!(
+        "compare {name}: ours {ours:.0} ns, anchor {anchor:.0} ns, ratio {:.2}",
+        ours / anchor
+    );
+}
+
+/// Runs `total` operations over `CALLERS` tasks; returns ns per operation
+/// (wall time / operations, so the inverse of throughput).
+async fn concurrent<F, Fut>(total: u64, op: F) -> f64
+where
+    F: Fn(u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let next = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..CALLERS)
+        .map(|_| {
+            let (next, op) = (next.clone(), op.clone());
+            tokio::spawn(async move {
+                loop {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    if n >= total {
+                        break;
+                    }
+                    op(n).await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("caller");
+    }
+    start.elapsed().as_nanos() as f64 / total as f64
+}
+
+async fn ours_fresh(runtime: &Runtime, run: u64) -> f64 {
+    let throttle = runtime.throttle();
+    concurrent(DECISIONS, move |n| {
+        let throttle = throttle.clone();
+        async move {
+            let key = format!("fresh:{run}:{n}");
+            let outcome = throttle
+                .call(&key, WINDOW, || async { Ok::<_, Infallible>(()) })
+                .await
+                .expect("decision");
+            drop(black_box(outcome));
+        }
+    })
+    .await
+}
+
+async fn raw_set(url: &str, run: u64) -> f64 {
+    let client = redis::Client::open(url).expect("client");
+    let conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    concurrent(DECISIONS, move |n| {
+        let mut conn = conn.clone();
+        async move {
+            let key = format!("raw:{run}:{n}");
+            let set: Option<String> = redis::cmd("SET")
+                .arg(&key)
+                .arg(1)
+                .arg("NX")
+                .arg("PX")
+                .arg(WINDOW.as_millis() as u64)
+                .query_async(&mut conn)
+                .await
+                .expect("SET NX PX");
+            black_box(set);
+        }
+    })
+    .await
+}
+
+async fn hot(runtime: &Runtime) -> f64 {
+    let throttle = runtime.throttle();
+    let first = throttle
+        .call("hot", WINDOW, || async { Ok::<_, Infallible>(()) })
+        .await
+        .expect("first call");
+    assert!(matches!(first, ThrottleOutcome::Executed(())));
+    for _ in 0..1_000 {
+        let outcome = throttle
+            .call("hot", WINDOW, || async { Ok::<_, Infallible>(()) })
+            .await
+            .expect("warm-up");
+        drop(black_box(outcome));
+    }
+    let start = Instant::now();
+    for _ in 0..HOT_CALLS {
+        let outcome = throttle
+            .call("hot", WINDOW, || async { Ok::<_, Infallible>(()) })
+            .await
+            .expect("throttled call");
+        assert!(matches!(outcome, ThrottleOutcome::Throttled { .. }));
+    }
+    start.elapsed().as_nanos() as f64 / HOT_CALLS as f64
+}
+
+/// `redis-benchmark -t set -c 64 -n 200000 -q` against `port`: requests/s.
+fn redis_benchmark(port: u16) -> Option<f64> {
+    let out = Command::new("redis-benchmark")
+        .args([
+            "-p",
+            &port.to_string(),
+            "-t",
+            "set",
+            "-c",
+            "64",
+            "-n",
+            "200000",
+            "-q",
+        ])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    // "SET: 123456.79 requests per second, p50=0.255 msec" (possibly after \r progress lines)
+    let line = text.rsplit(['\r', '\n']).find(|l| l.starts_with("SET:"))?;
+    line.trim_start_matches("SET:")
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn main() {
+    let rt = tokio_runtime();
+    let Some(node) = RedisNode::start("bench redis") else {
+        return;
+    };
+    let url = node.url();
+    rt.block_on(async {
+        let redis = Redis::builder(url.clone())
+            .connect()
+            .await
+            .expect("connects");
+        let runtime = Runtime::builder()
+            .with_redis(redis)
+            .start()
+            .await
+            .expect("runtime");
+        let memory = Runtime::builder().start().await.expect("memory runtime");
+
+        // Warm-up both sides, then alternate and keep the best of three.
+        ours_fresh(&runtime, 0).await;
+        raw_set(&url, 0).await;
+        let (mut ours, mut anchor) = (f64::MAX, f64::MAX);
+        for run in 1..=3 {
+            ours = ours.min(ours_fresh(&runtime, run).await);
+            anchor = anchor.min(raw_set(&url, run).await);
+        }
+        compare("redis_throttle_fresh", ours, anchor);
+
+        let (hot_ours, hot_anchor) = (hot(&runtime).await, hot(&memory).await);
+        compare("redis_throttle_hot", hot_ours, hot_anchor);
+
+        match redis_benchmark(node.port) {
+            Some(theirs) => {
+                let ours_rps = 1e9 / ours;
+                println!(
+                    "compare redis_vs_benchmark: ours {ours:.0} ns, anchor {:.0} ns, ratio {:.2} \
+                     (ours {ours_rps:.0} decisions/s, redis-benchmark {theirs:.0} SET/s)",
+                    1e9 / theirs,
+                    theirs / ours_rps
+                );
+            }
+            None => println!("redis_vs_benchmark: skipped, redis-benchmark did not run"),
+        }
+        runtime.shutdown(Duration::from_secs(1)).await;
+        memory.shutdown(Duration::from_secs(1)).await;
+    });
+
+    let Some(cluster) = RedisCluster::start("bench redis cluster") else {
+        return;
+    };
+    rt.block_on(async {
+        let redis = Redis::cluster(cluster.urls())
+            .connect()
+            .await
+            .expect("connects to the cluster");
+        let runtime = Runtime::builder()
+            .with_redis(redis)
+            .start()
+            .await
+            .expect("runtime");
+        ours_fresh(&runtime, 0).await;
+        let ns = ours_fresh(&runtime, 1).await;
+        println!(
+            "redis_cluster_fresh: {ns:.0} ns per decision, {:.0} decisions/s (3-node cluster, 64 callers)",
+            1e9 / ns
+        );
+        runtime.shutdown(Duration::from_secs(1)).await;
+    });
+}

@@ -1,0 +1,210 @@
+//! Two instances sharing one Redis: a leading throttle and a coalescing
+//! throttle that agree across them, and what happens when Redis goes away.
+//!
+//! Run: `cargo run --features redis --example cluster`
+//!
+//! Uses `THROTTLEBEAM_REDIS_URL` if set; otherwise starts its own
+//! `redis-server` on a free loopback port (and stops it at the end).
+
+use std::convert::Infallible;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use throttlebeam::store::{BreakerConfig, REDIS_URL_ENV, Redis};
+use throttlebeam::{Phase, Runtime, ThrottleOutcome};
+
+/// A `redis-server` this example started, killed when dropped.
+struct OwnServer {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl OwnServer {
+    fn start(port: u16) -> Result<Self, Box<dyn std::error::Error>> {
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot start redis-server ({e}); set {REDIS_URL_ENV}"))?;
+        let server = Self {
+            port,
+            child: Some(child),
+        };
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Ok(server);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Err("redis-server did not start listening".into())
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// One instance: its own connection and its own runtime.
+async fn instance(url: &str) -> Result<(Runtime, Redis), Box<dyn std::error::Error>> {
+    let redis = Redis::builder(url)
+        .with_prefix("example")
+        .with_command_timeout(Duration::from_millis(200))
+        .with_breaker(
+            BreakerConfig::default()
+                .with_failures(3)
+                .with_cooldown(Duration::from_secs(1)),
+        )
+        .connect()
+        .await?;
+    let runtime = Runtime::builder().with_redis(redis.clone()).start().await?;
+    Ok((runtime, redis))
+}
+
+fn shown<T: std::fmt::Debug>(outcome: &ThrottleOutcome<T>) -> String {
+    match outcome {
+        ThrottleOutcome::Executed(v) => format!("executed ({v:?})"),
+        ThrottleOutcome::Throttled { retry_after } => {
+            format!("throttled, retry in {retry_after:?}")
+        }
+        #[allow(unreachable_patterns)]
+        _ => "other".to_owned(),
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut own = None;
+    let url = match std::env::var(REDIS_URL_ENV) {
+        Ok(url) if !url.trim().is_empty() => url,
+        _ => {
+            let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+            own = Some(OwnServer::start(port)?);
+            println!("started redis-server on 127.0.0.1:{port}");
+            format!("redis://127.0.0.1:{port}")
+        }
+    };
+    let run = std::process::id();
+    let (a, redis_a) = instance(&url).await?;
+    let (b, redis_b) = instance(&url).await?;
+
+    // 1. Leading throttle: whichever instance comes first leads; the other is throttled.
+    println!("\n== leading throttle across instances ==");
+    let key = format!("report:{run}");
+    let window = Duration::from_secs(5);
+    let first = a
+        .throttle()
+        .call(&key, window, || async { Ok::<_, Infallible>("a") })
+        .await?;
+    let second = b
+        .throttle()
+        .call(&key, window, || async { Ok::<_, Infallible>("b") })
+        .await?;
+    println!("instance a: {}", shown(&first));
+    println!("instance b: {}", shown(&second));
+
+    // 2. Coalescing throttle: both call at once; one leads, the other's call
+    //    becomes the trailing run, one window later, never overlapping.
+    println!("\n== coalescing throttle across instances ==");
+    let window = Duration::from_millis(500);
+    let ta = a
+        .trailing_throttle("sync:")
+        .with_window(window)
+        .with_store(redis_a.clone())
+        .build::<String>()?;
+    let tb = b
+        .trailing_throttle("sync:")
+        .with_window(window)
+        .with_store(redis_b.clone())
+        .build::<String>()?;
+    let started = tokio::time::Instant::now();
+    let job = |who: &'static str| {
+        move |phase: Phase| async move {
+            let at = started.elapsed();
+            println!("  instance {who} runs as {phase:?} at {at:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok::<_, Infallible>(format!("{who} ({phase:?})"))
+        }
+    };
+    let key = format!("room:{run}");
+    let (ra, rb) = tokio::join!(
+        ta.call_and_wait(&key, job("a")),
+        tb.call_and_wait(&key, job("b"))
+    );
+    println!("instance a got {:?}", ra?);
+    println!("instance b got {:?}", rb?);
+
+    // 3. Redis goes away: throttles fall back to per-instance decisions and
+    //    the breaker opens; when Redis is back, they share again.
+    let Some(server) = own.as_mut() else {
+        println!("\n(skipping the outage demo: the server was given by {REDIS_URL_ENV})");
+        return Ok(());
+    };
+    println!("\n== Redis goes away ==");
+    server.kill();
+    let window = Duration::from_secs(5);
+    for i in 0..5 {
+        // A fresh key per call, so each one tries Redis (a key known closed
+        // is answered locally without trying).
+        let key = format!("outage:{run}:{i}");
+        let oa = a
+            .throttle()
+            .call(&key, window, move || async move { Ok::<_, Infallible>(i) })
+            .await?;
+        let ob = b
+            .throttle()
+            .call(&key, window, move || async move { Ok::<_, Infallible>(i) })
+            .await?;
+        println!("call {i}: a {}, b {}", shown(&oa), shown(&ob));
+    }
+    println!(
+        "instance a breaker: {:?} (opened {} time(s)); both executed: each instance decided alone",
+        redis_a.stats().breaker.state,
+        redis_a.stats().breaker.opened
+    );
+
+    println!("\n== Redis is back ==");
+    let port = server.port;
+    drop(own.take());
+    let _restarted = OwnServer::start(port)?;
+    tokio::time::sleep(Duration::from_millis(1_200)).await; // the breaker's cooldown
+    let mut recovered = false;
+    for attempt in 0..20 {
+        let key = format!("recovered:{run}:{attempt}");
+        let oa = a
+            .throttle()
+            .call(&key, window, || async { Ok::<_, Infallible>("a") })
+            .await?;
+        let ob = b
+            .throttle()
+            .call(&key, window, || async { Ok::<_, Infallible>("b") })
+            .await?;
+        if matches!(oa, ThrottleOutcome::Executed(_))
+            && matches!(ob, ThrottleOutcome::Throttled { .. })
+            && redis_a.ping().await.is_ok()
+        {
+            println!("attempt {attempt}: a {}, b {}", shown(&oa), shown(&ob));
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!(
+        "recovered: {recovered}; instance a breaker: {:?}",
+        redis_a.stats().breaker.state
+    );
+    a.shutdown(Duration::from_secs(1)).await;
+    b.shutdown(Duration::from_secs(1)).await;
+    Ok(())
+}
