@@ -1,6 +1,8 @@
-//! Time sources for rate limiting.
+//! Time sources: the [`Clock`] of rate limiting and, with the `runtime` feature, the
+//! clock a [`Runtime`](crate::Runtime)'s leading-edge throttle windows read
+//! ([`RuntimeClock`]). This is the one module that reads time.
 //!
-//! Strategies never read a clock: they are pure functions of `(state, now_ms, cost)`. All
+//! Rate limiting's strategies never read a clock: they are pure functions of `(state, now_ms, cost)`. All
 //! readings are epoch milliseconds and saturate at `u64::MAX` rather than wrap.
 //! A [`Limiter`](crate::rate_limit::Limiter) reads its [`Clock`] once per call and hands the
 //! timestamp down, so a batch such as `check_many` is decided at one instant.
@@ -8,6 +10,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+#[cfg(feature = "runtime")]
+mod window;
+#[cfg(feature = "runtime")]
+pub use self::window::RuntimeClock;
+#[cfg(feature = "runtime")]
+pub(crate) use self::window::WindowClock;
 
 /// A source of the current time in whole milliseconds since the Unix epoch.
 ///

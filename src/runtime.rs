@@ -14,13 +14,11 @@ use crate::error::Error;
 use crate::key::shown;
 use crate::stats::Stats;
 
-mod clock;
 mod service;
 
-pub(crate) use self::clock::Clock;
-pub use self::clock::RuntimeClock;
 use self::service::Services;
 pub(crate) use self::service::{Service, ServiceFuture};
+pub use crate::clock::RuntimeClock;
 
 /// What [`Runtime::shutdown`] does with debounced calls still waiting for
 /// their delay.

@@ -9,9 +9,10 @@ use throttlebeam_supervisors::{Registry, SlotEntry, Sweep, catch_panic};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::clock::WindowClock;
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, check_timer, shown};
-use crate::runtime::{Clock, Core, Runtime, Service};
+use crate::runtime::{Core, Runtime, Service};
 use crate::stats::{Counter, Stats};
 
 /// What a leading-edge throttle did with a call.
@@ -76,7 +77,7 @@ pub(crate) struct State {
 
 struct Windows {
     // Windows are opened, checked and swept on this one clock.
-    clock: Clock,
+    clock: WindowClock,
     registry: Registry<InlineKey, Window>,
 }
 
@@ -91,7 +92,7 @@ impl State {
     fn new(core: &Core) -> Self {
         let sweeper = core.tree.sweeper();
         let windows = Arc::new(Windows {
-            clock: Clock::new(core.clock),
+            clock: WindowClock::new(core.clock),
             registry: Registry::with_sweeper(Arc::clone(&core.counters), core.cap, sweeper),
         });
         let weak = Arc::downgrade(&windows);

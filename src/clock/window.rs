@@ -1,4 +1,4 @@
-//! The runtime's clock: tokio's, read through the CPU's timestamp counter
+//! The clock of leading-edge throttle windows: tokio's, read through the CPU's timestamp counter
 //! unless tokio's clock is paused.
 //!
 //! A throttled call reads the time once, on its hottest path. Measured on a
@@ -47,7 +47,7 @@ pub enum RuntimeClock {
 }
 
 #[derive(Debug, Clone)]
-pub(crate) enum Clock {
+pub(crate) enum WindowClock {
     Tokio,
     Tsc {
         clock: quanta::Clock,
@@ -71,7 +71,7 @@ fn tokio_paused() -> bool {
     Instant::now() == before
 }
 
-impl Clock {
+impl WindowClock {
     pub(crate) fn new(choice: RuntimeClock) -> Self {
         let tsc = match choice {
             RuntimeClock::Tsc => true,
