@@ -277,10 +277,10 @@ impl ThrottleHandle {
             return Ok(ThrottleOutcome::Throttled { retry_after });
         }
         #[cfg(feature = "redis")]
-        if let Some(redis) = &core.redis {
-            if let Some(retry_after) = state.open_shared(redis, key, interval).await {
-                return Ok(ThrottleOutcome::Throttled { retry_after });
-            }
+        if let Some(redis) = &core.redis
+            && let Some(retry_after) = state.open_shared(redis, key, interval).await
+        {
+            return Ok(ThrottleOutcome::Throttled { retry_after });
         }
         state.executed.incr();
         let (tx, rx) = oneshot::channel();

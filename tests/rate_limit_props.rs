@@ -154,10 +154,10 @@ fn assert_backwards_grants_nothing<S: Strategy>(
     let mut now = start;
     for &(dt, cost) in calls {
         now += dt;
-        if let Ok(outcome) = strategy.check(state, now, nz(cost)) {
-            if let StateUpdate::Set { state: next, .. } = outcome.update {
-                state = Some(next);
-            }
+        if let Ok(outcome) = strategy.check(state, now, nz(cost))
+            && let StateUpdate::Set { state: next, .. } = outcome.update
+        {
+            state = Some(next);
         }
         let earlier = now.saturating_sub(back);
         let at_now = strategy.peek(state, now);

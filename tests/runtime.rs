@@ -382,13 +382,13 @@ impl Actor for RestartingHost {
             event,
             SupervisionEvent::ActorFailed(..) | SupervisionEvent::ActorTerminated(..)
         );
-        if let (true, Some(runtime)) = (exited, self.runtime.get()) {
-            if runtime.is_down() {
-                let _ = self.events.send("down".to_owned());
-                self.gate.acquire().await?.forget();
-                let restarted = runtime.restart().await?;
-                let _ = self.events.send(format!("restarted: {restarted}"));
-            }
+        if let (true, Some(runtime)) = (exited, self.runtime.get())
+            && runtime.is_down()
+        {
+            let _ = self.events.send("down".to_owned());
+            self.gate.acquire().await?.forget();
+            let restarted = runtime.restart().await?;
+            let _ = self.events.send(format!("restarted: {restarted}"));
         }
         Ok(())
     }

@@ -205,11 +205,11 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                     }
                     return Some(next);
                 }
-                if let Some(next) = state.next.as_mut() {
-                    if next.demote() {
-                        // Counted under the lock, before anyone can take it.
-                        gauges.pending.fetch_add(1, Ordering::Relaxed);
-                    }
+                if let Some(next) = state.next.as_mut()
+                    && next.demote()
+                {
+                    // Counted under the lock, before anyone can take it.
+                    gauges.pending.fetch_add(1, Ordering::Relaxed);
                 }
                 None
             })

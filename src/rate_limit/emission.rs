@@ -57,7 +57,7 @@ impl Emission {
 
     /// Trusted parts: `per <= period_us`, `tolerance + period_us <= 2^53`.
     pub(crate) fn from_parts(period_us: u64, per: u64, tolerance: u64) -> Self {
-        let whole_us = if period_us % per == 0 {
+        let whole_us = if period_us.is_multiple_of(per) {
             period_us / per
         } else {
             0

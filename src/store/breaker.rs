@@ -142,7 +142,6 @@ impl Breaker {
     }
 
     /// Its configuration.
-    #[must_use]
     pub fn config(&self) -> BreakerConfig {
         self.config
     }

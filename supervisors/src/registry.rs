@@ -117,10 +117,10 @@ impl<'a, K: Eq + Hash + Clone, S> VacantSlot<'a, K, S> {
                 cap: self.shared.cap,
             });
         }
-        if self.shared.len.fetch_add(1, Ordering::AcqRel) == 0 {
-            if let Some(sweeper) = &self.shared.sweeper {
-                sweeper.kick();
-            }
+        if self.shared.len.fetch_add(1, Ordering::AcqRel) == 0
+            && let Some(sweeper) = &self.shared.sweeper
+        {
+            sweeper.kick();
         }
         let generation = Generation(self.shared.next_generation.fetch_add(1, Ordering::Relaxed));
         let inner = self.entry.insert(Slot { generation, state });

@@ -249,10 +249,11 @@ impl Tree {
         let supervisor = self.supervisor.clone();
         tokio::spawn(async move {
             let _ = join.await;
-            if let Some(inner) = inner.upgrade() {
-                if !supervisor.is_shut_down() && inner.root.load().get_id() == id {
-                    inner.down.set();
-                }
+            if let Some(inner) = inner.upgrade()
+                && !supervisor.is_shut_down()
+                && inner.root.load().get_id() == id
+            {
+                inner.down.set();
             }
         });
     }

@@ -237,10 +237,8 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
             _ => 0,
         };
         drop(order);
-        if first {
-            if let Some(sweeper) = &self.sweeper {
-                sweeper.kick();
-            }
+        if first && let Some(sweeper) = &self.sweeper {
+            sweeper.kick();
         }
         evicted
     }
@@ -349,17 +347,15 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
                 (out, first, written)
             }
         };
-        if let (Some(bound), Some((order, key))) = (&self.bound, order.as_mut()) {
-            if written {
-                order.push_back((key.clone(), seq));
-                self.evict(bound.max_len, order);
-            }
+        if let (Some(bound), Some((order, key))) = (&self.bound, order.as_mut())
+            && written
+        {
+            order.push_back((key.clone(), seq));
+            self.evict(bound.max_len, order);
         }
         drop(order);
-        if first {
-            if let Some(sweeper) = &self.sweeper {
-                sweeper.kick();
-            }
+        if first && let Some(sweeper) = &self.sweeper {
+            sweeper.kick();
         }
         out
     }
