@@ -597,27 +597,6 @@ async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
 mod tests {
     use super::*;
 
-    async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
-        if let Some(node) = harness::RedisNode::start(test) {
-            check(
-                Redis::builder(node.url())
-                    .connect()
-                    .await
-                    .expect("connects"),
-            )
-            .await;
-        }
-        if let Some(cluster) = harness::RedisCluster::start(test) {
-            check(
-                Redis::cluster(cluster.urls())
-                    .connect()
-                    .await
-                    .expect("connects"),
-            )
-            .await;
-        }
-    }
-
     #[tokio::test]
     async fn leading_window_opens_once_then_reports_its_time_left() {
         each_server("leading_window_opens_once", async |redis: Redis| {
