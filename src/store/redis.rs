@@ -315,20 +315,13 @@ impl Redis {
 
     /// Sends one command, under the timeout and the breaker.
     pub(crate) async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
-        let permit = self
-            .inner
-            .breaker
-            .admit()
-            .map_err(|retry_in| StoreError::BreakerOpen { retry_in })?;
-        self.inner.commands.fetch_add(1, Ordering::Relaxed);
-        let result = match self.inner.conn.clone() {
-            Conn::Single(mut c) => self.bounded(cmd.query_async(&mut c)).await,
-            Conn::Cluster(mut c) => self.bounded(cmd.query_async(&mut c)).await,
-        };
-        self.inner
-            .breaker
-            .record(permit, !matches!(&result, Err(e) if e.is_store_fault()));
-        result
+        self.guarded(|conn| async move {
+            match conn {
+                Conn::Single(mut c) => cmd.query_async(&mut c).await,
+                Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
+            }
+        })
+        .await
     }
 
     /// Calls a script (`EVALSHA`, loading it on `NOSCRIPT`), under the
@@ -337,16 +330,28 @@ impl Redis {
         &self,
         invocation: &ScriptInvocation<'_>,
     ) -> Result<T, StoreError> {
+        self.guarded(|conn| async move {
+            match conn {
+                Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
+                Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+            }
+        })
+        .await
+    }
+
+    /// Runs one call on the connection: refused at once while the breaker
+    /// is open, bounded by the command timeout, its outcome recorded.
+    async fn guarded<T, Fut>(&self, call: impl FnOnce(Conn) -> Fut) -> Result<T, StoreError>
+    where
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
         let permit = self
             .inner
             .breaker
             .admit()
             .map_err(|retry_in| StoreError::BreakerOpen { retry_in })?;
         self.inner.commands.fetch_add(1, Ordering::Relaxed);
-        let result = match self.inner.conn.clone() {
-            Conn::Single(mut c) => self.bounded(invocation.invoke_async(&mut c)).await,
-            Conn::Cluster(mut c) => self.bounded(invocation.invoke_async(&mut c)).await,
-        };
+        let result = self.bounded(call(self.inner.conn.clone())).await;
         self.inner
             .breaker
             .record(permit, !matches!(&result, Err(e) if e.is_store_fault()));
