@@ -12,6 +12,7 @@
 mod claim;
 mod options;
 mod reservation;
+mod seam;
 mod store;
 
 use std::future::Future;
@@ -29,7 +30,11 @@ use tokio::time::Instant;
 use self::claim::{Ledger, Settled, Step, Tally, Ticket};
 pub use self::options::{IdempotencyOptions, InFlight};
 pub use self::reservation::{IdempotencyReservation, IdempotencyReserved};
-use self::store::MemoryIdempotencyStore;
+pub use self::seam::{
+    ClaimReply, ClaimRequest, ClaimToken, DEFAULT_SHARED_MEMORY_KEYS, IdempotencyStore,
+    IdempotencyStoreFuture, KeyChanged, MemoryIdempotencyStore, StoredResult,
+};
+use self::store::ResultTable;
 use crate::error::Error;
 use crate::key::{check_key, shown};
 use crate::runtime::{Core, Runtime, Service};
@@ -134,6 +139,7 @@ pub(crate) struct State {
     cap: usize,
     max_results: usize,
     sweeper: Sweeper,
+    shared: Option<Arc<dyn IdempotencyStore>>,
 }
 
 impl State {
@@ -141,12 +147,15 @@ impl State {
         let counters = Arc::clone(&core.counters);
         let sweeper = core.tree.sweeper().clone();
         let max_results = core.max_idempotency_results;
+        let shared = core.idempotency_store.clone();
+        let ledger = Self::ledger_for(&counters, core.cap, &sweeper, max_results, &shared);
         Self {
-            ledger: ArcSwap::new(Self::ledger_for(&counters, core.cap, &sweeper, max_results)),
+            ledger: ArcSwap::new(ledger),
             counters,
             cap: core.cap,
             max_results,
             sweeper,
+            shared,
         }
     }
 
@@ -155,9 +164,15 @@ impl State {
         cap: usize,
         sweeper: &Sweeper,
         max_results: usize,
+        shared: &Option<Arc<dyn IdempotencyStore>>,
     ) -> Arc<Ledger> {
-        let store = MemoryIdempotencyStore::new(Arc::clone(counters), sweeper, max_results);
-        Arc::new(Ledger::new(Arc::clone(counters), cap, Box::new(store)))
+        let store = ResultTable::new(Arc::clone(counters), sweeper, max_results);
+        Arc::new(Ledger::new(
+            Arc::clone(counters),
+            cap,
+            Box::new(store),
+            shared.clone(),
+        ))
     }
 
     /// This runtime's idempotency state.
@@ -182,7 +197,13 @@ impl Service for State {
     }
 
     fn reset(&self) {
-        let fresh = Self::ledger_for(&self.counters, self.cap, &self.sweeper, self.max_results);
+        let fresh = Self::ledger_for(
+            &self.counters,
+            self.cap,
+            &self.sweeper,
+            self.max_results,
+            &self.shared,
+        );
         let old = self.ledger.swap(fresh);
         // Waiters on the old ledger look again and find the fresh one empty.
         old.shutdown();
@@ -562,6 +583,31 @@ where
                 return Ok(Acquired::Owner(ticket));
             }
             Step::Wait { cell, lease_until } => (cell, lease_until),
+            Step::Remote { ticket, lease_left } => {
+                if options.in_flight() == InFlight::Reject {
+                    Tally::bump(&ledger.tally.in_flight_rejections);
+                    // Dropping the ticket frees the local claim for the next look.
+                    return Err(Error::InFlight {
+                        key: shown(key),
+                        retry_after: retry_hint(Some(now + lease_left), now),
+                    });
+                }
+                match ledger
+                    .wait_remote(ticket, key, lease_left, deadline, options.wait_timeout())
+                    .await?
+                {
+                    Step::Replay(value) => return Ok(Acquired::Replay(value)),
+                    Step::Owner(ticket) => {
+                        Tally::bump(&ledger.tally.fresh);
+                        return Ok(Acquired::Owner(ticket));
+                    }
+                    // wait_remote ends only in a replay or a claim.
+                    Step::Wait { .. } | Step::Remote { .. } => {
+                        now = Instant::now();
+                        continue;
+                    }
+                }
+            }
         };
         if options.in_flight() == InFlight::Reject {
             Tally::bump(&ledger.tally.in_flight_rejections);
@@ -664,7 +710,7 @@ mod tests {
     use std::time::Duration;
     use tokio::time::Instant;
 
-    use super::store::{Form, IdempotencyStore, Pending, Record};
+    use super::store::{Form, ResultStore, Pending, Record};
     use super::*;
     use crate::error::BoxError;
 
@@ -678,7 +724,7 @@ mod tests {
         stall_next_get: Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
     }
 
-    impl IdempotencyStore for RemoteLike {
+    impl ResultStore for RemoteLike {
         fn form(&self) -> Form {
             Form::Encoded
         }
@@ -760,6 +806,7 @@ mod tests {
             Arc::new(Counters::new()),
             usize::MAX,
             Box::new(Shared(Arc::clone(&store))),
+        None,
         ));
         let runs = Arc::new(AtomicUsize::new(0));
         let options = IdempotencyOptions::new().with_fingerprint("fp");
@@ -812,6 +859,7 @@ mod tests {
             Arc::clone(&counters),
             usize::MAX,
             Box::new(Shared(Arc::clone(&store))),
+        None,
         ));
         let runs = Arc::new(AtomicUsize::new(0));
 
@@ -848,6 +896,7 @@ mod tests {
             Arc::new(Counters::new()),
             usize::MAX,
             Box::new(Shared(Arc::clone(&store))),
+        None,
         ));
         let runs = Arc::new(AtomicUsize::new(0));
         let (fire, stalled) = tokio::sync::oneshot::channel();
@@ -1038,7 +1087,7 @@ mod tests {
     /// Lets a test keep a handle on the store it gives the ledger.
     struct Shared(Arc<RemoteLike>);
 
-    impl IdempotencyStore for Shared {
+    impl ResultStore for Shared {
         fn form(&self) -> Form {
             self.0.form()
         }

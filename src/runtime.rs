@@ -66,8 +66,19 @@ pub struct RuntimeBuilder {
     clock: RuntimeClock,
     max_idempotency_results: usize,
     name: Arc<str>,
+    idempotency_store: Option<SharedStore>,
     #[cfg(feature = "redis")]
     redis: Option<crate::store::Redis>,
+}
+
+/// A shared idempotency store, as the builder holds it.
+#[derive(Clone)]
+struct SharedStore(Arc<dyn crate::IdempotencyStore>);
+
+impl std::fmt::Debug for SharedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IdempotencyStore")
+    }
 }
 
 impl Default for RuntimeBuilder {
@@ -80,6 +91,7 @@ impl Default for RuntimeBuilder {
             partitions: None,
             clock: RuntimeClock::Auto,
             max_idempotency_results: crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS,
+            idempotency_store: None,
             #[cfg(feature = "redis")]
             redis: None,
         }
@@ -120,12 +132,46 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Shares this runtime's throttle windows with every other runtime
-    /// connected to the same Redis (single node or cluster): the leading
-    /// throttle opens its windows there, so one call runs per window across
-    /// all instances. A key known closed until T is answered locally until
-    /// T, with no round trip; while Redis is unreachable (or its circuit
-    /// breaker is open) the throttle decides per instance (fail open).
+    /// Keeps idempotency claims and results in `store`, shared with every
+    /// runtime given the same store: one execution per key across all of
+    /// them (see [`IdempotencyStore`](crate::IdempotencyStore)). Callers on
+    /// this runtime still join one local claim per key, so a key costs one
+    /// claim round trip per runtime, not per caller. Results travel
+    /// bincode-encoded with their type name. Without a shared store (the
+    /// default) results stay in this runtime's own table as typed values.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use throttlebeam::{MemoryIdempotencyStore, Runtime};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// let shared = MemoryIdempotencyStore::new();
+    /// let a = Runtime::builder().with_idempotency_store(shared.clone()).build().await?;
+    /// let b = Runtime::builder().with_idempotency_store(shared).build().await?;
+    /// let first = a.idempotency().run("pay:1", || async { Ok::<_, std::io::Error>(7u32) }).await?;
+    /// let again = b.idempotency().run("pay:1", || async { Ok::<_, std::io::Error>(8u32) }).await?;
+    /// assert!(first.is_fresh() && again.is_replay());
+    /// assert_eq!(again.into_inner(), 7);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_idempotency_store(mut self, store: impl crate::IdempotencyStore) -> Self {
+        self.idempotency_store = Some(SharedStore(Arc::new(store)));
+        self
+    }
+
+    /// Shares this runtime's throttle windows and idempotency keys with every
+    /// other runtime connected to the same Redis (single node or cluster).
+    ///
+    /// The leading throttle opens its windows there, so one call runs per
+    /// window across all instances. A key known closed until T is answered
+    /// locally until T, with no round trip; while Redis is unreachable (or
+    /// its circuit breaker is open) the throttle decides per instance (fail
+    /// open). Idempotency claims and results live there too (unless
+    /// [`with_idempotency_store`](Self::with_idempotency_store) names another
+    /// store): one execution per key across all instances; while Redis is
+    /// unreachable idempotent calls fail with
+    /// [`Error::StoreUnavailable`] (fail closed).
     ///
     /// The default runtime picks Redis up from the environment
     /// ([`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV) or
@@ -228,6 +274,16 @@ impl RuntimeBuilder {
             clock: self.clock,
             name: self.name,
             max_idempotency_results: self.max_idempotency_results,
+            idempotency_store: match self.idempotency_store {
+                Some(SharedStore(store)) => Some(store),
+                #[cfg(feature = "redis")]
+                None => self
+                    .redis
+                    .clone()
+                    .map(|r| Arc::new(r) as Arc<dyn crate::IdempotencyStore>),
+                #[cfg(not(feature = "redis"))]
+                None => None,
+            },
             #[cfg(feature = "redis")]
             redis: self.redis,
             closed: AtomicBool::new(false),
@@ -254,6 +310,8 @@ pub(crate) struct Core {
     name: Arc<str>,
     /// The cap on completed idempotency results, read by that service.
     pub(crate) max_idempotency_results: usize,
+    /// Where idempotency claims and results are shared, if anywhere.
+    pub(crate) idempotency_store: Option<Arc<dyn crate::IdempotencyStore>>,
     /// The shared store every primitive of this runtime agrees through.
     #[cfg(feature = "redis")]
     pub(crate) redis: Option<crate::store::Redis>,

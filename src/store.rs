@@ -50,6 +50,12 @@ pub enum StoreError {
     /// The store's configuration is invalid.
     #[error("invalid store configuration: {0}")]
     Config(String),
+    /// The store holds as many keys as it may.
+    #[error("store is full: it holds its cap of {cap} keys")]
+    Full {
+        /// The cap.
+        cap: usize,
+    },
 }
 
 impl StoreError {

@@ -25,9 +25,11 @@ use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry};
 use tokio::time::Instant;
 
 use super::options::{Fingerprint, IdempotencyOptions};
-use super::store::{IdempotencyStore, Pending, Record};
+use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, StoredResult};
+use super::store::{Form, Pending, Record, ResultStore, stored_result};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
+use crate::store::StoreError;
 use crate::key::{InlineKey, shown};
 
 /// How a claim ended, as its waiters see it.
@@ -42,7 +44,7 @@ pub(crate) enum Settled {
 /// A key in flight: one registry slot, no process of its own.
 struct Claim {
     /// Unique per holder; taking a key over issues a new one (fencing).
-    token: u64,
+    token: ClaimToken,
     fingerprint: Option<Fingerprint>,
     lease_until: Instant,
     /// Set once the holder is storing its result; no takeover after that.
@@ -62,6 +64,10 @@ pub(crate) enum Step<T> {
         cell: Arc<RunCell<Settled>>,
         lease_until: Option<Instant>,
     },
+    /// This caller holds the key on this instance, but another instance
+    /// holds it in the shared store for `lease_left` still: wait for it
+    /// with [`Ledger::wait_remote`] (local duplicates wait on this caller).
+    Remote { ticket: Ticket, lease_left: Duration },
 }
 
 /// What the registry update decided: claimed (taking over a lapsed holder,
@@ -91,9 +97,11 @@ impl Tally {
 /// Keys in flight plus the store of completed results.
 pub(crate) struct Ledger {
     claims: Registry<InlineKey, Claim>,
-    pub(crate) store: Box<dyn IdempotencyStore>,
+    pub(crate) store: Box<dyn ResultStore>,
+    /// The store shared with other instances, if any: claims go there
+    /// too, and results live there instead of in `store`.
+    shared: Option<Arc<dyn IdempotencyStore>>,
     pub(crate) tally: Tally,
-    tokens: AtomicU64,
     cap: usize,
     closed: AtomicBool,
 }
@@ -102,13 +110,14 @@ impl Ledger {
     pub(crate) fn new(
         counters: Arc<Counters>,
         cap: usize,
-        store: Box<dyn IdempotencyStore>,
+        store: Box<dyn ResultStore>,
+        shared: Option<Arc<dyn IdempotencyStore>>,
     ) -> Self {
         Self {
             claims: Registry::new(counters, cap),
             store,
+            shared,
             tally: Tally::default(),
-            tokens: AtomicU64::new(1),
             cap,
             closed: AtomicBool::new(false),
         }
@@ -125,6 +134,9 @@ impl Ledger {
     where
         T: DeserializeOwned + Clone + 'static,
     {
+        if self.shared.is_some() {
+            return None;
+        }
         with_full_key(options.scope(), key, |full| {
             let mut out = None;
             self.store.read_now(full, now, &mut |record| {
@@ -144,6 +156,15 @@ impl Ledger {
     where
         T: DeserializeOwned + Clone + 'static,
     {
+        if let Some(shared) = &self.shared {
+            let ticket = match with_full_key(options.scope(), key, |full| {
+                self.join(full, key, options, now)
+            })? {
+                Step::Owner(ticket) => ticket,
+                other => return Ok(other),
+            };
+            return self.claim_shared(shared.as_ref(), ticket, key).await;
+        }
         let lookup = with_full_key(options.scope(), key, |full| self.store.get(full, now));
         let round_trip = matches!(lookup, Pending::Later(_));
         let found = lookup.resolve().await.map_err(|e| unavailable(key, e))?;
@@ -175,6 +196,98 @@ impl Ledger {
         }
     }
 
+    /// Claims the key this caller holds locally in the shared store: one
+    /// round trip that wins it, finds its result, or finds it held elsewhere.
+    async fn claim_shared<T>(
+        &self,
+        shared: &dyn IdempotencyStore,
+        mut ticket: Ticket,
+        key: &str,
+    ) -> Result<Step<T>, Error>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        let request = ClaimRequest::new(
+            ticket.token,
+            ticket.fingerprint.as_ref(),
+            ticket.lease,
+            ticket.ttl,
+        );
+        let reply = shared
+            .claim(&ticket.full, request)
+            .await
+            .map_err(|e| unavailable(key, Arc::new(e)))?;
+        // An early return drops the ticket, which releases the local claim.
+        match reply {
+            ClaimReply::Won { fence } => {
+                ticket.fence = Some(fence);
+                Ok(Step::Owner(ticket))
+            }
+            ClaimReply::Busy { lease_left } => Ok(Step::Remote { ticket, lease_left }),
+            ClaimReply::Completed(result) => {
+                let record = Record::from_stored(result);
+                let value = self.replay(&record, key, ticket.fingerprint.as_ref());
+                // Local duplicates replay the same record.
+                ticket.settle(record);
+                value.map(Step::Replay)
+            }
+            ClaimReply::Mismatch => {
+                Tally::bump(&self.tally.fingerprint_mismatches);
+                Err(Error::FingerprintMismatch { key: shown(key) })
+            }
+        }
+    }
+
+    /// Waits for another instance's claim on the key this caller holds
+    /// locally: on every change the store announces (or every poll), claims
+    /// again, until it wins, replays, or `deadline` passes.
+    pub(crate) async fn wait_remote<T>(
+        &self,
+        ticket: Ticket,
+        key: &str,
+        mut lease_left: Duration,
+        deadline: Instant,
+        wait_timeout: Duration,
+    ) -> Result<Step<T>, Error>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        let Some(shared) = self.shared.as_deref() else {
+            return Ok(Step::Owner(ticket));
+        };
+        let mut ticket = ticket;
+        let mut changed = None;
+        loop {
+            if let Some(changed) = changed.take() {
+                let now = Instant::now();
+                if now >= deadline {
+                    Tally::bump(&self.tally.timeouts);
+                    return Err(Error::Timeout {
+                        key: shown(key),
+                        after: wait_timeout,
+                    });
+                }
+                let wait = (lease_left + Duration::from_millis(1)).min(MAX_POLL);
+                let _ = tokio::time::timeout_at((now + wait).min(deadline), changed).await;
+            }
+            if self.is_closed() {
+                return Err(Error::ShutDown { key: shown(key) });
+            }
+            // Registered before the claim, so a change right after it wakes us.
+            changed = Some(shared.watch(&ticket.full));
+            match self.claim_shared(shared, ticket, key).await? {
+                Step::Remote {
+                    ticket: again,
+                    lease_left: left,
+                } => {
+                    ticket = again;
+                    lease_left = left;
+                }
+                other => return Ok(other),
+            }
+        }
+    }
+
     /// Claims a free or lapsed key, or joins the live claim on it.
     fn join<T>(
         self: &Arc<Self>,
@@ -184,7 +297,7 @@ impl Ledger {
         now: Instant,
     ) -> Result<Step<T>, Error> {
         let fingerprint = options.fingerprint();
-        let token = self.tokens.fetch_add(1, Ordering::Relaxed);
+        let token = ClaimToken::new();
         let cell = RunCell::new();
         let fresh = Claim {
             token,
@@ -240,13 +353,14 @@ impl Ledger {
             lease: options.lease(),
             cell,
             held: true,
+            fence: None,
         }))
     }
 
     /// Pushes the lease of the claim `(generation, token)` on `full` out to
     /// `lease` from now. `false` once the claim is no longer that holder's
     /// (completed, released or taken over): renewing can stop.
-    fn renew(&self, full: &str, generation: Generation, token: u64, lease: Duration) -> bool {
+    fn renew(&self, full: &str, generation: Generation, token: ClaimToken, lease: Duration) -> bool {
         self.claims
             .with_slot(full.as_bytes(), |slot| {
                 let ours = slot.generation() == generation && slot.state.token == token;
@@ -295,7 +409,7 @@ impl Ledger {
         self.store.close();
     }
 
-    fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
 }
@@ -310,21 +424,25 @@ pub(crate) struct Ticket {
     /// The caller's key, shortened for errors.
     key: Box<str>,
     generation: Generation,
-    token: u64,
+    token: ClaimToken,
     fingerprint: Option<Fingerprint>,
     ttl: Duration,
     lease: Duration,
     cell: Arc<RunCell<Settled>>,
     held: bool,
+    /// The fencing counter of the claim won in the shared store, if any.
+    fence: Option<u64>,
 }
 
 /// Renews one claim's lease from wherever its holder lives.
 pub(crate) struct Renewer {
     ledger: Arc<Ledger>,
     full: Box<str>,
+    key: Box<str>,
     generation: Generation,
-    token: u64,
+    token: ClaimToken,
     lease: Duration,
+    shared: bool,
 }
 
 impl Renewer {
@@ -333,11 +451,46 @@ impl Renewer {
         renew_period(self.lease)
     }
 
-    /// Renews the lease; `false` once the claim is no longer this holder's.
-    pub(crate) fn renew(&self) -> bool {
-        self.ledger
+    /// Renews the lease, here and in the shared store; `false` once the
+    /// claim is no longer this holder's. A store that cannot be reached is
+    /// tried again at the next period (the lease outlives two misses).
+    pub(crate) async fn renew(&self) -> bool {
+        if !self
+            .ledger
             .renew(&self.full, self.generation, self.token, self.lease)
+        {
+            return false;
+        }
+        let Some(shared) = self.ledger.shared.as_deref().filter(|_| self.shared) else {
+            return true;
+        };
+        match shared.renew(&self.full, self.token, self.lease).await {
+            Ok(true) => true,
+            Ok(false) => {
+                tracing::warn!(
+                    key = %self.key,
+                    "idempotency claim lost in the shared store while its function runs \
+                     (its lease lapsed there); its result will be refused"
+                );
+                false
+            }
+            Err(e) => {
+                tracing::debug!(key = %self.key, error = %e, "idempotency lease renewal failed");
+                true
+            }
+        }
     }
+}
+
+/// The longest a caller waiting for another instance sleeps between two
+/// looks when no change notice arrives.
+const MAX_POLL: Duration = Duration::from_millis(500);
+
+/// How long an owner keeps trying to store its result while the shared
+/// store is unreachable, as a share of its lease: the claim stays its own
+/// that long after its last renewal.
+fn complete_budget(lease: Duration) -> Duration {
+    lease.saturating_sub(renew_period(lease))
 }
 
 /// How often a holder renews a `lease`: every third of it (at least 1 ms),
@@ -355,17 +508,25 @@ impl Ticket {
     /// Runs `work`, renewing the lease every third of it until `work` ends:
     /// a holder that is alive is never taken over, however long it takes.
     pub(crate) async fn hold<F: std::future::Future>(&self, work: F) -> F::Output {
-        let mut work = std::pin::pin!(work);
-        let period = renew_period(self.lease);
-        loop {
-            match tokio::time::timeout(period, work.as_mut()).await {
-                Ok(output) => return output,
-                Err(_) => {
-                    self.ledger
-                        .renew(&self.full, self.generation, self.token, self.lease);
+        let renewer = self.renewer();
+        // Renewing runs beside the work, never between its polls.
+        let renewing = async {
+            let period = renewer.period();
+            loop {
+                tokio::time::sleep(period).await;
+                if !renewer.renew().await {
+                    break;
                 }
             }
-        }
+            std::future::pending::<()>().await;
+        };
+        let mut work = std::pin::pin!(work);
+        let mut renewing = std::pin::pin!(renewing);
+        std::future::poll_fn(|cx| {
+            let _ = renewing.as_mut().poll(cx);
+            work.as_mut().poll(cx)
+        })
+        .await
     }
 
     /// What renews this ticket's lease from elsewhere.
@@ -373,9 +534,11 @@ impl Ticket {
         Renewer {
             ledger: Arc::clone(&self.ledger),
             full: self.full.clone(),
+            key: self.key.clone(),
             generation: self.generation,
             token: self.token,
             lease: self.lease,
+            shared: self.fence.is_some(),
         }
     }
 
@@ -415,22 +578,56 @@ impl Ticket {
                 key: self.key.to_string(),
             });
         }
-        let record = match Record::new(ledger.store.form(), self.fingerprint, value) {
-            Ok(record) => record,
-            Err(e) => {
-                self.release_now();
-                return Err(unavailable(&self.key, Arc::new(e)));
+        let record = if let Some(shared) = ledger.shared.as_deref().filter(|_| self.fence.is_some()) {
+            let stored = match stored_result(self.fingerprint, &value) {
+                Ok(stored) => stored,
+                Err(e) => {
+                    self.release_now();
+                    return Err(unavailable(&self.key, Arc::new(e)));
+                }
+            };
+            match self.complete_shared(shared, &stored).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    // Taken over in the shared store: the key is another owner's.
+                    self.drop_local();
+                    tracing::debug!(key = %self.key, "idempotency completion refused: lease lost");
+                    return Err(Error::LeaseLost {
+                        key: self.key.to_string(),
+                    });
+                }
+                Err(e) => {
+                    self.release_now();
+                    return Err(unavailable(&self.key, Arc::new(e)));
+                }
             }
+            // Local waiters replay the typed value, not the bytes.
+            match Record::new(Form::Typed, self.fingerprint, value) {
+                Ok(record) => record,
+                Err(e) => {
+                    self.release_now();
+                    return Err(unavailable(&self.key, Arc::new(e)));
+                }
+            }
+        } else {
+            let record = match Record::new(ledger.store.form(), self.fingerprint, value) {
+                Ok(record) => record,
+                Err(e) => {
+                    self.release_now();
+                    return Err(unavailable(&self.key, Arc::new(e)));
+                }
+            };
+            let put = ledger
+                .store
+                .put(&self.full, record.clone(), self.ttl)
+                .resolve()
+                .await;
+            if let Err(e) = put {
+                self.release_now();
+                return Err(unavailable(&self.key, e));
+            }
+            record
         };
-        let put = ledger
-            .store
-            .put(&self.full, record.clone(), self.ttl)
-            .resolve()
-            .await;
-        if let Err(e) = put {
-            self.release_now();
-            return Err(unavailable(&self.key, e));
-        }
         if ledger.is_closed() {
             // Shutdown cleared the store while we were putting.
             ledger.store.close();
@@ -445,12 +642,47 @@ impl Ticket {
         Ok(())
     }
 
-    /// Gives the key up so the next caller (or a waiting one) runs.
-    pub(crate) fn release(mut self) {
-        self.release_now();
+    /// Stores `stored` in the shared store, trying again while the store
+    /// is unreachable for as long as the claim is safely this owner's
+    /// ([`complete_budget`]): a result that ran must not be lost to a
+    /// blip, or a retry would run the operation again.
+    async fn complete_shared(
+        &self,
+        shared: &dyn IdempotencyStore,
+        stored: &StoredResult,
+    ) -> Result<bool, StoreError> {
+        let give_up = Instant::now() + complete_budget(self.lease);
+        let mut pause = Duration::from_millis(20);
+        loop {
+            match shared.complete(&self.full, self.token, stored, self.ttl).await {
+                Ok(stored) => return Ok(stored),
+                Err(e) if Instant::now() + pause >= give_up => {
+                    tracing::error!(
+                        key = %self.key,
+                        error = %e,
+                        "idempotency result could not be stored: the shared store stayed \
+                         unreachable; a retry after the lease lapses will run again"
+                    );
+                    return Err(e);
+                }
+                Err(e) => {
+                    tracing::debug!(key = %self.key, error = %e, "storing idempotency result failed; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
     }
 
-    fn release_now(&mut self) {
+    /// Ends the local claim with a result found in the shared store: local
+    /// waiters replay it.
+    fn settle(mut self, record: Record) {
+        self.drop_local();
+        self.cell.set(Ok(Settled::Done(record)));
+    }
+
+    /// Removes the local claim without touching the shared store.
+    fn drop_local(&mut self) {
         if !std::mem::replace(&mut self.held, false) {
             return;
         }
@@ -460,7 +692,41 @@ impl Ticket {
             .remove_if(self.full.as_bytes(), self.generation, |claim| {
                 claim.token == token
             });
+        self.fence = None;
+    }
+
+    /// Gives the key up so the next caller (or a waiting one) runs.
+    pub(crate) fn release(mut self) {
+        self.release_now();
+    }
+
+    fn release_now(&mut self) {
+        if !self.held {
+            return;
+        }
+        let fence = self.fence;
+        self.drop_local();
+        if fence.is_some() {
+            self.release_shared();
+        }
         self.cell.set(Ok(Settled::Released));
+    }
+
+    /// Frees the claim in the shared store in the background (a drop cannot
+    /// wait); without a tokio runtime to do it on, the lease lapses instead.
+    fn release_shared(&self) {
+        let Some(shared) = self.ledger.shared.clone() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (full, key, token) = (self.full.clone(), self.key.clone(), self.token);
+        runtime.spawn(async move {
+            if let Err(e) = shared.release(&full, token).await {
+                tracing::debug!(key = %key, error = %e, "releasing an idempotency claim failed; its lease will lapse");
+            }
+        });
     }
 }
 

@@ -107,9 +107,8 @@ where
 async fn renew_until(renewer: Renewer, mut stopped: oneshot::Receiver<()>) {
     let period = renewer.period();
     loop {
-        match tokio::time::timeout(period, &mut stopped).await {
-            Err(_) if renewer.renew() => {}
-            _ => return,
+        if tokio::time::timeout(period, &mut stopped).await.is_ok() || !renewer.renew().await {
+            return;
         }
     }
 }

@@ -18,8 +18,21 @@ use throttlebeam_supervisors::{Counters, Sweeper, TtlTable};
 use tokio::time::Instant;
 
 use super::options::Fingerprint;
+use super::seam::StoredResult;
 use crate::error::BoxError;
 use crate::key::InlineKey;
+
+/// `value` as a shared store keeps it: bincode bytes and the type tag.
+pub(crate) fn stored_result<T: Serialize>(
+    fingerprint: Option<Fingerprint>,
+    value: &T,
+) -> Result<StoredResult, bincode::error::EncodeError> {
+    Ok(StoredResult::new(
+        fingerprint,
+        std::any::type_name::<T>(),
+        bincode::serde::encode_to_vec(value, CODEC)?,
+    ))
+}
 
 /// bincode settings of encoded results: part of the format a shared store
 /// keeps, so changing them orphans stored results.
@@ -34,8 +47,13 @@ pub(crate) enum Form {
     Encoded,
 }
 
-/// A value in bincode bytes, readable by another process.
-struct Encoded(Box<[u8]>);
+/// A value in bincode bytes, readable by another process, with its type
+/// tag (the Rust type name), so a value of another type is refused rather
+/// than misread.
+struct Encoded {
+    bytes: Box<[u8]>,
+    tag: Box<str>,
+}
 
 /// A record's contents: the fingerprint digest beside the value, in one
 /// allocation.
@@ -65,8 +83,22 @@ impl Record {
             Form::Typed => Arc::new(Stored { fingerprint, value }),
             Form::Encoded => Arc::new(Stored {
                 fingerprint,
-                value: Encoded(bincode::serde::encode_to_vec(&value, CODEC)?.into_boxed_slice()),
+                value: Encoded {
+                    bytes: bincode::serde::encode_to_vec(&value, CODEC)?.into_boxed_slice(),
+                    tag: std::any::type_name::<T>().into(),
+                },
             }),
+        }))
+    }
+
+    /// A record of a result read from a shared store.
+    pub(crate) fn from_stored(result: StoredResult) -> Self {
+        Self(Arc::new(Stored {
+            fingerprint: result.fingerprint,
+            value: Encoded {
+                bytes: result.value.into_boxed_slice(),
+                tag: result.type_tag.into_boxed_str(),
+            },
         }))
     }
 
@@ -90,7 +122,10 @@ impl Record {
         T: DeserializeOwned + Clone + 'static,
     {
         let value: &(dyn Any + Send + Sync) = &self.0.value;
-        if let Some(Encoded(bytes)) = value.downcast_ref::<Encoded>() {
+        if let Some(Encoded { bytes, tag }) = value.downcast_ref::<Encoded>() {
+            if **tag != *std::any::type_name::<T>() {
+                return None;
+            }
             return match bincode::serde::decode_from_slice::<T, _>(bytes, CODEC) {
                 Ok((value, read)) if read == bytes.len() => Some(value),
                 _ => None,
@@ -138,7 +173,7 @@ impl<T> Pending<'_, T> {
     }
 }
 
-/// What a store holds, for [`IdempotencyStore::counts`].
+/// What a store holds, for [`ResultStore::counts`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct StoreCounts {
     /// Results held, expired ones not yet swept included.
@@ -151,13 +186,13 @@ pub(crate) struct StoreCounts {
 ///
 /// Keys arrive already scoped. A store never hands out an expired record,
 /// whether or not it has been swept.
-pub(crate) trait IdempotencyStore: Send + Sync + 'static {
+pub(crate) trait ResultStore: Send + Sync + 'static {
     /// The form [`Record::new`] must produce for this store.
     fn form(&self) -> Form;
 
     /// Runs `read` on the live record for `key` as of `now` without a
     /// round trip, if this store can: `Some(found)`, or `None` when only
-    /// [`IdempotencyStore::get`] can answer. The replay fast path.
+    /// [`ResultStore::get`] can answer. The replay fast path.
     fn read_now(&self, key: &str, now: Instant, read: &mut dyn FnMut(&Record)) -> Option<bool> {
         let _ = (key, now, read);
         None
@@ -182,7 +217,7 @@ pub(crate) trait IdempotencyStore: Send + Sync + 'static {
 
 /// Results in a [`TtlTable`] swept by the runtime's sweeper, capped at
 /// `max_results` entries (the oldest evicted first).
-pub(crate) struct MemoryIdempotencyStore {
+pub(crate) struct ResultTable {
     // Records inline in the table: a replay touches the entry and the value.
     table: Arc<TtlTable<InlineKey, Record>>,
     /// When the last eviction warning was logged, in ms after `base`
@@ -194,7 +229,7 @@ pub(crate) struct MemoryIdempotencyStore {
 /// Evictions are logged at warn at most this often.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
-impl MemoryIdempotencyStore {
+impl ResultTable {
     pub(crate) fn new(counters: Arc<Counters>, sweeper: &Sweeper, max_results: usize) -> Self {
         Self {
             table: TtlTable::new(counters)
@@ -227,7 +262,7 @@ impl MemoryIdempotencyStore {
     }
 }
 
-impl IdempotencyStore for MemoryIdempotencyStore {
+impl ResultStore for ResultTable {
     fn form(&self) -> Form {
         Form::Typed
     }

@@ -13,11 +13,7 @@ use serde::Serialize;
 
 use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 
-// The idempotency claim protocol and its completion notices are tested
-// against real servers here; `Idempotency` moves onto them next (issue 9).
-#[cfg_attr(not(test), allow(dead_code))]
 mod claims;
-#[cfg_attr(not(test), allow(dead_code))]
 mod notify;
 mod window;
 

@@ -24,6 +24,7 @@ use redis::{Script, Value};
 
 use super::{Redis, cached, ms};
 use crate::store::StoreError;
+use crate::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture, KeyChanged, StoredResult};
 
 const CLAIM: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 'v', 'ty')
@@ -71,19 +72,6 @@ if rec[1] == 'c' then return {'c', rec[2] or '', rec[3] or '', rec[4] or ''} end
 return {'f', rec[2] or '', redis.call('PTTL', KEYS[1])}
 ";
 
-/// What a claim found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum ClaimReply {
-    /// The key is ours, with this fencing counter.
-    Won { fence: u64 },
-    /// Another owner holds it for this long still.
-    Busy { left: Duration },
-    /// Completed: the encoded result and its type tag.
-    Replay { value: Vec<u8>, type_tag: String },
-    /// Held or completed under another fingerprint.
-    Mismatch,
-}
-
 /// What a read found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum RecordReply {
@@ -128,30 +116,23 @@ fn left(v: Option<&Value>) -> Result<Duration, StoreError> {
 }
 
 impl Redis {
-    /// The channel completions and releases are published on.
     pub(crate) fn claims_channel(&self) -> String {
         format!("{}:idempotency", self.prefix())
     }
 
-    /// Claims `key` for `token` under `fingerprint` for `lease`, or reports
-    /// who has it. `keep` bounds how long the fencing counter outlives its
-    /// last claim (the result TTL is a good choice).
-    pub(crate) async fn claim(
+    pub(crate) async fn claim_key(
         &self,
         key: &str,
-        token: u64,
-        fingerprint: &[u8],
-        lease: Duration,
-        keep: Duration,
+        request: ClaimRequest<'_>,
     ) -> Result<ClaimReply, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, CLAIM, false).prepare_invoke();
         call.key(self.key(key, ":i"))
             .key(self.key(key, ":in"))
-            .arg(token)
-            .arg(fingerprint)
-            .arg(ms(lease))
-            .arg(ms(keep.max(lease)));
+            .arg(&request.token.to_bytes()[..])
+            .arg(fingerprint_arg(request.fingerprint))
+            .arg(ms(request.lease))
+            .arg(ms(request.ttl.max(request.lease)));
         let reply: Vec<Value> = self.invoke(&call).await?;
         let kind = bytes(reply.first());
         match kind.as_slice() {
@@ -159,12 +140,13 @@ impl Redis {
                 fence: int(reply.get(1))?.max(0).unsigned_abs(),
             }),
             b"busy" => Ok(ClaimReply::Busy {
-                left: left(reply.get(1))?,
+                lease_left: left(reply.get(1))?,
             }),
-            b"replay" => Ok(ClaimReply::Replay {
-                value: bytes(reply.get(1)),
-                type_tag: String::from_utf8_lossy(&bytes(reply.get(2))).into_owned(),
-            }),
+            b"replay" => Ok(ClaimReply::Completed(StoredResult::new(
+                request.fingerprint.copied(),
+                String::from_utf8_lossy(&bytes(reply.get(2))).into_owned(),
+                bytes(reply.get(1)),
+            ))),
             b"mismatch" => Ok(ClaimReply::Mismatch),
             other => Err(StoreError::Protocol(format!(
                 "unexpected claim reply {:?}",
@@ -173,55 +155,51 @@ impl Redis {
         }
     }
 
-    /// Stores the result of `token`'s run for `ttl`, unless another owner
-    /// holds the key or it is already completed. `true` if stored.
-    pub(crate) async fn complete(
+    pub(crate) async fn complete_key(
         &self,
         key: &str,
-        token: u64,
-        fingerprint: &[u8],
-        value: &[u8],
-        type_tag: &str,
+        token: ClaimToken,
+        result: &StoredResult,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, COMPLETE, false).prepare_invoke();
         call.key(self.key(key, ":i"))
-            .arg(token)
-            .arg(fingerprint)
-            .arg(value)
-            .arg(type_tag)
+            .arg(&token.to_bytes()[..])
+            .arg(fingerprint_arg(result.fingerprint.as_ref()))
+            .arg(&result.value[..])
+            .arg(&result.type_tag)
             .arg(ms(ttl))
             .arg(self.claims_channel())
             .arg(key);
         Ok(self.invoke::<i64>(&call).await? == 1)
     }
 
-    /// Gives `key` up if `token` holds it in flight. `true` if released.
-    pub(crate) async fn release(&self, key: &str, token: u64) -> Result<bool, StoreError> {
+    pub(crate) async fn release_key(&self, key: &str, token: ClaimToken) -> Result<bool, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, RELEASE, false).prepare_invoke();
         call.key(self.key(key, ":i"))
-            .arg(token)
+            .arg(&token.to_bytes()[..])
             .arg(self.claims_channel())
             .arg(key);
         Ok(self.invoke::<i64>(&call).await? == 1)
     }
 
-    /// Extends `token`'s lease on `key`. `false` if it no longer holds it.
-    pub(crate) async fn renew(
+    pub(crate) async fn renew_key(
         &self,
         key: &str,
-        token: u64,
+        token: ClaimToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, RENEW, false).prepare_invoke();
-        call.key(self.key(key, ":i")).arg(token).arg(ms(lease));
+        call.key(self.key(key, ":i"))
+            .arg(&token.to_bytes()[..])
+            .arg(ms(lease));
         Ok(self.invoke::<i64>(&call).await? == 1)
     }
 
-    /// The record of `key`: one round trip, for replays.
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) async fn read_record(&self, key: &str) -> Result<RecordReply, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, READ, false).prepare_invoke();
@@ -246,56 +224,103 @@ impl Redis {
     }
 }
 
+/// The fingerprint digest as stored: empty for none.
+fn fingerprint_arg(fingerprint: Option<&[u8; 32]>) -> &[u8] {
+    fingerprint.map_or(&[][..], |f| &f[..])
+}
+
+/// Idempotency across instances: claims and results in Redis, one script
+/// call each, completions announced on one pub/sub channel per prefix.
+impl IdempotencyStore for Redis {
+    fn claim<'a>(
+        &'a self,
+        key: &'a str,
+        request: ClaimRequest<'a>,
+    ) -> IdempotencyStoreFuture<'a, ClaimReply> {
+        Box::pin(self.claim_key(key, request))
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a str,
+        token: ClaimToken,
+        result: &'a StoredResult,
+        ttl: Duration,
+    ) -> IdempotencyStoreFuture<'a, bool> {
+        Box::pin(self.complete_key(key, token, result, ttl))
+    }
+
+    fn release<'a>(&'a self, key: &'a str, token: ClaimToken) -> IdempotencyStoreFuture<'a, bool> {
+        Box::pin(self.release_key(key, token))
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a str,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> IdempotencyStoreFuture<'a, bool> {
+        Box::pin(self.renew_key(key, token, lease))
+    }
+
+    fn watch(&self, key: &str) -> KeyChanged {
+        Redis::watch(self, key).into_changed()
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use std::time::Instant;
+
     use super::*;
     use crate::store::redis::each_server;
 
     const LEASE: Duration = Duration::from_secs(30);
     const TTL: Duration = Duration::from_secs(3600);
 
+    fn token(n: u8) -> ClaimToken {
+        ClaimToken::from_bytes([n; 16])
+    }
+
+    fn request(n: u8, fingerprint: Option<&[u8; 32]>, lease: Duration) -> ClaimRequest<'_> {
+        ClaimRequest::new(token(n), fingerprint, lease, TTL)
+    }
+
     #[tokio::test]
     async fn one_claim_wins_then_duplicates_see_it_busy_then_replay() {
         each_server("claims_win_busy_replay", async |r: Redis| {
+            let fp = [7u8; 32];
+            let other = [8u8; 32];
             for key in ["pay:1", "pay:2", "pay:3"] {
-                let ClaimReply::Won { fence } = r.claim(key, 11, b"fp", LEASE, TTL).await.unwrap()
-                else {
-                    panic!("first claim wins")
-                };
-                assert_eq!(fence, 1);
-                match r.claim(key, 12, b"fp", LEASE, TTL).await.unwrap() {
-                    ClaimReply::Busy { left } => assert!(left > Duration::from_secs(29)),
+                assert_eq!(
+                    r.claim(key, request(11, Some(&fp), LEASE)).await.unwrap(),
+                    ClaimReply::Won { fence: 1 }
+                );
+                match r.claim(key, request(12, Some(&fp), LEASE)).await.unwrap() {
+                    ClaimReply::Busy { lease_left } => {
+                        assert!(lease_left > Duration::from_secs(29));
+                    }
                     other => panic!("{other:?}"),
                 }
                 assert_eq!(
-                    r.claim(key, 12, b"other", LEASE, TTL).await.unwrap(),
+                    r.claim(key, request(12, Some(&other), LEASE)).await.unwrap(),
                     ClaimReply::Mismatch
                 );
-                assert!(r.renew(key, 11, LEASE).await.unwrap());
-                assert!(!r.renew(key, 12, LEASE).await.unwrap(), "not the owner");
-                assert!(!r.complete(key, 12, b"fp", b"x", "u8", TTL).await.unwrap());
-                assert!(
-                    r.complete(key, 11, b"fp", b"\x2a", "u8", TTL)
-                        .await
-                        .unwrap()
-                );
-                assert!(
-                    !r.complete(key, 11, b"fp", b"\x2b", "u8", TTL)
-                        .await
-                        .unwrap(),
-                    "once"
-                );
+                assert!(r.renew(key, token(11), LEASE).await.unwrap());
+                assert!(!r.renew(key, token(12), LEASE).await.unwrap(), "not the owner");
+                let result = StoredResult::new(Some(fp), "u8", vec![0x2a]);
+                assert!(!r.complete(key, token(12), &result, TTL).await.unwrap());
+                assert!(r.complete(key, token(11), &result, TTL).await.unwrap());
+                let again = StoredResult::new(Some(fp), "u8", vec![0x2b]);
+                assert!(!r.complete(key, token(11), &again, TTL).await.unwrap(), "once");
                 assert_eq!(
-                    r.claim(key, 13, b"fp", LEASE, TTL).await.unwrap(),
-                    ClaimReply::Replay {
-                        value: vec![0x2a],
-                        type_tag: "u8".to_owned()
-                    }
+                    r.claim(key, request(13, Some(&fp), LEASE)).await.unwrap(),
+                    ClaimReply::Completed(result)
                 );
                 assert_eq!(
                     r.read_record(key).await.unwrap(),
                     RecordReply::Completed {
-                        fingerprint: b"fp".to_vec(),
+                        fingerprint: fp.to_vec(),
                         value: vec![0x2a],
                         type_tag: "u8".to_owned()
                     }
@@ -311,15 +336,15 @@ mod tests {
             let key = "order:9";
             let short = Duration::from_millis(50);
             assert_eq!(
-                r.claim(key, 1, b"", short, TTL).await.unwrap(),
+                r.claim(key, request(1, None, short)).await.unwrap(),
                 ClaimReply::Won { fence: 1 }
             );
             tokio::time::sleep(Duration::from_millis(80)).await;
             assert_eq!(r.read_record(key).await.unwrap(), RecordReply::Missing);
             // Two duplicates race for the lapsed key: exactly one wins.
             let (a, b) = tokio::join!(
-                r.claim(key, 2, b"", LEASE, TTL),
-                r.claim(key, 3, b"", LEASE, TTL)
+                r.claim(key, request(2, None, LEASE)),
+                r.claim(key, request(3, None, LEASE))
             );
             let wins = [a.unwrap(), b.unwrap()]
                 .into_iter()
@@ -327,31 +352,24 @@ mod tests {
                 .count();
             assert_eq!(wins, 1);
             // The old owner can neither renew, release nor complete.
-            assert!(!r.renew(key, 1, LEASE).await.unwrap());
-            assert!(!r.release(key, 1).await.unwrap());
-            assert!(!r.complete(key, 1, b"", b"late", "s", TTL).await.unwrap());
+            assert!(!r.renew(key, token(1), LEASE).await.unwrap());
+            assert!(!r.release(key, token(1)).await.unwrap());
+            let late = StoredResult::new(None, "s", b"late".to_vec());
+            assert!(!r.complete(key, token(1), &late, TTL).await.unwrap());
             // The new owner releases; the next claim gets a higher fence.
-            let owner = if r.renew(key, 2, LEASE).await.unwrap() {
+            let owner = if r.renew(key, token(2), LEASE).await.unwrap() {
                 2
             } else {
                 3
             };
-            assert!(r.release(key, owner).await.unwrap());
+            assert!(r.release(key, token(owner)).await.unwrap());
             assert_eq!(
-                r.claim(key, 4, b"", LEASE, TTL).await.unwrap(),
+                r.claim(key, request(4, None, LEASE)).await.unwrap(),
                 ClaimReply::Won { fence: 3 }
             );
         })
         .await;
     }
-}
-
-#[cfg(test)]
-mod notice_tests {
-    use std::time::Instant;
-
-    use super::*;
-    use crate::store::redis::each_server;
 
     #[tokio::test]
     async fn a_waiter_wakes_on_the_published_completion_not_on_polling() {
@@ -360,30 +378,21 @@ mod notice_tests {
             let other = r.clone();
             let key = "wake:1";
             assert!(matches!(
-                r.claim(
-                    key,
-                    1,
-                    b"",
-                    Duration::from_secs(30),
-                    Duration::from_secs(60)
-                )
-                .await
-                .unwrap(),
+                r.claim(key, request(1, None, LEASE)).await.unwrap(),
                 ClaimReply::Won { .. }
             ));
-            let watch = other.watch(key);
+            let changed = IdempotencyStore::watch(&other, key);
             // Let the subscription settle before completing.
             tokio::time::sleep(Duration::from_millis(200)).await;
             let started = Instant::now();
             let waiter = async {
-                watch.changed(Duration::from_secs(5)).await;
+                let _ = tokio::time::timeout(Duration::from_secs(5), changed).await;
                 started.elapsed()
             };
             let completer = async {
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                r.complete(key, 1, b"", b"v", "t", Duration::from_secs(60))
-                    .await
-                    .unwrap()
+                let result = StoredResult::new(None, "t", b"v".to_vec());
+                r.complete(key, token(1), &result, TTL).await.unwrap()
             };
             let (woke_after, stored) = tokio::join!(waiter, completer);
             assert!(stored);

@@ -43,10 +43,16 @@ pub(crate) struct Watch {
 }
 
 impl Watch {
-    /// Waits until the key's record changes (a completion or release was
-    /// published) or `max` passes, whichever is first.
-    pub(crate) async fn changed(&self, max: Duration) {
-        let _ = tokio::time::timeout(max, self.notify.notified()).await;
+    /// The next change as a future that owns this registration; it listens
+    /// from now on, before it is first polled, so a notice that lands
+    /// before the wait begins still wakes it.
+    pub(crate) fn into_changed(self) -> crate::KeyChanged {
+        let mut notified = Box::pin(Arc::clone(&self.notify).notified_owned());
+        notified.as_mut().enable();
+        crate::KeyChanged::new(async move {
+            let _registered = self;
+            notified.await;
+        })
     }
 }
 

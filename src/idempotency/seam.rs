@@ -1,0 +1,537 @@
+//! The seam a store shared by several instances implements: the claim
+//! protocol (claim, complete, release, renew), each one round trip carrying
+//! the owner's [`ClaimToken`].
+//!
+//! A runtime given such a store (with
+//! [`RuntimeBuilder::with_idempotency_store`](crate::RuntimeBuilder::with_idempotency_store),
+//! or [`RuntimeBuilder::with_redis`](crate::RuntimeBuilder::with_redis), which uses the
+//! Redis backend) keeps one execution per key across every instance that
+//! shares it. Callers on one instance still join one local claim, so a key
+//! costs one claim round trip per instance, not per caller.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::store::StoreError;
+
+/// What an [`IdempotencyStore`] call returns: a boxed future, so the trait
+/// stays object safe.
+pub type IdempotencyStoreFuture<'a, T> =
+    Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// The token of one claim: unique across processes, so two instances never
+/// hold the same token, and a takeover always issues a new one.
+///
+/// The high 64 bits are random per process, the low 64 bits count the
+/// claims of this process.
+///
+/// # Examples
+///
+/// ```
+/// use throttlebeam::ClaimToken;
+///
+/// let (a, b) = (ClaimToken::new(), ClaimToken::new());
+/// assert_ne!(a, b);
+/// assert_eq!(ClaimToken::from_bytes(a.to_bytes()), a);
+/// assert_eq!(a.to_string().len(), 32);
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ClaimToken(u128);
+
+impl ClaimToken {
+    /// A token no other claim, in this process or another, has.
+    #[must_use]
+    pub fn new() -> Self {
+        static SEED: OnceLock<u64> = OnceLock::new();
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let seed = *SEED.get_or_init(process_seed);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        Self((u128::from(seed) << 64) | u128::from(n))
+    }
+
+    /// The token's 16 bytes, big-endian: how a store keeps it.
+    #[must_use]
+    pub fn to_bytes(self) -> [u8; 16] {
+        self.0.to_be_bytes()
+    }
+
+    /// The token from its [`ClaimToken::to_bytes`] form.
+    #[must_use]
+    pub fn from_bytes(bytes: [u8; 16]) -> Self {
+        Self(u128::from_be_bytes(bytes))
+    }
+}
+
+impl Default for ClaimToken {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Display for ClaimToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl std::fmt::Debug for ClaimToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ClaimToken({self})")
+    }
+}
+
+/// 64 random bits for this process: std's randomly keyed hasher over the
+/// process id and the time, so a restarted process (same pid, later time)
+/// differs too.
+fn process_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    if let Ok(since) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        hasher.write_u128(since.as_nanos());
+    }
+    hasher.finish()
+}
+
+/// A completed result as a shared store keeps it: the fingerprint digest of
+/// the request that produced it, the value's type tag and the value in
+/// bincode bytes.
+///
+/// The type tag is the Rust type name of the value. A replay as another
+/// type is refused with [`Error::TypeMismatch`](crate::Error::TypeMismatch)
+/// rather than misread (bincode is not self-describing); a build in which
+/// the type has another path refuses older results the same way.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct StoredResult {
+    /// SHA-256 of the request's fingerprint, if it had one.
+    pub fingerprint: Option<[u8; 32]>,
+    /// The value's type name.
+    pub type_tag: String,
+    /// The value, bincode-encoded.
+    pub value: Vec<u8>,
+}
+
+impl StoredResult {
+    /// A result from its parts.
+    #[must_use]
+    pub fn new(fingerprint: Option<[u8; 32]>, type_tag: impl Into<String>, value: Vec<u8>) -> Self {
+        Self {
+            fingerprint,
+            type_tag: type_tag.into(),
+            value,
+        }
+    }
+}
+
+/// One claim request: who asks, for which request, for how long.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct ClaimRequest<'a> {
+    /// The claimant's token.
+    pub token: ClaimToken,
+    /// SHA-256 of the request's fingerprint, if it has one.
+    pub fingerprint: Option<&'a [u8; 32]>,
+    /// How long the claim holds without a renewal.
+    pub lease: Duration,
+    /// How long the result will be kept: a store may keep its fencing
+    /// counter that long.
+    pub ttl: Duration,
+}
+
+impl<'a> ClaimRequest<'a> {
+    /// A request from its parts.
+    #[must_use]
+    pub fn new(
+        token: ClaimToken,
+        fingerprint: Option<&'a [u8; 32]>,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Self {
+        Self {
+            token,
+            fingerprint,
+            lease,
+            ttl,
+        }
+    }
+}
+
+/// What a claim found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClaimReply {
+    /// The key is now the claimant's. `fence` grows with every claim of the
+    /// key, so it orders this claim after every earlier one.
+    Won {
+        /// The fencing counter of this claim.
+        fence: u64,
+    },
+    /// Another owner holds the key, for `lease_left` still unless it renews.
+    Busy {
+        /// Time until the holder's lease lapses.
+        lease_left: Duration,
+    },
+    /// The key completed: replay this.
+    Completed(StoredResult),
+    /// The key is held or completed under another fingerprint.
+    Mismatch,
+}
+
+/// A wake-up for one key: resolves when the key's record may have changed
+/// (completed or released), or never, for a store that cannot tell; the
+/// runtime polls as well, so a missed wake-up only costs latency.
+///
+/// Created by [`IdempotencyStore::watch`] before the claim it follows, so a
+/// change between the claim and the wait is not missed.
+pub struct KeyChanged(Pin<Box<dyn Future<Output = ()> + Send>>);
+
+impl KeyChanged {
+    /// A wake-up from any future.
+    pub fn new(changed: impl Future<Output = ()> + Send + 'static) -> Self {
+        Self(Box::pin(changed))
+    }
+
+    /// A wake-up that never fires (the runtime's polling decides).
+    #[must_use]
+    pub fn never() -> Self {
+        Self::new(std::future::pending())
+    }
+}
+
+impl Future for KeyChanged {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        self.0.as_mut().poll(cx)
+    }
+}
+
+impl std::fmt::Debug for KeyChanged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyChanged")
+    }
+}
+
+/// A store of idempotency claims and results shared by several instances.
+///
+/// Every method is one round trip and atomic on its key. Keys arrive
+/// scoped and are at most a few hundred bytes. The rules every
+/// implementation keeps (the contract suite in `tests/idempotency_store.rs`
+/// checks them on memory, Redis and Redis Cluster):
+///
+/// - `claim` wins a key that is free or whose holder's lease lapsed, and
+///   returns a fencing counter larger than every earlier one of the key; a
+///   held key is `Busy`, a completed one `Completed`, either under another
+///   fingerprint `Mismatch`;
+/// - `renew`, `complete` and `release` act only for the token that holds
+///   the key and return `false` otherwise (a late call of an owner that was
+///   taken over is refused); `complete` also stores over a record that
+///   vanished (its result is still the only one);
+/// - a completed result lives for its TTL, an in-flight claim for its lease.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use throttlebeam::{
+///     ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
+///     StoredResult,
+/// };
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::store::StoreError> {
+/// let store = MemoryIdempotencyStore::new();
+/// let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(3600));
+/// let owner = ClaimToken::new();
+/// let ClaimReply::Won { .. } = store.claim("pay:1", ClaimRequest::new(owner, None, lease, ttl)).await? else {
+///     unreachable!("a free key is won")
+/// };
+/// let other = ClaimToken::new();
+/// assert!(matches!(
+///     store.claim("pay:1", ClaimRequest::new(other, None, lease, ttl)).await?,
+///     ClaimReply::Busy { .. }
+/// ));
+/// let result = StoredResult::new(None, "u32", vec![42]);
+/// assert!(!store.complete("pay:1", other, &result, ttl).await?, "not the owner");
+/// assert!(store.complete("pay:1", owner, &result, ttl).await?);
+/// assert_eq!(
+///     store.claim("pay:1", ClaimRequest::new(other, None, lease, ttl)).await?,
+///     ClaimReply::Completed(result)
+/// );
+/// # Ok(()) }
+/// ```
+pub trait IdempotencyStore: Send + Sync + 'static {
+    /// Claims `key` for `request.token`; see the trait docs.
+    fn claim<'a>(
+        &'a self,
+        key: &'a str,
+        request: ClaimRequest<'a>,
+    ) -> IdempotencyStoreFuture<'a, ClaimReply>;
+
+    /// Stores `result` for `ttl` if `token` holds `key` (or nobody does),
+    /// and wakes the key's watchers.
+    fn complete<'a>(
+        &'a self,
+        key: &'a str,
+        token: ClaimToken,
+        result: &'a StoredResult,
+        ttl: Duration,
+    ) -> IdempotencyStoreFuture<'a, bool>;
+
+    /// Frees `key` if `token` holds it in flight, and wakes its watchers.
+    fn release<'a>(&'a self, key: &'a str, token: ClaimToken) -> IdempotencyStoreFuture<'a, bool>;
+
+    /// Pushes the lease of `token`'s claim on `key` out to `lease` from now.
+    fn renew<'a>(
+        &'a self,
+        key: &'a str,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> IdempotencyStoreFuture<'a, bool>;
+
+    /// A wake-up for the next change of `key`; [`KeyChanged::never`] by
+    /// default (the runtime then polls).
+    fn watch(&self, key: &str) -> KeyChanged {
+        let _ = key;
+        KeyChanged::never()
+    }
+}
+
+/// What [`MemoryIdempotencyStore`] holds for a key.
+#[derive(Debug, Clone)]
+enum Held {
+    InFlight {
+        token: ClaimToken,
+        fingerprint: Option<[u8; 32]>,
+    },
+    Completed(StoredResult),
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    held: Held,
+    until: Instant,
+}
+
+/// Default cap on the keys a [`MemoryIdempotencyStore`] holds.
+pub const DEFAULT_SHARED_MEMORY_KEYS: usize = 1_000_000;
+
+/// An in-process [`IdempotencyStore`]: several runtimes in one process
+/// given the same store (a clone) deduplicate together.
+///
+/// A runtime without a shared store keeps its results in its own faster
+/// table (typed values, no encoding); this store is for sharing, and for
+/// testing a store of your own against the same contract. It holds at most
+/// [`DEFAULT_SHARED_MEMORY_KEYS`] keys (expired ones are dropped first);
+/// past the cap a claim fails with [`StoreError::Full`].
+#[derive(Clone)]
+pub struct MemoryIdempotencyStore {
+    inner: Arc<MemoryInner>,
+}
+
+struct MemoryInner {
+    keys: Mutex<HashMap<String, Entry>>,
+    fences: AtomicU64,
+    changed: Arc<Notify>,
+    cap: usize,
+}
+
+impl Default for MemoryIdempotencyStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for MemoryIdempotencyStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryIdempotencyStore")
+            .field("keys", &self.len())
+            .field("cap", &self.inner.cap)
+            .finish()
+    }
+}
+
+impl MemoryIdempotencyStore {
+    /// An empty store holding at most [`DEFAULT_SHARED_MEMORY_KEYS`] keys.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::with_max_keys(DEFAULT_SHARED_MEMORY_KEYS)
+    }
+
+    /// An empty store holding at most `cap` keys (at least 1).
+    #[must_use]
+    pub fn with_max_keys(cap: usize) -> Self {
+        Self {
+            inner: Arc::new(MemoryInner {
+                keys: Mutex::new(HashMap::new()),
+                fences: AtomicU64::new(0),
+                changed: Arc::new(Notify::new()),
+                cap: cap.max(1),
+            }),
+        }
+    }
+
+    /// Keys held, expired ones not yet swept included.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether the store holds no key.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops expired keys; returns how many are left.
+    pub fn sweep(&self) -> usize {
+        let now = Instant::now();
+        let mut keys = self.lock();
+        keys.retain(|_, e| e.until > now);
+        keys.shrink_to_fit();
+        keys.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        // A panic cannot leave the map half-updated: every update is one insert or remove.
+        self.inner
+            .keys
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn claim_now(&self, key: &str, request: ClaimRequest<'_>) -> Result<ClaimReply, StoreError> {
+        let now = Instant::now();
+        let mut keys = self.lock();
+        if let Some(entry) = keys.get(key).filter(|e| e.until > now) {
+            let fingerprint = match &entry.held {
+                Held::InFlight { fingerprint, .. } => fingerprint.as_ref(),
+                Held::Completed(result) => result.fingerprint.as_ref(),
+            };
+            if fingerprint != request.fingerprint {
+                return Ok(ClaimReply::Mismatch);
+            }
+            return Ok(match &entry.held {
+                Held::InFlight { .. } => ClaimReply::Busy {
+                    lease_left: entry.until - now,
+                },
+                Held::Completed(result) => ClaimReply::Completed(result.clone()),
+            });
+        }
+        if !keys.contains_key(key) && keys.len() >= self.inner.cap {
+            keys.retain(|_, e| e.until > now);
+            if keys.len() >= self.inner.cap {
+                return Err(StoreError::Full {
+                    cap: self.inner.cap,
+                });
+            }
+        }
+        let fence = self.inner.fences.fetch_add(1, Ordering::Relaxed) + 1;
+        keys.insert(
+            key.to_owned(),
+            Entry {
+                held: Held::InFlight {
+                    token: request.token,
+                    fingerprint: request.fingerprint.copied(),
+                },
+                until: now + request.lease,
+            },
+        );
+        Ok(ClaimReply::Won { fence })
+    }
+
+    /// Whether `token` holds `key` in flight (a lapsed lease still counts
+    /// until someone else claims the key).
+    fn holds(entry: Option<&Entry>, token: ClaimToken) -> bool {
+        matches!(entry, Some(Entry { held: Held::InFlight { token: t, .. }, .. }) if *t == token)
+    }
+}
+
+impl IdempotencyStore for MemoryIdempotencyStore {
+    fn claim<'a>(
+        &'a self,
+        key: &'a str,
+        request: ClaimRequest<'a>,
+    ) -> IdempotencyStoreFuture<'a, ClaimReply> {
+        Box::pin(std::future::ready(self.claim_now(key, request)))
+    }
+
+    fn complete<'a>(
+        &'a self,
+        key: &'a str,
+        token: ClaimToken,
+        result: &'a StoredResult,
+        ttl: Duration,
+    ) -> IdempotencyStoreFuture<'a, bool> {
+        let now = Instant::now();
+        let stored = {
+            let mut keys = self.lock();
+            let entry = keys.get(key);
+            // Nobody holds it: the record lapsed or vanished, so this
+            // owner's result is still the only one.
+            let free = entry.is_none_or(|e| e.until <= now);
+            if Self::holds(entry, token) || free {
+                keys.insert(
+                    key.to_owned(),
+                    Entry {
+                        held: Held::Completed(result.clone()),
+                        until: now + ttl,
+                    },
+                );
+                true
+            } else {
+                false
+            }
+        };
+        if stored {
+            self.inner.changed.notify_waiters();
+        }
+        Box::pin(std::future::ready(Ok(stored)))
+    }
+
+    fn release<'a>(&'a self, key: &'a str, token: ClaimToken) -> IdempotencyStoreFuture<'a, bool> {
+        let released = {
+            let mut keys = self.lock();
+            Self::holds(keys.get(key), token) && keys.remove(key).is_some()
+        };
+        if released {
+            self.inner.changed.notify_waiters();
+        }
+        Box::pin(std::future::ready(Ok(released)))
+    }
+
+    fn renew<'a>(
+        &'a self,
+        key: &'a str,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> IdempotencyStoreFuture<'a, bool> {
+        let now = Instant::now();
+        let mut keys = self.lock();
+        let renewed = match keys.get_mut(key) {
+            Some(entry) if Self::holds(Some(entry), token) => {
+                entry.until = now + lease;
+                true
+            }
+            _ => false,
+        };
+        Box::pin(std::future::ready(Ok(renewed)))
+    }
+
+    fn watch(&self, _key: &str) -> KeyChanged {
+        // One wake-up for every key: an in-process store changes cheaply,
+        // and a woken watcher that finds its key unchanged waits again.
+        let mut changed = Box::pin(Arc::clone(&self.inner.changed).notified_owned());
+        changed.as_mut().enable();
+        KeyChanged::new(changed)
+    }
+}
