@@ -710,7 +710,7 @@ mod tests {
     use std::time::Duration;
     use tokio::time::Instant;
 
-    use super::store::{Form, ResultStore, Pending, Record};
+    use super::store::{Form, Pending, Record, ResultStore};
     use super::*;
     use crate::error::BoxError;
 
@@ -806,7 +806,7 @@ mod tests {
             Arc::new(Counters::new()),
             usize::MAX,
             Box::new(Shared(Arc::clone(&store))),
-        None,
+            None,
         ));
         let runs = Arc::new(AtomicUsize::new(0));
         let options = IdempotencyOptions::new().with_fingerprint("fp");
@@ -859,7 +859,7 @@ mod tests {
             Arc::clone(&counters),
             usize::MAX,
             Box::new(Shared(Arc::clone(&store))),
-        None,
+            None,
         ));
         let runs = Arc::new(AtomicUsize::new(0));
 
@@ -896,7 +896,7 @@ mod tests {
             Arc::new(Counters::new()),
             usize::MAX,
             Box::new(Shared(Arc::clone(&store))),
-        None,
+            None,
         ));
         let runs = Arc::new(AtomicUsize::new(0));
         let (fire, stalled) = tokio::sync::oneshot::channel();

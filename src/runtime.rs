@@ -147,8 +147,8 @@ impl RuntimeBuilder {
     ///
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
     /// let shared = MemoryIdempotencyStore::new();
-    /// let a = Runtime::builder().with_idempotency_store(shared.clone()).build().await?;
-    /// let b = Runtime::builder().with_idempotency_store(shared).build().await?;
+    /// let a = Runtime::builder().with_idempotency_store(shared.clone()).start().await?;
+    /// let b = Runtime::builder().with_idempotency_store(shared).start().await?;
     /// let first = a.idempotency().run("pay:1", || async { Ok::<_, std::io::Error>(7u32) }).await?;
     /// let again = b.idempotency().run("pay:1", || async { Ok::<_, std::io::Error>(8u32) }).await?;
     /// assert!(first.is_fresh() && again.is_replay());

@@ -29,8 +29,8 @@ use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, Stored
 use super::store::{Form, Pending, Record, ResultStore, stored_result};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
-use crate::store::StoreError;
 use crate::key::{InlineKey, shown};
+use crate::store::StoreError;
 
 /// How a claim ended, as its waiters see it.
 #[derive(Debug, Clone)]
@@ -67,7 +67,10 @@ pub(crate) enum Step<T> {
     /// This caller holds the key on this instance, but another instance
     /// holds it in the shared store for `lease_left` still: wait for it
     /// with [`Ledger::wait_remote`] (local duplicates wait on this caller).
-    Remote { ticket: Ticket, lease_left: Duration },
+    Remote {
+        ticket: Ticket,
+        lease_left: Duration,
+    },
 }
 
 /// What the registry update decided: claimed (taking over a lapsed holder,
@@ -360,7 +363,13 @@ impl Ledger {
     /// Pushes the lease of the claim `(generation, token)` on `full` out to
     /// `lease` from now. `false` once the claim is no longer that holder's
     /// (completed, released or taken over): renewing can stop.
-    fn renew(&self, full: &str, generation: Generation, token: ClaimToken, lease: Duration) -> bool {
+    fn renew(
+        &self,
+        full: &str,
+        generation: Generation,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> bool {
         self.claims
             .with_slot(full.as_bytes(), |slot| {
                 let ours = slot.generation() == generation && slot.state.token == token;
@@ -578,7 +587,8 @@ impl Ticket {
                 key: self.key.to_string(),
             });
         }
-        let record = if let Some(shared) = ledger.shared.as_deref().filter(|_| self.fence.is_some()) {
+        let record = if let Some(shared) = ledger.shared.as_deref().filter(|_| self.fence.is_some())
+        {
             let stored = match stored_result(self.fingerprint, &value) {
                 Ok(stored) => stored,
                 Err(e) => {
@@ -654,7 +664,10 @@ impl Ticket {
         let give_up = Instant::now() + complete_budget(self.lease);
         let mut pause = Duration::from_millis(20);
         loop {
-            match shared.complete(&self.full, self.token, stored, self.ttl).await {
+            match shared
+                .complete(&self.full, self.token, stored, self.ttl)
+                .await
+            {
                 Ok(stored) => return Ok(stored),
                 Err(e) if Instant::now() + pause >= give_up => {
                     tracing::error!(

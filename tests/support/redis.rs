@@ -67,6 +67,8 @@ pub struct RedisNode {
     bin: String,
     dir: PathBuf,
     cluster: bool,
+    /// Append-only file with fsync on every write: a restart keeps the data.
+    durable: bool,
     child: Option<Child>,
 }
 
@@ -82,6 +84,33 @@ impl RedisNode {
         }
     }
 
+    /// Starts a single node that keeps its data across [`RedisNode::restart`]
+    /// (append-only file, fsync on every write), or skips.
+    #[allow(dead_code, reason = "not every test binary restarts a durable node")]
+    pub fn start_durable(test: &str) -> Option<Self> {
+        let Some(bin) = server_binary() else {
+            return unavailable(test, "redis-server was not found on PATH");
+        };
+        let port = free_port(false);
+        let dir =
+            std::env::temp_dir().join(format!("throttlebeam-redis-{}-{port}", std::process::id()));
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            return unavailable(test, &format!("cannot create {dir:?}: {e}"));
+        }
+        let mut node = Self {
+            port,
+            bin,
+            dir,
+            cluster: false,
+            durable: true,
+            child: None,
+        };
+        match node.launch() {
+            Ok(()) => Some(node),
+            Err(e) => unavailable(test, &e),
+        }
+    }
+
     fn spawn(bin: String, cluster: bool) -> Result<Self, String> {
         let port = free_port(cluster);
         let dir =
@@ -92,6 +121,7 @@ impl RedisNode {
             bin,
             dir,
             cluster,
+            durable: false,
             child: None,
         };
         node.launch()?;
@@ -101,9 +131,14 @@ impl RedisNode {
     fn launch(&mut self) -> Result<(), String> {
         let mut cmd = Command::new(&self.bin);
         cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
+            .args(["--save", "", "--protected-mode", "no"])
             .arg("--dir")
             .arg(&self.dir);
+        if self.durable {
+            cmd.args(["--appendonly", "yes", "--appendfsync", "always"]);
+        } else {
+            cmd.args(["--appendonly", "no"]);
+        }
         if self.cluster {
             let _ = std::fs::remove_file(self.dir.join("nodes.conf"));
             cmd.args([
@@ -149,7 +184,8 @@ impl RedisNode {
     }
 
     /// Starts the server again on the same port (a single node comes back
-    /// empty; a cluster node rejoins with its saved configuration).
+    /// empty unless durable; a cluster node rejoins with its saved
+    /// configuration).
     pub fn restart(&mut self) {
         self.kill();
         let keep_conf = self.cluster;

@@ -24,7 +24,10 @@ use redis::{Script, Value};
 
 use super::{Redis, cached, ms};
 use crate::store::StoreError;
-use crate::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture, KeyChanged, StoredResult};
+use crate::{
+    ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture, KeyChanged,
+    StoredResult,
+};
 
 const CLAIM: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 'v', 'ty')
@@ -175,7 +178,11 @@ impl Redis {
         Ok(self.invoke::<i64>(&call).await? == 1)
     }
 
-    pub(crate) async fn release_key(&self, key: &str, token: ClaimToken) -> Result<bool, StoreError> {
+    pub(crate) async fn release_key(
+        &self,
+        key: &str,
+        token: ClaimToken,
+    ) -> Result<bool, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, RELEASE, false).prepare_invoke();
         call.key(self.key(key, ":i"))
@@ -303,16 +310,24 @@ mod tests {
                     other => panic!("{other:?}"),
                 }
                 assert_eq!(
-                    r.claim(key, request(12, Some(&other), LEASE)).await.unwrap(),
+                    r.claim(key, request(12, Some(&other), LEASE))
+                        .await
+                        .unwrap(),
                     ClaimReply::Mismatch
                 );
                 assert!(r.renew(key, token(11), LEASE).await.unwrap());
-                assert!(!r.renew(key, token(12), LEASE).await.unwrap(), "not the owner");
+                assert!(
+                    !r.renew(key, token(12), LEASE).await.unwrap(),
+                    "not the owner"
+                );
                 let result = StoredResult::new(Some(fp), "u8", vec![0x2a]);
                 assert!(!r.complete(key, token(12), &result, TTL).await.unwrap());
                 assert!(r.complete(key, token(11), &result, TTL).await.unwrap());
                 let again = StoredResult::new(Some(fp), "u8", vec![0x2b]);
-                assert!(!r.complete(key, token(11), &again, TTL).await.unwrap(), "once");
+                assert!(
+                    !r.complete(key, token(11), &again, TTL).await.unwrap(),
+                    "once"
+                );
                 assert_eq!(
                     r.claim(key, request(13, Some(&fp), LEASE)).await.unwrap(),
                     ClaimReply::Completed(result)
