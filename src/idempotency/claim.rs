@@ -496,10 +496,11 @@ impl Renewer {
 const MAX_POLL: Duration = Duration::from_millis(500);
 
 /// How long an owner keeps trying to store its result while the shared
-/// store is unreachable, as a share of its lease: the claim stays its own
-/// that long after its last renewal.
+/// store is unreachable: its lease, and at least 5 s. Trying past the lease
+/// is safe: the store refuses the result if another owner took the key
+/// over, and stores it if nobody did, which spares a second execution.
 fn complete_budget(lease: Duration) -> Duration {
-    lease.saturating_sub(renew_period(lease))
+    lease.max(Duration::from_secs(5))
 }
 
 /// How often a holder renews a `lease`: every third of it (at least 1 ms),
@@ -653,9 +654,8 @@ impl Ticket {
     }
 
     /// Stores `stored` in the shared store, trying again while the store
-    /// is unreachable for as long as the claim is safely this owner's
-    /// ([`complete_budget`]): a result that ran must not be lost to a
-    /// blip, or a retry would run the operation again.
+    /// is unreachable ([`complete_budget`]): a result that ran must not be
+    /// lost to a blip, or a retry would run the operation again.
     async fn complete_shared(
         &self,
         shared: &dyn IdempotencyStore,
@@ -681,7 +681,7 @@ impl Ticket {
                 Err(e) => {
                     tracing::debug!(key = %self.key, error = %e, "storing idempotency result failed; retrying");
                     tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(1));
+                    pause = (pause * 2).min(Duration::from_millis(500));
                 }
             }
         }

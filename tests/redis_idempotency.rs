@@ -1,0 +1,550 @@
+//! Idempotency across instances: several runtimes in one test process
+//! sharing real Redis servers (a node and a 3-node cluster), as instances
+//! behind a load balancer would (SCENARIOS I and S8).
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use support::redis::{RedisCluster, RedisNode};
+use throttlebeam::store::{BreakerConfig, Redis};
+use throttlebeam::{
+    Error, IdempotencyOptions, IdempotencyOutcome, IdempotencyReserved, InFlight,
+    MemoryIdempotencyStore, Runtime,
+};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+/// A connection with a short breaker cooldown, and a command timeout that
+/// holds on two busy cores with three servers and four runtimes.
+async fn connect(urls: &[String], cluster: bool) -> Redis {
+    if cluster {
+        Redis::cluster(urls.to_vec())
+    } else {
+        Redis::builder(urls[0].clone())
+    }
+    .with_breaker(BreakerConfig::default().with_cooldown(Duration::from_millis(200)))
+    .with_command_timeout(Duration::from_secs(2))
+    .connect()
+    .await
+    .expect("connects")
+}
+
+/// One "instance": its own connection and its own runtime.
+async fn instance(redis: Redis) -> Runtime {
+    Runtime::builder()
+        .with_redis(redis)
+        .start()
+        .await
+        .expect("runtime starts")
+}
+
+/// `keys` keys × `dups` concurrent duplicates spread over `runtimes`;
+/// returns every call's result by key, and the executions of each key.
+async fn flood(
+    runtimes: &[Runtime],
+    keys: usize,
+    dups: usize,
+    options: IdempotencyOptions,
+    work: Duration,
+) -> (
+    Vec<Vec<Result<IdempotencyOutcome<u64>, Error>>>,
+    Arc<Vec<AtomicU32>>,
+) {
+    let runs: Arc<Vec<AtomicU32>> = Arc::new((0..keys).map(|_| AtomicU32::new(0)).collect());
+    let gate = Arc::new(Semaphore::new(256));
+    let mut calls = tokio::task::JoinSet::new();
+    for k in 0..keys {
+        let permit = Arc::clone(&gate).acquire_owned().await.unwrap();
+        let mut dup_calls = Vec::new();
+        for d in 0..dups {
+            let rt = runtimes[d % runtimes.len()].clone();
+            let runs = Arc::clone(&runs);
+            let options = options.clone();
+            dup_calls.push(async move {
+                rt.idempotency()
+                    .run_with(&format!("pay:{k}"), options, move || async move {
+                        runs[k].fetch_add(1, Ordering::SeqCst);
+                        if !work.is_zero() {
+                            tokio::time::sleep(work).await;
+                        }
+                        Ok::<_, std::io::Error>(k as u64 * 100 + d as u64)
+                    })
+                    .await
+            });
+        }
+        calls.spawn(async move {
+            let results = futures_join_all(dup_calls).await;
+            drop(permit);
+            (k, results)
+        });
+    }
+    let mut by_key: Vec<Vec<_>> = (0..keys).map(|_| Vec::new()).collect();
+    while let Some(joined) = calls.join_next().await {
+        let (k, results) = joined.expect("no call panics");
+        by_key[k] = results;
+    }
+    (by_key, runs)
+}
+
+/// Runs every future concurrently on one task, in order of completion.
+async fn futures_join_all<F: std::future::Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut pinned: Vec<_> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = pinned.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (fut, out) in pinned.iter_mut().zip(outputs.iter_mut()) {
+            if out.is_none() {
+                match fut.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *out = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().map(Option::unwrap).collect()
+}
+
+fn assert_once_each(by_key: &[Vec<Result<IdempotencyOutcome<u64>, Error>>], runs: &[AtomicU32]) {
+    for (k, results) in by_key.iter().enumerate() {
+        assert_eq!(runs[k].load(Ordering::SeqCst), 1, "key {k} ran once");
+        let outcomes: Vec<_> = results
+            .iter()
+            .map(|r| r.as_ref().unwrap_or_else(|e| panic!("key {k}: {e:?}")))
+            .collect();
+        assert_eq!(
+            outcomes.iter().filter(|o| o.is_fresh()).count(),
+            1,
+            "key {k}: one fresh outcome"
+        );
+        let value = *outcomes[0].value();
+        assert!(
+            outcomes.iter().all(|o| *o.value() == value),
+            "key {k}: every duplicate replays the same value"
+        );
+    }
+}
+
+async fn ten_thousand_keys_eight_duplicates_four_runtimes(redis: Vec<Redis>) {
+    let mut runtimes = Vec::new();
+    for r in redis {
+        runtimes.push(instance(r).await);
+    }
+    let started = Instant::now();
+    let (by_key, runs) = flood(
+        &runtimes,
+        10_000,
+        8,
+        IdempotencyOptions::new().with_wait_timeout(Duration::from_secs(30)),
+        Duration::ZERO,
+    )
+    .await;
+    assert_once_each(&by_key, &runs);
+    println!(
+        "80,000 calls on 10,000 keys over 4 runtimes in {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn i_s8_each_of_10000_keys_runs_once_across_four_runtimes_on_a_node() {
+    let Some(node) =
+        RedisNode::start("i_s8_each_of_10000_keys_runs_once_across_four_runtimes_on_a_node")
+    else {
+        return;
+    };
+    let urls = vec![node.url()];
+    let mut redis = Vec::new();
+    for _ in 0..4 {
+        redis.push(connect(&urls, false).await);
+    }
+    ten_thousand_keys_eight_duplicates_four_runtimes(redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn i_s8_each_of_10000_keys_runs_once_across_four_runtimes_on_a_cluster() {
+    let Some(cluster) =
+        RedisCluster::start("i_s8_each_of_10000_keys_runs_once_across_four_runtimes_on_a_cluster")
+    else {
+        return;
+    };
+    let mut redis = Vec::new();
+    for _ in 0..4 {
+        redis.push(connect(&cluster.urls(), true).await);
+    }
+    ten_thousand_keys_eight_duplicates_four_runtimes(redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runtimes_sharing_a_memory_store_run_each_key_once() {
+    let store = MemoryIdempotencyStore::new();
+    let mut runtimes = Vec::new();
+    for _ in 0..4 {
+        runtimes.push(
+            Runtime::builder()
+                .with_idempotency_store(store.clone())
+                .start()
+                .await
+                .unwrap(),
+        );
+    }
+    let (by_key, runs) = flood(
+        &runtimes,
+        2_000,
+        8,
+        IdempotencyOptions::new(),
+        Duration::from_millis(1),
+    )
+    .await;
+    assert_once_each(&by_key, &runs);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s7_redis_killed_for_two_seconds_never_runs_a_key_twice_and_every_key_completes_on_retry() {
+    let Some(mut node) = RedisNode::start_durable(
+        "s7_redis_killed_for_two_seconds_never_runs_a_key_twice_and_every_key_completes_on_retry",
+    ) else {
+        return;
+    };
+    let urls = vec![node.url()];
+    let mut runtimes = Vec::new();
+    for _ in 0..4 {
+        runtimes.push(instance(connect(&urls, false).await).await);
+    }
+    let keys = 2_000;
+    let options = IdempotencyOptions::new()
+        .with_lease(Duration::from_secs(3))
+        .with_wait_timeout(Duration::from_secs(5));
+    let outage = async {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        node.kill();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        node.restart();
+    };
+    let ((by_key, runs), ()) = tokio::join!(
+        flood(
+            &runtimes,
+            keys,
+            8,
+            options.clone(),
+            Duration::from_millis(2)
+        ),
+        outage
+    );
+    let (mut ok, mut unavailable, mut timeouts) = (0, 0, 0);
+    for (k, results) in by_key.iter().enumerate() {
+        assert!(runs[k].load(Ordering::SeqCst) <= 1, "key {k} ran twice");
+        for result in results {
+            match result {
+                Ok(_) => ok += 1,
+                Err(Error::StoreUnavailable { .. }) => unavailable += 1,
+                Err(Error::Timeout { .. }) => timeouts += 1,
+                Err(e) => panic!("key {k}: unexpected {e:?}"),
+            }
+        }
+    }
+    println!("during the outage: {ok} results, {unavailable} unavailable, {timeouts} timeouts");
+    assert!(unavailable > 0, "the outage was seen");
+    // After the restart every key completes on retry, still once.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for k in 0..keys {
+        let rt = &runtimes[k % runtimes.len()];
+        loop {
+            let runs = Arc::clone(&runs);
+            let outcome = rt
+                .idempotency()
+                .run_with(&format!("pay:{k}"), options.clone(), move || async move {
+                    runs[k].fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, std::io::Error>(k as u64 * 100 + 99)
+                })
+                .await;
+            match outcome {
+                Ok(_) => break,
+                Err(Error::StoreUnavailable { .. } | Error::Timeout { .. })
+                    if Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("key {k} after the restart: {e:?}"),
+            }
+        }
+        assert_eq!(
+            runs[k].load(Ordering::SeqCst),
+            1,
+            "key {k} ran exactly once"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn i6_an_owner_instance_that_dies_is_taken_over_once_after_its_lease_and_its_late_completion_is_refused()
+ {
+    let Some(node) = RedisNode::start(
+        "i6_an_owner_instance_that_dies_is_taken_over_once_after_its_lease_and_its_late_completion_is_refused",
+    ) else {
+        return;
+    };
+    let urls = vec![node.url()];
+    let lease = Duration::from_millis(600);
+    let options = IdempotencyOptions::new()
+        .with_lease(lease)
+        .with_wait_timeout(Duration::from_secs(10));
+    // The owner instance lives on its own tokio runtime, which dies mid-run:
+    // its renewals stop, as when a process crashes.
+    let owner_redis = connect(&urls, false).await;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let opts = options.clone();
+    let owner_thread = std::thread::spawn(move || {
+        let tokio_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        tokio_rt.block_on(async move {
+            let rt = instance(owner_redis).await;
+            let reserved = rt
+                .idempotency()
+                .reserve::<u64>("charge:1", opts)
+                .await
+                .expect("the owner reserves");
+            let IdempotencyReserved::Fresh(reservation) = reserved else {
+                panic!("a fresh key is reserved")
+            };
+            tx.send((reservation, Instant::now())).unwrap();
+            // Keep the runtime value alive with the dying tokio runtime.
+            std::mem::forget(rt);
+        });
+        tokio_rt.shutdown_background();
+    });
+    let (reservation, claimed_at) = rx.await.unwrap();
+    owner_thread.join().unwrap();
+    let mut runtimes = Vec::new();
+    for _ in 0..3 {
+        runtimes.push(instance(connect(&urls, false).await).await);
+    }
+    let runs = Arc::new(AtomicU32::new(0));
+    let mut calls = Vec::new();
+    for i in 0..9 {
+        let rt = runtimes[i % 3].clone();
+        let (runs, options) = (Arc::clone(&runs), options.clone());
+        calls.push(tokio::spawn(async move {
+            let outcome = rt
+                .idempotency()
+                .run_with("charge:1", options, move || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, std::io::Error>(77u64)
+                })
+                .await
+                .expect("a duplicate gets the value");
+            (outcome, Instant::now())
+        }));
+    }
+    let mut fresh = 0;
+    for call in calls {
+        let (outcome, at) = call.await.unwrap();
+        assert_eq!(*outcome.value(), 77);
+        assert!(
+            at >= claimed_at + lease - Duration::from_millis(50),
+            "no takeover before the lease"
+        );
+        fresh += usize::from(outcome.is_fresh());
+    }
+    assert_eq!(fresh, 1, "exactly one takeover");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // The dead owner's late completion is refused.
+    let late = reservation.complete(1).await;
+    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    let replay = runtimes[0]
+        .idempotency()
+        .run_with("charge:1", options, || async {
+            Ok::<_, std::io::Error>(0u64)
+        })
+        .await
+        .unwrap();
+    assert_eq!(replay, IdempotencyOutcome::Replay(77));
+}
+
+#[tokio::test]
+async fn a_reservation_on_one_instance_is_replayed_on_another_and_fail_fast_works_across() {
+    let Some(node) = RedisNode::start(
+        "a_reservation_on_one_instance_is_replayed_on_another_and_fail_fast_works_across",
+    ) else {
+        return;
+    };
+    let urls = vec![node.url()];
+    let a = instance(connect(&urls, false).await).await;
+    let b = instance(connect(&urls, false).await).await;
+    let IdempotencyReserved::Fresh(reservation) = a
+        .idempotency()
+        .reserve::<String>("order:1", IdempotencyOptions::new())
+        .await
+        .unwrap()
+    else {
+        panic!("fresh")
+    };
+    // Fail fast on the other instance: in flight, with a retry hint.
+    let rejected = b
+        .idempotency()
+        .run_with(
+            "order:1",
+            IdempotencyOptions::new().with_in_flight(InFlight::Reject),
+            || async { Ok::<_, std::io::Error>("b".to_owned()) },
+        )
+        .await;
+    match rejected {
+        Err(Error::InFlight { retry_after, .. }) => {
+            assert!(retry_after > Duration::ZERO && retry_after <= Duration::from_secs(1));
+        }
+        other => panic!("{other:?}"),
+    }
+    // A waiting duplicate on the other instance wakes on the completion.
+    let waiter = tokio::spawn({
+        let b = b.clone();
+        async move {
+            let started = Instant::now();
+            let outcome = b
+                .idempotency()
+                .run("order:1", || async {
+                    Ok::<_, std::io::Error>("b".to_owned())
+                })
+                .await
+                .unwrap();
+            (outcome, started.elapsed())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    reservation.complete("a".to_owned()).await.unwrap();
+    let (outcome, waited) = waiter.await.unwrap();
+    assert_eq!(outcome, IdempotencyOutcome::Replay("a".to_owned()));
+    assert!(
+        waited < Duration::from_secs(2),
+        "woken by the notice: {waited:?}"
+    );
+    // A replay as another type is refused, not misread.
+    let other_type = b
+        .idempotency()
+        .run("order:1", || async { Ok::<_, std::io::Error>(1u64) })
+        .await;
+    assert!(
+        matches!(other_type, Err(Error::TypeMismatch { .. })),
+        "{other_type:?}"
+    );
+}
+
+#[tokio::test]
+async fn duplicates_on_one_instance_share_one_claim_and_a_replay_is_one_round_trip() {
+    let Some(node) = RedisNode::start(
+        "duplicates_on_one_instance_share_one_claim_and_a_replay_is_one_round_trip",
+    ) else {
+        return;
+    };
+    let redis = connect(&[node.url()], false).await;
+    let rt = instance(redis.clone()).await;
+    let runs = Arc::new(AtomicU32::new(0));
+    let before = redis.stats().commands;
+    let calls: Vec<_> = (0..8)
+        .map(|_| {
+            let (rt, runs) = (rt.clone(), Arc::clone(&runs));
+            tokio::spawn(async move {
+                rt.idempotency()
+                    .run("job:1", move || async move {
+                        runs.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        Ok::<_, std::io::Error>(5u32)
+                    })
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    for call in calls {
+        assert_eq!(*call.await.unwrap().value(), 5);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        redis.stats().commands - before,
+        2,
+        "one claim and one completion"
+    );
+    let before = redis.stats().commands;
+    let replay = rt
+        .idempotency()
+        .run("job:1", || async { Ok::<_, std::io::Error>(6u32) })
+        .await
+        .unwrap();
+    assert_eq!(replay, IdempotencyOutcome::Replay(5));
+    assert_eq!(
+        redis.stats().commands - before,
+        1,
+        "a replay is one round trip"
+    );
+}
+
+#[tokio::test]
+async fn s7_with_redis_unreachable_idempotency_fails_closed_and_runs_nothing() {
+    let Some(mut node) =
+        RedisNode::start("s7_with_redis_unreachable_idempotency_fails_closed_and_runs_nothing")
+    else {
+        return;
+    };
+    let redis = Redis::builder(node.url())
+        .with_command_timeout(Duration::from_millis(500))
+        .with_breaker(BreakerConfig::default().with_cooldown(Duration::from_millis(200)))
+        .connect()
+        .await
+        .expect("connects");
+    let rt = instance(redis).await;
+    node.kill();
+    let runs = Arc::new(AtomicU32::new(0));
+    for _ in 0..8 {
+        let runs = Arc::clone(&runs);
+        let started = Instant::now();
+        let outcome = rt
+            .idempotency()
+            .run("pay:down", move || async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, std::io::Error>(1u32)
+            })
+            .await;
+        assert!(
+            matches!(outcome, Err(Error::StoreUnavailable { .. })),
+            "{outcome:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "bounded by the command timeout"
+        );
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "nothing runs without the store"
+    );
+    node.restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match rt
+            .idempotency()
+            .run("pay:down", || async { Ok::<_, std::io::Error>(2u32) })
+            .await
+        {
+            Ok(outcome) => {
+                assert_eq!(outcome, IdempotencyOutcome::Fresh(2));
+                break;
+            }
+            Err(Error::StoreUnavailable { .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("after the restart: {e:?}"),
+        }
+    }
+}
