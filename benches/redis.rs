@@ -11,6 +11,12 @@
 //!   same server (ratio = their throughput / ours). Target: <= 2.
 //! - `redis_cluster_fresh`: the same decisions on a 3-node cluster, printing
 //!   throughput.
+//! - `redis_idempotency_replay`: replaying a completed key across instances
+//!   (one caller, one round trip each) against one `GET` of a key holding a
+//!   value of the same size through the same client. Target: <= 1.3.
+//! - `redis_idempotency_fresh`: claim, run an empty function, complete, on
+//!   fresh keys (one caller) against two `EVALSHA` round trips of a script
+//!   that returns 1. Target: <= 1.5.
 //!
 //! Run: `cargo bench --features redis --bench redis`
 
@@ -213,6 +219,7 @@ fn main() {
             }
             None => println!("redis_vs_benchmark: skipped, redis-benchmark did not run"),
         }
+        idempotency(&runtime, &url).await;
         runtime.shutdown(Duration::from_secs(1)).await;
         memory.shutdown(Duration::from_secs(1)).await;
     });
@@ -238,4 +245,101 @@ fn main() {
         );
         runtime.shutdown(Duration::from_secs(1)).await;
     });
+}
+
+/// Sequential operations per measurement of the idempotency benches.
+const IDEMPOTENT_CALLS: u64 = 20_000;
+
+/// Mean ns of `op` over `n` sequential calls.
+async fn sequential<F, Fut>(n: u64, mut op: F) -> f64
+where
+    F: FnMut(u64) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let start = Instant::now();
+    for i in 0..n {
+        op(i).await;
+    }
+    start.elapsed().as_nanos() as f64 / n as f64
+}
+
+async fn idempotency(runtime: &Runtime, url: &str) {
+    let idem = runtime.idempotency();
+    let client = redis::Client::open(url).expect("client");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    // The replayed value: 8 bytes of bincode, as a GET of 8 bytes.
+    let stored = idem
+        .run("bench:replay", || async { Ok::<_, Infallible>(u64::MAX) })
+        .await
+        .expect("stored");
+    assert!(stored.is_fresh());
+    let _: () = redis::cmd("SET")
+        .arg("bench:get")
+        .arg(&u64::MAX.to_le_bytes()[..])
+        .query_async(&mut conn)
+        .await
+        .expect("SET");
+    let script = redis::Script::new("return 1");
+    let (mut replay, mut get, mut fresh, mut evalsha) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
+    for run in 0..3u64 {
+        replay = replay.min(
+            sequential(IDEMPOTENT_CALLS, |_| {
+                let idem = idem.clone();
+                async move {
+                    let outcome = idem
+                        .run("bench:replay", || async { Ok::<_, Infallible>(0u64) })
+                        .await
+                        .expect("replay");
+                    assert!(outcome.is_replay());
+                }
+            })
+            .await,
+        );
+        get = get.min(
+            sequential(IDEMPOTENT_CALLS, |_| {
+                let mut conn = conn.clone();
+                async move {
+                    let value: Vec<u8> = redis::cmd("GET")
+                        .arg("bench:get")
+                        .query_async(&mut conn)
+                        .await
+                        .expect("GET");
+                    black_box(value);
+                }
+            })
+            .await,
+        );
+        fresh = fresh.min(
+            sequential(IDEMPOTENT_CALLS, |i| {
+                let idem = idem.clone();
+                async move {
+                    let outcome = idem
+                        .run(&format!("bench:fresh:{run}:{i}"), move || async move {
+                            Ok::<_, Infallible>(i)
+                        })
+                        .await
+                        .expect("fresh");
+                    assert!(outcome.is_fresh());
+                }
+            })
+            .await,
+        );
+        evalsha = evalsha.min(
+            sequential(IDEMPOTENT_CALLS, |_| {
+                let (mut conn, script) = (conn.clone(), &script);
+                async move {
+                    for _ in 0..2 {
+                        let one: i64 = script.invoke_async(&mut conn).await.expect("EVALSHA");
+                        black_box(one);
+                    }
+                }
+            })
+            .await,
+        );
+    }
+    compare("redis_idempotency_replay", replay, get);
+    compare("redis_idempotency_fresh", fresh, evalsha);
 }
