@@ -1,5 +1,6 @@
-//! Two instances sharing one Redis: a leading throttle and a coalescing
-//! throttle that agree across them, and what happens when Redis goes away.
+//! Two instances sharing one Redis: a leading throttle, a coalescing
+//! throttle and an idempotent payment that agree across them, and what
+//! happens when Redis goes away.
 //!
 //! Run: `cargo run --features redis --example cluster`
 //!
@@ -145,8 +146,35 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("instance a got {:?}", ra?);
     println!("instance b got {:?}", rb?);
 
-    // 3. Redis goes away: throttles fall back to per-instance decisions and
-    //    the breaker opens; when Redis is back, they share again.
+    // 3. Idempotency: the same payment reaches both instances (a client
+    //    retried through the load balancer); it is charged once, and the
+    //    other instance replays the stored receipt.
+    println!("\n== one payment, two instances ==");
+    let payment = format!("payment:{run}");
+    let charge = |who: &'static str| {
+        move || async move {
+            println!("  instance {who} charges the card");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok::<_, Infallible>(format!("receipt from {who}"))
+        }
+    };
+    let (ia, ib) = (a.idempotency(), b.idempotency());
+    let (pa, pb) = tokio::join!(ia.run(&payment, charge("a")), ib.run(&payment, charge("b")));
+    let (pa, pb) = (pa?, pb?);
+    println!(
+        "instance a: {} {:?}",
+        if pa.is_fresh() { "ran" } else { "replayed" },
+        pa.value()
+    );
+    println!(
+        "instance b: {} {:?}",
+        if pb.is_fresh() { "ran" } else { "replayed" },
+        pb.value()
+    );
+
+    // 4. Redis goes away: throttles fall back to per-instance decisions and
+    //    the breaker opens; idempotency fails closed; when Redis is back,
+    //    they share again.
     let Some(server) = own.as_mut() else {
         println!("\n(skipping the outage demo: the server was given by {REDIS_URL_ENV})");
         return Ok(());
@@ -173,6 +201,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         redis_a.stats().breaker.state,
         redis_a.stats().breaker.opened
     );
+    let key = format!("payment:{run}:outage");
+    let refused = a
+        .idempotency()
+        .run(&key, || async {
+            Ok::<_, Infallible>("never charged".to_owned())
+        })
+        .await;
+    match refused {
+        Err(e) => println!("a payment during the outage: refused, nothing charged ({e})"),
+        Ok(outcome) => println!("a payment during the outage ran: {outcome:?}"),
+    }
 
     println!("\n== Redis is back ==");
     let port = server.port;
