@@ -3,6 +3,10 @@
 
 #[path = "support/http.rs"]
 mod support;
+#[cfg(feature = "redis")]
+#[path = "support/redis.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod support_redis;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -920,4 +924,50 @@ async fn a_client_that_hangs_up_does_not_cancel_the_handler_and_its_retry_replay
     let body = retry.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body, charge(1, "1"));
     assert_eq!(shop.runs(), 1);
+}
+
+/// Two instances of one service behind a load balancer, sharing `store`:
+/// a request on one and its retry on the other run once, and the retry gets
+/// the stored response, flagged replayed.
+async fn two_instances_share_one_response(store: impl throttlebeam::IdempotencyStore + Clone) {
+    let shop = Shop::new();
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let runtime = Runtime::builder()
+            .with_idempotency_store(store.clone())
+            .start()
+            .await
+            .expect("runtime starts");
+        servers.push(serve(app(IdempotencyLayer::new(&runtime), &shop)).await);
+    }
+    let first = servers[0].post("/pay", "k-shared", "5 EUR").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = servers[1].post("/pay", "k-shared", "5 EUR").await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.header("content-type"), Some("application/json"));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+    let mismatch = servers[1].post("/pay", "k-shared", "6 EUR").await;
+    assert_eq!(mismatch.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(shop.runs(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_sharing_a_store_answer_a_retry_with_the_stored_response() {
+    two_instances_share_one_response(throttlebeam::MemoryIdempotencyStore::new()).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_sharing_redis_answer_a_retry_with_the_stored_response() {
+    let Some(node) = support_redis::RedisNode::start(
+        "two_instances_sharing_redis_answer_a_retry_with_the_stored_response",
+    ) else {
+        return;
+    };
+    let redis = throttlebeam::store::Redis::builder(node.url())
+        .connect()
+        .await
+        .expect("connects");
+    two_instances_share_one_response(redis).await;
 }
