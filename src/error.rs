@@ -192,9 +192,9 @@ impl Error {
 
     /// A per-key process ended without handing back the result it owed.
     pub(crate) fn process_lost(key: &str) -> Self {
-        Self::Panicked {
+        Self::Discarded {
             key: crate::key::shown(key),
-            message: "per-key process exited without a result".to_owned(),
+            reason: "its process was lost",
         }
     }
 

@@ -362,3 +362,64 @@ async fn throttle_stats_count_executed_and_throttled_calls() {
     let json = serde_json::to_value(rt.stats()).unwrap();
     assert_eq!(json["throttle"]["throttled"], 4);
 }
+
+/// Issue 7 item 2: a leading call whose per-key process is lost (its tokio
+/// runtime ended mid-run) gets a typed `Discarded`, not a panic report, and
+/// the key is usable again.
+#[test]
+fn a_caller_whose_process_is_lost_gets_discarded_and_the_key_works_again() {
+    use std::future::Future;
+    use std::pin::Pin;
+
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let rt = main.block_on(runtime());
+    let key = "lost:leading";
+    let throttle = rt.throttle();
+    let call = std::thread::spawn(move || {
+        let doomed = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut call: Pin<Box<dyn Future<Output = _> + Send>> = Box::pin(async move {
+            throttle
+                .call(key, Duration::from_secs(3600), move || async move {
+                    let _ = started_tx.send(());
+                    std::future::pending::<()>().await;
+                    Ok::<_, Oops>("never")
+                })
+                .await
+        });
+        doomed.block_on(async {
+            tokio::select! {
+                _ = &mut call => panic!("the function never ends"),
+                _ = started_rx => {}
+            }
+        });
+        // The runtime that runs the key's process ends, dropping the process.
+        drop(doomed);
+        call
+    })
+    .join()
+    .unwrap();
+    main.block_on(async {
+        let outcome = tokio::time::timeout(Duration::from_secs(5), call)
+            .await
+            .expect("the caller is told at once");
+        assert!(
+            matches!(&outcome, Err(Error::Discarded { key: k, reason }) if k == key && reason.contains("process was lost")),
+            "{outcome:?}"
+        );
+        // The window was opened by the lost call: the key is throttled, not wedged.
+        let again = rt
+            .throttle()
+            .call(key, Duration::from_secs(3600), || async { Ok::<_, Oops>("ran") })
+            .await
+            .unwrap();
+        assert!(matches!(again, ThrottleOutcome::Throttled { .. }), "{again:?}");
+    });
+}
