@@ -17,9 +17,12 @@ use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 // against real servers here; `Idempotency` moves onto them next (issue 9).
 #[cfg_attr(not(test), allow(dead_code))]
 mod claims;
+mod debounce;
 #[cfg_attr(not(test), allow(dead_code))]
 mod notify;
 mod window;
+
+pub(crate) use self::debounce::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
 
 /// Environment variable read by [`Redis::from_env`]: the URL of a single
 /// Redis node, e.g. `redis://127.0.0.1:6379/0`.
@@ -173,6 +176,7 @@ impl RedisBuilder {
                 pinned_now: AtomicU64::new(0),
                 nodes: self.nodes,
                 waiters: notify::Waiters::default(),
+                bursts: debounce::BurstListeners::default(),
             }),
         })
     }
@@ -191,10 +195,11 @@ struct Inner {
     breaker: Breaker,
     commands: AtomicU64,
     pinned_now: AtomicU64,
-    #[cfg_attr(not(test), allow(dead_code))]
     nodes: Vec<String>,
     #[cfg_attr(not(test), allow(dead_code))]
     waiters: notify::Waiters,
+    /// Who hears debounce notices.
+    bursts: debounce::BurstListeners,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -677,6 +682,7 @@ mod tests {
             pinned_now: AtomicU64::new(0),
             nodes: vec![],
             waiters: notify::Waiters::default(),
+            bursts: debounce::BurstListeners::default(),
         };
         let redis = Redis {
             inner: Arc::new(inner),
