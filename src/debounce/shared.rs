@@ -48,7 +48,7 @@
 use std::any::TypeId;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -267,8 +267,6 @@ pub(super) struct Shared {
     instance: Arc<str>,
     seq: AtomicU64,
     registry: Registry<InlineKey, Slot>,
-    /// Whether a first call waited for the subscription.
-    ready: AtomicBool,
 }
 
 impl Shared {
@@ -278,7 +276,6 @@ impl Shared {
             instance: instance_id(),
             seq: AtomicU64::new(0),
             registry,
-            ready: AtomicBool::new(false),
         });
         let listener: Arc<dyn BurstListener> = shared.clone();
         shared.redis.listen_bursts(Arc::downgrade(&listener));
@@ -538,11 +535,6 @@ impl Driver {
     }
 
     async fn run(mut self) {
-        if !self.shared.ready.swap(true, Ordering::Relaxed) {
-            // Publish nothing before the answers can be heard (bounded: a
-            // missed notice costs a probe, never a result).
-            self.shared.redis.subscribed(GRACE).await;
-        }
         loop {
             let now = Instant::now();
             let closing = self.state().closing.load(Ordering::Acquire);
