@@ -437,3 +437,69 @@ async fn without_redis_shared_calls_are_local() {
     assert!(matches!(settle(c).await, Err(Error::Discarded { .. })));
     rt.shutdown(Duration::from_secs(1)).await;
 }
+
+/// The leading edge across instances: the burst's first call runs at once
+/// on its instance; the later calls, from anywhere, make one trailing run
+/// on the last caller's instance; a lone call runs once, not twice.
+#[tokio::test]
+async fn leading_edge_across_instances() {
+    let Some(node) = RedisNode::start("leading_edge_across_instances") else {
+        return;
+    };
+    let rts = instances(2, &[node.url()], false).await;
+    let d: Vec<_> = rts.iter().map(Runtime::debounce).collect();
+    let delay = Duration::from_millis(150);
+    let opts = DebounceOptions::new().with_leading(true);
+    let runs: Runs = Arc::default();
+    let started = Instant::now();
+    let lead = call(&d[0], "lead", delay, opts, &runs, 0, 0);
+    assert_eq!(settle(lead).await.expect("leading run"), "0:0");
+    assert!(started.elapsed() < delay, "the leading call runs at once");
+    let a = call(&d[1], "lead", delay, opts, &runs, 1, 1);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let b = call(&d[0], "lead", delay, opts, &runs, 0, 2);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let c = call(&d[1], "lead", delay, opts, &runs, 1, 3);
+    for outcome in futures_join(vec![a, b, c]).await {
+        assert_eq!(outcome.expect("trailing run"), "1:3");
+    }
+    tokio::time::sleep(delay + Duration::from_millis(100)).await;
+    let ran: Vec<_> = runs.lock().unwrap().iter().map(|r| (r.0, r.1)).collect();
+    assert_eq!(ran, [(0, 0), (1, 3)], "one leading and one trailing run");
+
+    // A lone call: exactly one run.
+    let runs: Runs = Arc::default();
+    let lone = call(&d[1], "lone", delay, opts, &runs, 1, 0);
+    assert_eq!(settle(lone).await.expect("leading run"), "1:0");
+    tokio::time::sleep(delay + Duration::from_millis(150)).await;
+    assert_eq!(runs.lock().unwrap().len(), 1);
+    shut(rts).await;
+}
+
+/// Shutdown with the default flush policy runs the bursts this instance
+/// owns now, and callers elsewhere get the value.
+#[tokio::test]
+async fn shutdown_flushes_the_bursts_an_instance_owns() {
+    let Some(node) = RedisNode::start("shutdown_flushes_the_bursts_an_instance_owns") else {
+        return;
+    };
+    let rts = instances(2, &[node.url()], false).await;
+    let d: Vec<_> = rts.iter().map(Runtime::debounce).collect();
+    let long = Duration::from_secs(30);
+    let runs: Runs = Arc::default();
+    let elsewhere = call(&d[0], "bye", long, DebounceOptions::new(), &runs, 0, 0);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let owner = call(&d[1], "bye", long, DebounceOptions::new(), &runs, 1, 1);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let started = Instant::now();
+    rts[1].shutdown(Duration::from_secs(2)).await;
+    for outcome in futures_join(vec![elsewhere, owner]).await {
+        assert_eq!(outcome.expect("flushed at shutdown"), "1:1");
+    }
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(matches!(
+        d[1].call_shared("bye", long, || async { Ok::<_, std::io::Error>(String::new()) }),
+        Err(Error::ShutDown { .. })
+    ));
+    shut(rts).await;
+}
