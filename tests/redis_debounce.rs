@@ -112,13 +112,20 @@ async fn one_run_per_burst_on_the_last_caller(urls: Vec<String>, cluster: bool) 
         let runs = runs.lock().unwrap().clone();
         assert_eq!(runs.len(), 1, "{key}: exactly one run: {runs:?}");
         let (i, n, at) = runs[0];
-        assert_eq!((i, n), (last, order.len() - 1), "{key}: the last call's function, on its instance");
+        assert_eq!(
+            (i, n),
+            (last, order.len() - 1),
+            "{key}: the last call's function, on its instance"
+        );
         assert!(
             at + Duration::from_millis(10) >= last_call + delay,
             "{key}: ran {:?} after the last call; the delay is {delay:?}",
             at - last_call
         );
-        assert!(at < last_call + delay + Duration::from_millis(500), "{key}: ran late");
+        assert!(
+            at < last_call + delay + Duration::from_millis(500),
+            "{key}: ran late"
+        );
     }
     // Nothing is left behind on any instance.
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -180,7 +187,10 @@ async fn max_wait_holds_across_instances(urls: Vec<String>, cluster: bool) {
     tokio::time::sleep(delay + Duration::from_millis(300)).await;
     let runs = runs.lock().unwrap().clone();
     let tolerance = Duration::from_millis(120);
-    assert!(runs.len() >= 3, "runs while calls kept coming, then a trailing one: {runs:?}");
+    assert!(
+        runs.len() >= 3,
+        "runs while calls kept coming, then a trailing one: {runs:?}"
+    );
     let mut previous = start;
     for &(_, _, at) in &runs[..runs.len() - 1] {
         assert!(
@@ -210,8 +220,7 @@ async fn max_wait_holds_across_instances_on_one_node() {
 
 #[tokio::test]
 async fn max_wait_holds_across_instances_on_a_cluster() {
-    let Some(cluster) = RedisCluster::start("max_wait_holds_across_instances_on_a_cluster")
-    else {
+    let Some(cluster) = RedisCluster::start("max_wait_holds_across_instances_on_a_cluster") else {
         return;
     };
     max_wait_holds_across_instances(cluster.urls(), true).await;
@@ -234,12 +243,21 @@ async fn cancel_and_flush_from_another_instance(urls: Vec<String>, cluster: bool
     assert!(d[2].cancel_shared("job:c").await.expect("valid key"));
     for outcome in futures_join(vec![a, b]).await {
         assert!(
-            matches!(outcome, Err(Error::Discarded { reason: "cancelled", .. })),
+            matches!(
+                outcome,
+                Err(Error::Discarded {
+                    reason: "cancelled",
+                    ..
+                })
+            ),
             "{outcome:?}"
         );
     }
     tokio::time::sleep(delay + Duration::from_millis(100)).await;
-    assert!(runs.lock().unwrap().is_empty(), "a cancelled burst never runs");
+    assert!(
+        runs.lock().unwrap().is_empty(),
+        "a cancelled burst never runs"
+    );
     assert!(!d[2].cancel_shared("job:c").await.expect("valid key"));
     // The next call starts a fresh burst.
     let fresh = call(&d[0], "job:c", delay, opts, &runs, 0, 2);
@@ -258,9 +276,15 @@ async fn cancel_and_flush_from_another_instance(urls: Vec<String>, cluster: bool
     for outcome in futures_join(vec![a, b]).await {
         assert_eq!(outcome.expect("flushed"), "1:1");
     }
-    assert!(asked.elapsed() < Duration::from_secs(1), "flushed now, not at the deadline");
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "flushed now, not at the deadline"
+    );
     assert_eq!(runs.lock().unwrap().len(), 1);
-    assert!(!d[2].flush_shared("job:f").await.expect("valid key"), "nothing pending");
+    assert!(
+        !d[2].flush_shared("job:f").await.expect("valid key"),
+        "nothing pending"
+    );
     assert!(matches!(
         d[2].flush_shared("").await,
         Err(Error::InvalidKey { .. })
@@ -337,20 +361,35 @@ async fn waiters_on_a_dead_owner_get_an_error_not_a_hang() {
     let rts = instances(1, &[node.url()], false).await;
     let runs: Runs = Arc::default();
     let delay = Duration::from_millis(100);
-    let waiting = call(&rts[0].debounce(), "orphan", delay, DebounceOptions::new(), &runs, 0, 0);
+    let waiting = call(
+        &rts[0].debounce(),
+        "orphan",
+        delay,
+        DebounceOptions::new(),
+        &runs,
+        0,
+        0,
+    );
     tokio::time::sleep(Duration::from_millis(30)).await;
     // A call from an instance that then died: it owns the burst now.
     let record = "{throttlebeam:orphan}:d";
     node.cli(&["HINCRBY", record, "g", "1"]).expect("redis-cli");
-    node.cli(&["HSET", record, "o", "ghost"]).expect("redis-cli");
+    node.cli(&["HSET", record, "o", "ghost"])
+        .expect("redis-cli");
     let started = Instant::now();
     let outcome = settle(waiting).await;
     assert!(
         matches!(outcome, Err(Error::Discarded { .. })),
         "{outcome:?}"
     );
-    assert!(started.elapsed() >= Duration::from_millis(900), "waited for the grace");
-    assert!(runs.lock().unwrap().is_empty(), "the superseded function never ran");
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "waited for the grace"
+    );
+    assert!(
+        runs.lock().unwrap().is_empty(),
+        "the superseded function never ran"
+    );
     shut(rts).await;
 }
 
@@ -426,13 +465,37 @@ async fn without_redis_shared_calls_are_local() {
     let debounce = rt.debounce();
     let runs: Runs = Arc::default();
     let delay = Duration::from_millis(30);
-    let a = call(&debounce, "solo", delay, DebounceOptions::new(), &runs, 0, 0);
-    let b = call(&debounce, "solo", delay, DebounceOptions::new(), &runs, 0, 1);
+    let a = call(
+        &debounce,
+        "solo",
+        delay,
+        DebounceOptions::new(),
+        &runs,
+        0,
+        0,
+    );
+    let b = call(
+        &debounce,
+        "solo",
+        delay,
+        DebounceOptions::new(),
+        &runs,
+        0,
+        1,
+    );
     assert!(debounce.is_pending("solo"), "in the in-process registry");
     for outcome in futures_join(vec![a, b]).await {
         assert_eq!(outcome.expect("runs"), "0:1");
     }
-    let c = call(&debounce, "solo", delay, DebounceOptions::new(), &runs, 0, 2);
+    let c = call(
+        &debounce,
+        "solo",
+        delay,
+        DebounceOptions::new(),
+        &runs,
+        0,
+        2,
+    );
     assert!(debounce.cancel_shared("solo").await.expect("valid key"));
     assert!(matches!(settle(c).await, Err(Error::Discarded { .. })));
     rt.shutdown(Duration::from_secs(1)).await;
@@ -498,7 +561,9 @@ async fn shutdown_flushes_the_bursts_an_instance_owns() {
     }
     assert!(started.elapsed() < Duration::from_secs(2));
     assert!(matches!(
-        d[1].call_shared("bye", long, || async { Ok::<_, std::io::Error>(String::new()) }),
+        d[1].call_shared("bye", long, || async {
+            Ok::<_, std::io::Error>(String::new())
+        }),
         Err(Error::ShutDown { .. })
     ));
     shut(rts).await;

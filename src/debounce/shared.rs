@@ -145,8 +145,8 @@ impl Codec {
 
     fn outcome(&self, key: &str, bytes: &[u8]) -> Result<Value, Error> {
         let mismatch = || Error::TypeMismatch { key: shown(key) };
-        let (wire, _) =
-            bincode::serde::decode_from_slice::<Wire, _>(bytes, config()).map_err(|_| mismatch())?;
+        let (wire, _) = bincode::serde::decode_from_slice::<Wire, _>(bytes, config())
+            .map_err(|_| mismatch())?;
         match wire {
             Wire::Value { tag, bytes } if tag == self.tag => {
                 (self.decode)(&bytes).ok_or_else(mismatch)
@@ -297,7 +297,11 @@ impl Shared {
     /// Forgets every key, failing its callers (runtime restart).
     pub(super) fn reset(&self) {
         for (_, mut slot) in self.registry.drain() {
-            let lost = slot.unsent.take().into_iter().chain(slot.waiting.drain(..).map(|(_, c)| c));
+            let lost = slot
+                .unsent
+                .take()
+                .into_iter()
+                .chain(slot.waiting.drain(..).map(|(_, c)| c));
             for cell in lost {
                 cell.discard("the runtime restarted");
             }
@@ -330,7 +334,9 @@ impl Shared {
             })
             .flatten();
         drop(dropped);
-        let Some((cells, codec)) = settled else { return };
+        let Some((cells, codec)) = settled else {
+            return;
+        };
         if cells.is_empty() {
             return;
         }
@@ -566,7 +572,11 @@ impl Driver {
                             cell,
                             delay: s.delay,
                             options: s.options,
-                            leading: if s.options.leading() { s.job().take() } else { None },
+                            leading: if s.options.leading() {
+                                s.job().take()
+                            } else {
+                                None
+                            },
                         };
                     }
                     let due = s.due.is_some_and(|d| now >= d);
@@ -752,7 +762,10 @@ impl Driver {
         let local: Job = Box::new(move |key: Arc<str>| {
             Box::pin(async move { job(key).await.map(|(value, _)| value) })
         });
-        match self.handle.schedule(&self.key, delay, options, local, type_id) {
+        match self
+            .handle
+            .schedule(&self.key, delay, options, local, type_id)
+        {
             Ok(local) => {
                 tokio::spawn(async move {
                     let result = local.result.wait().await;
@@ -770,7 +783,11 @@ impl Driver {
     }
 
     /// Acts on where a burst stands (after a fire attempt or a probe).
-    async fn found(&mut self, burst: &Arc<str>, state: Result<BurstState, crate::store::StoreError>) {
+    async fn found(
+        &mut self,
+        burst: &Arc<str>,
+        state: Result<BurstState, crate::store::StoreError>,
+    ) {
         let now = Instant::now();
         match state {
             Ok(BurstState::Fired) => {
@@ -923,7 +940,11 @@ impl Driver {
             cell.set(local.clone());
         }
         if let Some(burst) = burst
-            && let Err(error) = self.shared.redis.burst_publish(&self.key, burst, wire).await
+            && let Err(error) = self
+                .shared
+                .redis
+                .burst_publish(&self.key, burst, wire)
+                .await
         {
             tracing::warn!(key = %shown(&self.key), %error, "debounce: could not publish a run's outcome; waiters elsewhere fall back");
         }

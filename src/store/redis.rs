@@ -22,9 +22,7 @@ mod debounce;
 mod notify;
 mod window;
 
-pub(crate) use self::debounce::{
-    BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE,
-};
+pub(crate) use self::debounce::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
 
 /// Environment variable read by [`Redis::from_env`]: the URL of a single
 /// Redis node, e.g. `redis://127.0.0.1:6379/0`.

@@ -190,9 +190,8 @@ impl BurstNotice {
             NoticeKind::Flush => (b'F', &[]),
         };
         let len = self.key.len().to_string();
-        let mut out = Vec::with_capacity(
-            3 + self.burst.len() + len.len() + self.key.len() + payload.len(),
-        );
+        let mut out =
+            Vec::with_capacity(3 + self.burst.len() + len.len() + self.key.len() + payload.len());
         out.push(kind);
         out.extend_from_slice(self.burst.as_bytes());
         out.push(b' ');
@@ -310,7 +309,11 @@ fn burst_state(reply: &[Value]) -> Result<BurstState, StoreError> {
             }
         },
         "gone" => BurstState::Gone,
-        other => return Err(StoreError::Protocol(format!("unknown burst state {other:?}"))),
+        other => {
+            return Err(StoreError::Protocol(format!(
+                "unknown burst state {other:?}"
+            )));
+        }
     })
 }
 
@@ -555,8 +558,7 @@ mod tests {
                     .burst_publish(key, "a.1", b"value".to_vec())
                     .await
                     .unwrap();
-                let BurstState::Done(notice) = redis.burst_probe(key, "a.1").await.unwrap()
-                else {
+                let BurstState::Done(notice) = redis.burst_probe(key, "a.1").await.unwrap() else {
                     panic!("the outcome is readable");
                 };
                 let notice = BurstNotice::parse(&notice).expect("a notice");
@@ -568,7 +570,10 @@ mod tests {
                     .unwrap();
                 assert!(c.opened);
                 assert_eq!(c.burst, "a.2");
-                assert_eq!(redis.burst_probe(key, "zz.9").await.unwrap(), BurstState::Gone);
+                assert_eq!(
+                    redis.burst_probe(key, "zz.9").await.unwrap(),
+                    BurstState::Gone
+                );
             }
         })
         .await;
@@ -590,7 +595,11 @@ mod tests {
                 .burst_call("m", "b", "b.1", delay, max, false)
                 .await
                 .unwrap();
-            assert_eq!(later.left, Duration::from_millis(50), "capped by first + max_wait");
+            assert_eq!(
+                later.left,
+                Duration::from_millis(50),
+                "capped by first + max_wait"
+            );
             redis.pin_time(2_000_250);
             let fired = redis
                 .burst_fire("m", "b", "a.1", later.generation, false, max)
@@ -662,7 +671,13 @@ mod tests {
                     .await
                     .expect("notices arrive");
             }
-            let kinds: Vec<_> = seen.0.lock().unwrap().iter().map(|n| n.kind.clone()).collect();
+            let kinds: Vec<_> = seen
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|n| n.kind.clone())
+                .collect();
             assert_eq!(kinds, [NoticeKind::Flush, NoticeKind::Cancelled]);
             let BurstState::Done(bytes) = redis.burst_probe("f", &call.burst).await.unwrap() else {
                 panic!("the cancellation is readable");
