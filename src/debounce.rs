@@ -887,15 +887,8 @@ impl DebounceHandle {
                     }
                 })
             });
-            let cell = self.schedule_shared(
-                shared,
-                key,
-                delay,
-                options,
-                job,
-                TypeId::of::<T>(),
-                shared::Codec::of::<T>(),
-            )?;
+            let cell =
+                self.schedule_shared(shared, key, delay, options, job, shared::Codec::of::<T>())?;
             return Ok(Debounced {
                 cell,
                 _type: PhantomData,

@@ -126,6 +126,7 @@ fn encode_error(error: &Error) -> Vec<u8> {
 /// Decodes the values of one result type.
 #[derive(Clone, Copy)]
 pub(super) struct Codec {
+    type_id: TypeId,
     tag: &'static str,
     decode: fn(&[u8]) -> Option<Value>,
 }
@@ -138,6 +139,7 @@ impl Codec {
                 .map(|(v, _)| Arc::new(v) as Value)
         }
         Self {
+            type_id: TypeId::of::<T>(),
             tag: std::any::type_name::<T>(),
             decode: decode::<T>,
         }
@@ -380,9 +382,9 @@ impl DebounceHandle {
         delay: Duration,
         options: DebounceOptions,
         job: SharedJob,
-        type_id: TypeId,
         codec: Codec,
     ) -> Result<Cell, Error> {
+        let type_id = codec.type_id;
         let mut job = Some(job);
         let mut replaced = None;
         let started = shared.registry.update(key.as_bytes(), |entry| match entry {
@@ -812,7 +814,7 @@ impl Driver {
             }
             Ok(BurstState::Wait(left)) => self.rearm(now + left),
             Ok(BurstState::Open(left)) => {
-                let overdue = u64::try_from(left.unsigned_abs()).unwrap_or(u64::MAX);
+                let overdue = left.unsigned_abs();
                 if left < 0 && Duration::from_millis(overdue) > GRACE {
                     self.lost(burst);
                 } else {
