@@ -126,6 +126,9 @@ impl RuntimeBuilder {
     /// all instances. A key known closed until T is answered locally until
     /// T, with no round trip; while Redis is unreachable (or its circuit
     /// breaker is open) the throttle decides per instance (fail open).
+    /// Debounced calls made with
+    /// [`DebounceHandle::call_shared`](crate::DebounceHandle::call_shared)
+    /// run once per burst across all instances, with the same fallback.
     ///
     /// The default runtime picks Redis up from the environment
     /// ([`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV) or

@@ -568,3 +568,49 @@ async fn shutdown_flushes_the_bursts_an_instance_owns() {
     ));
     shut(rts).await;
 }
+
+/// Calls made on one instance while its previous script is in flight share
+/// the next one: a tight burst of 1,000 local calls costs a handful of
+/// round trips, not 1,000, and still one run.
+#[tokio::test]
+async fn local_calls_share_round_trips() {
+    let Some(node) = RedisNode::start("local_calls_share_round_trips") else {
+        return;
+    };
+    let redis = Redis::builder(node.url())
+        .connect()
+        .await
+        .expect("connects");
+    let rt = Runtime::builder()
+        .with_redis(redis.clone())
+        .start()
+        .await
+        .expect("runtime starts");
+    let debounce = rt.debounce();
+    let runs: Runs = Arc::default();
+    let before = redis.stats().commands;
+    let mut pending = Vec::new();
+    for n in 0..1_000 {
+        pending.push(call(
+            &debounce,
+            "hot",
+            Duration::from_millis(100),
+            DebounceOptions::new(),
+            &runs,
+            0,
+            n,
+        ));
+    }
+    for outcome in futures_join(pending).await {
+        assert_eq!(outcome.expect("one run"), "0:999");
+    }
+    let commands = redis.stats().commands - before;
+    assert_eq!(runs.lock().unwrap().len(), 1);
+    // Call scripts (at most a few), one fire, one publish.
+    assert!(
+        commands <= 6,
+        "{commands} commands for one burst of 1,000 calls"
+    );
+    eprintln!("one burst of 1,000 local calls: {commands} Redis commands");
+    rt.shutdown(Duration::from_secs(1)).await;
+}

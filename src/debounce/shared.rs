@@ -25,7 +25,7 @@
 //! and later, it sleeps again; running, it sleeps for the run's lease (the
 //! owner renews it while its function runs); finished, it reads the kept
 //! outcome (a notice missed while the subscription reconnected costs a
-//! grace, never a result); overdue by more than the grace or gone (its owner
+//! grace, never a result); still open though overdue, or gone (its owner
 //! died), its callers get [`Error::Discarded`].
 //!
 //! # Failure
@@ -35,6 +35,14 @@
 //! every instance debounces on its own. An owner that cannot fire, or a
 //! waiter that cannot probe, runs its latest local function for its own
 //! callers. Each failure is logged.
+//!
+//! # Costs
+//!
+//! Per burst: one script per instance per round trip of local calls, one
+//! fire, one publish; the outcome (bincode) stays in Redis for 10 s. Every
+//! instance hears every notice of the prefix on its one subscription (a
+//! parse and a registry lookup each), so very busy fleets may want a prefix
+//! per group of instances that share keys.
 //!
 //! # Limits
 //!
@@ -68,8 +76,8 @@ use crate::store::Redis;
 use crate::store::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
 
 /// How long past a burst's deadline a waiter elsewhere waits for its
-/// owner before probing, and how overdue a burst may be before its waiters
-/// give up on an owner that died.
+/// owner before probing; a burst still open then (half a grace overdue or
+/// more) has lost its owner.
 pub(super) const GRACE: Duration = Duration::from_secs(1);
 
 /// What a shared job returns: the value for local callers and its encoding
@@ -814,8 +822,10 @@ impl Driver {
             }
             Ok(BurstState::Wait(left)) => self.rearm(now + left),
             Ok(BurstState::Open(left)) => {
+                // Probed a grace after the deadline: a live owner fired long
+                // ago, so half a grace overdue means it is gone.
                 let overdue = left.unsigned_abs();
-                if left < 0 && Duration::from_millis(overdue) > GRACE {
+                if left < 0 && Duration::from_millis(overdue) >= GRACE / 2 {
                     self.lost(burst);
                 } else {
                     let left = Duration::from_millis(u64::try_from(left.max(0)).unwrap_or(0));

@@ -304,7 +304,8 @@ impl Redis {
     /// The stored name of a logical key: `{prefix:key}` followed by
     /// `suffix`, so every key of one operation shares one hash tag. Each
     /// primitive has its own suffix (`:t` leading throttle, `:w` coalescing
-    /// window, `:r` rate limit, `:i`/`:in` idempotency record and fence), so
+    /// window, `:r` rate limit, `:i`/`:in` idempotency record and fence,
+    /// `:d`/`:d:<burst>` debounce burst and outcome), so
     /// one logical key used by two primitives never collides.
     pub(crate) fn key(&self, logical: &str, suffix: &str) -> String {
         let mut k =
