@@ -442,6 +442,7 @@ impl DebounceHandle {
                 key: Arc::clone(&key),
                 generation,
                 done: false,
+                held: Vec::new(),
             };
             // A process that cannot start is dropped unpolled: its guard
             // releases the key.
@@ -543,6 +544,9 @@ struct Driver {
     key: Arc<str>,
     generation: Generation,
     done: bool,
+    /// Cells this process holds outside the slot (a call script or a run
+    /// in flight): failed if it is dropped before it settles them.
+    held: Vec<Cell>,
 }
 
 impl Driver {
@@ -551,6 +555,8 @@ impl Driver {
     }
 
     async fn run(mut self) {
+        // Subscribes if the first shared call came from outside tokio.
+        self.shared.redis.subscribe();
         loop {
             let now = Instant::now();
             let closing = self.state().closing.load(Ordering::Acquire);
@@ -686,6 +692,7 @@ impl Driver {
         options: DebounceOptions,
         leading: Option<SharedJob>,
     ) {
+        self.held.push(Arc::clone(&cell));
         let joined = self
             .shared
             .redis
@@ -699,6 +706,7 @@ impl Driver {
             )
             .await;
         let now = Instant::now();
+        self.held.clear();
         match joined {
             Ok(joined) => {
                 let burst: Arc<str> = Arc::from(joined.burst);
@@ -911,19 +919,24 @@ impl Driver {
 
     /// Runs the function for `cells`; publishes the outcome for the other
     /// instances when this run fired `burst`, renewing its lease meanwhile.
-    async fn execute(&self, job: Option<SharedJob>, cells: Vec<Cell>, burst: Option<&Arc<str>>) {
-        let state = self.state();
-        state.runs.incr();
+    async fn execute(
+        &mut self,
+        job: Option<SharedJob>,
+        cells: Vec<Cell>,
+        burst: Option<&Arc<str>>,
+    ) {
+        self.held.extend(cells.iter().cloned());
+        self.state().runs.incr();
         let renewal = burst.map(|burst| {
             let (redis, key, burst) = (self.shared.redis.clone(), Arc::clone(&self.key), Arc::clone(burst));
-            tokio::spawn(async move {
+            AbortOnDrop(tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(RUN_LEASE / 3).await;
                     if let Err(error) = redis.burst_renew(&key, &burst).await {
                         tracing::debug!(key = %shown(&key), %error, "debounce: lease renewal failed");
                     }
                 }
-            })
+            }))
         });
         let result = match job {
             Some(job) => match catch_panic(job(Arc::clone(&self.key))).await {
@@ -935,22 +948,21 @@ impl Driver {
                 reason: LOST,
             }),
         };
-        if let Some(renewal) = renewal {
-            renewal.abort();
-        }
+        drop(renewal);
         let wire = match &result {
             Ok((_, bytes)) => bytes.clone(),
             Err(error) => encode_error(error),
         };
         let local = result.map(|(value, _)| value);
         if let Err(error) = &local {
-            state.failed.incr();
+            self.state().failed.incr();
             let error: &(dyn std::error::Error + 'static) = error;
             tracing::debug!(key = %shown(&self.key), error, "debounced function failed");
         }
         for cell in cells {
             cell.set(local.clone());
         }
+        self.held.clear();
         if let Some(burst) = burst
             && let Err(error) = self
                 .shared
@@ -963,8 +975,22 @@ impl Driver {
     }
 }
 
+/// Stops a lease renewal when the run ends, however it ends.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl Drop for Driver {
     fn drop(&mut self) {
+        for cell in std::mem::take(&mut self.held) {
+            if cell.discard("its process was lost") {
+                self.state().failed.incr();
+            }
+        }
         if self.done {
             return;
         }

@@ -88,15 +88,17 @@ impl super::Redis {
 impl super::Redis {
     /// Starts the backend's one subscription, once (inside a tokio runtime).
     pub(crate) fn subscribe(&self) {
+        // Outside tokio nothing can listen yet: leave it to the next caller.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
         self.inner.waiters.started.call_once(|| {
-            if tokio::runtime::Handle::try_current().is_ok() {
-                tokio::spawn(listen(
-                    Arc::downgrade(&self.inner),
-                    self.inner.nodes[0].clone(),
-                    self.claims_channel(),
-                    self.debounce_channel(),
-                ));
-            }
+            tokio::spawn(listen(
+                Arc::downgrade(&self.inner),
+                self.inner.nodes[0].clone(),
+                self.claims_channel(),
+                self.debounce_channel(),
+            ));
         });
     }
 
