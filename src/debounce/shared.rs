@@ -257,6 +257,7 @@ impl Slot {
     fn settle(&mut self, burst: &str) -> Vec<Cell> {
         if self.owner.as_ref().is_some_and(|(b, _)| &**b == burst) {
             self.owner = None;
+            self.flush = false;
         }
         let mut cells = Vec::new();
         self.waiting.retain(|(b, cell)| {
@@ -561,6 +562,7 @@ impl Driver {
             let now = Instant::now();
             let closing = self.state().closing.load(Ordering::Acquire);
             let mut dropped = Vec::new();
+            let mut dropped_job = None;
             let step = self
                 .shared
                 .registry
@@ -575,7 +577,7 @@ impl Driver {
                             dropped.extend(s.unsent.take());
                             dropped.extend(s.waiting.drain(..).map(|(_, c)| c));
                             s.owner = None;
-                            drop(s.job().take());
+                            dropped_job = s.job().take();
                             return Step::TryExit;
                         }
                         CLOSING_FLUSH => s.flush = true,
@@ -617,8 +619,12 @@ impl Driver {
                     Step::Sleep(s.due, Arc::clone(&s.wake))
                 })
                 .unwrap_or(Step::Gone);
+            // Outside the shard lock: the user's function is dropped here.
+            drop(dropped_job);
             for cell in dropped {
-                cell.discard("dropped at shutdown");
+                if cell.discard("dropped at shutdown") {
+                    self.state().failed.incr();
+                }
             }
             match step {
                 Step::Send {
@@ -712,7 +718,10 @@ impl Driver {
                 let burst: Arc<str> = Arc::from(joined.burst);
                 let mut run_now = None;
                 let mut dropped = None;
-                self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
+                let kept = self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
+                    if slot.generation() != self.generation {
+                        return false;
+                    }
                     let s = &mut slot.state;
                     match leading {
                         Some(job) if joined.opened => run_now = Some(job),
@@ -732,8 +741,14 @@ impl Driver {
                     }
                     s.owner = Some((Arc::clone(&burst), joined.generation));
                     s.due = Some(now + joined.left);
+                    true
                 });
                 drop(dropped);
+                if kept != Some(true) {
+                    // The key was reset meanwhile: nobody will settle these calls.
+                    cell.discard("the runtime restarted");
+                    return;
+                }
                 if let Some(job) = run_now {
                     // The leading edge: this round trip's calls run now, here.
                     self.execute(Some(job), vec![cell], None).await;
@@ -1010,5 +1025,69 @@ impl Drop for Driver {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_travel_as_values_or_typed_errors() {
+        let codec = Codec::of::<Vec<String>>();
+        let value = vec!["a".to_owned(), "b".to_owned()];
+        let decoded = codec.outcome("k", &encode_value(&value)).expect("a value");
+        assert_eq!(decoded.downcast_ref::<Vec<String>>(), Some(&value));
+        // Another type is refused, not misread.
+        assert!(matches!(
+            codec.outcome("k", &encode_value(&7_u32)),
+            Err(Error::TypeMismatch { .. })
+        ));
+        assert!(matches!(
+            codec.outcome("k", b"not bincode"),
+            Err(Error::TypeMismatch { .. })
+        ));
+        let failed = Error::failed("k", std::io::Error::other("disk full"));
+        match codec.outcome("k", &encode_error(&failed)) {
+            Err(Error::Failed { key, source }) => {
+                assert_eq!(key, "k");
+                assert_eq!(source.to_string(), "disk full");
+            }
+            other => panic!("{other:?}"),
+        }
+        let panicked = Error::Panicked {
+            key: "k".to_owned(),
+            message: "boom".to_owned(),
+        };
+        assert!(matches!(
+            codec.outcome("k", &encode_error(&panicked)),
+            Err(Error::Panicked { message, .. }) if message == "boom"
+        ));
+        for reason in ["cancelled", "dropped at shutdown", LOST, "something new"] {
+            let discarded = Error::Discarded {
+                key: "k".to_owned(),
+                reason: if reason == "something new" {
+                    "x"
+                } else {
+                    discard_reason(reason)
+                },
+            };
+            let Err(Error::Discarded { reason: got, .. }) =
+                codec.outcome("k", &encode_error(&discarded))
+            else {
+                panic!("a discard");
+            };
+            if reason == "something new" {
+                assert_eq!(got, "discarded on another instance");
+            } else {
+                assert_eq!(got, reason);
+            }
+        }
+    }
+
+    #[test]
+    fn instance_ids_differ() {
+        let ids: std::collections::HashSet<_> = (0..1000).map(|_| instance_id()).collect();
+        assert_eq!(ids.len(), 1000);
     }
 }
