@@ -846,8 +846,11 @@ impl DebounceHandle {
     /// instance: use one or the other for a key.
     ///
     /// Waiters elsewhere never hang: if the owning instance dies before
-    /// publishing the outcome, they get [`Error::Discarded`] about a second
-    /// after the deadline (or after the run's lease lapses). While Redis is
+    /// firing, a waiting instance takes the burst over about a second after
+    /// its deadline and runs its own latest function for it (still one run);
+    /// if the owner dies while running it, its waiters get
+    /// [`Error::Discarded`] once the run's lease lapses (a few seconds).
+    /// While Redis is
     /// unreachable or its circuit breaker is open, calls fall back to this
     /// instance's in-process debounce (fail open), logged at warn.
     ///

@@ -21,12 +21,21 @@
 //! # Bounds
 //!
 //! Waiters elsewhere never hang. An instance that is not the owner probes
-//! the burst a grace ([`GRACE`]) after its last known deadline: still open
-//! and later, it sleeps again; running, it sleeps for the run's lease (the
-//! owner renews it while its function runs); finished, it reads the kept
-//! outcome (a notice missed while the subscription reconnected costs a
-//! grace, never a result); still open though overdue, or gone (its owner
-//! died), its callers get [`Error::Discarded`].
+//! the burst a grace ([`GRACE`]) after its last known deadline, in one
+//! script: still open and due later, it sleeps again; running, it sleeps for
+//! the run's lease (the owner renews it while its function runs); finished,
+//! it reads the kept outcome (a notice missed while the subscription
+//! reconnected costs a grace, never a result).
+//!
+//! Still open half a grace past its deadline, the burst has lost its owner
+//! (the instance died, or a call script timed out after the server ran it).
+//! The probe then rescues it: the same script closes the burst for the
+//! probing instance, which runs its own latest function for the burst and
+//! publishes the outcome, so the burst still runs exactly once and every
+//! waiter gets a value. Only the function differs from the rule: the
+//! rescuer's, not the dead owner's. A burst whose owner died while running
+//! it (its lease lapsed) is gone: its waiters get [`Error::Discarded`], as
+//! do those of an instance with no function to rescue with.
 //!
 //! # Failure
 //!
@@ -50,8 +59,8 @@
 //! run lasts longer than the delay (in one process they never do). A
 //! leading-edge run covers the calls of the opening instance's first round
 //! trip. With [`ShutdownPolicy::Drop`](crate::ShutdownPolicy::Drop) a burst
-//! this instance owns is not run, and waiters elsewhere get
-//! [`Error::Discarded`] after the grace.
+//! this instance owns is not run here; a waiter elsewhere rescues it after
+//! the grace.
 
 use std::any::TypeId;
 use std::future::Future;
@@ -531,7 +540,13 @@ enum Step {
         force: bool,
         max_wait: Option<Duration>,
     },
-    Probe(Arc<str>),
+    /// Ask where a burst stands; `rescue` it if its owner left it overdue
+    /// and this instance has a function to run for it.
+    Probe {
+        burst: Arc<str>,
+        rescue: bool,
+        max_wait: Option<Duration>,
+    },
     Sleep(Option<Instant>, Arc<Notify>),
     TryExit,
     Gone,
@@ -611,7 +626,12 @@ impl Driver {
                     if let Some((burst, _)) = s.waiting.first()
                         && due
                     {
-                        return Step::Probe(Arc::clone(burst));
+                        let burst = Arc::clone(burst);
+                        return Step::Probe {
+                            burst,
+                            rescue: s.job().is_some(),
+                            max_wait: s.options.max_wait(),
+                        };
                     }
                     if s.idle() {
                         return Step::TryExit;
@@ -650,12 +670,32 @@ impl Driver {
                             generation,
                             force,
                             max_wait,
+                            None,
                         )
                         .await;
                     self.found(&burst, fired).await;
                 }
-                Step::Probe(burst) => {
-                    let probed = self.shared.redis.burst_probe(&self.key, &burst).await;
+                Step::Probe {
+                    burst,
+                    rescue,
+                    max_wait,
+                } => {
+                    let probed = if rescue {
+                        self.shared
+                            .redis
+                            .burst_fire(
+                                &self.key,
+                                &self.shared.instance,
+                                &burst,
+                                0,
+                                false,
+                                max_wait,
+                                Some(GRACE / 2),
+                            )
+                            .await
+                    } else {
+                        self.shared.redis.burst_probe(&self.key, &burst).await
+                    };
                     self.found(&burst, probed).await;
                 }
                 Step::Sleep(until, wake) => {
@@ -846,7 +886,8 @@ impl Driver {
             Ok(BurstState::Wait(left)) => self.rearm(now + left),
             Ok(BurstState::Open(left)) => {
                 // Probed a grace after the deadline: a live owner fired long
-                // ago, so half a grace overdue means it is gone.
+                // ago, so half a grace overdue means it is gone (and this
+                // instance had no function to rescue the burst with).
                 let overdue = left.unsigned_abs();
                 if left < 0 && Duration::from_millis(overdue) >= GRACE / 2 {
                     self.lost(burst);

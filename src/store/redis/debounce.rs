@@ -71,8 +71,9 @@ return {b, g, left, opened}
 ";
 
 /// Fires the burst if the caller owns its latest generation and it is due
-/// (or flushed); otherwise reports where the burst stands. With an empty
-/// instance it is a probe that never fires.
+/// (or flushed), or if it is overdue by the rescue time (ARGV[8], 0: never)
+/// because its owner never fired it; otherwise reports where the burst
+/// stands. With an empty instance and no rescue it is a probe.
 const FIRE: &str = r"
 local now = now_ms(ARGV[7])
 local rec = redis.call('HMGET', KEYS[1], 'b', 'g', 'o', 'd', 'f', 'z')
@@ -83,8 +84,12 @@ if rec[1] ~= ARGV[2] then
   return {'done', held}
 end
 local d = tonumber(rec[4])
-if rec[2] ~= ARGV[3] or rec[3] ~= ARGV[1] then return {'open', d - now} end
-if ARGV[4] ~= '1' and not rec[5] and now < d then return {'wait', d - now} end
+local rescue = tonumber(ARGV[8])
+if rec[2] ~= ARGV[3] or rec[3] ~= ARGV[1] then
+  if rescue == 0 or now - d < rescue then return {'open', d - now} end
+elseif ARGV[4] ~= '1' and not rec[5] and now < d then
+  return {'wait', d - now}
+end
 local quiet = rec[6] == rec[2]
 if tonumber(ARGV[6]) > 0 then
   redis.call('HDEL', KEYS[1], 'b', 'o', 'd', 'm', 'f', 'z')
@@ -369,7 +374,9 @@ impl Redis {
     }
 
     /// Fires `burst` if `instance` owns its generation `generation` and it is
-    /// due (`force`: now); otherwise where it stands.
+    /// due (`force`: now), or if its owner left it overdue by `rescue`;
+    /// otherwise where it stands.
+    #[allow(clippy::too_many_arguments)] // one script's arguments, named
     pub(crate) async fn burst_fire(
         &self,
         key: &str,
@@ -378,6 +385,7 @@ impl Redis {
         generation: u64,
         force: bool,
         max_wait: Option<Duration>,
+        rescue: Option<Duration>,
     ) -> Result<BurstState, StoreError> {
         static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
         let mut invocation = cached(&SCRIPT, FIRE, true).prepare_invoke();
@@ -390,7 +398,8 @@ impl Redis {
             .arg(if force { "1" } else { "0" })
             .arg(ms(RUN_LEASE))
             .arg(max_wait.map_or(0, ms))
-            .arg(self.pinned());
+            .arg(self.pinned())
+            .arg(rescue.map_or(0, ms));
         let reply: Vec<Value> = self.invoke(&invocation).await?;
         burst_state(&reply)
     }
@@ -401,7 +410,7 @@ impl Redis {
         key: &str,
         burst: &str,
     ) -> Result<BurstState, StoreError> {
-        self.burst_fire(key, "", burst, 0, false, None).await
+        self.burst_fire(key, "", burst, 0, false, None, None).await
     }
 
     /// Renews the lease of a running burst. `false` if it is not running.
@@ -535,19 +544,19 @@ mod tests {
                 // The superseded owner cannot fire; it learns the new deadline.
                 redis.pin_time(1_000_120);
                 let stale = redis
-                    .burst_fire(key, "a", "a.1", a.generation, false, None)
+                    .burst_fire(key, "a", "a.1", a.generation, false, None, None)
                     .await
                     .unwrap();
                 assert_eq!(stale, BurstState::Open(30));
                 // The owner waits for its deadline, then fires once.
                 let early = redis
-                    .burst_fire(key, "b", "a.1", b.generation, false, None)
+                    .burst_fire(key, "b", "a.1", b.generation, false, None, None)
                     .await
                     .unwrap();
                 assert_eq!(early, BurstState::Wait(Duration::from_millis(30)));
                 redis.pin_time(1_000_150);
                 let fired = redis
-                    .burst_fire(key, "b", "a.1", b.generation, false, None)
+                    .burst_fire(key, "b", "a.1", b.generation, false, None, None)
                     .await
                     .unwrap();
                 assert_eq!(fired, BurstState::Fired);
@@ -580,6 +589,53 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_burst_its_owner_left_overdue_is_rescued_once() {
+        each_server("burst_rescue", async |redis: Redis| {
+            let delay = Duration::from_millis(100);
+            let rescue = Some(Duration::from_millis(500));
+            redis.pin_time(3_000_000);
+            let owned = redis
+                .burst_call("r", "dead", "dead.1", delay, None, false)
+                .await
+                .unwrap();
+            redis.pin_time(3_000_400);
+            let early = redis
+                .burst_fire("r", "b", &owned.burst, 0, false, None, rescue)
+                .await
+                .unwrap();
+            assert_eq!(early, BurstState::Open(-300), "not overdue enough");
+            redis.pin_time(3_000_700);
+            let rescued = redis
+                .burst_fire("r", "b", &owned.burst, 0, false, None, rescue)
+                .await
+                .unwrap();
+            assert_eq!(rescued, BurstState::Fired);
+            let again = redis
+                .burst_fire("r", "c", &owned.burst, 0, false, None, rescue)
+                .await
+                .unwrap();
+            assert!(matches!(again, BurstState::Running(_)), "{again:?}");
+            let late = redis
+                .burst_fire(
+                    "r",
+                    "dead",
+                    &owned.burst,
+                    owned.generation,
+                    false,
+                    None,
+                    None,
+                )
+                .await
+                .unwrap();
+            assert!(
+                matches!(late, BurstState::Running(_)),
+                "the owner cannot fire it now"
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test]
     async fn max_wait_caps_the_deadline_and_spaces_the_next_burst() {
         each_server("burst_max_wait", async |redis: Redis| {
             let delay = Duration::from_millis(100);
@@ -602,7 +658,7 @@ mod tests {
             );
             redis.pin_time(2_000_250);
             let fired = redis
-                .burst_fire("m", "b", "a.1", later.generation, false, max)
+                .burst_fire("m", "b", "a.1", later.generation, false, max, None)
                 .await
                 .unwrap();
             assert_eq!(fired, BurstState::Fired);
@@ -640,7 +696,7 @@ mod tests {
                 .await
                 .unwrap();
             let quiet = redis
-                .burst_fire("l", "a", "a.1", opened.generation, true, None)
+                .burst_fire("l", "a", "a.1", opened.generation, true, None, None)
                 .await
                 .unwrap();
             assert_eq!(quiet, BurstState::Quiet);
