@@ -71,7 +71,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use throttlebeam_supervisors::{Generation, Registry, SlotEntry, TimerGuard, catch_panic};
+use throttlebeam_supervisors::{Generation, Registry, SlotEntry, Sweep, TimerGuard, catch_panic};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -373,6 +373,16 @@ impl Shared {
     }
 }
 
+/// Keys leave the map one by one as their processes exit; a sweep gives
+/// back the memory a flood of keys left behind.
+impl Sweep for Shared {
+    fn sweep(&self, _: Instant) -> usize {
+        self.registry.release_capacity();
+        // Nothing here expires: never keeps the sweeper awake.
+        0
+    }
+}
+
 impl BurstListener for Shared {
     fn notice(&self, notice: BurstNotice) {
         self.apply(&notice.key, &notice.burst, &notice.kind);
@@ -385,10 +395,13 @@ impl DebounceHandle {
         let redis = self.runtime.core.redis.as_ref()?;
         Some(self.state.shared.get_or_init(|| {
             let core = &self.runtime.core;
-            Shared::new(
+            let shared = Shared::new(
                 redis.clone(),
                 Registry::new(Arc::clone(&core.counters), core.cap),
-            )
+            );
+            let sweep: Arc<dyn Sweep> = shared.clone();
+            core.tree.sweeper().register(Arc::downgrade(&sweep));
+            shared
         }))
     }
 
