@@ -652,6 +652,9 @@ async fn local_calls_share_round_trips() {
     rt.shutdown(Duration::from_secs(1)).await;
 }
 
+/// (instance, call number) of the runs or values of each key.
+type ByKey = std::collections::HashMap<usize, Vec<(usize, usize)>>;
+
 /// Many keys at once: 300 keys × 8 calls spread over 4 runtimes, all
 /// concurrent. Every key runs exactly once, on one instance, with that
 /// instance's latest function for the key, and all 8 callers get its value.
@@ -677,7 +680,7 @@ async fn many_keys_run_once_each(urls: Vec<String>, cluster: bool) {
     // when 2,400 calls queue up on a loaded machine.
     let delay = Duration::from_millis(500);
     let keys = 300;
-    let runs: Arc<Mutex<std::collections::HashMap<usize, Vec<(usize, usize)>>>> = Arc::default();
+    let runs: Arc<Mutex<ByKey>> = Arc::default();
     let mut pending = Vec::new();
     for n in 0..8 {
         for k in 0..keys {
@@ -697,7 +700,7 @@ async fn many_keys_run_once_each(urls: Vec<String>, cluster: bool) {
     for (k, call) in pending {
         handles.push((k, tokio::spawn(settle(call))));
     }
-    let mut values: std::collections::HashMap<usize, Vec<(usize, usize)>> = Default::default();
+    let mut values = ByKey::default();
     for (k, handle) in handles {
         values
             .entry(k)
