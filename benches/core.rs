@@ -332,7 +332,6 @@ struct Ping(RpcReplyPort<u64>);
 impl ractor::Message for Ping {}
 
 #[cfg_attr(feature = "async-trait", ractor::async_trait)]
-
 impl Actor for Echo {
     type Msg = Ping;
     type State = ();

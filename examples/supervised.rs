@@ -23,7 +23,6 @@ struct HostSupervisor {
 }
 
 #[cfg_attr(feature = "async-trait", ractor::async_trait)]
-
 impl Actor for HostSupervisor {
     type Msg = ();
     type State = ();

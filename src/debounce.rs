@@ -1,4 +1,11 @@
 //! Debounce: run once a key has been quiet for a delay.
+//!
+//! In one process by default ([`DebounceHandle::call`]); across every
+//! instance sharing the runtime's Redis with [`DebounceHandle::call_shared`]
+//! (see `debounce/shared.rs` for the protocol).
+
+#[cfg(feature = "redis")]
+mod shared;
 
 use std::any::{Any, TypeId};
 use std::future::{Future, IntoFuture};
@@ -8,6 +15,8 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{
     Counters, Generation, Registry, SlotEntry, Sweep, TimerGuard, catch_panic,
 };
@@ -185,6 +194,9 @@ pub(crate) struct State {
     cancelled: Counter,
     flushed: Counter,
     failed: Counter,
+    /// Keys debounced across instances, once a shared call was made.
+    #[cfg(feature = "redis")]
+    shared: OnceLock<Arc<shared::Shared>>,
 }
 
 /// Keys leave the map one by one as their processes exit; a sweep gives
@@ -216,6 +228,8 @@ impl State {
             cancelled: Counter::default(),
             flushed: Counter::default(),
             failed: Counter::default(),
+            #[cfg(feature = "redis")]
+            shared: OnceLock::new(),
         }
     }
 
@@ -256,6 +270,10 @@ impl Service for State {
         if !self.registry.is_empty() {
             tokio::spawn(wake_all(Arc::clone(&self.registry)));
         }
+        #[cfg(feature = "redis")]
+        if let Some(shared) = self.shared.get() {
+            shared.wake_all();
+        }
         Box::pin(std::future::ready(()))
     }
 
@@ -269,6 +287,10 @@ impl Service for State {
             }
             slot.wake.notify_one();
         }
+        #[cfg(feature = "redis")]
+        if let Some(shared) = self.shared.get() {
+            shared.reset();
+        }
     }
 
     fn stats(&self, stats: &mut Stats) {
@@ -280,6 +302,10 @@ impl Service for State {
         d.flushed = self.flushed.get();
         d.failed = self.failed.get();
         d.keys = self.registry.len();
+        #[cfg(feature = "redis")]
+        if let Some(shared) = self.shared.get() {
+            d.keys += shared.len();
+        }
         d.capacity = self.registry.capacity();
     }
 }
@@ -605,11 +631,28 @@ impl DebounceHandle {
                 }
             })
         });
+        let cell = self.schedule(key, delay, options, job, TypeId::of::<T>())?;
+        Ok(Debounced {
+            cell,
+            _type: PhantomData,
+        })
+    }
+
+    /// Puts a checked call into this instance's registry: the in-process
+    /// debounce, also the fallback of shared calls when Redis is down.
+    fn schedule(
+        &self,
+        key: &str,
+        delay: Duration,
+        options: DebounceOptions,
+        job: Job,
+        type_id: TypeId,
+    ) -> Result<Cell, Error> {
+        let core = &self.runtime.core;
         // Every function that does not end up in the slot (replaced, or
         // refused) comes back out here, to be dropped after the shard lock.
         let mut job = Some(job);
         let mut replaced = None;
-        let type_id = TypeId::of::<T>();
         let now = Instant::now();
         let state = &self.state;
         let started = state.registry.update(key.as_bytes(), |entry| match entry {
@@ -693,10 +736,7 @@ impl DebounceHandle {
                 core.start_process(&key, driver.run())?;
             }
         }
-        Ok(Debounced {
-            cell,
-            _type: PhantomData,
-        })
+        Ok(cell)
     }
 
     /// Cancels the key's pending run: it never happens, its waiters get
@@ -747,6 +787,153 @@ impl DebounceHandle {
             self.state.flushed.incr();
         }
         flushed
+    }
+
+    /// [`DebounceHandle::call_shared_with`] without options.
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::call_shared_with`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use std::time::Duration;
+    /// use throttlebeam::Runtime;
+    ///
+    /// // With `with_redis`, one run per burst across every runtime sharing it;
+    /// // without Redis (as here), exactly `call`.
+    /// let debounce = Runtime::start().await?.debounce();
+    /// let saved = debounce.call_shared("autosave:doc_9", Duration::from_millis(20), || async {
+    ///     Ok::<_, std::io::Error>(vec![1_u32, 2])
+    /// })?;
+    /// assert_eq!(saved.await?, [1, 2]);
+    /// # Ok(()) }
+    /// ```
+    pub fn call_shared<F, Fut, T, E>(
+        &self,
+        key: &str,
+        delay: Duration,
+        f: F,
+    ) -> Result<Debounced<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        self.call_shared_with(key, delay, DebounceOptions::new(), f)
+    }
+
+    /// Debounces `key` across every runtime that shares this runtime's
+    /// Redis (single node or cluster); without Redis, exactly
+    /// [`DebounceHandle::call_with`].
+    ///
+    /// One run per burst across all instances, on the instance of the
+    /// burst's last call, with that call's function (the latest wins, as in
+    /// one process). The delay, `max_wait` and leading edge follow the
+    /// server's clock. Every caller, on any instance, that awaits its
+    /// [`Debounced`] gets the outcome of the run that covered its call:
+    /// callers on other instances receive it through Redis, encoded. Hence
+    /// the bounds: `T` must be `Serialize + DeserializeOwned` (bincode 2 with
+    /// serde), and every instance must use the same type for a key (a value
+    /// of another type is refused with [`Error::TypeMismatch`], not
+    /// misread). A function's error reaches other instances as its message
+    /// ([`Error::Failed`] whose source displays it).
+    ///
+    /// Keys of `call_shared*` and of `call*` are tracked apart on the
+    /// instance: use one or the other for a key.
+    ///
+    /// Waiters elsewhere never hang: if the owning instance dies before
+    /// firing, a waiting instance takes the burst over about a second after
+    /// its deadline and runs its own latest function for it (still one run);
+    /// if the owner dies while running it, its waiters get
+    /// [`Error::Discarded`] once the run's lease lapses (a few seconds).
+    /// While Redis is
+    /// unreachable or its circuit breaker is open, calls fall back to this
+    /// instance's in-process debounce (fail open), logged at warn.
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::call_with`]. Store failures are never returned:
+    /// they fall back as above.
+    pub fn call_shared_with<F, Fut, T, E>(
+        &self,
+        key: &str,
+        delay: Duration,
+        options: DebounceOptions,
+        f: F,
+    ) -> Result<Debounced<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        #[cfg(feature = "redis")]
+        if let Some(shared) = self.shared() {
+            check_key(key)?;
+            check_timer(key, "delay", delay)?;
+            if let Some(max_wait) = options.max_wait {
+                check_timer(key, "max wait", max_wait)?;
+            }
+            self.runtime.core.check_open(key)?;
+            let job: shared::SharedJob = Box::new(move |key: Arc<str>| {
+                Box::pin(async move {
+                    match f().await {
+                        Ok(value) => {
+                            let wire = shared::encode_value(&value);
+                            Ok((Arc::new(value) as Value, wire))
+                        }
+                        Err(e) => Err(Error::failed(&key, e)),
+                    }
+                })
+            });
+            let cell =
+                self.schedule_shared(shared, key, delay, options, job, shared::Codec::of::<T>())?;
+            return Ok(Debounced {
+                cell,
+                _type: PhantomData,
+            });
+        }
+        self.call_with(key, delay, options, f)
+    }
+
+    /// Cancels the key's pending run on every instance sharing this
+    /// runtime's Redis: it never happens, every caller awaiting it (on any
+    /// instance) gets [`Error::Discarded`], and the next call starts a fresh
+    /// burst. Returns whether a run was pending. Without Redis, exactly
+    /// [`DebounceHandle::cancel`]; while Redis is unreachable, cancels what
+    /// this instance holds (logged).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`].
+    pub async fn cancel_shared(&self, key: &str) -> Result<bool, Error> {
+        check_key(key)?;
+        #[cfg(feature = "redis")]
+        if let Some(shared) = self.shared() {
+            return Ok(self.cancel_everywhere(shared, key).await);
+        }
+        Ok(self.cancel(key))
+    }
+
+    /// Runs the key's pending shared run now, once, on the instance that
+    /// owns it (whichever instance asks). Returns whether a run was pending.
+    /// Without Redis, exactly [`DebounceHandle::flush`]; while Redis is
+    /// unreachable, flushes what this instance holds (logged).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidKey`].
+    pub async fn flush_shared(&self, key: &str) -> Result<bool, Error> {
+        check_key(key)?;
+        #[cfg(feature = "redis")]
+        if let Some(shared) = self.shared() {
+            return Ok(self.flush_everywhere(shared, key).await);
+        }
+        Ok(self.flush(key))
     }
 
     /// Whether the key has a run waiting for its deadline.
@@ -846,6 +1033,65 @@ impl Debounce {
     /// [`Error::Start`] if the default runtime could not start.
     pub fn flush(key: &str) -> Result<bool, Error> {
         Ok(global()?.flush(key))
+    }
+
+    /// [`DebounceHandle::call_shared`] on the default runtime (which shares
+    /// Redis when [`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV) or
+    /// [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV) is set).
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::call_shared_with`], plus [`Error::Start`].
+    pub fn call_shared<F, Fut, T, E>(
+        key: &str,
+        delay: Duration,
+        f: F,
+    ) -> Result<Debounced<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        global()?.call_shared(key, delay, f)
+    }
+
+    /// [`DebounceHandle::call_shared_with`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::call_shared_with`], plus [`Error::Start`].
+    pub fn call_shared_with<F, Fut, T, E>(
+        key: &str,
+        delay: Duration,
+        options: DebounceOptions,
+        f: F,
+    ) -> Result<Debounced<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        global()?.call_shared_with(key, delay, options, f)
+    }
+
+    /// [`DebounceHandle::cancel_shared`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::cancel_shared`], plus [`Error::Start`].
+    pub async fn cancel_shared(key: &str) -> Result<bool, Error> {
+        global()?.cancel_shared(key).await
+    }
+
+    /// [`DebounceHandle::flush_shared`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::flush_shared`], plus [`Error::Start`].
+    pub async fn flush_shared(key: &str) -> Result<bool, Error> {
+        global()?.flush_shared(key).await
     }
 
     /// [`DebounceHandle::is_pending`] on the default runtime.

@@ -81,7 +81,9 @@ pub enum Error {
         /// The key the call was for.
         key: String,
         /// Why (`"cancelled"`, `"destroyed"`, `"dropped at shutdown"`,
-        /// `"its process was lost"`, `"the runtime restarted"`).
+        /// `"its process was lost"`, `"the runtime restarted"`; across
+        /// instances also `"the instance owning its run was lost"` and
+        /// `"discarded on another instance"`).
         reason: &'static str,
     },
     /// The user function returned an error.

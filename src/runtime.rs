@@ -171,7 +171,10 @@ impl RuntimeBuilder {
     /// [`with_idempotency_store`](Self::with_idempotency_store) names another
     /// store): one execution per key across all instances; while Redis is
     /// unreachable idempotent calls fail with
-    /// [`Error::StoreUnavailable`] (fail closed).
+    /// [`Error::StoreUnavailable`] (fail closed). Debounced calls made with
+    /// [`DebounceHandle::call_shared`](crate::DebounceHandle::call_shared)
+    /// run once per burst across all instances, falling back to this
+    /// instance's own debounce while Redis is unreachable.
     ///
     /// The default runtime picks Redis up from the environment
     /// ([`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV) or

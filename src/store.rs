@@ -18,6 +18,8 @@ pub use self::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats};
 #[cfg(feature = "redis")]
 pub(crate) use self::redis::WindowOpen;
 #[cfg(feature = "redis")]
+pub(crate) use self::redis::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
+#[cfg(feature = "redis")]
 pub use self::redis::{REDIS_CLUSTER_ENV, REDIS_URL_ENV, Redis, RedisBuilder, RedisStats};
 
 /// Why a store could not answer.

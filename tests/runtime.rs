@@ -205,7 +205,6 @@ struct Host {
 }
 
 #[cfg_attr(feature = "async-trait", ractor::async_trait)]
-
 impl Actor for Host {
     type Msg = ();
     type State = ();
@@ -362,7 +361,6 @@ struct RestartingHost {
 }
 
 #[cfg_attr(feature = "async-trait", ractor::async_trait)]
-
 impl Actor for RestartingHost {
     type Msg = ();
     type State = ();

@@ -14,8 +14,11 @@ use serde::Serialize;
 use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 
 mod claims;
+mod debounce;
 mod notify;
 mod window;
+
+pub(crate) use self::debounce::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
 
 /// Environment variable read by [`Redis::from_env`]: the URL of a single
 /// Redis node, e.g. `redis://127.0.0.1:6379/0`.
@@ -169,6 +172,7 @@ impl RedisBuilder {
                 pinned_now: AtomicU64::new(0),
                 nodes: self.nodes,
                 waiters: notify::Waiters::default(),
+                bursts: debounce::BurstListeners::default(),
             }),
         })
     }
@@ -187,10 +191,11 @@ struct Inner {
     breaker: Breaker,
     commands: AtomicU64,
     pinned_now: AtomicU64,
-    #[cfg_attr(not(test), allow(dead_code))]
     nodes: Vec<String>,
     #[cfg_attr(not(test), allow(dead_code))]
     waiters: notify::Waiters,
+    /// Who hears debounce notices.
+    bursts: debounce::BurstListeners,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -295,7 +300,8 @@ impl Redis {
     /// The stored name of a logical key: `{prefix:key}` followed by
     /// `suffix`, so every key of one operation shares one hash tag. Each
     /// primitive has its own suffix (`:t` leading throttle, `:w` coalescing
-    /// window, `:r` rate limit, `:i`/`:in` idempotency record and fence), so
+    /// window, `:r` rate limit, `:i`/`:in` idempotency record and fence,
+    /// `:d`/`:d:<burst>` debounce burst and outcome), so
     /// one logical key used by two primitives never collides.
     pub(crate) fn key(&self, logical: &str, suffix: &str) -> String {
         let mut k =
@@ -673,6 +679,7 @@ mod tests {
             pinned_now: AtomicU64::new(0),
             nodes: vec![],
             waiters: notify::Waiters::default(),
+            bursts: debounce::BurstListeners::default(),
         };
         let redis = Redis {
             inner: Arc::new(inner),

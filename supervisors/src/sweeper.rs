@@ -263,7 +263,6 @@ impl SweeperActor {
 }
 
 #[cfg_attr(feature = "async-trait", ractor::async_trait)]
-
 impl Actor for SweeperActor {
     type Msg = SweepMsg;
     type State = SweeperState;

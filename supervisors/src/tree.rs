@@ -515,7 +515,6 @@ impl Root {
 }
 
 #[cfg_attr(feature = "async-trait", ractor::async_trait)]
-
 impl Actor for Root {
     type Msg = RootMsg;
     type State = RootState;
@@ -617,7 +616,6 @@ struct PartitionActor {
 }
 
 #[cfg_attr(feature = "async-trait", ractor::async_trait)]
-
 impl Actor for PartitionActor {
     type Msg = PartitionMsg;
     type State = u64;

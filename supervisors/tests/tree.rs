@@ -25,7 +25,6 @@ enum Seen {
 struct Host;
 
 #[cfg_attr(feature = "async-trait", ractor::async_trait)]
-
 impl Actor for Host {
     type Msg = ();
     type State = mpsc::UnboundedSender<Seen>;

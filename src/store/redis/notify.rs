@@ -1,6 +1,7 @@
-//! Completion notices for idempotency waiters: one pub/sub subscription per
-//! backend value, multiplexed over every waiting key, with polling as the
-//! fallback when the subscription is down.
+//! Completion notices for idempotency waiters and debounce notices: one
+//! pub/sub subscription per backend value, on two channels, multiplexed over
+//! every waiting key, with polling as the fallback when the subscription is
+//! down.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -15,6 +16,9 @@ use super::Inner;
 pub(crate) struct Waiters {
     keys: DashMap<String, Arc<Notify>>,
     started: std::sync::Once,
+    /// Whether the subscription is live, for users that should not publish
+    /// before they can hear the answer.
+    subscribed: tokio::sync::watch::Sender<bool>,
 }
 
 impl Default for Waiters {
@@ -22,6 +26,7 @@ impl Default for Waiters {
         Self {
             keys: DashMap::new(),
             started: std::sync::Once::new(),
+            subscribed: tokio::sync::watch::Sender::new(false),
         }
     }
 }
@@ -71,15 +76,7 @@ impl super::Redis {
     /// never missed.
     pub(crate) fn watch(&self, key: &str) -> Watch {
         let inner = &self.inner;
-        inner.waiters.started.call_once(|| {
-            if tokio::runtime::Handle::try_current().is_ok() {
-                tokio::spawn(listen(
-                    Arc::downgrade(&self.inner),
-                    self.inner.nodes[0].clone(),
-                    self.claims_channel(),
-                ));
-            }
-        });
+        self.subscribe();
         let notify = inner
             .waiters
             .keys
@@ -94,10 +91,37 @@ impl super::Redis {
     }
 }
 
+impl super::Redis {
+    /// Starts the backend's one subscription, once (inside a tokio runtime).
+    pub(crate) fn subscribe(&self) {
+        // Outside tokio nothing can listen yet: leave it to the next caller.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        self.inner.waiters.started.call_once(|| {
+            tokio::spawn(listen(
+                Arc::downgrade(&self.inner),
+                self.inner.nodes[0].clone(),
+                self.claims_channel(),
+                self.debounce_channel(),
+            ));
+        });
+    }
+
+    /// Waits until the subscription is live, at most `max`. Whether it is.
+    #[cfg(test)]
+    pub(crate) async fn subscribed(&self, max: Duration) -> bool {
+        let mut live = self.inner.waiters.subscribed.subscribe();
+        tokio::time::timeout(max, live.wait_for(|up| *up))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+}
+
 /// The subscription loop: reconnects with a pause while the backend value
 /// lives. Regular `PUBLISH` reaches every node of a cluster, so one seed
 /// node is enough.
-async fn listen(inner: Weak<Inner>, url: String, channel: String) {
+async fn listen(inner: Weak<Inner>, url: String, channel: String, bursts: String) {
     let mut pause = Duration::from_millis(100);
     loop {
         if inner.strong_count() == 0 {
@@ -106,20 +130,28 @@ async fn listen(inner: Weak<Inner>, url: String, channel: String) {
         let subscribed = async {
             let client = redis::Client::open(url.as_str())?;
             let mut pubsub = client.get_async_pubsub().await?;
-            pubsub.subscribe(&channel).await?;
+            pubsub.subscribe(&[&channel, &bursts]).await?;
             Ok::<_, redis::RedisError>(pubsub)
         }
         .await;
         match subscribed {
             Ok(pubsub) => {
                 pause = Duration::from_millis(100);
-                tracing::debug!(%channel, "subscribed to idempotency completions");
+                tracing::debug!(%channel, %bursts, "subscribed to completions and debounce notices");
+                if let Some(inner) = inner.upgrade() {
+                    inner.waiters.subscribed.send_replace(true);
+                }
                 let mut messages = pubsub.into_on_message();
                 while let Some(msg) = messages.next().await {
                     let Some(inner) = inner.upgrade() else { return };
-                    if let Ok(key) = msg.get_payload::<String>() {
+                    if msg.get_channel_name() == bursts {
+                        inner.bursts.deliver(msg.get_payload_bytes());
+                    } else if let Ok(key) = msg.get_payload::<String>() {
                         inner.waiters.wake(&key);
                     }
+                }
+                if let Some(inner) = inner.upgrade() {
+                    inner.waiters.subscribed.send_replace(false);
                 }
                 tracing::debug!(%channel, "completion subscription ended; reconnecting");
             }
