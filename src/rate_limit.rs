@@ -62,6 +62,7 @@ mod headers;
 mod keys;
 mod leaky;
 mod limiter;
+mod script;
 mod sliding_window;
 mod store;
 mod strategy;
@@ -87,6 +88,9 @@ pub use headers::{
 pub use keys::{ClientIp, KeyHasher, TrustProxy};
 pub use leaky::{LeakyBucket, LeakyState};
 pub use limiter::{Limiter, LimiterBuilder, LimiterStats};
+pub use script::ScriptedStrategy;
+#[doc(hidden)]
+pub use script::TierParams;
 pub use sliding_window::{SlidingWindow, SlidingWindowState};
 pub use store::{
     AsyncRateLimitStore, DEFAULT_LIMITER_MAX_KEYS, MemoryRateLimitStore, RateLimitRequest,

@@ -19,6 +19,7 @@ use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 mod claims;
 #[cfg_attr(not(test), allow(dead_code))]
 mod notify;
+mod rate_limit;
 mod window;
 
 /// Environment variable read by [`Redis::from_env`]: the URL of a single
@@ -516,18 +517,27 @@ fn ms(d: Duration) -> u64 {
 }
 
 impl Redis {
+    /// The pinned time as a script argument, or empty for the server's `TIME`.
     fn pinned(&self) -> String {
         match self.inner.pinned_now.load(Ordering::Relaxed) {
             0 => String::new(),
-            n => n.to_string(),
+            n => (n - 1).to_string(),
         }
     }
 
-    /// Pins the time scripts read (ms since the epoch) instead of the
-    /// server's `TIME`; 0 unpins. For tests that need exact instants.
+    /// Pins the time scripts read (ms since the epoch, 0 included) instead
+    /// of the server's `TIME`. For tests that need exact instants.
     #[doc(hidden)]
     pub fn pin_time(&self, now_ms: u64) {
-        self.inner.pinned_now.store(now_ms, Ordering::Relaxed);
+        // Stored plus one, so that 0 can mean "not pinned".
+        let stored = now_ms.saturating_add(1);
+        self.inner.pinned_now.store(stored, Ordering::Relaxed);
+    }
+
+    /// Goes back to the server's `TIME` after [`Redis::pin_time`].
+    #[doc(hidden)]
+    pub fn unpin_time(&self) {
+        self.inner.pinned_now.store(0, Ordering::Relaxed);
     }
 
     /// Takes a coalescing-throttle window for `token` if it is free.
