@@ -9,10 +9,16 @@
 //! - `redis_vs_benchmark`: our decision throughput (fresh keys, 64
 //!   concurrent) against `redis-benchmark -t set -c 64 -n 200000 -q` on the
 //!   same server (ratio = their throughput / ours). Target: <= 2.
+//! - `redis_gcra`: a GCRA check through the Redis rate-limit store (one
+//!   script call: read the state, run the maths, write it back) against
+//!   `EVALSHA` of a script that returns 1, through the same client (a
+//!   connection manager) at the same concurrency (64 callers over 10,000
+//!   keys). Target: ratio <= 1.5. The same with one caller is printed too.
 //! - `redis_cluster_fresh`: the same decisions on a 3-node cluster, printing
 //!   throughput.
 //!
-//! Run: `cargo bench --features redis --bench redis`
+//! Run: `cargo bench --features redis --bench redis` (all), or with a name
+//! filter: `cargo bench --features redis --bench redis -- redis_gcra`.
 
 #[path = "../tests/support/redis.rs"]
 #[allow(dead_code, unreachable_pub)]
@@ -26,6 +32,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use support_redis::{RedisCluster, RedisNode};
+use throttlebeam::rate_limit::{Gcra, Limiter};
 use throttlebeam::store::Redis;
 use throttlebeam::{Runtime, ThrottleOutcome};
 
@@ -56,9 +63,18 @@ where
     F: Fn(u64) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
+    concurrent_with(CALLERS, total, op).await
+}
+
+/// Like [`concurrent`] with `callers` tasks.
+async fn concurrent_with<F, Fut>(callers: usize, total: u64, op: F) -> f64
+where
+    F: Fn(u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     let next = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
-    let tasks: Vec<_> = (0..CALLERS)
+    let tasks: Vec<_> = (0..callers)
         .map(|_| {
             let (next, op) = (next.clone(), op.clone());
             tokio::spawn(async move {
@@ -144,6 +160,79 @@ async fn hot(runtime: &Runtime) -> f64 {
     start.elapsed().as_nanos() as f64 / HOT_CALLS as f64
 }
 
+/// Keys the GCRA bench spreads its checks over.
+const GCRA_KEYS: u64 = 10_000;
+
+/// GCRA checks through the Redis store, `callers` at a time: ns per check.
+async fn ours_gcra(limiter: &Limiter<Gcra, Redis>, callers: usize, total: u64) -> f64 {
+    let limiter = limiter.clone();
+    concurrent_with(callers, total, move |n| {
+        let limiter = limiter.clone();
+        async move {
+            let key = format!("gcra:{}", n % GCRA_KEYS);
+            let decision = limiter.check_async(&key).await.expect("decision");
+            black_box(decision);
+        }
+    })
+    .await
+}
+
+/// `EVALSHA` of `return 1` through a connection manager, `callers` at a
+/// time: ns per call.
+async fn script_returning_one(url: &str, callers: usize, total: u64) -> f64 {
+    let client = redis::Client::open(url).expect("client");
+    let conn = redis::aio::ConnectionManager::new(client)
+        .await
+        .expect("connection manager");
+    let script = Arc::new(redis::Script::new("return 1"));
+    concurrent_with(callers, total, move |n| {
+        let (mut conn, script) = (conn.clone(), script.clone());
+        async move {
+            let key = format!("one:{}", n % GCRA_KEYS);
+            let one: i64 = script
+                .key(key)
+                .invoke_async(&mut conn)
+                .await
+                .expect("EVALSHA");
+            black_box(one);
+        }
+    })
+    .await
+}
+
+async fn gcra(url: &str, redis: &Redis) {
+    // A rate no check reaches, so every check reads and writes its key's state.
+    let limiter = Limiter::builder(Gcra::per_second(
+        std::num::NonZeroU32::new(1_000_000).unwrap(),
+    ))
+    .with_store(redis.clone())
+    .with_namespace("bench")
+    .build();
+    ours_gcra(&limiter, CALLERS, DECISIONS / 4).await;
+    script_returning_one(url, CALLERS, DECISIONS / 4).await;
+    let (mut ours, mut anchor) = (f64::MAX, f64::MAX);
+    for _ in 0..3 {
+        ours = ours.min(ours_gcra(&limiter, CALLERS, DECISIONS).await);
+        anchor = anchor.min(script_returning_one(url, CALLERS, DECISIONS).await);
+    }
+    compare("redis_gcra", ours, anchor);
+    let (mut ours, mut anchor) = (f64::MAX, f64::MAX);
+    for _ in 0..3 {
+        ours = ours.min(ours_gcra(&limiter, 1, DECISIONS / 5).await);
+        anchor = anchor.min(script_returning_one(url, 1, DECISIONS / 5).await);
+    }
+    compare("redis_gcra_one_caller", ours, anchor);
+}
+
+/// The names given on the command line (none: run everything).
+fn selected(name: &str) -> bool {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
+}
+
 /// `redis-benchmark -t set -c 64 -n 200000 -q` against `port`: requests/s.
 fn redis_benchmark(port: u16) -> Option<f64> {
     let out = Command::new("redis-benchmark")
@@ -181,6 +270,12 @@ fn main() {
             .connect()
             .await
             .expect("connects");
+        if selected("redis_gcra") {
+            gcra(&url, &redis).await;
+        }
+        if !selected("redis_throttle") && !selected("redis_vs_benchmark") {
+            return;
+        }
         let runtime = Runtime::builder()
             .with_redis(redis)
             .start()
@@ -217,6 +312,9 @@ fn main() {
         memory.shutdown(Duration::from_secs(1)).await;
     });
 
+    if !selected("redis_cluster_fresh") {
+        return;
+    }
     let Some(cluster) = RedisCluster::start("bench redis cluster") else {
         return;
     };

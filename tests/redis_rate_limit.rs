@@ -576,11 +576,17 @@ where
     at(3_000);
     assert_eq!(limiter.check_n_async("vip", 2).await.unwrap().remaining, 0);
     limiter
-        .set_override("vip", SlidingWindow::new(10, Duration::from_secs(1)).unwrap())
+        .set_override(
+            "vip",
+            SlidingWindow::new(10, Duration::from_secs(1)).unwrap(),
+        )
         .unwrap();
     // The two spent units still count against the larger quota.
     assert_eq!(limiter.check_async("vip").await.unwrap().remaining, 7);
-    assert_eq!(limiter.check_n_async("other", 2).await.unwrap().remaining, 0);
+    assert_eq!(
+        limiter.check_n_async("other", 2).await.unwrap().remaining,
+        0
+    );
 }
 
 async fn contract(backend: Backend) {
@@ -705,7 +711,12 @@ async fn s11_four_instances(connect: impl AsyncFn() -> Redis) {
                 let (mut admitted, mut calls) = (0u64, 0u64);
                 while started.elapsed() < run_for {
                     calls += 1;
-                    if limiter.check_async("shared").await.expect("decides").allowed {
+                    if limiter
+                        .check_async("shared")
+                        .await
+                        .expect("decides")
+                        .allowed
+                    {
                         admitted += 1;
                     }
                 }

@@ -67,7 +67,8 @@ const SLACK_MS: u64 = 1;
 /// state, so keeping it longer never changes a decision).
 const PINNED_SLACK_MS: u64 = 3_600_000;
 
-fn kind(tier: &TierParams) -> (&'static str, u64, u64, u64, u64) {
+/// A tier as the script reads it: its kind letter and four numbers.
+fn kind(tier: &TierParams) -> (char, [u64; 4]) {
     match *tier {
         TierParams::Emission {
             shaper,
@@ -76,22 +77,19 @@ fn kind(tier: &TierParams) -> (&'static str, u64, u64, u64, u64) {
             per,
             tolerance,
         } => (
-            if shaper { "l" } else { "g" },
-            limit,
-            period_us,
-            per,
-            tolerance,
+            if shaper { 'l' } else { 'g' },
+            [limit, period_us, per, tolerance],
         ),
         TierParams::TokenBucket {
             capacity,
             per_us,
             refill,
-        } => ("t", capacity, capacity, per_us, refill),
+        } => ('t', [capacity, capacity, per_us, refill]),
         TierParams::Window {
             sliding,
             limit,
             window_us,
-        } => (if sliding { "s" } else { "f" }, limit, window_us, 0, 0),
+        } => (if sliding { 's' } else { 'f' }, [limit, window_us, 0, 0]),
     }
 }
 
@@ -171,16 +169,19 @@ impl Redis {
         } else {
             PINNED_SLACK_MS
         };
+        let tiers: Vec<_> = tiers.iter().map(kind).collect();
+        let kinds: String = tiers.iter().map(|(k, _)| k).collect();
         let mut call = cached(&SCRIPT, SCRIPT_BODY, true).prepare_invoke();
         call.key(self.key(request.key, ":r"))
             .arg(pinned)
             .arg(op)
             .arg(cost.map_or(1, |c| c.get()))
             .arg(slack)
-            .arg(tiers.len());
-        for tier in &tiers {
-            let (kind, limit, a, b, c) = kind(tier);
-            call.arg(kind).arg(limit).arg(a).arg(b).arg(c);
+            .arg(kinds);
+        for (_, numbers) in &tiers {
+            for n in numbers {
+                call.arg(n);
+            }
         }
         let reply: Vec<i64> = self
             .invoke(&call)
