@@ -120,18 +120,21 @@ local function run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
     if room < 0 then room = 0 end
     avail = idiv(room, a)
   end
-  local full_ms = dceil(earliest(k, lim, a, b, c, v1, v2, v3, now, lim), 1000)
-  if op == 'f' then
-    local nxt = now
-    if avail < lim then nxt = earliest(k, lim, a, b, c, v1, v2, v3, now, avail + 1) end
-    return idiv(avail, units), dceil(nxt, 1000), full_ms
+  if op == 'f' or op == 'p' or avail < units then
+    -- When the tier is full again; not needed by an allowed check, the hot path.
+    local full_ms = dceil(earliest(k, lim, a, b, c, v1, v2, v3, now, lim), 1000)
+    if op == 'f' then
+      local nxt = now
+      if avail < lim then nxt = earliest(k, lim, a, b, c, v1, v2, v3, now, avail + 1) end
+      return idiv(avail, units), dceil(nxt, 1000), full_ms
+    end
+    if avail < units then
+      local retry = dceil(earliest(k, lim, a, b, c, v1, v2, v3, now, units), 1000) - nms
+      if retry < 0 then retry = 0 end
+      return 0, lim, avail, full_ms, retry
+    end
+    return 1, lim, avail, full_ms, 0
   end
-  if avail < units then
-    local retry = dceil(earliest(k, lim, a, b, c, v1, v2, v3, now, units), 1000) - nms
-    if retry < 0 then retry = 0 end
-    return 0, lim, avail, full_ms, retry
-  end
-  if op == 'p' then return 1, lim, avail, full_ms, 0 end
   -- Spend.
   local wait = 0
   if k == 'l' then
