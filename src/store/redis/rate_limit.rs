@@ -193,9 +193,10 @@ impl Redis {
 
 // `impl<S: ScriptedStrategy> AsyncRateLimitStore<S> for Redis` would be rejected (E0119): it
 // overlaps the blanket `impl<S, St: RateLimitStore<S>> AsyncRateLimitStore<S> for St`, since
-// another crate may implement `RateLimitStore<ItsStrategy>` for `Redis`. One impl per concrete
-// strategy (and one for `Tiered`, which no other crate can name in such an impl) cannot
-// overlap, and every strategy a script can run is listed here.
+// another crate may implement `RateLimitStore<ItsStrategy>` for `Redis` (coherence does not
+// know `ScriptedStrategy` is sealed). One impl per concrete strategy, and one for `Tiered`
+// (no other crate can implement a trait of ours for `Redis` and `Tiered<_, _>`, none of them
+// its own type), cannot overlap. The same is said on `Redis`, where users see it.
 macro_rules! scripted_store {
     ($($strategy:ty),+ $(,)?) => {$(
         /// One script call per operation, on the server's clock (see [`Redis`]).
