@@ -14,7 +14,8 @@
 --          f, s: window_us, 0, 0
 --
 -- Every number stays an integer below 2^53 (the caller checks each tier's horizon), so Lua
--- doubles compute exactly what the u64 maths does; divisions go through fmod, which is exact.
+-- doubles compute exactly what the u64 maths does; divisions go through fmod, which is exact,
+-- and '%d' prints them exactly (Lua 5.1 formats it as a C long).
 -- Subtractions the Rust code saturates are clamped at 0 here. No tables or closures are made
 -- per tier, since a script's cost is mostly allocation.
 -- Replies: {1, allowed, limit, remaining, reset_at_ms, retry_after_ms} a decision,
@@ -180,9 +181,7 @@ if now > 4000000000000000 then now = 4000000000000000 end
 local nms = idiv(now, 1000)
 local raw = redis.call('GET', KEYS[1])
 
-local function foreign()
-  return redis.error_reply('rate limit key ' .. KEYS[1] .. ' holds the state of another strategy')
-end
+local FOREIGN = ' holds the state of another strategy'
 
 if n == 1 then
   local k = kinds
@@ -191,7 +190,7 @@ if n == 1 then
   if raw then
     local sig
     sig, s1, s2, s3 = string.match(raw, '^(%a+) (%d+) (%d+) ?(%d*)$')
-    if sig ~= k then return foreign() end
+    if sig ~= k then return redis.error_reply('rate limit key ' .. KEYS[1] .. FOREIGN) end
     has, s1, s2, s3 = true, tonumber(s1), tonumber(s2), tonumber(s3) or 0
   end
   if op == 'f' then return {2, run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)} end
@@ -201,11 +200,11 @@ if n == 1 then
   if allowed == 1 then
     local value
     if k == 's' then
-      value = string.format('%s %.0f %.0f %.0f', k, n1, n2, n3)
+      value = string.format('%s %d %d %d', k, n1, n2, n3)
     else
-      value = string.format('%s %.0f %.0f', k, n1, n2)
+      value = string.format('%s %d %d', k, n1, n2)
     end
-    redis.call('SET', KEYS[1], value, 'PX', string.format('%.0f', ttl + slack))
+    redis.call('SET', KEYS[1], value, 'PX', string.format('%d', ttl + slack))
   end
   if op == 'c' then return {1, allowed, l, rem, reset, retry} end
   if allowed == 1 then return {3, 1, wait} end
@@ -217,7 +216,7 @@ end
 local fields = {}
 if raw then
   local it = string.gmatch(raw, '%S+')
-  if it() ~= kinds then return foreign() end
+  if it() ~= kinds then return redis.error_reply('rate limit key ' .. KEYS[1] .. FOREIGN) end
   for i = 1, n do
     local width = 2
     if string.sub(kinds, i, i) == 's' then width = 3 end
@@ -274,8 +273,8 @@ for i = 1, n do
   results[i] = {allowed, l, rem, reset, retry}
   if allowed == 1 then
     if t > ttl then ttl = t end
-    parts[#parts + 1] = string.format('%.0f %.0f', n1, n2)
-    if string.sub(kinds, i, i) == 's' then parts[#parts + 1] = string.format('%.0f', n3) end
+    parts[#parts + 1] = string.format('%d %d', n1, n2)
+    if string.sub(kinds, i, i) == 's' then parts[#parts + 1] = string.format('%d', n3) end
   else
     all = false
   end
@@ -289,7 +288,7 @@ for i = 1, n do
   end
 end
 if all then
-  redis.call('SET', KEYS[1], table.concat(parts, ' '), 'PX', string.format('%.0f', ttl + slack))
+  redis.call('SET', KEYS[1], table.concat(parts, ' '), 'PX', string.format('%d', ttl + slack))
 end
 if op == 'c' then return {1, A, L, R, S, T} end
 if A == 1 then return {3, 1, 0} end
