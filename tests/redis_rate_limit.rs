@@ -567,6 +567,18 @@ where
         limiter.try_reserve_async("k", 1).await.unwrap(),
         granted(150)
     );
+    // The waiting form: a full queue is an error naming the key and the wait.
+    match limiter.reserve_async("k", 1).await {
+        Err(RateLimitError::QueueFull {
+            key,
+            retry_after_ms: 100,
+        }) => assert_eq!(key, "k"),
+        other => panic!("{other:?}"),
+    }
+    at(2_000);
+    assert_eq!(limiter.reserve_async("other", 1).await.unwrap(), ms(0));
+    let stats = limiter.stats();
+    assert_eq!((stats.allowed, stats.denied), (4, 2));
 }
 
 async fn overrides_keep_the_key_state<St>(limiter: Limiter<SlidingWindow, St>, at: impl Fn(u64))

@@ -806,6 +806,26 @@ impl<St: AsyncRateLimitStore<LeakyBucket>> Limiter<LeakyBucket, St> {
             .count(&result, |r| matches!(r, ShaperReservation::Granted { .. }));
         result
     }
+
+    /// [`Limiter::reserve`] through an asynchronous store: reserves `cost` units for `key` and
+    /// sleeps the delay (on tokio time); returns it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Limiter::reserve`].
+    pub async fn reserve_async(&self, key: &str, cost: u32) -> Result<Duration, RateLimitError> {
+        match self.try_reserve_async(key, cost).await? {
+            ShaperReservation::Granted { delay_ms } => {
+                let delay = Duration::from_millis(delay_ms);
+                tokio::time::sleep(delay).await;
+                Ok(delay)
+            }
+            ShaperReservation::QueueFull { retry_after_ms } => Err(RateLimitError::QueueFull {
+                key: crate::key::shown(key),
+                retry_after_ms,
+            }),
+        }
+    }
 }
 
 impl<St: RateLimitStore<LeakyBucket>> Limiter<LeakyBucket, St> {
