@@ -9,6 +9,14 @@
 //! - `redis_vs_benchmark`: our decision throughput (fresh keys, 64
 //!   concurrent) against `redis-benchmark -t set -c 64 -n 200000 -q` on the
 //!   same server (ratio = their throughput / ours). Target: <= 2.
+//! - `redis_gcra`: a GCRA check through the Redis rate-limit store (one
+//!   script call: read the state, run the maths, write it back) against
+//!   `EVALSHA` of a script that returns 1, through the same client (a
+//!   connection manager) at the same concurrency (64 callers over 10,000
+//!   keys). Target: ratio <= 1.5. The same with one caller is printed too,
+//!   and `redis_gcra_raw_script*`: the store's script called raw through the
+//!   same client with the same arguments, which splits our cost into the
+//!   script's server time and our client side.
 //! - `redis_cluster_fresh`: the same decisions on a 3-node cluster, printing
 //!   throughput.
 //! - `redis_idempotency_replay`: replaying a completed key across instances
@@ -18,7 +26,8 @@
 //!   fresh keys (one caller) against two `EVALSHA` round trips of a script
 //!   that returns 1. Target: <= 1.5.
 //!
-//! Run: `cargo bench --features redis --bench redis`
+//! Run: `cargo bench --features redis --bench redis` (all), or with a name
+//! filter: `cargo bench --features redis --bench redis -- redis_gcra`.
 
 #[path = "../tests/support/redis.rs"]
 #[allow(dead_code, unreachable_pub)]
@@ -32,6 +41,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use support_redis::{RedisCluster, RedisNode};
+use throttlebeam::rate_limit::{Gcra, Limiter};
 use throttlebeam::store::Redis;
 use throttlebeam::{Runtime, ThrottleOutcome};
 
@@ -62,9 +72,18 @@ where
     F: Fn(u64) -> Fut + Clone + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
+    concurrent_with(CALLERS, total, op).await
+}
+
+/// Like [`concurrent`] with `callers` tasks.
+async fn concurrent_with<F, Fut>(callers: usize, total: u64, op: F) -> f64
+where
+    F: Fn(u64) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     let next = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
-    let tasks: Vec<_> = (0..CALLERS)
+    let tasks: Vec<_> = (0..callers)
         .map(|_| {
             let (next, op) = (next.clone(), op.clone());
             tokio::spawn(async move {
@@ -150,6 +169,141 @@ async fn hot(runtime: &Runtime) -> f64 {
     start.elapsed().as_nanos() as f64 / HOT_CALLS as f64
 }
 
+/// Keys the GCRA bench spreads its checks over.
+const GCRA_KEYS: u64 = 10_000;
+
+/// GCRA checks through the Redis store, `callers` at a time: ns per check.
+async fn ours_gcra(limiter: &Limiter<Gcra, Redis>, callers: usize, total: u64) -> f64 {
+    let limiter = limiter.clone();
+    concurrent_with(callers, total, move |n| {
+        let limiter = limiter.clone();
+        async move {
+            let key = format!("gcra:{}", n % GCRA_KEYS);
+            let decision = limiter.check_async(&key).await.expect("decision");
+            black_box(decision);
+        }
+    })
+    .await
+}
+
+/// `EVALSHA` of `return 1` through a connection manager, `callers` at a
+/// time: ns per call.
+async fn script_returning_one(url: &str, callers: usize, total: u64) -> f64 {
+    let client = redis::Client::open(url).expect("client");
+    let conn = redis::aio::ConnectionManager::new(client)
+        .await
+        .expect("connection manager");
+    let script = Arc::new(redis::Script::new("return 1"));
+    concurrent_with(callers, total, move |n| {
+        let (mut conn, script) = (conn.clone(), script.clone());
+        async move {
+            let key = format!("one:{}", n % GCRA_KEYS);
+            let one: i64 = script
+                .key(key)
+                .invoke_async(&mut conn)
+                .await
+                .expect("EVALSHA");
+            black_box(one);
+        }
+    })
+    .await
+}
+
+async fn gcra(url: &str, redis: &Redis) {
+    // 1,000 per minute per key: every check is allowed, and reads and writes a
+    // state that stays live between the checks of its key.
+    let limiter = Limiter::builder(Gcra::per_minute(std::num::NonZeroU32::new(1_000).unwrap()))
+        .with_store(redis.clone())
+        .with_namespace("bench")
+        .build();
+    ours_gcra(&limiter, CALLERS, DECISIONS / 4).await;
+    script_returning_one(url, CALLERS, DECISIONS / 4).await;
+    let (mut ours, mut anchor) = (f64::MAX, f64::MAX);
+    for _ in 0..3 {
+        ours = ours.min(ours_gcra(&limiter, CALLERS, DECISIONS).await);
+        anchor = anchor.min(script_returning_one(url, CALLERS, DECISIONS).await);
+    }
+    compare("redis_gcra", ours, anchor);
+    let (mut ours, mut anchor) = (f64::MAX, f64::MAX);
+    for _ in 0..3 {
+        ours = ours.min(ours_gcra(&limiter, 1, DECISIONS / 5).await);
+        anchor = anchor.min(script_returning_one(url, 1, DECISIONS / 5).await);
+    }
+    compare("redis_gcra_one_caller", ours, anchor);
+    let (mut raw, mut anchor) = (f64::MAX, f64::MAX);
+    for _ in 0..3 {
+        raw = raw.min(raw_script(url, 1, DECISIONS / 5).await);
+        anchor = anchor.min(script_returning_one(url, 1, DECISIONS / 5).await);
+    }
+    compare("redis_gcra_raw_script_one_caller", raw, anchor);
+    let (mut raw, mut anchor) = (f64::MAX, f64::MAX);
+    for _ in 0..3 {
+        raw = raw.min(raw_script(url, CALLERS, DECISIONS).await);
+        anchor = anchor.min(script_returning_one(url, CALLERS, DECISIONS).await);
+    }
+    compare("redis_gcra_raw_script", raw, anchor);
+}
+
+/// The server time prelude of the store's scripts (src/store/redis.rs, `NOW`).
+const NOW: &str = r"
+local function now_ms(pinned)
+  if pinned ~= nil and pinned ~= '' then return tonumber(pinned) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+";
+
+/// A GCRA check of 1,000 per minute as the script reads it: pinned time (none),
+/// op, cost, slack ms, kinds, then the limit, period_us, per and tolerance.
+const GCRA_ARGS: [&str; 9] = [
+    "",
+    "c",
+    "1",
+    "1",
+    "g",
+    "1000",
+    "60000000",
+    "1000",
+    "60000000000",
+];
+
+/// The store's rate-limit script called raw through a connection manager
+/// with a GCRA check's arguments, `callers` at a time: ns per call. What
+/// separates it from `ours_gcra` is our client side; what separates it from
+/// `script_returning_one` is the script's work on the server.
+async fn raw_script(url: &str, callers: usize, total: u64) -> f64 {
+    let body = include_str!("../src/store/redis/rate_limit.lua");
+    let src = format!("{NOW}{body}");
+    let client = redis::Client::open(url).expect("client");
+    let conn = redis::aio::ConnectionManager::new(client)
+        .await
+        .expect("connection manager");
+    let script = Arc::new(redis::Script::new(&src));
+    concurrent_with(callers, total, move |n| {
+        let (mut conn, script) = (conn.clone(), script.clone());
+        async move {
+            let key = format!("{{throttlebeam:raw:{}}}:r", n % GCRA_KEYS);
+            let one: Vec<i64> = script
+                .key(key)
+                .arg(GCRA_ARGS.as_slice())
+                .invoke_async(&mut conn)
+                .await
+                .expect("EVALSHA");
+            black_box(one);
+        }
+    })
+    .await
+}
+
+/// The names given on the command line (none: run everything).
+fn selected(name: &str) -> bool {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
+}
+
 /// `redis-benchmark -t set -c 64 -n 200000 -q` against `port`: requests/s.
 fn redis_benchmark(port: u16) -> Option<f64> {
     let out = Command::new("redis-benchmark")
@@ -187,6 +341,12 @@ fn main() {
             .connect()
             .await
             .expect("connects");
+        if selected("redis_gcra") {
+            gcra(&url, &redis).await;
+        }
+        if !selected("redis_throttle") && !selected("redis_vs_benchmark") {
+            return;
+        }
         let runtime = Runtime::builder()
             .with_redis(redis)
             .start()
@@ -224,6 +384,9 @@ fn main() {
         memory.shutdown(Duration::from_secs(1)).await;
     });
 
+    if !selected("redis_cluster_fresh") {
+        return;
+    }
     let Some(cluster) = RedisCluster::start("bench redis cluster") else {
         return;
     };

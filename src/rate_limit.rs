@@ -14,7 +14,11 @@
 //!   parameters and a [`RateLimitOp`] (check, peek, forecast, reserve, reset), all plain
 //!   `Serialize` data a remote store maps to one script. [`MemoryRateLimitStore`] runs them
 //!   through [`Strategy::apply`]; it is sharded, TTL-swept and bounded (one million keys by
-//!   default), and its eviction never grants capacity.
+//!   default), and its eviction never grants capacity. With the `redis` feature,
+//!   `store::Redis` is an [`AsyncRateLimitStore`] for every [`ScriptedStrategy`] (the
+//!   built-in strategies and [`Tiered`] combinations of them): one Lua script call per
+//!   operation on the server's clock, decisions bit for bit equal to the memory store's, so
+//!   several instances share one limit (use the limiter's `*_async` methods).
 //! - **[`Limiter`]**: strategy + store + namespace + clock, with `check`, `check_n`,
 //!   `check_many`, `peek`, `forecast`, `reset`, per-key overrides, a fair `until_ready`
 //!   and [`LimiterStats`].
@@ -62,6 +66,7 @@ mod headers;
 mod keys;
 mod leaky;
 mod limiter;
+mod script;
 mod sliding_window;
 mod store;
 mod strategy;
@@ -87,6 +92,9 @@ pub use headers::{
 pub use keys::{ClientIp, KeyHasher, TrustProxy};
 pub use leaky::{LeakyBucket, LeakyState};
 pub use limiter::{Limiter, LimiterBuilder, LimiterStats};
+pub use script::ScriptedStrategy;
+#[doc(hidden)]
+pub use script::TierParams;
 pub use sliding_window::{SlidingWindow, SlidingWindowState};
 pub use store::{
     AsyncRateLimitStore, DEFAULT_LIMITER_MAX_KEYS, MemoryRateLimitStore, RateLimitRequest,

@@ -57,6 +57,13 @@ impl FixedWindow {
     }
 }
 
+impl FixedWindow {
+    /// `(limit, window_us)`.
+    pub(crate) fn parts(&self) -> (u64, u64) {
+        (self.limit, self.window_us)
+    }
+}
+
 impl Transition for FixedWindow {
     type State = FixedWindowState;
     type View = FixedWindowState;

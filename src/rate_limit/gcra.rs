@@ -110,6 +110,12 @@ impl Gcra {
     }
 }
 
+impl Gcra {
+    pub(crate) fn emission(&self) -> &Emission {
+        &self.emission
+    }
+}
+
 impl From<GcraState> for Tat {
     fn from(s: GcraState) -> Self {
         Self {

@@ -76,6 +76,12 @@ impl LeakyBucket {
     }
 }
 
+impl LeakyBucket {
+    pub(crate) fn emission(&self) -> &Emission {
+        &self.emission
+    }
+}
+
 impl Transition for LeakyBucket {
     type State = LeakyState;
     type View = Tat;

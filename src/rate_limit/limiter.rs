@@ -387,6 +387,14 @@ impl<S: Strategy, St> Limiter<S, St> {
         self.inner.overrides.get(key).map(|s| s.clone())
     }
 
+    /// Counts an error and returns it.
+    #[cold]
+    #[inline(never)]
+    fn failed(&self, err: RateLimitError) -> RateLimitError {
+        self.inner.counters.error();
+        err
+    }
+
     #[inline]
     fn store_key<'k>(&self, key: &'k str) -> Cow<'k, str> {
         if self.inner.namespace.is_empty() {
@@ -480,14 +488,6 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
             Ok(other) => Err(self.failed(wrong_reply(key, other))),
             Err(err) => Err(self.failed(err)),
         }
-    }
-
-    /// Counts an error and returns it.
-    #[cold]
-    #[inline(never)]
-    fn failed(&self, err: RateLimitError) -> RateLimitError {
-        self.inner.counters.error();
-        err
     }
 
     /// Runs a read-only or reset `op` for `key` now.
@@ -646,7 +646,106 @@ impl Drop for Ticket<'_> {
     }
 }
 
+/// The same operations through an [`AsyncRateLimitStore`], such as the Redis store (feature
+/// `redis`) that several instances share. They work on every store: a synchronous one is
+/// an asynchronous one whose futures are ready at once.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use throttlebeam::rate_limit::{Gcra, Limiter};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), throttlebeam::rate_limit::RateLimitError> {
+/// // With Redis: `Limiter::builder(strategy).with_store(redis).build()`.
+/// let limiter = Limiter::new(Gcra::new(2, Duration::from_secs(1))?);
+/// assert_eq!(limiter.check_async("k").await?.remaining, 1);
+/// assert_eq!(limiter.peek_async("k").await?.remaining, 1);
+/// assert_eq!(limiter.forecast_async("k", 1).await?.spendable_now, 1);
+/// limiter.reset_async("k").await?;
+/// assert_eq!(limiter.check_n_async("k", 2).await?.remaining, 0);
+/// # Ok(())
+/// # }
+/// ```
 impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
+    /// [`Limiter::check`] through an asynchronous store.
+    ///
+    /// # Errors
+    ///
+    /// As [`Limiter::check`].
+    pub async fn check_async(&self, key: &str) -> Result<Decision, RateLimitError> {
+        self.check_n_async_at(key, 1, self.now_ms()).await
+    }
+
+    /// [`Limiter::check_n`] through an asynchronous store.
+    ///
+    /// # Errors
+    ///
+    /// As [`Limiter::check_n`].
+    pub async fn check_n_async(&self, key: &str, cost: u32) -> Result<Decision, RateLimitError> {
+        self.check_n_async_at(key, cost, self.now_ms()).await
+    }
+
+    /// [`Limiter::peek`] through an asynchronous store.
+    ///
+    /// # Errors
+    ///
+    /// As [`Limiter::peek`].
+    pub async fn peek_async(&self, key: &str) -> Result<Decision, RateLimitError> {
+        match self.read_async(key, |_| Ok(RateLimitOp::Peek)).await? {
+            RateLimitReply::Decision(d) => Ok(d),
+            other => Err(self.failed(wrong_reply(key, other))),
+        }
+    }
+
+    /// [`Limiter::forecast`] through an asynchronous store.
+    ///
+    /// # Errors
+    ///
+    /// As [`Limiter::forecast`].
+    pub async fn forecast_async(&self, key: &str, cost: u32) -> Result<Forecast, RateLimitError> {
+        let op = |s: &S| cost_for(s, key, cost).map(|cost| RateLimitOp::Forecast { cost });
+        match self.read_async(key, op).await? {
+            RateLimitReply::Forecast(f) => Ok(f),
+            other => Err(self.failed(wrong_reply(key, other))),
+        }
+    }
+
+    /// [`Limiter::reset`] through an asynchronous store.
+    ///
+    /// # Errors
+    ///
+    /// As [`Limiter::reset`].
+    pub async fn reset_async(&self, key: &str) -> Result<(), RateLimitError> {
+        self.read_async(key, |_| Ok(RateLimitOp::Reset))
+            .await
+            .map(drop)
+    }
+
+    /// Runs a read-only, reset or reservation `op` for `key` now.
+    async fn read_async(
+        &self,
+        key: &str,
+        op: impl FnOnce(&S) -> Result<RateLimitOp, RateLimitError>,
+    ) -> Result<RateLimitReply, RateLimitError> {
+        let result = async {
+            RateLimitError::check_key(key)?;
+            let strategy = self.strategy_for(key);
+            let op = op(&strategy)?;
+            let store_key = self.store_key(key);
+            let request = RateLimitRequest {
+                key: &store_key,
+                now_ms: self.now_ms(),
+                strategy: &strategy,
+                op,
+            };
+            self.inner.store.apply_async(request).await
+        }
+        .await;
+        result.map_err(|err| self.failed(err))
+    }
+
     /// [`Limiter::check_n_at`] through an asynchronous store.
     ///
     /// # Errors
@@ -682,6 +781,49 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
         match self.inner.store.apply_async(request).await? {
             RateLimitReply::Decision(d) => Ok(d),
             other => Err(wrong_reply(key, other)),
+        }
+    }
+}
+
+impl<St: AsyncRateLimitStore<LeakyBucket>> Limiter<LeakyBucket, St> {
+    /// [`Limiter::try_reserve`] through an asynchronous store.
+    ///
+    /// # Errors
+    ///
+    /// As [`Limiter::try_reserve`].
+    pub async fn try_reserve_async(
+        &self,
+        key: &str,
+        cost: u32,
+    ) -> Result<ShaperReservation, RateLimitError> {
+        let op = |s: &LeakyBucket| cost_for(s, key, cost).map(|cost| RateLimitOp::Reserve { cost });
+        let result = match self.read_async(key, op).await? {
+            RateLimitReply::Reservation(r) => Ok(r),
+            other => Err(wrong_reply(key, other)),
+        };
+        self.inner
+            .counters
+            .count(&result, |r| matches!(r, ShaperReservation::Granted { .. }));
+        result
+    }
+
+    /// [`Limiter::reserve`] through an asynchronous store: reserves `cost` units for `key` and
+    /// sleeps the delay (on tokio time); returns it.
+    ///
+    /// # Errors
+    ///
+    /// As [`Limiter::reserve`].
+    pub async fn reserve_async(&self, key: &str, cost: u32) -> Result<Duration, RateLimitError> {
+        match self.try_reserve_async(key, cost).await? {
+            ShaperReservation::Granted { delay_ms } => {
+                let delay = Duration::from_millis(delay_ms);
+                tokio::time::sleep(delay).await;
+                Ok(delay)
+            }
+            ShaperReservation::QueueFull { retry_after_ms } => Err(RateLimitError::QueueFull {
+                key: crate::key::shown(key),
+                retry_after_ms,
+            }),
         }
     }
 }

@@ -73,6 +73,13 @@ impl SlidingWindow {
     }
 }
 
+impl SlidingWindow {
+    /// `(limit, window_us)`.
+    pub(crate) fn parts(&self) -> (u64, u64) {
+        (self.limit, self.window_us)
+    }
+}
+
 impl Transition for SlidingWindow {
     type State = SlidingWindowState;
     type View = SlidingWindowState;

@@ -100,6 +100,13 @@ impl TokenBucket {
     }
 }
 
+impl TokenBucket {
+    /// `(capacity, per_us, refill)`.
+    pub(crate) fn parts(&self) -> (u64, u64, u64) {
+        (self.capacity, self.per_us, self.refill)
+    }
+}
+
 impl Transition for TokenBucket {
     type State = TokenBucketState;
     type View = TokenBucketState;

@@ -16,6 +16,7 @@ use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 mod claims;
 mod debounce;
 mod notify;
+mod rate_limit;
 mod window;
 
 pub(crate) use self::debounce::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
@@ -204,6 +205,43 @@ struct Inner {
 /// or one script call (`EVALSHA`, with a fallback to `EVAL` when the server
 /// does not know the script yet); every call is bounded by the command
 /// timeout and guarded by a circuit breaker.
+///
+/// # Rate limiting
+///
+/// `Redis` is an [`AsyncRateLimitStore`](crate::rate_limit::AsyncRateLimitStore)
+/// for every [`ScriptedStrategy`](crate::rate_limit::ScriptedStrategy): GCRA,
+/// token bucket, fixed and sliding window, the leaky-bucket shaper, and
+/// [`Tiered`](crate::rate_limit::Tiered) combinations of them (all tiers
+/// charged or none). Each operation is one call of one Lua script that runs
+/// the strategies' integer maths (microseconds, every value below 2^53) on the
+/// server's `TIME`, so decisions are bit for bit those of the memory store and
+/// every instance shares one limit. A key's state lives at
+/// `{prefix:key}:r` and expires once it is at rest (equal to a fresh key). A
+/// failure (timeout, connection, breaker open) is
+/// [`RateLimitError::Store`](crate::rate_limit::RateLimitError::Store), which
+/// an `Enforcer` (feature `http`) turns into its `FailMode`.
+///
+/// The store is implemented for each strategy type, not for every
+/// `S: ScriptedStrategy`: such an impl would overlap (E0119) the blanket
+/// `impl<S, St: RateLimitStore<S>> AsyncRateLimitStore<S> for St`, since
+/// another crate may implement `RateLimitStore<ItsOwnStrategy>` for `Redis`.
+/// Generic code therefore bounds on `Redis: AsyncRateLimitStore<S>`.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::num::NonZeroU32;
+/// use throttlebeam::rate_limit::{Gcra, Limiter};
+/// use throttlebeam::store::Redis;
+///
+/// let redis = Redis::builder("redis://127.0.0.1:6379").connect().await?;
+/// let limiter = Limiter::builder(Gcra::per_second(NonZeroU32::new(100).unwrap()))
+///     .with_store(redis)
+///     .with_namespace("api")
+///     .build();
+/// let decision = limiter.check_async("user:42").await?;
+/// println!("{} left", decision.remaining);
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct Redis {
     inner: Arc<Inner>,
@@ -518,18 +556,27 @@ fn ms(d: Duration) -> u64 {
 }
 
 impl Redis {
+    /// The pinned time as a script argument, or empty for the server's `TIME`.
     fn pinned(&self) -> String {
         match self.inner.pinned_now.load(Ordering::Relaxed) {
             0 => String::new(),
-            n => n.to_string(),
+            n => (n - 1).to_string(),
         }
     }
 
-    /// Pins the time scripts read (ms since the epoch) instead of the
-    /// server's `TIME`; 0 unpins. For tests that need exact instants.
+    /// Pins the time scripts read (ms since the epoch, 0 included) instead
+    /// of the server's `TIME`. For tests that need exact instants.
     #[doc(hidden)]
     pub fn pin_time(&self, now_ms: u64) {
-        self.inner.pinned_now.store(now_ms, Ordering::Relaxed);
+        // Stored plus one, so that 0 can mean "not pinned".
+        let stored = now_ms.saturating_add(1);
+        self.inner.pinned_now.store(stored, Ordering::Relaxed);
+    }
+
+    /// Goes back to the server's `TIME` after [`Redis::pin_time`].
+    #[doc(hidden)]
+    pub fn unpin_time(&self) {
+        self.inner.pinned_now.store(0, Ordering::Relaxed);
     }
 
     /// Takes a coalescing-throttle window for `token` if it is free.

@@ -1,0 +1,295 @@
+-- Rate limiting: every strategy, every operation, one call. A port of the integer maths of
+-- src/rate_limit/{strategy,emission,gcra,leaky,token_bucket,fixed_window,sliding_window,
+-- algebra}.rs; keep them in step (tests/redis_rate_limit.rs compares every reply).
+--
+-- KEYS[1]  the key's state: "<kinds> <field> <field> ..." (one kind letter per tier;
+--          g gcra, l leaky shaper, t token bucket, f fixed window, s sliding window)
+-- ARGV[1]  pinned time in ms, or '' for the server's TIME (now_ms comes from the prelude)
+-- ARGV[2]  op: c check, r reserve, p peek, f forecast, x reset
+-- ARGV[3]  cost
+-- ARGV[4]  ms the key outlives its state's rest point (server time: 1; pinned: more)
+-- ARGV[5]  the kinds, one letter per tier (also the stored signature)
+-- then per tier 4 values: limit, a, b, c
+--          g, l: period_us, per, tolerance     t: capacity, per_us, refill
+--          f, s: window_us, 0, 0
+--
+-- Every number stays an integer below 2^53 (the caller checks each tier's horizon), so Lua
+-- doubles compute exactly what the u64 maths does; divisions go through fmod, which is exact,
+-- and '%d' prints them exactly (Lua 5.1 formats it as a C long).
+-- Subtractions the Rust code saturates are clamped at 0 here. No tables or closures are made
+-- per tier, since a script's cost is mostly allocation.
+-- Replies: {1, allowed, limit, remaining, reset_at_ms, retry_after_ms} a decision,
+-- {2, spendable_now, next_replenish_at_ms, full_at_ms} a forecast, {3, 1, delay_ms} or
+-- {3, 0, retry_after_ms} a reservation, {4} a reset.
+
+local fmod = math.fmod
+
+local function idiv(x, y)
+  return (x - fmod(x, y)) / y
+end
+
+local function dceil(x, y)
+  local r = fmod(x, y)
+  if r > 0 then return (x - r) / y + 1 end
+  return (x - r) / y
+end
+
+-- The earliest µs >= now at which `units` are spendable, from the view (v1, v2, v3).
+local function earliest(k, lim, a, b, c, v1, v2, v3, now, units)
+  local at
+  if k == 'g' or k == 'l' then
+    local need = v2 + units * a
+    if need <= c then
+      at = v1 - idiv(c - need, b)
+    else
+      at = v1 + dceil(need - c, b)
+    end
+  elseif k == 't' then
+    local need = units * b
+    if v1 >= need then return now end
+    at = v2 + dceil(need - v1, c)
+  elseif k == 'f' then
+    if v2 + units <= lim then return now end
+    at = v1 + a
+  else
+    local budget = lim - units
+    if budget < 0 then budget = 0 end
+    budget = budget * a
+    local current = v3 * a
+    if current <= budget then
+      if v2 == 0 then return now end
+      local slack = idiv(budget - current, v2)
+      if slack > a then slack = a end
+      at = v1 + (a - slack)
+    else
+      local back = idiv(budget, v3)
+      if back > a then back = a end
+      at = v1 + 2 * a - back
+    end
+  end
+  if at < now then return now end
+  return at
+end
+
+-- One tier: op 'f' returns a forecast (3 values); 'p' a decision (5); 'c'/'r' a decision and,
+-- when allowed, the next state, its ttl in ms and the reservation delay in ms (10).
+local function run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
+  -- The state brought forward to now.
+  local v1, v2, v3 = now, 0, 0
+  if k == 'g' or k == 'l' then
+    if has and (s1 > now or (s1 == now and s2 > 0)) then v1, v2 = s1, s2 end
+  elseif k == 't' then
+    local full = a * b
+    if not has then
+      v1, v2 = full, now
+    elseif now <= s2 then
+      v1, v2 = s1, s2
+    else
+      local missing = full - s1
+      if missing < 0 then missing = 0 end
+      local elapsed = now - s2
+      if elapsed * c >= missing then v1, v2 = full, now else v1, v2 = s1 + elapsed * c, now end
+    end
+  else
+    local start = now - fmod(now, a)
+    if has and s1 >= start then
+      v1, v2, v3 = s1, s2, s3
+    elseif k == 's' and has and s1 + a == start then
+      v1, v2, v3 = start, s3, 0
+    else
+      v1 = start
+    end
+  end
+  -- Units spendable now.
+  local avail
+  if k == 'g' or k == 'l' then
+    local ahead = v1 - now
+    if ahead < 0 then ahead = 0 end
+    local room = c - (ahead * b + v2)
+    if room < 0 then room = 0 end
+    avail = idiv(room, a)
+  elseif k == 't' then
+    avail = idiv(v1, b)
+  elseif k == 'f' then
+    avail = lim - v2
+    if avail < 0 then avail = 0 end
+  else
+    local elapsed = now - v1
+    if elapsed < 0 then elapsed = 0 end
+    if elapsed > a then elapsed = a end
+    local room = lim * a - (v2 * (a - elapsed) + v3 * a)
+    if room < 0 then room = 0 end
+    avail = idiv(room, a)
+  end
+  if op == 'f' or op == 'p' or avail < units then
+    -- When the tier is full again; not needed by an allowed check, the hot path.
+    local full_ms = dceil(earliest(k, lim, a, b, c, v1, v2, v3, now, lim), 1000)
+    if op == 'f' then
+      local nxt = now
+      if avail < lim then nxt = earliest(k, lim, a, b, c, v1, v2, v3, now, avail + 1) end
+      return idiv(avail, units), dceil(nxt, 1000), full_ms
+    end
+    if avail < units then
+      local retry = dceil(earliest(k, lim, a, b, c, v1, v2, v3, now, units), 1000) - nms
+      if retry < 0 then retry = 0 end
+      return 0, lim, avail, full_ms, retry
+    end
+    return 1, lim, avail, full_ms, 0
+  end
+  -- Spend.
+  local wait = 0
+  if k == 'l' then
+    wait = v1 - now
+    if wait < 0 then wait = 0 end
+    if v2 > 0 then wait = wait + 1 end
+    wait = dceil(wait, 1000)
+  end
+  local full_at
+  if k == 'g' or k == 'l' then
+    local total = v2 + units * a
+    local r = fmod(total, b)
+    v1, v2 = v1 + (total - r) / b, r
+    full_at = v1
+    if r > 0 then full_at = v1 + 1 end
+  elseif k == 't' then
+    v1 = v1 - units * b
+    full_at = v2 + dceil(a * b - v1, c)
+  elseif k == 'f' then
+    v2 = v2 + units
+    full_at = v1 + a
+  else
+    v3 = v3 + units
+    full_at = v1 + 2 * a
+  end
+  local reset = dceil(full_at, 1000)
+  local ttl = reset - nms
+  if ttl < 0 then ttl = 0 end
+  return 1, lim, avail - units, reset, 0, v1, v2, v3, ttl, wait
+end
+
+local op = ARGV[2]
+if op == 'x' then
+  redis.call('DEL', KEYS[1])
+  return {4}
+end
+local units = tonumber(ARGV[3])
+local slack = tonumber(ARGV[4])
+local kinds = ARGV[5]
+local n = #kinds
+local now = now_ms(ARGV[1]) * 1000
+if now > 4000000000000000 then now = 4000000000000000 end
+local nms = idiv(now, 1000)
+local raw = redis.call('GET', KEYS[1])
+
+local FOREIGN = ' holds the state of another strategy'
+
+if n == 1 then
+  local k = kinds
+  local lim, a, b, c = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+  local has, s1, s2, s3 = false, 0, 0, 0
+  if raw then
+    local sig
+    sig, s1, s2, s3 = string.match(raw, '^(%a+) (%d+) (%d+) ?(%d*)$')
+    if sig ~= k then return redis.error_reply('rate limit key ' .. KEYS[1] .. FOREIGN) end
+    has, s1, s2, s3 = true, tonumber(s1), tonumber(s2), tonumber(s3) or 0
+  end
+  if op == 'f' then return {2, run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)} end
+  local allowed, l, rem, reset, retry, n1, n2, n3, ttl, wait =
+    run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
+  if op == 'p' then return {1, allowed, l, rem, reset, retry} end
+  if allowed == 1 then
+    local value
+    if k == 's' then
+      value = string.format('%s %d %d %d', k, n1, n2, n3)
+    else
+      value = string.format('%s %d %d', k, n1, n2)
+    end
+    redis.call('SET', KEYS[1], value, 'PX', string.format('%d', ttl + slack))
+  end
+  if op == 'c' then return {1, allowed, l, rem, reset, retry} end
+  if allowed == 1 then return {3, 1, wait} end
+  return {3, 0, retry}
+end
+
+-- Several tiers, all-or-nothing: charged together, or none is and the decision combines the
+-- denials with what the other tiers would report as they stand.
+local fields = {}
+if raw then
+  local it = string.gmatch(raw, '%S+')
+  if it() ~= kinds then return redis.error_reply('rate limit key ' .. KEYS[1] .. FOREIGN) end
+  for i = 1, n do
+    local width = 2
+    if string.sub(kinds, i, i) == 's' then width = 3 end
+    for _ = 1, width do fields[#fields + 1] = tonumber(it()) end
+    if width == 2 then fields[#fields + 1] = 0 end
+  end
+end
+
+local function tier(i, tier_op)
+  local base = 2 + 4 * i
+  local f = 3 * (i - 1)
+  return run(tier_op, string.sub(kinds, i, i), tonumber(ARGV[base]), tonumber(ARGV[base + 1]),
+    tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), raw and true or false,
+    fields[f + 1], fields[f + 2], fields[f + 3], now, nms, units)
+end
+
+if op == 'f' then
+  local spend, nxt, full
+  for i = 1, n do
+    local s, x, y = tier(i, 'f')
+    if not spend or s < spend then
+      spend, nxt = s, x
+    elseif s == spend and x > nxt then
+      nxt = x
+    end
+    if not full or y > full then full = y end
+  end
+  return {2, spend, nxt, full}
+end
+
+-- Combines a decision into (A, L, R, S, T): allowed and, limits and remaining min, reset and
+-- retry max.
+local A, L, R, S, T
+local function fold(allowed, l, rem, reset, retry)
+  if not A then
+    A, L, R, S, T = allowed, l, rem, reset, retry
+    return
+  end
+  if allowed < A then A = allowed end
+  if l < L then L = l end
+  if rem < R then R = rem end
+  if reset > S then S = reset end
+  if retry > T then T = retry end
+end
+
+if op == 'p' then
+  for i = 1, n do fold(tier(i, 'p')) end
+  return {1, A, L, R, S, T}
+end
+
+local results, parts, ttl, all = {}, {kinds}, 0, true
+for i = 1, n do
+  local allowed, l, rem, reset, retry, n1, n2, n3, t = tier(i, 'c')
+  results[i] = {allowed, l, rem, reset, retry}
+  if allowed == 1 then
+    if t > ttl then ttl = t end
+    parts[#parts + 1] = string.format('%d %d', n1, n2)
+    if string.sub(kinds, i, i) == 's' then parts[#parts + 1] = string.format('%d', n3) end
+  else
+    all = false
+  end
+end
+for i = 1, n do
+  local d = results[i]
+  if all or d[1] == 0 then
+    fold(d[1], d[2], d[3], d[4], d[5])
+  else
+    fold(tier(i, 'p'))
+  end
+end
+if all then
+  redis.call('SET', KEYS[1], table.concat(parts, ' '), 'PX', string.format('%d', ttl + slack))
+end
+if op == 'c' then return {1, A, L, R, S, T} end
+if A == 1 then return {3, 1, 0} end
+return {3, 0, T}

@@ -1,0 +1,848 @@
+//! Rate limiting on real Redis servers (a single node and a 3-node cluster): decisions bit
+//! for bit equal to the memory store's (a property test and the test vectors), one store
+//! contract run on memory, a single node and a cluster, limits held across instances (R8,
+//! S11), and the fail policy while the server is down (R12, S6).
+#![cfg(all(feature = "redis", feature = "http"))]
+
+mod support;
+mod vectors;
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use proptest::strategy::Strategy as _;
+use proptest::test_runner::{Config, FileFailurePersistence, TestRunner};
+use support::redis::{RedisCluster, RedisNode};
+use throttlebeam::clock::ManualClock;
+use throttlebeam::rate_limit::{
+    AsyncRateLimitStore, EnforceOutcome, Enforcer, FailMode, FixedWindow, Gcra, LeakyBucket,
+    Limiter, MemoryRateLimitStore, RateLimitError, RateLimitOp, RateLimitReply, RateLimitRequest,
+    RateLimitStore, ScriptedStrategy, ShaperReservation, SlidingWindow, Strategy, Tiered,
+    TokenBucket,
+};
+use throttlebeam::store::{BreakerConfig, BreakerState, Redis};
+use vectors::{Expect, Op, Vector};
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).expect("non-zero")
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// A fresh namespace per use, so runs on one server never share keys.
+fn unique(label: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!("{label}{}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+async fn single(node: &RedisNode) -> Redis {
+    Redis::builder(node.url())
+        .connect()
+        .await
+        .expect("connects")
+}
+
+async fn cluster(cluster: &RedisCluster) -> Redis {
+    Redis::cluster(cluster.urls())
+        .connect()
+        .await
+        .expect("connects to the cluster")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bit for bit: the same random operations at the same times, memory against Redis.
+// ---------------------------------------------------------------------------------------------
+
+/// How the time moves before a step.
+#[derive(Debug, Clone, Copy)]
+enum Move {
+    Stay,
+    Forward(u64),
+    Back(u64),
+    /// Far ahead: keys come to rest, windows roll many times.
+    Jump(u64),
+}
+
+/// The cost of a step, relative to the strategy's capacity where it matters.
+#[derive(Debug, Clone, Copy)]
+enum Cost {
+    Units(u32),
+    Limit,
+    AboveLimit,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum StepOp {
+    Check(Cost),
+    Peek,
+    Forecast(Cost),
+    Reserve(Cost),
+    Reset,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Step {
+    time: Move,
+    key: u8,
+    op: StepOp,
+}
+
+fn moves() -> impl proptest::strategy::Strategy<Value = Move> {
+    prop_oneof![
+        3 => Just(Move::Stay),
+        6 => (1..=60u64).prop_map(Move::Forward),
+        3 => (1..=3_000u64).prop_map(Move::Forward),
+        1 => (1..=2_000u64).prop_map(Move::Back),
+        1 => (1..=10_000_000u64).prop_map(Move::Jump),
+    ]
+}
+
+fn costs() -> impl proptest::strategy::Strategy<Value = Cost> {
+    prop_oneof![
+        8 => (1..=4u32).prop_map(Cost::Units),
+        2 => (1..=40u32).prop_map(Cost::Units),
+        1 => Just(Cost::Limit),
+        1 => Just(Cost::AboveLimit),
+    ]
+}
+
+fn ops() -> impl proptest::strategy::Strategy<Value = StepOp> {
+    prop_oneof![
+        10 => costs().prop_map(StepOp::Check),
+        2 => Just(StepOp::Peek),
+        2 => costs().prop_map(StepOp::Forecast),
+        2 => costs().prop_map(StepOp::Reserve),
+        1 => Just(StepOp::Reset),
+    ]
+}
+
+fn steps() -> impl proptest::strategy::Strategy<Value = Vec<Step>> {
+    prop::collection::vec(
+        (moves(), 0..2u8, ops()).prop_map(|(time, key, op)| Step { time, key, op }),
+        1..48,
+    )
+}
+
+/// Where a sequence starts: near 0, today-ish, or across the strategies' time ceiling (in
+/// 2096), where time stands still.
+fn starts() -> impl proptest::strategy::Strategy<Value = u64> {
+    prop_oneof![
+        2 => 0..=10_000u64,
+        6 => 1_000_000_000_000..=2_000_000_000_000u64,
+        1 => 3_999_999_900_000..=4_000_000_100_000u64,
+    ]
+}
+
+fn period() -> impl proptest::strategy::Strategy<Value = Duration> {
+    prop_oneof![
+        3 => (1..=3_000u64).prop_map(ms),
+        1 => (1..=120u64).prop_map(|s| Duration::from_secs(s * 60)),
+    ]
+}
+
+fn small() -> impl proptest::strategy::Strategy<Value = u32> {
+    prop_oneof![4 => 1..=12u32, 1 => 1..=1_000u32]
+}
+
+fn gcra() -> impl proptest::strategy::Strategy<Value = Gcra> {
+    prop_oneof![
+        (small(), period(), prop::option::of(1..=30u32)).prop_map(|(limit, period, burst)| {
+            let g = Gcra::new(limit.min(period_ms(period) as u32), period).expect("valid");
+            match burst {
+                Some(b) => g.with_burst(nz(b)),
+                None => g,
+            }
+        }),
+        // Up to one per microsecond, fractional intervals included.
+        (1..=1_000_000u32).prop_map(|n| Gcra::per_second(nz(n))),
+    ]
+}
+
+fn period_ms(d: Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+fn token_bucket() -> impl proptest::strategy::Strategy<Value = TokenBucket> {
+    (small(), small(), period()).prop_map(|(capacity, refill, per)| {
+        TokenBucket::new(capacity, refill.min(period_ms(per) as u32), per).expect("valid")
+    })
+}
+
+fn fixed_window() -> impl proptest::strategy::Strategy<Value = FixedWindow> {
+    (small(), period()).prop_map(|(limit, w)| FixedWindow::new(limit, w).expect("valid"))
+}
+
+fn sliding_window() -> impl proptest::strategy::Strategy<Value = SlidingWindow> {
+    (small(), period()).prop_map(|(limit, w)| SlidingWindow::new(limit, w).expect("valid"))
+}
+
+fn leaky() -> impl proptest::strategy::Strategy<Value = LeakyBucket> {
+    (small(), period(), 0..=2_000u64).prop_map(|(rate, per, queue)| {
+        LeakyBucket::new(rate.min(period_ms(per) as u32), per, ms(queue)).expect("valid")
+    })
+}
+
+/// One strategy of every kind, and tiers of them (nested tiers too).
+#[derive(Debug, Clone)]
+enum Spec {
+    Gcra(Gcra),
+    TokenBucket(TokenBucket),
+    Fixed(FixedWindow),
+    Sliding(SlidingWindow),
+    Leaky(LeakyBucket),
+    GcraFixed(Tiered<Gcra, FixedWindow>),
+    BucketSliding(Tiered<TokenBucket, SlidingWindow>),
+    Three(Tiered<LeakyBucket, Tiered<Gcra, SlidingWindow>>),
+}
+
+fn specs() -> impl proptest::strategy::Strategy<Value = Spec> {
+    prop_oneof![
+        gcra().prop_map(Spec::Gcra),
+        token_bucket().prop_map(Spec::TokenBucket),
+        fixed_window().prop_map(Spec::Fixed),
+        sliding_window().prop_map(Spec::Sliding),
+        leaky().prop_map(Spec::Leaky),
+        (gcra(), fixed_window()).prop_map(|(a, b)| Spec::GcraFixed(Tiered::new(a, b))),
+        (token_bucket(), sliding_window())
+            .prop_map(|(a, b)| Spec::BucketSliding(Tiered::new(a, b))),
+        (leaky(), gcra(), sliding_window())
+            .prop_map(|(a, b, c)| Spec::Three(Tiered::new(a, Tiered::new(b, c)))),
+    ]
+}
+
+fn resolve(cost: Cost, limit: u64) -> NonZeroU32 {
+    let limit = u32::try_from(limit).unwrap_or(u32::MAX);
+    match cost {
+        Cost::Units(n) => nz(n),
+        Cost::Limit => nz(limit),
+        Cost::AboveLimit => nz(limit.saturating_add(1)),
+    }
+}
+
+/// Every reply, and every error by its full `Debug` (variant, key, numbers).
+fn shown(result: Result<RateLimitReply, RateLimitError>) -> Result<RateLimitReply, String> {
+    result.map_err(|e| format!("{e:?}"))
+}
+
+async fn replay<S>(redis: &Redis, strategy: S, start: u64, steps: &[Step]) -> Result<(), String>
+where
+    S: ScriptedStrategy,
+    Redis: AsyncRateLimitStore<S>,
+    MemoryRateLimitStore<S::State>: RateLimitStore<S>,
+{
+    let memory = MemoryRateLimitStore::<S::State>::new();
+    let case = unique("bit");
+    let limit = strategy.limit();
+    let mut now = start;
+    for (i, step) in steps.iter().enumerate() {
+        now = match step.time {
+            Move::Stay => now,
+            Move::Forward(d) | Move::Jump(d) => now + d,
+            Move::Back(d) => now.saturating_sub(d),
+        };
+        let op = match step.op {
+            StepOp::Check(c) => RateLimitOp::Check {
+                cost: resolve(c, limit),
+            },
+            StepOp::Reserve(c) => RateLimitOp::Reserve {
+                cost: resolve(c, limit),
+            },
+            StepOp::Forecast(c) => RateLimitOp::Forecast {
+                cost: resolve(c, limit),
+            },
+            StepOp::Peek => RateLimitOp::Peek,
+            StepOp::Reset => RateLimitOp::Reset,
+        };
+        let key = format!("{case}:{}", step.key);
+        let request = || RateLimitRequest {
+            key: &key,
+            now_ms: now,
+            strategy: &strategy,
+            op,
+        };
+        let in_memory = shown(memory.apply(request()));
+        redis.pin_time(now);
+        let in_redis = shown(redis.apply_async(request()).await);
+        if in_memory != in_redis {
+            return Err(format!(
+                "step {i} at {now} ms, {op:?} on key {}:\n memory {in_memory:?}\n redis  {in_redis:?}",
+                step.key
+            ));
+        }
+    }
+    Ok(())
+}
+
+async fn replay_spec(redis: &Redis, spec: Spec, start: u64, steps: &[Step]) -> Result<(), String> {
+    match spec {
+        Spec::Gcra(s) => replay(redis, s, start, steps).await,
+        Spec::TokenBucket(s) => replay(redis, s, start, steps).await,
+        Spec::Fixed(s) => replay(redis, s, start, steps).await,
+        Spec::Sliding(s) => replay(redis, s, start, steps).await,
+        Spec::Leaky(s) => replay(redis, s, start, steps).await,
+        Spec::GcraFixed(s) => replay(redis, s, start, steps).await,
+        Spec::BucketSliding(s) => replay(redis, s, start, steps).await,
+        Spec::Three(s) => replay(redis, s, start, steps).await,
+    }
+}
+
+/// Runs the property on one server: 192 random sequences of up to 47 steps each.
+fn bit_identical(redis: &Redis, rt: &tokio::runtime::Runtime) {
+    let config = Config {
+        cases: 192,
+        source_file: Some(file!()),
+        failure_persistence: Some(Box::new(FileFailurePersistence::SourceParallel(
+            "proptest-regressions",
+        ))),
+        ..Config::default()
+    };
+    let mut runner = TestRunner::new(config);
+    let result = runner.run(&(specs(), starts(), steps()), |(spec, start, steps)| {
+        rt.block_on(replay_spec(redis, spec, start, &steps))
+            .map_err(TestCaseError::fail)
+    });
+    if let Err(e) = result {
+        panic!("memory and Redis disagree: {e}");
+    }
+}
+
+fn tokio_rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+#[test]
+fn decisions_are_bit_identical_in_memory_and_on_a_single_node() {
+    let Some(node) = RedisNode::start("decisions_are_bit_identical_on_a_single_node") else {
+        return;
+    };
+    let rt = tokio_rt();
+    let redis = rt.block_on(single(&node));
+    bit_identical(&redis, &rt);
+}
+
+#[test]
+fn decisions_are_bit_identical_in_memory_and_on_a_cluster() {
+    let Some(nodes) = RedisCluster::start("decisions_are_bit_identical_on_a_cluster") else {
+        return;
+    };
+    let rt = tokio_rt();
+    let redis = rt.block_on(cluster(&nodes));
+    bit_identical(&redis, &rt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The test vectors, replayed through a limiter on Redis.
+// ---------------------------------------------------------------------------------------------
+
+async fn replay_vector<S>(redis: &Redis, v: &Vector<S>)
+where
+    S: ScriptedStrategy,
+    Redis: AsyncRateLimitStore<S>,
+{
+    let limiter = Limiter::builder((v.strategy)())
+        .with_store(redis.clone())
+        .with_namespace(unique("vector"))
+        .build();
+    for (i, step) in v.steps.iter().enumerate() {
+        redis.pin_time(step.at);
+        let got = match step.op {
+            Op::Check(cost) => match limiter.check_n_async("k", cost).await {
+                Ok(d) => Expect::Decision(d),
+                Err(RateLimitError::InsufficientCapacity { key, capacity, .. }) => {
+                    assert_eq!(key, "k");
+                    Expect::Insufficient(capacity)
+                }
+                Err(err) => panic!("{} step {i}: {err}", v.name),
+            },
+            Op::Peek => Expect::Decision(limiter.peek_async("k").await.expect("peek")),
+            Op::Forecast(cost) => {
+                Expect::Forecast(limiter.forecast_async("k", cost).await.expect("forecast"))
+            }
+            Op::Reset => {
+                limiter.reset_async("k").await.expect("reset");
+                Expect::Reset
+            }
+        };
+        assert_eq!(got, step.expect, "{} step {i} (redis)", v.name);
+    }
+}
+
+async fn replay_all_vectors(redis: &Redis) {
+    use vectors::{fixed_window, gcra, leaky, sliding_window, token_bucket};
+    for v in [&gcra::R1, &gcra::R2, &gcra::R3, &gcra::R7] {
+        replay_vector(redis, v).await;
+    }
+    for v in &token_bucket::ALL {
+        replay_vector(redis, v).await;
+    }
+    for v in &fixed_window::ALL {
+        replay_vector(redis, v).await;
+    }
+    for v in &sliding_window::ALL {
+        replay_vector(redis, v).await;
+    }
+    for v in &leaky::ALL {
+        replay_vector(redis, v).await;
+    }
+    // R6: the shaper's reservations, with and without a queue.
+    let shapers = [
+        (leaky::ten_per_second_queue_150(), leaky::R6_RESERVATIONS),
+        (
+            LeakyBucket::new(10, Duration::from_secs(1), Duration::ZERO).expect("valid"),
+            leaky::R6_NO_QUEUE,
+        ),
+    ];
+    for (shaper, steps) in shapers {
+        let limiter = Limiter::builder(shaper)
+            .with_store(redis.clone())
+            .with_namespace(unique("r6"))
+            .build();
+        for &(at, cost, expected) in steps {
+            redis.pin_time(at);
+            let got = limiter.try_reserve_async("k", cost).await.expect("reserve");
+            assert_eq!(got, expected, "R6 at {at}");
+        }
+    }
+    let (at, cost, capacity) = leaky::R6_TOO_LARGE;
+    let limiter = Limiter::builder(leaky::ten_per_second_queue_150())
+        .with_store(redis.clone())
+        .build();
+    redis.pin_time(at);
+    assert!(matches!(
+        limiter.try_reserve_async("k", cost).await,
+        Err(RateLimitError::InsufficientCapacity { capacity: c, .. }) if c == capacity
+    ));
+}
+
+#[tokio::test]
+async fn test_vectors_replay_exactly_through_redis() {
+    if let Some(node) = RedisNode::start("test_vectors_replay_on_a_single_node") {
+        replay_all_vectors(&single(&node).await).await;
+    }
+    if let Some(nodes) = RedisCluster::start("test_vectors_replay_on_a_cluster") {
+        replay_all_vectors(&cluster(&nodes).await).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One store contract: the same assertions on memory, a single node and a cluster.
+// ---------------------------------------------------------------------------------------------
+
+/// A store under test: memory (timed by a manual clock) or Redis (timed by a pinned clock).
+#[derive(Clone)]
+enum Backend {
+    Memory,
+    Redis(Redis),
+}
+
+/// Builds a limiter of `$strategy` on `$backend` and runs `$case(limiter, at)` on it, where
+/// `at(ms)` sets the time that store decides at.
+macro_rules! on {
+    ($backend:expr, $strategy:expr, $case:ident) => {
+        match $backend {
+            Backend::Memory => {
+                let clock = ManualClock::new(0);
+                let limiter = Limiter::builder($strategy)
+                    .with_clock(clock.clone())
+                    .build();
+                $case(limiter, move |t| clock.set(t)).await
+            }
+            Backend::Redis(redis) => {
+                let limiter = Limiter::builder($strategy)
+                    .with_store(redis.clone())
+                    .with_namespace(unique("contract"))
+                    .build();
+                let r = redis.clone();
+                $case(limiter, move |t| r.pin_time(t)).await
+            }
+        }
+    };
+}
+
+async fn reads_never_write_and_keys_are_independent<St>(
+    limiter: Limiter<Gcra, St>,
+    at: impl Fn(u64),
+) where
+    St: AsyncRateLimitStore<Gcra>,
+{
+    at(10_000);
+    let fresh = limiter.peek_async("a").await.unwrap();
+    assert_eq!((fresh.allowed, fresh.remaining), (true, 3));
+    limiter.forecast_async("a", 1).await.unwrap();
+    assert_eq!(limiter.peek_async("a").await.unwrap(), fresh);
+    assert_eq!(limiter.check_async("a").await.unwrap().remaining, 2);
+    assert_eq!(limiter.check_n_async("a", 2).await.unwrap().remaining, 0);
+    let denied = limiter.check_async("a").await.unwrap();
+    assert_eq!(
+        (denied.allowed, denied.retry_after_ms, denied.reset_at_ms),
+        (false, 334, 11_000)
+    );
+    // Another key is untouched.
+    assert_eq!(limiter.check_async("b").await.unwrap().remaining, 2);
+    // A denial spends nothing: the same wait a moment later.
+    at(10_100);
+    assert_eq!(limiter.check_async("a").await.unwrap().retry_after_ms, 234);
+    let stats = limiter.stats();
+    assert_eq!((stats.allowed, stats.denied, stats.errors), (3, 2, 0));
+}
+
+async fn reset_and_rest_equal_a_fresh_key<St>(limiter: Limiter<TokenBucket, St>, at: impl Fn(u64))
+where
+    St: AsyncRateLimitStore<TokenBucket>,
+{
+    at(5_000);
+    let fresh = limiter.peek_async("k").await.unwrap();
+    limiter.check_n_async("k", 5).await.unwrap();
+    assert!(!limiter.check_async("k").await.unwrap().allowed);
+    limiter.reset_async("k").await.unwrap();
+    assert_eq!(limiter.peek_async("k").await.unwrap(), fresh);
+    limiter.check_n_async("k", 5).await.unwrap();
+    // Full again after 500 ms (10 per second): the same as a key never seen, at that time.
+    at(5_500);
+    let rested = limiter.peek_async("k").await.unwrap();
+    assert_eq!(rested, limiter.peek_async("never-seen").await.unwrap());
+    assert_eq!(rested.remaining, 5);
+    // Errors are the limiter's, with the key, whatever the store.
+    match limiter.check_n_async("k", 6).await {
+        Err(RateLimitError::InsufficientCapacity {
+            key,
+            cost: 6,
+            capacity: 5,
+        }) => assert_eq!(key, "k"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        limiter.check_n_async("k", 0).await,
+        Err(RateLimitError::ZeroCost { .. })
+    ));
+    assert!(matches!(
+        limiter.check_async("").await,
+        Err(RateLimitError::InvalidKey { .. })
+    ));
+}
+
+async fn tiers_are_charged_all_or_nothing<St>(
+    limiter: Limiter<Tiered<Gcra, FixedWindow>, St>,
+    at: impl Fn(u64),
+) where
+    St: AsyncRateLimitStore<Tiered<Gcra, FixedWindow>>,
+{
+    at(60_000);
+    assert!(limiter.check_async("k").await.unwrap().allowed);
+    assert!(limiter.check_async("k").await.unwrap().allowed);
+    // The daily quota (2) denies; the per-second tier (5) is not charged.
+    let denied = limiter.check_async("k").await.unwrap();
+    assert!(!denied.allowed);
+    assert_eq!(denied.remaining, 0);
+    let f = limiter.forecast_async("k", 1).await.unwrap();
+    assert_eq!(f.spendable_now, 0);
+    assert_eq!(f.full_at_ms, 86_400_000);
+}
+
+async fn shaper_reservations_queue<St>(limiter: Limiter<LeakyBucket, St>, at: impl Fn(u64))
+where
+    St: AsyncRateLimitStore<LeakyBucket>,
+{
+    at(1_000);
+    let granted = |delay_ms| ShaperReservation::Granted { delay_ms };
+    assert_eq!(limiter.try_reserve_async("k", 1).await.unwrap(), granted(0));
+    assert_eq!(
+        limiter.try_reserve_async("k", 1).await.unwrap(),
+        granted(100)
+    );
+    assert_eq!(
+        limiter.try_reserve_async("k", 1).await.unwrap(),
+        ShaperReservation::QueueFull { retry_after_ms: 50 }
+    );
+    at(1_050);
+    assert_eq!(
+        limiter.try_reserve_async("k", 1).await.unwrap(),
+        granted(150)
+    );
+    // The waiting form: a full queue is an error naming the key and the wait.
+    match limiter.reserve_async("k", 1).await {
+        Err(RateLimitError::QueueFull {
+            key,
+            retry_after_ms: 100,
+        }) => assert_eq!(key, "k"),
+        other => panic!("{other:?}"),
+    }
+    at(2_000);
+    assert_eq!(limiter.reserve_async("other", 1).await.unwrap(), ms(0));
+    let stats = limiter.stats();
+    assert_eq!((stats.allowed, stats.denied), (4, 2));
+}
+
+async fn overrides_keep_the_key_state<St>(limiter: Limiter<SlidingWindow, St>, at: impl Fn(u64))
+where
+    St: AsyncRateLimitStore<SlidingWindow>,
+{
+    at(3_000);
+    assert_eq!(limiter.check_n_async("vip", 2).await.unwrap().remaining, 0);
+    limiter
+        .set_override(
+            "vip",
+            SlidingWindow::new(10, Duration::from_secs(1)).unwrap(),
+        )
+        .unwrap();
+    // The two spent units still count against the larger quota.
+    assert_eq!(limiter.check_async("vip").await.unwrap().remaining, 7);
+    assert_eq!(
+        limiter.check_n_async("other", 2).await.unwrap().remaining,
+        0
+    );
+}
+
+async fn contract(backend: Backend) {
+    let gcra = Gcra::new(3, Duration::from_secs(1)).unwrap();
+    on!(
+        backend.clone(),
+        gcra,
+        reads_never_write_and_keys_are_independent
+    );
+    let bucket = TokenBucket::new(5, 10, Duration::from_secs(1)).unwrap();
+    on!(backend.clone(), bucket, reset_and_rest_equal_a_fresh_key);
+    let tiers = Tiered::new(
+        Gcra::per_second(nz(5)),
+        FixedWindow::new(2, Duration::from_secs(86_400)).unwrap(),
+    );
+    on!(backend.clone(), tiers, tiers_are_charged_all_or_nothing);
+    let shaper = LeakyBucket::new(10, Duration::from_secs(1), ms(150)).unwrap();
+    on!(backend.clone(), shaper, shaper_reservations_queue);
+    let window = SlidingWindow::new(2, Duration::from_secs(1)).unwrap();
+    on!(backend, window, overrides_keep_the_key_state);
+}
+
+#[tokio::test]
+async fn store_contract_on_memory_a_single_node_and_a_cluster() {
+    contract(Backend::Memory).await;
+    if let Some(node) = RedisNode::start("store_contract_on_a_single_node") {
+        contract(Backend::Redis(single(&node).await)).await;
+    }
+    if let Some(nodes) = RedisCluster::start("store_contract_on_a_cluster") {
+        contract(Backend::Redis(cluster(&nodes).await)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Across instances, on the server's clock.
+// ---------------------------------------------------------------------------------------------
+
+/// R8: `calls` concurrent checks against a limit of 50 admit exactly 50.
+async fn r8_exactly_the_limit<S, St>(limiter: Limiter<S, St>) -> usize
+where
+    S: Strategy,
+    St: AsyncRateLimitStore<S>,
+{
+    let admitted = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..200)
+        .map(|_| {
+            let (limiter, admitted) = (limiter.clone(), admitted.clone());
+            tokio::spawn(async move {
+                if limiter.check_async("hot").await.expect("decides").allowed {
+                    admitted.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task");
+    }
+    admitted.load(Ordering::Relaxed)
+}
+
+async fn r8_on(redis: Option<Redis>) {
+    let gcra = Gcra::new(50, Duration::from_secs(3_600)).unwrap();
+    let bucket = TokenBucket::new(50, 1, Duration::from_secs(3_600)).unwrap();
+    let (a, b) = match redis {
+        None => (
+            r8_exactly_the_limit(Limiter::new(gcra)).await,
+            r8_exactly_the_limit(Limiter::new(bucket)).await,
+        ),
+        Some(redis) => (
+            r8_exactly_the_limit(
+                Limiter::builder(gcra)
+                    .with_store(redis.clone())
+                    .with_namespace(unique("r8g"))
+                    .build(),
+            )
+            .await,
+            r8_exactly_the_limit(
+                Limiter::builder(bucket)
+                    .with_store(redis)
+                    .with_namespace(unique("r8t"))
+                    .build(),
+            )
+            .await,
+        ),
+    };
+    assert_eq!((a, b), (50, 50));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r8_two_hundred_concurrent_checks_admit_exactly_fifty() {
+    r8_on(None).await;
+    if let Some(node) = RedisNode::start("r8_on_a_single_node") {
+        r8_on(Some(single(&node).await)).await;
+    }
+    if let Some(nodes) = RedisCluster::start("r8_on_a_cluster") {
+        r8_on(Some(cluster(&nodes).await)).await;
+    }
+}
+
+/// S11: four instances (each its own connection and limiter) hammer one key of a GCRA limit
+/// of 100 per second with a burst of 100 for 1.5 s: together they get at most the burst plus
+/// the rate over the elapsed time, and (the limit being exact) not much less.
+async fn s11_four_instances(connect: impl AsyncFn() -> Redis) {
+    const RATE: u64 = 100;
+    let gcra = Gcra::per_second(nz(RATE as u32));
+    let namespace = unique("s11");
+    let mut limiters = Vec::new();
+    for _ in 0..4 {
+        limiters.push(
+            Limiter::builder(gcra)
+                .with_store(connect().await)
+                .with_namespace(namespace.clone())
+                .build(),
+        );
+    }
+    let run_for = ms(1_500);
+    let started = Instant::now();
+    let tasks: Vec<_> = limiters
+        .into_iter()
+        .map(|limiter| {
+            tokio::spawn(async move {
+                let (mut admitted, mut calls) = (0u64, 0u64);
+                while started.elapsed() < run_for {
+                    calls += 1;
+                    if limiter
+                        .check_async("shared")
+                        .await
+                        .expect("decides")
+                        .allowed
+                    {
+                        admitted += 1;
+                    }
+                }
+                (admitted, calls)
+            })
+        })
+        .collect();
+    let (mut admitted, mut calls) = (0, 0);
+    for task in tasks {
+        let (a, c) = task.await.expect("instance");
+        admitted += a;
+        calls += c;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let bound = RATE + (RATE as f64 * elapsed).ceil() as u64;
+    assert!(
+        admitted <= bound,
+        "{admitted} admitted in {elapsed:.3} s, bound {bound}"
+    );
+    let floor = RATE + (RATE as f64 * (elapsed - 0.3)) as u64;
+    assert!(
+        admitted >= floor,
+        "{admitted} admitted in {elapsed:.3} s of {calls} calls, expected at least {floor}"
+    );
+    assert!(calls > admitted, "the limit was never reached");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s11_a_gcra_limit_holds_across_four_instances() {
+    if let Some(node) = RedisNode::start("s11_on_a_single_node") {
+        s11_four_instances(async || single(&node).await).await;
+    }
+    if let Some(nodes) = RedisCluster::start("s11_on_a_cluster") {
+        s11_four_instances(async || cluster(&nodes).await).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// R12, S6: the fail policy while the server is down, and recovery.
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn fail_mode_decides_while_redis_is_down_and_recovery_is_automatic() {
+    let Some(mut node) = RedisNode::start("fail_mode_while_redis_is_down") else {
+        return;
+    };
+    let timeout = ms(200);
+    let redis = Redis::builder(node.url())
+        .with_command_timeout(timeout)
+        .with_breaker(
+            BreakerConfig::default()
+                .with_failures(3)
+                .with_cooldown(ms(300)),
+        )
+        .connect()
+        .await
+        .expect("connects");
+    let errors = Arc::new(AtomicUsize::new(0));
+    let enforcer = |fail: FailMode| {
+        let errors = errors.clone();
+        Enforcer::new(
+            Limiter::builder(Gcra::new(100, Duration::from_secs(1)).unwrap())
+                .with_store(redis.clone())
+                .build(),
+        )
+        .with_fail_mode(fail)
+        .on_error(move |key, err| {
+            assert_eq!(key, "k");
+            assert!(err.is_store(), "{err:?}");
+            errors.fetch_add(1, Ordering::Relaxed);
+        })
+    };
+    let (closed, open) = (enforcer(FailMode::Closed), enforcer(FailMode::Open));
+    assert_eq!(
+        closed.enforce_async("k", NonZeroU32::MIN).await.outcome,
+        EnforceOutcome::Ok
+    );
+
+    node.kill();
+    for i in 0..6 {
+        for (enforcer, admits) in [(&closed, false), (&open, true)] {
+            let started = Instant::now();
+            let e = enforcer.enforce_async("k", NonZeroU32::MIN).await;
+            assert_eq!(
+                (e.outcome, e.allowed),
+                (EnforceOutcome::Error, admits),
+                "call {i}"
+            );
+            assert!(e.headers.is_empty() && e.decision.is_none());
+            assert!(
+                started.elapsed() < timeout + ms(150),
+                "call {i} took {:?}",
+                started.elapsed()
+            );
+        }
+    }
+    assert_eq!(errors.load(Ordering::Relaxed), 12);
+    let stats = redis.stats().breaker;
+    assert_eq!(stats.state, BreakerState::Open);
+
+    // Back: an empty server (no script cached, no state); decisions resume by themselves.
+    node.restart();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let e = closed.enforce_async("k", NonZeroU32::MIN).await;
+        if e.outcome == EnforceOutcome::Ok {
+            assert_eq!(e.decision.expect("decision").remaining, 99);
+            break;
+        }
+        assert!(Instant::now() < deadline, "no recovery: {:?}", e.outcome);
+        tokio::time::sleep(ms(100)).await;
+    }
+    let e = open.enforce_async("k", NonZeroU32::MIN).await;
+    assert_eq!(e.outcome, EnforceOutcome::Ok);
+    assert_eq!(e.decision.expect("decision").remaining, 98);
+    assert_eq!(redis.stats().breaker.state, BreakerState::Closed);
+}
