@@ -39,6 +39,8 @@
 //! | `http` | yes | rate-limit headers, the [`Enforcer`](rate_limit::Enforcer), client-IP and HMAC keys |
 //! | `tower` | no | the `http` module's tower layers: `IdempotencyLayer`, `RateLimitLayer` (implies `runtime`, `http`) |
 //! | `axum` | no | `IntoResponse` for a rate-limit denial and axum's `ConnectInfo` as the client address (implies `tower`) |
+//! | `redis` | no | `store::Redis`: Redis or Redis Cluster as the shared engine, so throttles, debounce (`call_shared`), idempotency and rate limits agree across instances (implies `runtime`) |
+//! | `metrics` | no | `Runtime::export_metrics` through the `metrics` facade (implies `runtime`) |
 //! | `test-util` | no | tokio's `test-util`, for tests of code that uses throttlebeam |
 //! | `async-trait`, `cluster` | no | forward ractor's modes (imply `runtime`) |
 //!
@@ -57,7 +59,10 @@
 //! # Consistency
 //!
 //! In memory, decisions for one key are linearizable within one runtime
-//! instance. Two runtimes in one process never share keys.
+//! instance. Two runtimes in one process never share keys, unless they share
+//! a store: a [`MemoryIdempotencyStore`] or, with the `redis` feature, Redis
+//! (see the README's "Across instances" for what holds across instances and
+//! what falls back to per-instance decisions when the store is unreachable).
 //!
 //! # Logging
 //!
