@@ -1,6 +1,6 @@
 //! Two instances sharing one Redis: a leading throttle, a coalescing
-//! throttle and an idempotent payment that agree across them, and what
-//! happens when Redis goes away.
+//! throttle, an idempotent payment and a rate limit that agree across them,
+//! and what happens when Redis goes away.
 //!
 //! Run: `cargo run --features redis --example cluster`
 //!
@@ -9,9 +9,11 @@
 
 use std::convert::Infallible;
 use std::net::TcpListener;
+use std::num::NonZeroU32;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use throttlebeam::rate_limit::{Enforcer, FailMode, Gcra, Limiter};
 use throttlebeam::store::{BreakerConfig, REDIS_URL_ENV, Redis};
 use throttlebeam::{Phase, Runtime, ThrottleOutcome};
 
@@ -172,7 +174,29 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         pb.value()
     );
 
-    // 4. Redis goes away: throttles fall back to per-instance decisions and
+    // 4. A rate limit of 5 per minute per user, shared: the two instances
+    //    draw on one budget.
+    println!("\n== one rate limit, two instances ==");
+    let limit = |redis: &Redis| -> Result<Limiter<Gcra, Redis>, Box<dyn std::error::Error>> {
+        Ok(Limiter::builder(Gcra::new(5, Duration::from_secs(60))?)
+            .with_store(redis.clone())
+            .with_namespace(format!("api:{run}"))
+            .build())
+    };
+    let (la, lb) = (limit(&redis_a)?, limit(&redis_b)?);
+    for i in 0..4 {
+        let da = la.check_async("user:42").await?;
+        let db = lb.check_async("user:42").await?;
+        println!(
+            "request {i}: a {} ({} left), b {} ({} left)",
+            if da.allowed { "allowed" } else { "limited" },
+            da.remaining,
+            if db.allowed { "allowed" } else { "limited" },
+            db.remaining
+        );
+    }
+
+    // 5. Redis goes away: throttles fall back to per-instance decisions and
     //    the breaker opens; idempotency fails closed; when Redis is back,
     //    they share again.
     let Some(server) = own.as_mut() else {
@@ -212,6 +236,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Err(e) => println!("a payment during the outage: refused, nothing charged ({e})"),
         Ok(outcome) => println!("a payment during the outage ran: {outcome:?}"),
     }
+    let open = Enforcer::new(limit(&redis_a)?).with_fail_mode(FailMode::Open);
+    let closed = Enforcer::new(limit(&redis_a)?).with_fail_mode(FailMode::Closed);
+    let (o, c) = (
+        open.enforce_async("user:7", NonZeroU32::MIN).await,
+        closed.enforce_async("user:7", NonZeroU32::MIN).await,
+    );
+    println!(
+        "a rate-limited request during the outage: fail open lets it through ({}, {:?}), \
+         fail closed refuses it ({}, {:?})",
+        o.allowed, o.outcome, c.allowed, c.outcome
+    );
 
     println!("\n== Redis is back ==");
     let port = server.port;

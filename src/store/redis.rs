@@ -364,6 +364,21 @@ impl Redis {
         .await
     }
 
+    /// Sends a pipeline (one round trip; in a cluster its keys share a
+    /// slot), under the timeout and the breaker.
+    pub(crate) async fn query_pipe<T: FromRedisValue>(
+        &self,
+        pipe: &redis::Pipeline,
+    ) -> Result<T, StoreError> {
+        self.guarded(|conn| async move {
+            match conn {
+                Conn::Single(mut c) => pipe.query_async(&mut c).await,
+                Conn::Cluster(mut c) => pipe.query_async(&mut c).await,
+            }
+        })
+        .await
+    }
+
     /// Calls a script (`EVALSHA`, loading it on `NOSCRIPT`), under the
     /// timeout and the breaker.
     pub(crate) async fn invoke<T: FromRedisValue>(
@@ -430,17 +445,6 @@ pub(crate) fn script(source: &'static str) -> Script {
     Script::new(source)
 }
 
-/// Opens a leading-throttle window with `SET NX PX`, or returns the time
-/// left on the open one, in one round trip. Expiry runs on the server's
-/// clock, so instances with skewed clocks agree.
-const OPEN_WINDOW: &str = r"
-local opened = redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[1])
-if opened then return -1 end
-local left = redis.call('PTTL', KEYS[1])
-if left < 0 then return tonumber(ARGV[1]) end
-return left
-";
-
 /// What [`Redis::open_window`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WindowOpen {
@@ -452,23 +456,33 @@ pub(crate) enum WindowOpen {
 
 impl Redis {
     /// Opens the leading-throttle window of `key` for `window`, or learns
-    /// how long the open one has left.
+    /// how long the open one has left, in one round trip: `SET NX PX` and
+    /// `PTTL` pipelined (two plain commands cost the server less than a
+    /// script). Expiry runs on the server's clock, so instances with skewed
+    /// clocks agree.
     pub(crate) async fn open_window(
         &self,
         key: &str,
         window: Duration,
         token: u64,
     ) -> Result<WindowOpen, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
-        let script = SCRIPT.get_or_init(|| Script::new(OPEN_WINDOW));
         let px = u64::try_from(window.as_millis()).unwrap_or(u64::MAX).max(1);
-        let mut call = script.prepare_invoke();
-        call.key(self.key(key, ":t")).arg(px).arg(token);
-        let left: i64 = self.invoke(&call).await?;
-        Ok(if left < 0 {
+        let key = self.key(key, ":t");
+        let mut pipe = redis::pipe();
+        pipe.cmd("SET")
+            .arg(&key)
+            .arg(token)
+            .arg("NX")
+            .arg("PX")
+            .arg(px)
+            .cmd("PTTL")
+            .arg(&key);
+        let (opened, left): (Option<String>, i64) = self.query_pipe(&pipe).await?;
+        Ok(if opened.is_some() {
             WindowOpen::Opened
         } else {
-            WindowOpen::Closed(Duration::from_millis(left.unsigned_abs()))
+            // Below 0: the window ended between the two commands; it is over.
+            WindowOpen::Closed(Duration::from_millis(left.max(1).unsigned_abs()))
         })
     }
 }
