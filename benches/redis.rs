@@ -144,6 +144,35 @@ async fn raw_set(url: &str, run: u64) -> f64 {
     .await
 }
 
+/// `SET NX PX` and `PTTL` pipelined, raw: what our decision sends.
+async fn raw_pipe(url: &str, run: u64) -> f64 {
+    let client = redis::Client::open(url).expect("client");
+    let conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connection");
+    concurrent(DECISIONS, move |n| {
+        let mut conn = conn.clone();
+        async move {
+            let key = format!("pipe:{run}:{n}");
+            let reply: (Option<String>, i64) = redis::pipe()
+                .cmd("SET")
+                .arg(&key)
+                .arg(1)
+                .arg("NX")
+                .arg("PX")
+                .arg(WINDOW.as_millis() as u64)
+                .cmd("PTTL")
+                .arg(&key)
+                .query_async(&mut conn)
+                .await
+                .expect("SET NX PX; PTTL");
+            black_box(reply);
+        }
+    })
+    .await
+}
+
 async fn hot(runtime: &Runtime) -> f64 {
     let throttle = runtime.throttle();
     let first = throttle
@@ -363,6 +392,11 @@ fn main() {
             anchor = anchor.min(raw_set(&url, run).await);
         }
         compare("redis_throttle_fresh", ours, anchor);
+        let mut pipe = f64::MAX;
+        for run in 1..=3 {
+            pipe = pipe.min(raw_pipe(&url, run).await);
+        }
+        compare("redis_throttle_fresh_raw_pipeline", pipe, anchor);
 
         let (hot_ours, hot_anchor) = (hot(&runtime).await, hot(&memory).await);
         compare("redis_throttle_hot", hot_ours, hot_anchor);
