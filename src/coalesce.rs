@@ -79,7 +79,8 @@ pub struct TrailingStats {
     /// trailing run pending, held by the throttle's sleeper, or a lease).
     pub timers: usize,
     /// Keys held by the window store, as it reports them
-    /// ([`WindowStore::stats`]; 0 for a store that does not say).
+    /// ([`WindowStore::stats`]; 0 for a store that does not say, and without
+    /// a store).
     pub store_keys: usize,
     /// Calls accepted.
     pub calls: u64,
@@ -175,9 +176,11 @@ impl TrailingThrottleBuilder {
         self
     }
 
-    /// Keeps windows in `store` instead of a [`MemoryWindowStore`] of the
-    /// throttle's own. A store passed in is never cleared by the throttle.
-    /// Pass an `Arc` to share one store between throttles.
+    /// Also records windows in `store`, which other throttles or instances
+    /// may share (a [`MemoryWindowStore`] in an `Arc`, or Redis), and claims
+    /// each run's window there first. Without a store a throttle keeps its
+    /// windows in its own registry only: no store call per run. A store
+    /// passed in is never cleared by the throttle.
     pub fn with_store(mut self, store: impl WindowStore) -> Self {
         self.store = Some(Box::new(store));
         self
@@ -241,17 +244,12 @@ impl TrailingThrottleBuilder {
                 .unwrap_or(&self.prefix)
                 .to_owned()
         });
-        let (store, owns_store): (Box<dyn WindowStore>, bool) = match self.store {
-            Some(store) => (store, false),
-            None => (Box::new(MemoryWindowStore::new()), true),
-        };
         let shared = Shared::new(Config {
             runtime,
             name: name.into(),
             prefix: self.prefix.into(),
             window: self.window,
-            store,
-            owns_store,
+            store: self.store,
             store_timeout: self.store_timeout,
         });
         Ok(TrailingThrottle { shared })
@@ -540,8 +538,8 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
     /// Calls that have not run yet fail with [`Error::Discarded`] (reason
     /// `"destroyed"`, naming the key); functions already running are not
     /// cancelled and their waiters still get their values; every timer is
-    /// cleared; later calls fail at once with [`Error::ShutDown`]. The
-    /// throttle's own [`MemoryWindowStore`] is cleared; a store passed to
+    /// cleared; later calls fail at once with [`Error::ShutDown`]. Its
+    /// windows are forgotten; a store passed to
     /// [`TrailingThrottleBuilder::with_store`] is left alone. Calling it
     /// again is harmless.
     pub async fn destroy(&self) {
@@ -570,7 +568,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// The figures of [`TrailingThrottle::stats`].
     pub(crate) fn snapshot(&self) -> TrailingStats {
         let gauges = &self.gauges;
-        let store = self.store.stats();
+        let store = self
+            .store
+            .as_deref()
+            .map(WindowStore::stats)
+            .unwrap_or_default();
         let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         TrailingStats {
             active: gauges.active.load(Ordering::Relaxed),

@@ -251,8 +251,8 @@ async fn w1_full_timeline() {
     // t=0: call #1 leads and resolves `true` when its run ends at 300.
     let c1 = spawn_call(&t, "room", log.work("f1", 300));
     settle().await;
-    // Running: active, holding its lease on one timer.
-    assert_eq!(gauges(&t), (1, 0, 1, 1));
+    // Running: active. Without a store there is no lease to extend: no timer.
+    assert_eq!(gauges(&t), (1, 0, 1, 0));
 
     // t=500 and t=900: coalesced, `false` at once; their waiters wait.
     log.until(500).await;
@@ -558,7 +558,8 @@ async fn w5_ten_thousand_calls_in_one_tick() {
         }
     }
     log.at(0);
-    assert_eq!(gauges(&t), (1, 1, 1, 1));
+    // The lead runs (no store: no lease timer) and one call is pending.
+    assert_eq!(gauges(&t), (1, 1, 1, 0));
     assert_eq!(lead.await.unwrap().0.unwrap(), "lead");
     assert_eq!(waiters.len(), 4_999);
     for w in waiters {
@@ -788,10 +789,10 @@ async fn w9_counters_return_to_zero() {
     let lead = spawn_call(&t, "a", log.work("a", 300));
     let other = spawn_call(&t, "b", log.work("b", 300));
     settle().await;
-    // Two runs in progress, each holding its lease on one timer.
-    assert_eq!(gauges(&t), (2, 0, 2, 2));
+    // Two runs in progress (no store: no lease, so no timer).
+    assert_eq!(gauges(&t), (2, 0, 2, 0));
     assert!(!t.call("a", log.work("a2", 300)).await.unwrap());
-    assert_eq!(gauges(&t), (2, 1, 2, 2));
+    assert_eq!(gauges(&t), (2, 1, 2, 0));
     lead.await.unwrap().0.unwrap();
     other.await.unwrap().0.unwrap();
     settle().await;
@@ -802,7 +803,7 @@ async fn w9_counters_return_to_zero() {
     log.until(1300).await;
     settle().await;
     // `a` runs its trailing run; `b`'s window is over (swept away).
-    assert_eq!(swept(&rt, &t), (1, 0, 1, 1));
+    assert_eq!(swept(&rt, &t), (1, 0, 1, 0));
     log.until(2600).await;
     settle().await;
     assert_eq!(swept(&rt, &t), IDLE);
@@ -976,15 +977,24 @@ async fn w10_destroy_clears_only_an_owned_store() {
         "a store passed in is never cleared"
     );
 
-    // The throttle's own store is: its windows are gone with it.
+    // Without a store, windows live in the throttle's registry only (no
+    // store call per run), and are gone with it.
     let owned: TrailingThrottle<u8> = rt.trailing_throttle("own:").build().unwrap();
     owned
         .call("k", |_| async { Ok::<_, Oops>(1) })
         .await
         .unwrap();
-    assert_eq!(owned.stats().store_keys, 1);
+    let s = owned.stats();
+    assert_eq!((s.store_keys, s.keys, s.leading_runs), (0, 1, 1));
+    assert!(
+        !owned
+            .call("k", |_| async { Ok::<_, Oops>(2) })
+            .await
+            .unwrap(),
+        "the window is held in the registry: the next call coalesces"
+    );
     owned.destroy().await;
-    assert_eq!(owned.stats().store_keys, 0);
+    assert_eq!(owned.stats().keys, 0);
 }
 
 /// W10, graceful: pending trailing runs still run when their windows end;

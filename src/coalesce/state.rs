@@ -285,8 +285,9 @@ pub(super) struct Config {
     pub(super) name: Box<str>,
     pub(super) prefix: Box<str>,
     pub(super) window: Duration,
-    pub(super) store: Box<dyn WindowStore>,
-    pub(super) owns_store: bool,
+    /// The store other instances share, if any: `None` keeps the windows
+    /// in the registry only.
+    pub(super) store: Option<Box<dyn WindowStore>>,
     pub(super) store_timeout: Duration,
 }
 
@@ -299,8 +300,11 @@ pub(super) struct Shared<T> {
     pub(super) lease_every: Duration,
     /// The lease's time to live in the store.
     pub(super) lease_ttl: Duration,
-    pub(super) store: Box<dyn WindowStore>,
-    pub(super) owns_store: bool,
+    /// The store passed in, which other throttles or instances may share.
+    /// Without one the registry is the only record of a window: a store
+    /// private to this throttle would hold the same windows again, and
+    /// nobody else could read them.
+    pub(super) store: Option<Box<dyn WindowStore>>,
     pub(super) store_timeout: Duration,
     pub(super) registry: Registry<InlineKey, KeyState<T>>,
     mode: AtomicU8,
@@ -384,7 +388,6 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             prefix: config.prefix,
             window: config.window,
             store: config.store,
-            owns_store: config.owns_store,
             store_timeout: config.store_timeout,
         });
         let service: std::sync::Weak<dyn Service> = Arc::downgrade(&shared) as _;
@@ -398,10 +401,9 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         self.mode.load(Ordering::Acquire)
     }
 
-    /// Store writes are skipped once a throttle that owns its store is
-    /// destroyed: the store was cleared and nobody else reads it.
-    pub(super) fn store_closed(&self) -> bool {
-        self.owns_store && self.mode() == DESTROYED
+    /// The store to call, if the throttle has one.
+    fn shared_store(&self) -> Option<&dyn WindowStore> {
+        self.store.as_deref()
     }
 
     /// A fresh owner token for one claim: never 0.
@@ -833,13 +835,14 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// `Ok(())` to run now, including on a store failure (fail open);
     /// `Err(wait)` when another owner holds the window.
     pub(super) async fn claim(&self, key: &str, token: u64) -> Result<(), Duration> {
-        if self.store_closed() {
+        let Some(store) = self.shared_store() else {
+            // The registry's slot is the claim.
             return Ok(());
-        }
+        };
         let store_key = &*self.store_key(key);
         // A claim is a lease: it lapses at its end unless extended.
         let entry = WindowEntry::new(self.epoch.at(Instant::now() + self.lease_ttl), token);
-        let call = self.store.claim(store_key, entry, self.lease_ttl);
+        let call = store.claim(store_key, entry, self.lease_ttl);
         match self.store_call(store_key, "claim", call).await {
             StoreOutcome::Done(WindowClaim::Lost { holder }) => Err(self.retry_after(holder)),
             StoreOutcome::Done(_) | StoreOutcome::Failed => Ok(()),
@@ -865,17 +868,18 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// Extends a running function's lease for as long as it runs, and only
     /// while it still holds it.
     pub(super) async fn hold_lease(&self, key: &str, token: u64) {
+        let Some(store) = self.shared_store() else {
+            // Nothing to extend: the registry's slot stays busy while it runs.
+            return std::future::pending().await;
+        };
         let store_key = &*self.store_key(key);
         loop {
             {
                 let _timer = Armed::new(&self.gauges);
                 tokio::time::sleep(self.lease_every).await;
             }
-            if self.store_closed() {
-                continue;
-            }
             let entry = WindowEntry::new(self.epoch.at(Instant::now() + self.lease_ttl), token);
-            let call = self.store.extend(store_key, entry, self.lease_ttl);
+            let call = store.extend(store_key, entry, self.lease_ttl);
             if let StoreOutcome::Done(false) = self.store_call(store_key, "extend", call).await {
                 tracing::debug!(throttle = %self.name, key = store_key, "lease taken over by another owner; no longer extended");
                 std::future::pending::<()>().await;
@@ -893,13 +897,13 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// store that may be shared (one passed in), it ends a little later
     /// still ([`Shared::courtesy`]).
     pub(super) async fn write_window(&self, key: &str, token: u64) -> Instant {
-        if self.store_closed() {
+        let Some(store) = self.shared_store() else {
             return Instant::now() + self.window;
-        }
+        };
         let px = self.window_px();
         let entry = WindowEntry::new(self.epoch.at(Instant::now() + px), token);
         let store_key = self.store_key(key);
-        let call = self.store.record(&store_key, entry, px);
+        let call = store.record(&store_key, entry, px);
         match self.store_call(&store_key, "record", call).await {
             StoreOutcome::Done(written) => {
                 if !written {
@@ -915,13 +919,9 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// store other instances may share: an instance that lost the race waits
     /// for the same end (1 ms past it, at millisecond precision) and so
     /// claims first, instead of losing every race to a holder that always
-    /// has calls pending. Zero on the throttle's own store.
+    /// has calls pending. Only called with a store.
     fn courtesy(&self) -> Duration {
-        if self.owns_store {
-            Duration::ZERO
-        } else {
-            Duration::from_millis(5)
-        }
+        Duration::from_millis(5)
     }
 
     /// The window in whole milliseconds, rounded up.
@@ -935,7 +935,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     }
 
     /// Fails every call not yet run, forgets idle windows, wakes every
-    /// process (abandoning store calls in flight), clears an owned store.
+    /// process (abandoning store calls in flight).
     pub(super) async fn destroy(&self) {
         if self.mode.swap(DESTROYED, Ordering::AcqRel) == DESTROYED {
             return;
@@ -977,10 +977,6 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 break;
             }
             idle.await;
-        }
-        if self.owns_store {
-            let call = self.store.clear();
-            let _ = self.store_call(&self.prefix, "clear", call).await;
         }
     }
 
@@ -1034,6 +1030,6 @@ impl<T: Clone + Send + Sync + 'static> Sweep for Shared<T> {
         if left < before {
             self.registry.shrink_to_fit();
         }
-        left + self.store.sweep()
+        left + self.shared_store().map_or(0, WindowStore::sweep)
     }
 }
