@@ -33,12 +33,16 @@ impl<C: Clock + ?Sized> Clock for Arc<C> {
     }
 }
 
-/// The default clock: wall-clock epoch milliseconds read once at creation, advanced by the
-/// monotonic [`tokio::time::Instant`].
+/// The default clock: wall-clock epoch milliseconds read once at creation, advanced by
+/// tokio's monotonic clock.
 ///
-/// Because it advances with tokio's clock, a test running under
-/// `#[tokio::test(start_paused = true)]` moves it with `tokio::time::advance`. It never goes
-/// backwards, even if the system clock is changed after creation.
+/// Created while tokio's clock is paused (a test under
+/// `#[tokio::test(start_paused = true)]`), it reads tokio's clock, so `tokio::time::advance`
+/// moves it. Otherwise it reads the same time through the CPU's timestamp counter against a
+/// base taken at creation (as a [`Runtime`](crate::Runtime)'s throttle windows do): less than half
+/// the cost of a `clock_gettime` on the hot path of every check, and no serialised read that
+/// keeps the cache misses of consecutive checks from overlapping. It never goes backwards, even
+/// if the system clock is changed after creation.
 ///
 /// # Examples
 ///
@@ -49,10 +53,18 @@ impl<C: Clock + ?Sized> Clock for Arc<C> {
 /// let a = clock.now_ms();
 /// assert!(clock.now_ms() >= a);
 /// ```
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct TokioClock {
     epoch_ms: u64,
-    anchor: tokio::time::Instant,
+    source: TokioSource,
+}
+
+#[derive(Debug, Clone)]
+enum TokioSource {
+    /// Tokio's clock was paused at creation: read it.
+    Tokio(tokio::time::Instant),
+    /// It ran freely: the timestamp counter since `anchor`.
+    Tsc { clock: quanta::Clock, anchor: u64 },
 }
 
 impl TokioClock {
@@ -65,10 +77,16 @@ impl TokioClock {
     /// Anchors a new clock that reads `epoch_ms` now and advances with tokio's clock.
     #[must_use]
     pub fn starting_at(epoch_ms: u64) -> Self {
-        Self {
-            epoch_ms,
-            anchor: tokio::time::Instant::now(),
-        }
+        let source = if tokio_paused() {
+            TokioSource::Tokio(tokio::time::Instant::now())
+        } else {
+            let clock = quanta();
+            TokioSource::Tsc {
+                anchor: clock.raw(),
+                clock,
+            }
+        };
+        Self { epoch_ms, source }
     }
 }
 
@@ -81,9 +99,31 @@ impl Default for TokioClock {
 impl Clock for TokioClock {
     #[inline]
     fn now_ms(&self) -> u64 {
-        self.epoch_ms
-            .saturating_add(duration_ms(self.anchor.elapsed()))
+        let elapsed_ms = match &self.source {
+            TokioSource::Tsc { clock, anchor } => {
+                clock.delta_as_nanos(*anchor, clock.raw()) / 1_000_000
+            }
+            TokioSource::Tokio(anchor) => duration_ms(anchor.elapsed()),
+        };
+        self.epoch_ms.saturating_add(elapsed_ms)
     }
+}
+
+/// One calibrated timestamp-counter clock per process (calibration takes a while).
+pub(crate) fn quanta() -> quanta::Clock {
+    static CLOCK: std::sync::OnceLock<quanta::Clock> = std::sync::OnceLock::new();
+    CLOCK.get_or_init(quanta::Clock::new).clone()
+}
+
+/// Whether tokio's clock is paused now: it stands still while real time moves (checked over
+/// 20 µs). Outside a runtime it runs.
+pub(crate) fn tokio_paused() -> bool {
+    let before = tokio::time::Instant::now();
+    let spin = std::time::Instant::now();
+    while spin.elapsed() < Duration::from_micros(20) {
+        std::hint::spin_loop();
+    }
+    tokio::time::Instant::now() == before
 }
 
 /// A fast clock for hot paths: wall-clock epoch milliseconds read once at creation, advanced
@@ -213,6 +253,31 @@ pub(crate) fn duration_ms(d: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_tokio_clock_made_on_paused_time_follows_advance() {
+        let clock = TokioClock::starting_at(1_000);
+        assert!(matches!(clock.source, TokioSource::Tokio(_)));
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(clock.now_ms(), 1_000, "paused: real time does not move it");
+        tokio::time::advance(Duration::from_millis(250)).await;
+        assert_eq!(clock.now_ms(), 1_250);
+    }
+
+    #[test]
+    fn a_tokio_clock_made_on_running_time_reads_the_counter() {
+        let clock = TokioClock::starting_at(1_000);
+        assert!(matches!(clock.source, TokioSource::Tsc { .. }));
+        let start = std::time::Instant::now();
+        std::thread::sleep(Duration::from_millis(30));
+        let moved = clock.now_ms() - 1_000;
+        let real = duration_ms(start.elapsed());
+        // The same time as the OS clock, to a few ms of calibration.
+        assert!(
+            (30..=real + 5).contains(&moved),
+            "moved {moved} ms in {real} ms"
+        );
+    }
 
     #[test]
     fn duration_ms_truncates_and_saturates() {

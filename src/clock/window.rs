@@ -18,10 +18,9 @@
 //! per million. Everything that arms a timer (debounce, leases, waits) stays
 //! on tokio's clock.
 
-use std::sync::OnceLock;
-use std::time::Duration;
-
 use tokio::time::Instant;
+
+use super::{quanta, tokio_paused};
 
 /// Which clock a [`crate::Runtime`]'s leading-edge throttle windows use.
 ///
@@ -54,21 +53,6 @@ pub(crate) enum WindowClock {
         base: quanta::Instant,
         base_tokio: Instant,
     },
-}
-
-fn quanta() -> quanta::Clock {
-    static CLOCK: OnceLock<quanta::Clock> = OnceLock::new();
-    CLOCK.get_or_init(quanta::Clock::new).clone()
-}
-
-/// Whether tokio's clock is paused now: it stands still while real time moves.
-fn tokio_paused() -> bool {
-    let before = Instant::now();
-    let spin = std::time::Instant::now();
-    while spin.elapsed() < Duration::from_micros(20) {
-        std::hint::spin_loop();
-    }
-    Instant::now() == before
 }
 
 impl WindowClock {
