@@ -270,11 +270,24 @@ impl Ledger {
                         after: wait_timeout,
                     });
                 }
-                let wait = (lease_left + Duration::from_millis(1)).min(MAX_POLL);
+                // Woken at least every third of this instance's own lease, so
+                // the local claim this caller holds is renewed in time: a
+                // caller waiting for another instance is alive, and local
+                // duplicates must keep joining it, not take it over.
+                let wait = (lease_left + Duration::from_millis(1))
+                    .min(MAX_POLL)
+                    .min(renew_period(ticket.lease));
                 let _ = tokio::time::timeout_at((now + wait).min(deadline), changed).await;
             }
             if self.is_closed() {
                 return Err(Error::ShutDown { key: shown(key) });
+            }
+            if !self.renew(&ticket.full, ticket.generation, ticket.token, ticket.lease) {
+                // The local claim is gone (the runtime was reset): start over.
+                return Err(Error::Discarded {
+                    key: shown(key),
+                    reason: "its local claim was lost while waiting for another instance",
+                });
             }
             // Registered before the claim, so a change right after it wakes us.
             changed = Some(shared.watch(&ticket.full));
