@@ -102,7 +102,7 @@ mod ttl;
 pub use panic::{CatchPanic, Panic, catch_panic};
 pub use registry::{CapacityError, Generation, Registry, Slot, SlotEntry, SlotGuard, VacantSlot};
 pub use stats::{Counters, Snapshot, TimerGuard};
-pub use supervisor::{StartError, Supervisor};
+pub use supervisor::{RunHere, StartError, Supervisor};
 pub use sweeper::{Sweep, Sweeper};
 pub use tree::{StartTreeError, Tree, TreeConfig};
 pub use ttl::TtlTable;

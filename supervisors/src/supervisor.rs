@@ -1,8 +1,10 @@
 //! Partitioned dynamic supervision of temporary per-key processes.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
+use std::task::{Context, Poll};
 
 use ractor::{ActorRef, MessagingErr};
 use tokio::sync::Notify;
@@ -108,6 +110,66 @@ impl Drop for ChildGuard {
     }
 }
 
+/// Work running in its caller's task as a supervised child; from
+/// [`Supervisor::run_here`]. Dropped before it finishes, the rest of the
+/// work moves into a child task of its own.
+#[must_use = "the work runs when awaited; dropped, it runs in a task of its own"]
+pub struct RunHere<O: Send + 'static> {
+    work: Option<Pin<Box<dyn Future<Output = O> + Send>>>,
+    guard: Option<(ChildGuard, tokio::runtime::Handle)>,
+}
+
+impl<O: Send + 'static> RunHere<O> {
+    /// Whether the work has returned its output.
+    #[must_use]
+    pub fn is_finished(&self) -> bool {
+        self.work.is_none()
+    }
+}
+
+impl<O: Send + 'static> std::fmt::Debug for RunHere<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunHere")
+            .field("finished", &self.work.is_none())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<O: Send + 'static> Future for RunHere<O> {
+    type Output = O;
+
+    /// # Panics
+    ///
+    /// When polled again after it returned its output.
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<O> {
+        let work = self
+            .work
+            .as_mut()
+            .expect("RunHere polled after it returned its output");
+        let output = std::task::ready!(work.as_mut().poll(cx));
+        self.work = None;
+        // Uncounted once its output is in hand.
+        self.guard = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<O: Send + 'static> Drop for RunHere<O> {
+    fn drop(&mut self) {
+        let (Some(work), Some((guard, handle))) = (self.work.take(), self.guard.take()) else {
+            return;
+        };
+        // The caller left mid-run: the rest runs on as a child (it stays
+        // counted: shutdown closes to new children, not to this one).
+        handle.spawn(async move {
+            let guard = guard;
+            if let Err(panic) = catch_panic(work).await {
+                guard.report(panic);
+            }
+        });
+    }
+}
+
 impl Supervisor {
     /// Creates a supervisor with `partitions` partitions (at least one).
     ///
@@ -167,6 +229,59 @@ impl Supervisor {
             }
         });
         Ok(())
+    }
+
+    /// Runs `work` in the caller's task as a child of the partition chosen
+    /// by `route`: counted in [`Supervisor::live`] (so
+    /// [`Supervisor::shutdown`] waits for it) from this call until it ends.
+    ///
+    /// Awaiting the returned [`RunHere`] polls `work` where the caller is,
+    /// with no task spawned and no message sent. If the caller drops it
+    /// before `work` has finished, the rest of `work` moves into a child
+    /// task of its own, still counted, so dropping the caller's future never
+    /// cancels the work; its output is then discarded and a panic is caught
+    /// and reported as a child's. A panic while the caller polls reaches the
+    /// caller, as with any future it awaits.
+    ///
+    /// # Errors
+    ///
+    /// As [`Supervisor::start_child`]: [`StartError::ShutDown`] and
+    /// [`StartError::NoRuntime`]; `work` is dropped unpolled.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+    /// use throttlebeam_supervisors::Supervisor;
+    ///
+    /// let supervisor = Supervisor::new(2);
+    /// let run = supervisor.run_here(7, async { 6 * 7 }).unwrap();
+    /// assert_eq!(supervisor.live(), 1);
+    /// assert_eq!(run.await, 42);
+    /// assert_eq!(supervisor.live(), 0);
+    /// # });
+    /// ```
+    pub fn run_here<F>(&self, route: u64, work: F) -> Result<RunHere<F::Output>, StartError>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let handle = tokio::runtime::Handle::try_current().map_err(|_| StartError::NoRuntime)?;
+        let index = (route % self.inner.partitions.len() as u64) as usize;
+        self.inner.partitions[index]
+            .live
+            .fetch_add(1, Ordering::SeqCst);
+        let guard = ChildGuard {
+            inner: Arc::clone(&self.inner),
+            index,
+        };
+        if self.inner.closed.load(Ordering::SeqCst) {
+            return Err(StartError::ShutDown);
+        }
+        Ok(RunHere {
+            work: Some(Box::pin(work)),
+            guard: Some((guard, handle)),
+        })
     }
 
     /// Children alive now, over all partitions.

@@ -188,3 +188,85 @@ fn partitions_are_at_least_one() {
     assert_eq!(Supervisor::new(0).partitions(), 1);
     assert_eq!(Supervisor::new(4).partitions(), 4);
 }
+
+#[tokio::test(start_paused = true)]
+async fn work_run_here_is_counted_and_returns_its_output() {
+    let supervisor = Supervisor::new(2);
+    let (release, wait) = oneshot::channel::<u32>();
+    let run = supervisor
+        .run_here(3, async move { wait.await.unwrap() + 1 })
+        .unwrap();
+    assert_eq!(supervisor.live(), 1);
+    release.send(41).unwrap();
+    assert_eq!(run.await, 42);
+    assert_eq!(supervisor.live(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn work_run_here_outlives_a_caller_that_leaves_and_shutdown_waits_for_it() {
+    let supervisor = Supervisor::new(1);
+    let (release, wait) = oneshot::channel::<()>();
+    let (done, finished) = oneshot::channel::<&str>();
+    let mut run = Box::pin(
+        supervisor
+            .run_here(0, async move {
+                wait.await.unwrap();
+                done.send("finished").unwrap();
+            })
+            .unwrap(),
+    );
+    // Started in the caller's task, then the caller gives up.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(10), &mut run)
+            .await
+            .is_err()
+    );
+    drop(run);
+    assert_eq!(supervisor.live(), 1, "the rest runs on as a child");
+    let deadline = Instant::now() + FAR;
+    let shutdown = tokio::spawn({
+        let supervisor = supervisor.clone();
+        async move { supervisor.shutdown(deadline).await }
+    });
+    support::settle().await;
+    assert!(!shutdown.is_finished(), "shutdown waits for the moved work");
+    release.send(()).unwrap();
+    assert_eq!(finished.await.unwrap(), "finished");
+    assert_eq!(shutdown.await.unwrap(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panic_in_moved_work_is_caught() {
+    let supervisor = Supervisor::new(1);
+    let (release, wait) = oneshot::channel::<()>();
+    let run = supervisor
+        .run_here(0, async move {
+            wait.await.unwrap();
+            panic!("moved work failed");
+        })
+        .unwrap();
+    drop(run);
+    release.send(()).unwrap();
+    support::settle().await;
+    assert_eq!(supervisor.live(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn run_here_after_shutdown_is_refused() {
+    let supervisor = Supervisor::new(1);
+    assert_eq!(supervisor.shutdown(Instant::now()).await, 0);
+    assert_eq!(
+        supervisor.run_here(0, async {}).unwrap_err(),
+        StartError::ShutDown
+    );
+    assert_eq!(supervisor.live(), 0);
+}
+
+#[test]
+fn run_here_outside_a_runtime_is_an_error() {
+    let supervisor = Supervisor::new(1);
+    assert_eq!(
+        supervisor.run_here(0, async {}).unwrap_err(),
+        StartError::NoRuntime
+    );
+}
