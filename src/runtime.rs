@@ -7,7 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ractor::ActorCell;
-use throttlebeam_supervisors::{Counters, StartError, Tree, TreeConfig};
+use throttlebeam_supervisors::{Counters, RunHere, StartError, Tree, TreeConfig};
 use tokio::time::Instant;
 
 use crate::error::Error;
@@ -355,6 +355,23 @@ impl Core {
 
     /// Starts a per-key process under the partitioned supervisor; the key
     /// picks the partition.
+    /// Runs `work` in the caller's task as a supervised child of `key`'s
+    /// partition; dropped before it ends, the rest moves into a process of
+    /// its own (see [`throttlebeam_supervisors::Supervisor::run_here`]).
+    pub(crate) fn run_here<F>(&self, key: &str, work: F) -> Result<RunHere<F::Output>, Error>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.tree
+            .supervisor()
+            .run_here(self.router.hash_one(key), work)
+            .map_err(|e| match e {
+                StartError::NoRuntime => Error::NoTokio,
+                _ => Error::ShutDown { key: shown(key) },
+            })
+    }
+
     pub(crate) fn start_process<F>(&self, key: &str, process: F) -> Result<(), Error>
     where
         F: Future<Output = ()> + Send + 'static,

@@ -6,7 +6,6 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use throttlebeam_supervisors::{Registry, SlotEntry, Sweep, catch_panic};
-use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::clock::WindowClock;
@@ -230,9 +229,12 @@ impl ThrottleHandle {
     /// from now; otherwise returns [`ThrottleOutcome::Throttled`] at once,
     /// even while the executed function is still running.
     ///
-    /// The function runs in the key's own process: dropping this future does
-    /// not cancel it. Its error or panic is returned to this caller, and the
-    /// window stays open either way.
+    /// The function runs in the caller's task (inside its tracing span, with
+    /// no task spawned), counted as the key's process: the runtime's
+    /// `processes` figure and [`Runtime::shutdown`] see it. Dropping this
+    /// future does not cancel it: the rest of the run moves into a process
+    /// of its own and finishes there. Its error or panic is returned to this
+    /// caller, and the window stays open either way.
     ///
     /// # Errors
     ///
@@ -283,16 +285,13 @@ impl ThrottleHandle {
             return Ok(ThrottleOutcome::Throttled { retry_after });
         }
         state.executed.incr();
-        let (tx, rx) = oneshot::channel();
-        let owned_key: Box<str> = key.into();
-        core.start_process(key, async move {
-            let caught = catch_panic(async move { f().await }).await;
-            let _ = tx.send(Error::from_run(&owned_key, caught));
-        })?;
-        match rx.await {
-            Ok(outcome) => outcome.map(ThrottleOutcome::Executed),
-            Err(_) => Err(Error::process_lost(key)),
-        }
+        // The function runs in this task, counted as the key's process: no
+        // task to spawn and no hand-off on the way back. If this future is
+        // dropped mid-run, the rest moves into a process of its own.
+        let caught = core
+            .run_here(key, catch_panic(async move { f().await }))?
+            .await;
+        Error::from_run(key, caught).map(ThrottleOutcome::Executed)
     }
 }
 

@@ -591,6 +591,8 @@ async fn shutdown_leaves_no_window_or_key_tracked() {
         );
     }
     pending_keys(&rt, 100);
+    // Runs happen in this task: let the sweeper's tick start now.
+    tokio::task::yield_now().await;
     tokio::time::advance(ms(20)).await;
     assert_eq!(
         rt.stats().throttle.windows,
