@@ -7,10 +7,12 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::task::Poll;
+use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry, Sweep, catch_panic};
+use throttlebeam_supervisors::{
+    Counters, Generation, Registry, RunHere, SlotEntry, Sweep, catch_panic,
+};
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
@@ -37,10 +39,37 @@ pub(super) enum Led<T> {
 
 /// How a call was taken.
 pub(super) enum Submitted<T> {
-    /// It leads: the process reports on this channel.
-    Lead(oneshot::Receiver<Led<T>>),
+    /// It leads: awaiting this drives its run and tells the outcome.
+    Lead(Leading<T>),
     /// It was coalesced; the cell is there if the caller wants to wait.
     Coalesced(Option<Arc<RunCell<T>>>),
+}
+
+/// A leading call's run, driven in the caller's task (counted as the key's
+/// process) until the process tells the caller its outcome. What the
+/// process still has to do then (write the window to a store, retry a lost
+/// race), and everything if the caller leaves first, goes on in a process
+/// of its own: dropping the caller's future never cancels the run.
+pub(super) struct Leading<T> {
+    told: oneshot::Receiver<Led<T>>,
+    run: Option<RunHere<()>>,
+}
+
+impl<T> Future for Leading<T> {
+    type Output = Result<Led<T>, oneshot::error::RecvError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if let Some(run) = &mut this.run
+            && Pin::new(run).poll(cx).is_ready()
+        {
+            this.run = None;
+        }
+        let told = std::task::ready!(Pin::new(&mut this.told).poll(cx));
+        // Dropping an unfinished run moves its rest into a process.
+        this.run = None;
+        Poll::Ready(told)
+    }
 }
 
 /// The next run of a key, not started yet: the calls it covers.
@@ -583,8 +612,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 self.gauges.leads.fetch_add(1, Ordering::Relaxed);
                 let driver =
                     super::process::Driver::new(self.clone(), key, generation, epoch, true);
-                core.start_process(key, driver.drive(true))?;
-                Ok(Submitted::Lead(rx))
+                let run = core.run_here(key, driver.drive(true))?;
+                Ok(Submitted::Lead(Leading {
+                    told: rx,
+                    run: Some(run),
+                }))
             }
         }
     }
