@@ -2,7 +2,7 @@
 //! failures, then half open with exactly one probe in flight.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -111,6 +111,9 @@ struct Inner {
 pub struct Breaker {
     config: BreakerConfig,
     inner: Mutex<Inner>,
+    /// Closed with no failure since the last success: admitting and
+    /// recording a success change nothing then, so they take no lock.
+    healthy: AtomicBool,
     opened: AtomicU64,
     refused: AtomicU64,
     failures: AtomicU64,
@@ -135,6 +138,7 @@ impl Breaker {
                 open_until: None,
                 probing: false,
             }),
+            healthy: AtomicBool::new(true),
             opened: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             failures: AtomicU64::new(0),
@@ -153,6 +157,9 @@ impl Breaker {
     /// The time until the next probe while the breaker is open (or while
     /// another probe is in flight).
     pub fn admit(&self) -> Result<Permit, Duration> {
+        if self.healthy.load(Ordering::Acquire) {
+            return Ok(Permit { probe: false });
+        }
         let mut inner = self.lock();
         match inner.state {
             BreakerState::Closed => Ok(Permit { probe: false }),
@@ -184,6 +191,9 @@ impl Breaker {
 
     /// Records the outcome of an admitted command.
     pub fn record(&self, permit: Permit, ok: bool) {
+        if ok && !permit.probe && self.healthy.load(Ordering::Acquire) {
+            return;
+        }
         let mut inner = self.lock();
         if permit.probe {
             inner.probing = false;
@@ -193,12 +203,14 @@ impl Breaker {
             inner.state = BreakerState::Closed;
             inner.consecutive = 0;
             inner.open_until = None;
+            self.healthy.store(true, Ordering::Release);
             if was != BreakerState::Closed {
                 tracing::warn!("store circuit breaker closed: the store answers again");
             }
             return;
         }
         self.failures.fetch_add(1, Ordering::Relaxed);
+        self.healthy.store(false, Ordering::Release);
         inner.consecutive = inner.consecutive.saturating_add(1);
         let trip = permit.probe || inner.consecutive >= self.config.failures;
         if trip && inner.state != BreakerState::Open {
