@@ -16,7 +16,10 @@
 //!   keys). Target: ratio <= 1.5. The same with one caller is printed too,
 //!   and `redis_gcra_raw_script*`: the store's script called raw through the
 //!   same client with the same arguments, which splits our cost into the
-//!   script's server time and our client side.
+//!   script's server time and our client side. `redis_gcra_floor`: a
+//!   script doing only what any server-timed stateful check must (`TIME`,
+//!   `GET`, `SET PX`) against the same anchor, and `redis_gcra_over_floor`:
+//!   our check against that floor.
 //! - `redis_cluster_fresh`: the same decisions on a 3-node cluster, printing
 //!   throughput.
 //! - `redis_idempotency_replay`: replaying a completed key across instances
@@ -253,6 +256,7 @@ async fn gcra(url: &str, redis: &Redis) {
         anchor = anchor.min(script_returning_one(url, CALLERS, DECISIONS).await);
     }
     compare("redis_gcra", ours, anchor);
+    let concurrent_ours = ours;
     let (mut ours, mut anchor) = (f64::MAX, f64::MAX);
     for _ in 0..3 {
         ours = ours.min(ours_gcra(&limiter, 1, DECISIONS / 5).await);
@@ -271,6 +275,45 @@ async fn gcra(url: &str, redis: &Redis) {
         anchor = anchor.min(script_returning_one(url, CALLERS, DECISIONS).await);
     }
     compare("redis_gcra_raw_script", raw, anchor);
+    let (mut floor, mut anchor) = (f64::MAX, f64::MAX);
+    for _ in 0..3 {
+        floor = floor.min(floor_script(url, CALLERS, DECISIONS).await);
+        anchor = anchor.min(script_returning_one(url, CALLERS, DECISIONS).await);
+    }
+    compare("redis_gcra_floor", floor, anchor);
+    compare("redis_gcra_over_floor", concurrent_ours, floor);
+}
+
+/// The least a server-timed stateful script does: `TIME`, `GET` of the
+/// state, `SET PX` of the next state, and a reply of the same shape as a
+/// decision. What no GCRA on Redis with the server's clock can skip.
+const FLOOR: &str = r"
+local t = redis.call('TIME')
+local state = redis.call('GET', KEYS[1])
+redis.call('SET', KEYS[1], t[1], 'PX', 60000)
+return {1, 1, 1000, 999, 1, 0}
+";
+
+/// [`FLOOR`] through a connection manager, `callers` at a time: ns per call.
+async fn floor_script(url: &str, callers: usize, total: u64) -> f64 {
+    let client = redis::Client::open(url).expect("client");
+    let conn = redis::aio::ConnectionManager::new(client)
+        .await
+        .expect("connection manager");
+    let script = Arc::new(redis::Script::new(FLOOR));
+    concurrent_with(callers, total, move |n| {
+        let (mut conn, script) = (conn.clone(), script.clone());
+        async move {
+            let key = format!("{{throttlebeam:floor:{}}}:r", n % GCRA_KEYS);
+            let reply: Vec<i64> = script
+                .key(key)
+                .invoke_async(&mut conn)
+                .await
+                .expect("EVALSHA");
+            black_box(reply);
+        }
+    })
+    .await
 }
 
 /// The server time prelude of the store's scripts (src/store/redis.rs, `NOW`).
