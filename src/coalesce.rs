@@ -275,7 +275,9 @@ impl TrailingThrottleBuilder {
 ///   sleeper, which starts the key's process when the window ends); windows
 ///   that are over are swept by the runtime's sweeper.
 ///
-/// Functions run in the key's own process: dropping a caller's future or a
+/// Functions run in the key's own process (a leading run's process lives in
+/// its caller's task until the caller has the outcome, then moves into a
+/// task of its own if work is left): dropping a caller's future or a
 /// timeout never cancels them. A failed trailing run fails every waiter it
 /// covered and emits one `tracing` error event; everything else is logged at
 /// debug or trace level.

@@ -24,7 +24,6 @@ use arc_swap::ArcSwap;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Sweeper, catch_panic};
-use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use self::claim::{Ledger, Settled, Step, Tally, Ticket};
@@ -285,8 +284,10 @@ impl IdempotencyHandle {
     ///   panics or is gone, one waiting duplicate takes over and runs its
     ///   own `f`.
     ///
-    /// `f` runs in the key's own process: dropping this future does not
-    /// cancel it; it runs to the end and its result is stored and replayed.
+    /// `f` runs as the key's own process, driven in the caller's task (no
+    /// task spawned): dropping this future does not cancel it, as the rest
+    /// of the run moves into a task of its own; it runs to the end and its
+    /// result is stored and replayed.
     /// While it runs, the process renews the key's lease every third of it,
     /// so a live run is never taken over and never runs twice, however
     /// long it takes. If `f` fails or panics, nothing is stored and the key
@@ -661,12 +662,14 @@ where
         Acquired::Replay(value) => return Ok(IdempotencyOutcome::Replay(value)),
         Acquired::Owner(ticket) => ticket,
     };
-    let (tx, rx) = oneshot::channel();
-    // If the process never starts, or is dropped before it ends (its tokio
-    // runtime went away), dropping it drops the ticket: the key is released.
-    core.start_process(key, async move {
+    // The run is the key's process, driven in this task (no spawn, no
+    // hand-off); if this caller leaves mid-run, the rest moves into a
+    // process of its own and still completes. If it never starts, or is
+    // dropped before it ends (its tokio runtime went away), dropping it
+    // drops the ticket: the key is released.
+    let run = core.run_here(key, async move {
         let caught = ticket.hold(catch_panic(async move { f().await })).await;
-        let result = match Error::from_run(ticket.key(), caught) {
+        match Error::from_run(ticket.key(), caught) {
             Ok(value) => match ticket.complete(value.clone()).await {
                 Ok(()) | Err(Error::ShutDown { .. }) => Ok(value),
                 Err(e) => Err(e),
@@ -675,13 +678,9 @@ where
                 ticket.release();
                 Err(e)
             }
-        };
-        let _ = tx.send(result);
+        }
     })?;
-    match rx.await {
-        Ok(result) => result.map(IdempotencyOutcome::Fresh),
-        Err(_) => Err(Error::process_lost(key)),
-    }
+    run.await.map(IdempotencyOutcome::Fresh)
 }
 
 async fn reserve_in<T>(
