@@ -221,21 +221,33 @@ async fn ours_gcra(limiter: &Limiter<Gcra, Redis>, callers: usize, total: u64) -
 /// `EVALSHA` of `return 1` through a connection manager, `callers` at a
 /// time: ns per call.
 async fn script_returning_one(url: &str, callers: usize, total: u64) -> f64 {
+    script_calls(url, callers, total, "return 1", "one").await
+}
+
+/// `EVALSHA` of `source` on keys `{throttlebeam:<name>:<n>}:r` through a
+/// connection manager, `callers` at a time: ns per call.
+async fn script_calls(
+    url: &str,
+    callers: usize,
+    total: u64,
+    source: &'static str,
+    name: &'static str,
+) -> f64 {
     let client = redis::Client::open(url).expect("client");
     let conn = redis::aio::ConnectionManager::new(client)
         .await
         .expect("connection manager");
-    let script = Arc::new(redis::Script::new("return 1"));
+    let script = Arc::new(redis::Script::new(source));
     concurrent_with(callers, total, move |n| {
         let (mut conn, script) = (conn.clone(), script.clone());
         async move {
-            let key = format!("one:{}", n % GCRA_KEYS);
-            let one: i64 = script
+            let key = format!("{{throttlebeam:{name}:{}}}:r", n % GCRA_KEYS);
+            let reply: redis::Value = script
                 .key(key)
                 .invoke_async(&mut conn)
                 .await
                 .expect("EVALSHA");
-            black_box(one);
+            black_box(reply);
         }
     })
     .await
@@ -292,24 +304,7 @@ return {1, 1, 1000, 999, 1, 0}
 
 /// [`FLOOR`] through a connection manager, `callers` at a time: ns per call.
 async fn floor_script(url: &str, callers: usize, total: u64) -> f64 {
-    let client = redis::Client::open(url).expect("client");
-    let conn = redis::aio::ConnectionManager::new(client)
-        .await
-        .expect("connection manager");
-    let script = Arc::new(redis::Script::new(FLOOR));
-    concurrent_with(callers, total, move |n| {
-        let (mut conn, script) = (conn.clone(), script.clone());
-        async move {
-            let key = format!("{{throttlebeam:floor:{}}}:r", n % GCRA_KEYS);
-            let reply: Vec<i64> = script
-                .key(key)
-                .invoke_async(&mut conn)
-                .await
-                .expect("EVALSHA");
-            black_box(reply);
-        }
-    })
-    .await
+    script_calls(url, callers, total, FLOOR, "floor").await
 }
 
 /// The server time prelude of the store's scripts (src/store/redis.rs, `NOW`).

@@ -353,8 +353,6 @@ impl Core {
         self.services.attach(service);
     }
 
-    /// Starts a per-key process under the partitioned supervisor; the key
-    /// picks the partition.
     /// Runs `work` in the caller's task as a supervised child of `key`'s
     /// partition; dropped before it ends, the rest moves into a process of
     /// its own (see [`throttlebeam_supervisors::Supervisor::run_here`]).
@@ -366,12 +364,11 @@ impl Core {
         self.tree
             .supervisor()
             .run_here(self.router.hash_one(key), work)
-            .map_err(|e| match e {
-                StartError::NoRuntime => Error::NoTokio,
-                _ => Error::ShutDown { key: shown(key) },
-            })
+            .map_err(|e| start_error(key, e))
     }
 
+    /// Starts a per-key process under the partitioned supervisor; the key
+    /// picks the partition.
     pub(crate) fn start_process<F>(&self, key: &str, process: F) -> Result<(), Error>
     where
         F: Future<Output = ()> + Send + 'static,
@@ -379,10 +376,15 @@ impl Core {
         self.tree
             .supervisor()
             .start_child(self.router.hash_one(key), process)
-            .map_err(|e| match e {
-                StartError::NoRuntime => Error::NoTokio,
-                _ => Error::ShutDown { key: shown(key) },
-            })
+            .map_err(|e| start_error(key, e))
+    }
+}
+
+/// Why `key`'s process could not start, as the caller's error.
+fn start_error(key: &str, error: StartError) -> Error {
+    match error {
+        StartError::NoRuntime => Error::NoTokio,
+        _ => Error::ShutDown { key: shown(key) },
     }
 }
 
