@@ -56,6 +56,10 @@ pub(super) struct Driver<T: Clone + Send + Sync + 'static> {
     lost_races: u32,
     /// The slot was handed back (idle window) or removed (closed).
     released: bool,
+    /// The end of the window a finished run recorded, written into the
+    /// slot by the next look at it (`next_run`): the slot is busy until
+    /// then, and nothing reads the end of a busy slot.
+    window_until: Option<Instant>,
 }
 
 impl<T: Clone + Send + Sync + 'static> Driver<T> {
@@ -81,6 +85,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             waiters: None,
             lost_races: 0,
             released: false,
+            window_until: None,
         }
     }
 
@@ -169,12 +174,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         }
         // Calls arriving until the window is recorded coalesce all the same
         // (the key is busy).
-        let until = self.shared.write_window(&self.key, token).await;
-        self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
-            if slot.state.epoch == epoch {
-                slot.state.until = until;
-            }
-        });
+        self.window_until = Some(self.shared.write_window(&self.key, token).await);
         self.set_active(false);
     }
 
@@ -237,10 +237,14 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                 return false;
             }
             let now = Instant::now();
+            let window_until = self.window_until.take();
             let step = self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
                 let state = &mut slot.state;
                 if state.epoch != epoch {
                     return None;
+                }
+                if let Some(until) = window_until {
+                    state.until = until;
                 }
                 let open = now < state.until;
                 match (&state.next, open) {
