@@ -90,6 +90,20 @@ async fn contract(store: Arc<dyn IdempotencyStore>, ns: &str) {
         ClaimReply::Mismatch
     );
     assert!(
+        store
+            .complete(&k, owner, &result(Some(fp), 7), TTL)
+            .await
+            .unwrap(),
+        "the same completion retried (its reply lost) is stored, not refused"
+    );
+    assert!(
+        !store
+            .complete(&k, other, &result(Some(fp), 7), TTL)
+            .await
+            .unwrap(),
+        "another token never completes a completed key"
+    );
+    assert!(
         !store
             .complete(&k, owner, &result(Some(fp), 8), TTL)
             .await

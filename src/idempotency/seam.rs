@@ -236,7 +236,8 @@ impl std::fmt::Debug for KeyChanged {
 /// - `renew`, `complete` and `release` act only for the token that holds
 ///   the key and return `false` otherwise (a late call of an owner that was
 ///   taken over is refused); `complete` also stores over a record that
-///   vanished (its result is still the only one);
+///   vanished (its result is still the only one), and answers `true` to the
+///   same completion repeated by its owner (a retry of a lost reply);
 /// - a completed result lives for its TTL, an in-flight claim for its lease.
 ///
 /// # Examples
@@ -278,7 +279,9 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     ) -> IdempotencyStoreFuture<'a, ClaimReply>;
 
     /// Stores `result` for `ttl` if `token` holds `key` (or nobody does),
-    /// and wakes the key's watchers.
+    /// and wakes the key's watchers. The same completion repeated by its
+    /// owner after it landed answers `true` again, so an owner whose reply
+    /// was lost can retry it.
     fn complete<'a>(
         &'a self,
         key: &'a str,
@@ -313,7 +316,9 @@ enum Held {
         token: ClaimToken,
         fingerprint: Option<[u8; 32]>,
     },
-    Completed(StoredResult),
+    /// Completed by `token`: the same `complete` repeated by it (its first
+    /// reply was lost) is answered `true` again.
+    Completed(StoredResult, ClaimToken),
 }
 
 #[derive(Debug, Clone)]
@@ -415,7 +420,7 @@ impl MemoryIdempotencyStore {
         if let Some(entry) = keys.get(key).filter(|e| e.until > now) {
             let fingerprint = match &entry.held {
                 Held::InFlight { fingerprint, .. } => fingerprint.as_ref(),
-                Held::Completed(result) => result.fingerprint.as_ref(),
+                Held::Completed(result, _) => result.fingerprint.as_ref(),
             };
             if fingerprint != request.fingerprint {
                 return Ok(ClaimReply::Mismatch);
@@ -424,7 +429,7 @@ impl MemoryIdempotencyStore {
                 Held::InFlight { .. } => ClaimReply::Busy {
                     lease_left: entry.until - now,
                 },
-                Held::Completed(result) => ClaimReply::Completed(result.clone()),
+                Held::Completed(result, _) => ClaimReply::Completed(result.clone()),
             });
         }
         if !keys.contains_key(key) && keys.len() >= self.inner.cap {
@@ -454,6 +459,18 @@ impl MemoryIdempotencyStore {
     fn holds(entry: Option<&Entry>, token: ClaimToken) -> bool {
         matches!(entry, Some(Entry { held: Held::InFlight { token: t, .. }, .. }) if *t == token)
     }
+
+    /// `token` already completed the key with `result` (and the record is
+    /// live): a retry of a completion that landed.
+    fn completed_by(
+        entry: Option<&Entry>,
+        token: ClaimToken,
+        result: &StoredResult,
+        now: Instant,
+    ) -> bool {
+        matches!(entry, Some(Entry { held: Held::Completed(stored, t), until })
+            if *t == token && stored == result && *until > now)
+    }
 }
 
 impl IdempotencyStore for MemoryIdempotencyStore {
@@ -479,11 +496,15 @@ impl IdempotencyStore for MemoryIdempotencyStore {
             // Nobody holds it: the record lapsed or vanished, so this
             // owner's result is still the only one.
             let free = entry.is_none_or(|e| e.until <= now);
+            if Self::completed_by(entry, token, result, now) {
+                // A retry whose first completion landed: already stored.
+                return Box::pin(std::future::ready(Ok(true)));
+            }
             if Self::holds(entry, token) || free {
                 keys.insert(
                     key.to_owned(),
                     Entry {
-                        held: Held::Completed(result.clone()),
+                        held: Held::Completed(result.clone(), token),
                         until: now + ttl,
                     },
                 );

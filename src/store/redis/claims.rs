@@ -44,8 +44,12 @@ return {'won', fence}
 ";
 
 const COMPLETE: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 't')
-if rec[1] == 'c' then return 0 end
+local rec = redis.call('HMGET', KEYS[1], 's', 't', 'v')
+if rec[1] == 'c' then
+  -- The same completion retried after its reply was lost: stored.
+  if rec[2] == ARGV[1] and rec[3] == ARGV[3] then return 1 end
+  return 0
+end
 if rec[1] == 'f' and rec[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 's', 'c', 't', ARGV[1], 'fp', ARGV[2], 'v', ARGV[3], 'ty', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
