@@ -24,6 +24,20 @@ fn result(fingerprint: Option<[u8; 32]>, value: u8) -> StoredResult {
     StoredResult::new(fingerprint, "u8", vec![value])
 }
 
+/// Whether `store` takes `token`'s completion of `k` with `value`.
+async fn completes(
+    store: &dyn IdempotencyStore,
+    k: &str,
+    token: ClaimToken,
+    fingerprint: Option<[u8; 32]>,
+    value: u8,
+) -> bool {
+    store
+        .complete(k, token, &result(fingerprint, value), TTL)
+        .await
+        .unwrap()
+}
+
 /// Every rule of the contract, on keys under `ns`.
 async fn contract(store: Arc<dyn IdempotencyStore>, ns: &str) {
     let key = |k: &str| format!("{ns}:{k}");
@@ -90,24 +104,15 @@ async fn contract(store: Arc<dyn IdempotencyStore>, ns: &str) {
         ClaimReply::Mismatch
     );
     assert!(
-        store
-            .complete(&k, owner, &result(Some(fp), 7), TTL)
-            .await
-            .unwrap(),
+        completes(&*store, &k, owner, Some(fp), 7).await,
         "the same completion retried (its reply lost) is stored, not refused"
     );
     assert!(
-        !store
-            .complete(&k, other, &result(Some(fp), 7), TTL)
-            .await
-            .unwrap(),
+        !completes(&*store, &k, other, Some(fp), 7).await,
         "another token never completes a completed key"
     );
     assert!(
-        !store
-            .complete(&k, owner, &result(Some(fp), 8), TTL)
-            .await
-            .unwrap(),
+        !completes(&*store, &k, owner, Some(fp), 8).await,
         "completes once"
     );
     assert!(

@@ -4,7 +4,8 @@
 //! One per busy key under the runtime's partitioned supervisor: a leading
 //! run's process is driven in its caller's task until the caller has its
 //! outcome (then what is left moves into a tokio task of its own); a
-//! trailing run's process is a tokio task the sleeper starts. It claims the window in the store, takes the key's next run
+//! trailing run's process is a tokio task the sleeper starts. It claims the
+//! window in the store, takes the key's next run
 //! from the slot (from that instant on, new calls go to the following run),
 //! runs it (holding a lease), publishes the result and records the window.
 //! Then it exits, leaving the window in the slot as a timestamp: if a

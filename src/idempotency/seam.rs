@@ -493,13 +493,13 @@ impl IdempotencyStore for MemoryIdempotencyStore {
         let stored = {
             let mut keys = self.lock();
             let entry = keys.get(key);
-            // Nobody holds it: the record lapsed or vanished, so this
-            // owner's result is still the only one.
-            let free = entry.is_none_or(|e| e.until <= now);
             if Self::completed_by(entry, token, result, now) {
                 // A retry whose first completion landed: already stored.
                 return Box::pin(std::future::ready(Ok(true)));
             }
+            // Nobody holds it: the record lapsed or vanished, so this
+            // owner's result is still the only one.
+            let free = entry.is_none_or(|e| e.until <= now);
             if Self::holds(entry, token) || free {
                 keys.insert(
                     key.to_owned(),

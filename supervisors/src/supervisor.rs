@@ -77,6 +77,20 @@ struct ChildGuard {
 }
 
 impl ChildGuard {
+    /// Spawns `work` on `handle` as the child this guard counts: a panic is
+    /// caught and reported, and the count drops when the task ends.
+    fn spawn<F>(self, handle: &tokio::runtime::Handle, work: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        handle.spawn(async move {
+            let guard = self;
+            if let Err(panic) = catch_panic(work).await {
+                guard.report(panic);
+            }
+        });
+    }
+
     /// Hands a child's panic to its partition actor, or logs it when the
     /// actor is down, so no panic goes unreported.
     fn report(&self, panic: Panic) {
@@ -115,22 +129,20 @@ impl Drop for ChildGuard {
 /// work moves into a child task of its own.
 #[must_use = "the work runs when awaited; dropped, it runs in a task of its own"]
 pub struct RunHere<O: Send + 'static> {
-    work: Option<Pin<Box<dyn Future<Output = O> + Send>>>,
-    guard: Option<(ChildGuard, tokio::runtime::Handle)>,
+    /// The work, its count and where to move it; `None` once it finished.
+    running: Option<Running<O>>,
 }
 
-impl<O: Send + 'static> RunHere<O> {
-    /// Whether the work has returned its output.
-    #[must_use]
-    pub fn is_finished(&self) -> bool {
-        self.work.is_none()
-    }
+struct Running<O> {
+    work: Pin<Box<dyn Future<Output = O> + Send>>,
+    guard: ChildGuard,
+    handle: tokio::runtime::Handle,
 }
 
 impl<O: Send + 'static> std::fmt::Debug for RunHere<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RunHere")
-            .field("finished", &self.work.is_none())
+            .field("finished", &self.running.is_none())
             .finish_non_exhaustive()
     }
 }
@@ -142,31 +154,31 @@ impl<O: Send + 'static> Future for RunHere<O> {
     ///
     /// When polled again after it returned its output.
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<O> {
-        let work = self
-            .work
+        let running = self
+            .running
             .as_mut()
             .expect("RunHere polled after it returned its output");
-        let output = std::task::ready!(work.as_mut().poll(cx));
-        self.work = None;
+        let output = std::task::ready!(running.work.as_mut().poll(cx));
         // Uncounted once its output is in hand.
-        self.guard = None;
+        self.running = None;
         Poll::Ready(output)
     }
 }
 
 impl<O: Send + 'static> Drop for RunHere<O> {
     fn drop(&mut self) {
-        let (Some(work), Some((guard, handle))) = (self.work.take(), self.guard.take()) else {
-            return;
-        };
         // The caller left mid-run: the rest runs on as a child (it stays
         // counted: shutdown closes to new children, not to this one).
-        handle.spawn(async move {
-            let guard = guard;
-            if let Err(panic) = catch_panic(work).await {
-                guard.report(panic);
-            }
-        });
+        if let Some(Running {
+            work,
+            guard,
+            handle,
+        }) = self.running.take()
+        {
+            guard.spawn(&handle, async move {
+                work.await;
+            });
+        }
     }
 }
 
@@ -210,11 +222,20 @@ impl Supervisor {
     where
         F: Future<Output = ()> + Send + 'static,
     {
+        let (guard, handle) = self.admit(route)?;
+        guard.spawn(&handle, process);
+        Ok(())
+    }
+
+    /// Counts a new child in `route`'s partition, on the current tokio
+    /// runtime, unless the supervisor is shut down.
+    fn admit(&self, route: u64) -> Result<(ChildGuard, tokio::runtime::Handle), StartError> {
         let handle = tokio::runtime::Handle::try_current().map_err(|_| StartError::NoRuntime)?;
         let index = (route % self.inner.partitions.len() as u64) as usize;
-        let partition = &self.inner.partitions[index];
         // Count first, then check: shutdown closes first, then waits for zero.
-        partition.live.fetch_add(1, Ordering::SeqCst);
+        self.inner.partitions[index]
+            .live
+            .fetch_add(1, Ordering::SeqCst);
         let guard = ChildGuard {
             inner: Arc::clone(&self.inner),
             index,
@@ -222,13 +243,7 @@ impl Supervisor {
         if self.inner.closed.load(Ordering::SeqCst) {
             return Err(StartError::ShutDown);
         }
-        handle.spawn(async move {
-            let guard = guard;
-            if let Err(panic) = catch_panic(process).await {
-                guard.report(panic);
-            }
-        });
-        Ok(())
+        Ok((guard, handle))
     }
 
     /// Runs `work` in the caller's task as a child of the partition chosen
@@ -266,21 +281,13 @@ impl Supervisor {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        let handle = tokio::runtime::Handle::try_current().map_err(|_| StartError::NoRuntime)?;
-        let index = (route % self.inner.partitions.len() as u64) as usize;
-        self.inner.partitions[index]
-            .live
-            .fetch_add(1, Ordering::SeqCst);
-        let guard = ChildGuard {
-            inner: Arc::clone(&self.inner),
-            index,
-        };
-        if self.inner.closed.load(Ordering::SeqCst) {
-            return Err(StartError::ShutDown);
-        }
+        let (guard, handle) = self.admit(route)?;
         Ok(RunHere {
-            work: Some(Box::pin(work)),
-            guard: Some((guard, handle)),
+            running: Some(Running {
+                work: Box::pin(work),
+                guard,
+                handle,
+            }),
         })
     }
 
