@@ -34,7 +34,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use self::state::{Config, DESTROYED, Job, JobFuture, Led, OPEN, Shared, Submitted};
+use self::state::{Config, DESTROYED, Led, OPEN, Shared, Submitted};
 pub use self::store::{
     DEFAULT_WINDOW_STORE_KEYS, MemoryWindowStore, WindowClaim, WindowEntry, WindowStore,
     WindowStoreError, WindowStoreFuture, WindowStoreStats,
@@ -363,17 +363,6 @@ impl<T: Clone + Send + Sync + 'static> std::fmt::Debug for TrailingThrottle<T> {
     }
 }
 
-fn boxed<T, F, Fut, E>(f: F) -> Job<T>
-where
-    F: FnOnce(Phase) -> Fut + Send + 'static,
-    Fut: Future<Output = Result<T, E>> + Send + 'static,
-    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
-{
-    Box::new(move |phase| -> JobFuture<T> {
-        Box::pin(async move { f(phase).await.map_err(Into::into) })
-    })
-}
-
 impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
     /// Runs `f` now if `key` is idle and resolves `true` once it has
     /// finished; otherwise coalesces the call into the key's trailing run
@@ -396,8 +385,9 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     {
-        match self.shared.submit(key, boxed(f), false)? {
+        match self.shared.submit(key, f, false)? {
             Submitted::Coalesced(_) => Ok(false),
+            Submitted::Started(run) => run.await.map(|_| true),
             Submitted::Lead(rx) => match rx.await {
                 Ok(Led::Ran(result)) => result.map(|_| true),
                 Ok(Led::Coalesced(_)) => Ok(false),
@@ -427,7 +417,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     {
-        let submitted = self.shared.submit(key, boxed(f), true)?;
+        let submitted = self.shared.submit(key, f, true)?;
         self.covering(key, submitted).await
     }
 
@@ -453,7 +443,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
         check_key(key)?;
         check_timer(key, "timeout", timeout)?;
         let deadline = Instant::now() + timeout;
-        let submitted = self.shared.submit(key, boxed(f), true)?;
+        let submitted = self.shared.submit(key, f, true)?;
         tokio::time::timeout_at(deadline, self.covering(key, submitted))
             .await
             .unwrap_or_else(|_| {
@@ -468,6 +458,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
         let cell = match submitted {
             Submitted::Coalesced(Some(cell)) => cell,
             Submitted::Coalesced(None) => return Err(self.shared.exit_error(key)),
+            Submitted::Started(run) => return run.await,
             Submitted::Lead(rx) => match rx.await {
                 Ok(Led::Ran(result)) => return result,
                 Ok(Led::Coalesced(cell)) => cell,
@@ -577,15 +568,15 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             .unwrap_or_default();
         let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
         TrailingStats {
-            active: gauges.active.load(Ordering::Relaxed),
-            pending: gauges.pending.load(Ordering::Relaxed),
+            active: gauges.active.get(),
+            pending: gauges.pending.get(),
             keys: self.registry.len(),
-            timers: gauges.timers.load(Ordering::Relaxed),
+            timers: gauges.timers.get() + self.wakeups(),
             store_keys: store.keys,
-            calls: count(&gauges.leads) + count(&gauges.coalesced),
-            leading_runs: count(&gauges.leading_runs),
-            trailing_runs: count(&gauges.trailing_runs),
-            coalesced: count(&gauges.coalesced),
+            calls: gauges.leads.get() + gauges.coalesced.get(),
+            leading_runs: gauges.leading_runs.get(),
+            trailing_runs: gauges.trailing_runs.get(),
+            coalesced: gauges.coalesced.get(),
             store_errors: count(&gauges.store_errors),
             store_timeouts: count(&gauges.store_timeouts),
             evictions: store.evictions,

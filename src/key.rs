@@ -118,6 +118,12 @@ impl InlineKey {
         }
     }
 
+    /// The key as text: always, for a key made from a `&str`.
+    #[inline]
+    pub(crate) fn as_str(&self) -> &str {
+        std::str::from_utf8(self.as_bytes()).unwrap_or_default()
+    }
+
     #[inline]
     pub(crate) fn as_bytes(&self) -> &[u8] {
         match self {

@@ -229,7 +229,7 @@ impl Stats {
 }
 
 /// Stripes of a [`Counter`]: enough that two threads rarely share one.
-const STRIPES: usize = 8;
+pub(crate) const STRIPES: usize = 8;
 
 #[repr(align(128))]
 #[derive(Default)]
@@ -242,7 +242,8 @@ pub(crate) struct Counter {
     stripes: [Padded; STRIPES],
 }
 
-fn stripe() -> usize {
+/// This thread's stripe: assigned round robin on first use.
+pub(crate) fn stripe() -> usize {
     use std::cell::Cell;
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     thread_local! {
@@ -274,6 +275,28 @@ impl Counter {
             .iter()
             .map(|s| s.0.load(Ordering::Relaxed))
             .fold(0, u64::wrapping_add)
+    }
+}
+
+/// A gauge moved up and down on hot paths from many threads, striped like
+/// [`Counter`]: its value is the sum of its stripes, read as zero while a
+/// racing read sees a decrement before its increment.
+#[derive(Default)]
+pub(crate) struct Gauge(Counter);
+
+impl Gauge {
+    #[inline]
+    pub(crate) fn add(&self, n: usize) {
+        self.0.add(n as u64);
+    }
+
+    #[inline]
+    pub(crate) fn sub(&self, n: usize) {
+        self.0.add((n as u64).wrapping_neg());
+    }
+
+    pub(crate) fn get(&self) -> usize {
+        usize::try_from(self.0.get().cast_signed().max(0)).unwrap_or(usize::MAX)
     }
 }
 

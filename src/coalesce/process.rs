@@ -25,9 +25,9 @@ use throttlebeam_supervisors::{Generation, catch_panic};
 use tokio::time::Instant;
 
 use super::Phase;
-use super::state::{DESTROYED, DRAINING, Job, Shared, Waiters};
+use super::state::{DESTROYED, DRAINING, Job, Shared, UserFn, Waiters};
 use crate::error::Error;
-use crate::key::shown;
+use crate::key::{InlineKey, shown};
 
 /// Lost window races in a row after which pending calls are dropped.
 const MAX_LOST_RACES: u32 = 10;
@@ -48,7 +48,8 @@ enum Step {
 /// incarnation is removed and callers still waiting get an error.
 pub(super) struct Driver<T: Clone + Send + Sync + 'static> {
     shared: Arc<Shared<T>>,
-    key: Box<str>,
+    /// Inline for the keys most users have: no allocation per run.
+    key: InlineKey,
     generation: Generation,
     epoch: u32,
     active: bool,
@@ -75,11 +76,11 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
     ) -> Self {
         shared.gauges.live.fetch_add(1, Ordering::AcqRel);
         if active {
-            shared.gauges.active.fetch_add(1, Ordering::Relaxed);
+            shared.gauges.active.add(1);
         }
         Self {
             shared,
-            key: key.into(),
+            key: InlineKey::new(key),
             generation,
             epoch,
             active,
@@ -88,6 +89,31 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             released: false,
             window_until: None,
         }
+    }
+
+    /// Runs a leading run that started as its call was taken (no store:
+    /// nothing to claim, nothing in the slot to take) and resolves with its
+    /// result, once its window is in the slot. Driven by the caller.
+    pub(super) async fn lead<J: UserFn<T>>(mut self, job: J) -> Result<T, Error> {
+        let phase = Phase::Leading;
+        self.shared.gauges.leading_runs.incr();
+        tracing::debug!(throttle = %self.shared.name, key = %self.key.as_str(), ?phase, "run started");
+        // No lease to hold: the slot stays busy while it runs.
+        let result = Error::from_run(self.key.as_str(), catch_panic(job.start(phase)).await);
+        self.finished(&result, phase);
+        self.window_until = Some(self.shared.write_window(self.key.as_str(), 0).await);
+        self.set_active(false);
+        if self.next_run().await {
+            // The window is already over and a run is pending: it claims in
+            // a process of its own, so this caller has its result now.
+            let shared = self.shared.clone();
+            let key = self.key.clone();
+            let _ = shared
+                .runtime
+                .core
+                .start_process(key.as_str(), self.drive(true));
+        }
+        result
     }
 
     /// Claims and runs at once (`claim_first`), or first waits for the
@@ -99,7 +125,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         loop {
             self.set_active(true);
             let token = self.shared.token();
-            let claim = self.shared.claim(&self.key, token).await;
+            let claim = self.shared.claim(self.key.as_str(), token).await;
             if self.shared.mode() == DESTROYED {
                 // Destroyed before the function started: `destroy` failed
                 // the run's callers; dropping releases the slot.
@@ -123,9 +149,9 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             self.active = active;
             let gauge = &self.shared.gauges.active;
             if active {
-                gauge.fetch_add(1, Ordering::Relaxed);
+                gauge.add(1);
             } else {
-                gauge.fetch_sub(1, Ordering::Relaxed);
+                gauge.sub(1);
             }
         }
     }
@@ -149,34 +175,40 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         let Some(next) = taken else { return };
         let gauges = &self.shared.gauges;
         let phase = if next.is_trailing() {
-            gauges.pending.fetch_sub(1, Ordering::Relaxed);
-            gauges.trailing_runs.fetch_add(1, Ordering::Relaxed);
+            gauges.pending.sub(1);
+            gauges.trailing_runs.incr();
             Phase::Trailing
         } else {
-            gauges.leading_runs.fetch_add(1, Ordering::Relaxed);
+            gauges.leading_runs.incr();
             Phase::Leading
         };
         let (job, waiters) = (*next).start();
         self.waiters = Some(waiters);
-        tracing::debug!(throttle = %self.shared.name, key = %self.key, ?phase, "run started");
-        let result = run_job(&self.shared, &self.key, token, job, phase).await;
-        match (&result, phase) {
-            (Err(error), Phase::Trailing) => {
-                // As an error value, so subscribers can walk its sources.
-                let error: &(dyn std::error::Error + 'static) = error;
-                tracing::error!(throttle = %self.shared.name, key = %self.key, error, "trailing run failed");
-            }
-            _ => {
-                tracing::debug!(throttle = %self.shared.name, key = %self.key, ?phase, ok = result.is_ok(), "run finished");
-            }
-        }
+        tracing::debug!(throttle = %self.shared.name, key = %self.key.as_str(), ?phase, "run started");
+        let result = run_job(&self.shared, self.key.as_str(), token, job, phase).await;
+        self.finished(&result, phase);
         if let Some(waiters) = self.waiters.take() {
             waiters.publish(result);
         }
         // Calls arriving until the window is recorded coalesce all the same
         // (the key is busy).
-        self.window_until = Some(self.shared.write_window(&self.key, token).await);
+        self.window_until = Some(self.shared.write_window(self.key.as_str(), token).await);
         self.set_active(false);
+    }
+
+    /// Logs a run's end: a failed trailing run at error level (nobody may
+    /// be waiting for it), anything else at debug.
+    fn finished(&self, result: &Result<T, Error>, phase: Phase) {
+        match (result, phase) {
+            (Err(error), Phase::Trailing) => {
+                // As an error value, so subscribers can walk its sources.
+                let error: &(dyn std::error::Error + 'static) = error;
+                tracing::error!(throttle = %self.shared.name, key = %self.key.as_str(), error, "trailing run failed");
+            }
+            _ => {
+                tracing::debug!(throttle = %self.shared.name, key = %self.key.as_str(), ?phase, ok = result.is_ok(), "run finished");
+            }
+        }
     }
 
     /// Another owner holds the window: the run stays in the slot (a leading
@@ -186,7 +218,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         self.lost_races += 1;
         let until = Instant::now() + wait;
         let epoch = self.epoch;
-        tracing::debug!(throttle = %self.shared.name, key = %self.key, lost = self.lost_races, ?wait, "window race lost");
+        tracing::debug!(throttle = %self.shared.name, key = %self.key.as_str(), lost = self.lost_races, ?wait, "window race lost");
         let give_up = self.lost_races >= MAX_LOST_RACES;
         if give_up {
             self.lost_races = 0;
@@ -204,7 +236,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                 if give_up {
                     let next = state.next.take()?;
                     if next.is_trailing() {
-                        gauges.pending.fetch_sub(1, Ordering::Relaxed);
+                        gauges.pending.sub(1);
                     }
                     return Some(next);
                 }
@@ -212,7 +244,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                     && next.demote()
                 {
                     // Counted under the lock, before anyone can take it.
-                    gauges.pending.fetch_add(1, Ordering::Relaxed);
+                    gauges.pending.add(1);
                 }
                 None
             })
@@ -220,7 +252,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         self.set_active(false);
         if let Some(next) = dropped {
             (*next).fail(&Error::Discarded {
-                key: shown(&self.key),
+                key: shown(self.key.as_str()),
                 reason: "lost the window race 10 times in a row",
             });
         }
@@ -237,8 +269,13 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             if mode == DESTROYED {
                 return false;
             }
-            let now = Instant::now();
             let window_until = self.window_until.take();
+            // A window just recorded is open (windows are never zero).
+            let now = if window_until.is_some() {
+                self.shared.epoch.base
+            } else {
+                Instant::now()
+            };
             let step = self.shared.registry.with_slot(self.key.as_bytes(), |slot| {
                 let state = &mut slot.state;
                 if state.epoch != epoch {
@@ -275,13 +312,13 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                 Some(Step::Schedule(until)) => {
                     self.released = true;
                     self.shared
-                        .schedule(&self.key, self.generation, epoch, until);
+                        .schedule(self.key.as_str(), self.generation, epoch, until);
                     return false;
                 }
                 Some(Step::Claim) => return true,
                 Some(Step::Release) => {
                     self.released = true;
-                    tracing::trace!(throttle = %self.shared.name, key = %self.key, "window open; process released");
+                    tracing::trace!(throttle = %self.shared.name, key = %self.key.as_str(), "window open; process released");
                     return false;
                 }
                 Some(Step::Close) => {
@@ -293,7 +330,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                             });
                     if closed.is_some() {
                         self.released = true;
-                        tracing::debug!(throttle = %self.shared.name, key = %self.key, "window closed");
+                        tracing::debug!(throttle = %self.shared.name, key = %self.key.as_str(), "window closed");
                         return false;
                     }
                     // A call arrived since: go round and take it.
@@ -348,19 +385,17 @@ impl<T: Clone + Send + Sync + 'static> Drop for Driver<T> {
         };
         let next = left.and_then(|s| s.next);
         if self.waiters.is_some() || next.is_some() {
-            let error = shared.exit_error(&self.key);
+            let error = shared.exit_error(self.key.as_str());
             if let Some(waiters) = self.waiters.take() {
                 waiters.publish(Err(error.clone()));
             }
             if let Some(next) = next {
                 if next.is_trailing() {
-                    shared.gauges.pending.fetch_sub(1, Ordering::Relaxed);
+                    shared.gauges.pending.sub(1);
                 }
                 (*next).fail(&error);
             }
         }
-        if shared.gauges.live.fetch_sub(1, Ordering::AcqRel) == 1 {
-            shared.gauges.idle.notify_waiters();
-        }
+        shared.unlive(1);
     }
 }

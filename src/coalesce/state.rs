@@ -22,11 +22,38 @@ use crate::cell::RunCell;
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, shown};
 use crate::runtime::{Runtime, Service, ServiceFuture, ShutdownPolicy};
+use crate::stats::{Counter, Gauge, STRIPES, stripe};
 
 /// A user function, boxed so the latest one can replace an older one.
 pub(super) type Job<T> = Box<dyn FnOnce(Phase) -> JobFuture<T> + Send>;
 pub(super) type JobFuture<T> = Pin<Box<dyn Future<Output = Result<T, UserError>> + Send>>;
 pub(super) type UserError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A user function as a call passes it in: boxed only when it has to wait
+/// in a slot (a trailing run, or a leading run claiming its window), run
+/// unboxed when it starts as its call is taken.
+pub(super) trait UserFn<T>: Send + 'static {
+    /// The function, boxed to wait in a slot.
+    fn boxed(self) -> Job<T>;
+    /// Calls the function.
+    fn start(self, phase: Phase) -> impl Future<Output = Result<T, UserError>> + Send + 'static;
+}
+
+impl<T, F, Fut, E> UserFn<T> for F
+where
+    F: FnOnce(Phase) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    E: Into<UserError>,
+{
+    fn boxed(self) -> Job<T> {
+        Box::new(move |phase| -> JobFuture<T> { Box::pin(self.start(phase)) })
+    }
+
+    fn start(self, phase: Phase) -> impl Future<Output = Result<T, UserError>> + Send + 'static {
+        let run = self(phase);
+        async move { run.await.map_err(Into::into) }
+    }
+}
 
 /// What the process tells a leading caller.
 pub(super) enum Led<T> {
@@ -38,8 +65,13 @@ pub(super) enum Led<T> {
 }
 
 /// How a call was taken.
-pub(super) enum Submitted<T> {
-    /// It leads: awaiting this drives its run and tells the outcome.
+pub(super) enum Submitted<T: Send + 'static> {
+    /// It leads, its run started as it was taken (no store to claim the
+    /// window in): awaiting this drives the run and resolves with its
+    /// result.
+    Started(RunHere<Result<T, Error>>),
+    /// It leads: awaiting this drives its run (a claim first) and tells
+    /// the outcome.
     Lead(Leading<T>),
     /// It was coalesced; the cell is there if the caller wants to wait.
     Coalesced(Option<Arc<RunCell<T>>>),
@@ -175,15 +207,15 @@ pub(super) struct KeyState<T> {
 /// A key whose next run waits for its window to end, in the sleeper.
 struct Wakeup {
     at: Instant,
-    seq: u64,
     key: InlineKey,
     generation: Generation,
     epoch: u32,
 }
 
+// Ordered by when it is due only.
 impl PartialEq for Wakeup {
     fn eq(&self, other: &Self) -> bool {
-        (self.at, self.seq) == (other.at, other.seq)
+        self.at == other.at
     }
 }
 
@@ -197,18 +229,35 @@ impl PartialOrd for Wakeup {
 
 impl Ord for Wakeup {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (self.at, self.seq).cmp(&(other.at, other.seq))
+        self.at.cmp(&other.at)
     }
 }
 
-/// One timer for every key of a throttle whose trailing run waits for its
+/// One timer for the keys of a throttle whose trailing run waits for its
 /// window: a pending trailing run costs a heap entry, not a process.
 #[derive(Default)]
 struct Sleeper {
     heap: BinaryHeap<Reverse<Wakeup>>,
-    seq: u64,
     /// The sleeper process is alive.
     running: bool,
+}
+
+/// A throttle has one sleeper per stripe of threads ([`stripe`]), each
+/// with its own process while it holds wake-ups: callers on different
+/// workers never share its lock or its heap, which would bounce their
+/// cache lines between cores on every coalesced call.
+#[repr(align(128))]
+#[derive(Default)]
+struct SleeperShard {
+    sleeper: Mutex<Sleeper>,
+    /// Wakes the shard's process for an earlier wake-up or a destroy.
+    wake: Notify,
+}
+
+impl SleeperShard {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Sleeper> {
+        self.sleeper.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 pub(super) const OPEN: u8 = 0;
@@ -216,18 +265,23 @@ pub(super) const DRAINING: u8 = 1;
 pub(super) const DESTROYED: u8 = 2;
 
 /// Live figures and counters of one throttle, plus the runtime's counters.
+///
+/// Figures moved on every call are striped per thread ([`Gauge`],
+/// [`Counter`]): two workers bumping one shared line would bounce it
+/// between their cores on every call. `live` stays one atomic: its last
+/// decrement must see zero.
 pub(super) struct Gauges {
-    pub(super) active: Padded<AtomicUsize>,
-    pub(super) pending: Padded<AtomicUsize>,
-    pub(super) timers: Padded<AtomicUsize>,
+    pub(super) active: Gauge,
+    pub(super) pending: Gauge,
+    pub(super) timers: Gauge,
     pub(super) live: Padded<AtomicUsize>,
     pub(super) idle: Notify,
     pub(super) runtime: Arc<Counters>,
     /// Calls that led (accepted calls are these plus the coalesced ones).
-    pub(super) leads: Padded<AtomicU64>,
-    pub(super) coalesced: Padded<AtomicU64>,
-    pub(super) leading_runs: Padded<AtomicU64>,
-    pub(super) trailing_runs: AtomicU64,
+    pub(super) leads: Counter,
+    pub(super) coalesced: Counter,
+    pub(super) leading_runs: Counter,
+    pub(super) trailing_runs: Counter,
     pub(super) store_errors: AtomicU64,
     pub(super) store_timeouts: AtomicU64,
     /// Store calls in flight that a destroy abandons, and who waits for them.
@@ -270,7 +324,7 @@ pub(super) struct Armed<'a>(&'a Gauges);
 
 impl<'a> Armed<'a> {
     pub(super) fn new(gauges: &'a Gauges) -> Self {
-        gauges.timers.fetch_add(1, Ordering::Relaxed);
+        gauges.timers.add(1);
         gauges.runtime.timer_armed();
         Self(gauges)
     }
@@ -278,7 +332,7 @@ impl<'a> Armed<'a> {
 
 impl Drop for Armed<'_> {
     fn drop(&mut self) {
-        self.0.timers.fetch_sub(1, Ordering::Relaxed);
+        self.0.timers.sub(1);
         self.0.runtime.timer_disarmed();
     }
 }
@@ -348,12 +402,13 @@ pub(super) struct Shared<T> {
     /// When the key cap may next make `submit` sweep, in ms after the epoch
     /// clock's base (`u64::MAX` while a pass runs).
     full_sweep_at: AtomicU64,
-    sleeper: Mutex<Sleeper>,
-    /// Wakes the sleeper for an earlier wake-up or a destroy.
-    sleeper_wake: Notify,
+    sleepers: Box<[SleeperShard]>,
 }
 
-enum Decision<T> {
+enum Decision<T, J> {
+    /// Leads; with no store the run starts now (the slot is the claim), so
+    /// its function comes straight back rather than through the slot.
+    Start(Generation, u32, J),
     Lead(Generation, u32, oneshot::Receiver<Led<T>>),
     /// Coalesced into a window with no process: the sleeper starts one
     /// when the window ends.
@@ -363,7 +418,7 @@ enum Decision<T> {
         stale: Option<Job<T>>,
     },
     /// Not accepted; the function comes back out to be dropped unlocked.
-    Refused(Error, Job<T>),
+    Refused(Error, J),
 }
 
 /// Why a store call was cut short.
@@ -387,16 +442,16 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         let shared = Arc::new(Self {
             registry: Registry::with_sweeper(core.counters.clone(), core.cap, &sweeper),
             gauges: Gauges {
-                active: Padded(AtomicUsize::new(0)),
-                pending: Padded(AtomicUsize::new(0)),
-                timers: Padded(AtomicUsize::new(0)),
+                active: Gauge::default(),
+                pending: Gauge::default(),
+                timers: Gauge::default(),
                 live: Padded(AtomicUsize::new(0)),
                 idle: Notify::new(),
                 runtime: core.counters.clone(),
-                leads: Padded(AtomicU64::new(0)),
-                coalesced: Padded(AtomicU64::new(0)),
-                leading_runs: Padded(AtomicU64::new(0)),
-                trailing_runs: AtomicU64::new(0),
+                leads: Counter::default(),
+                coalesced: Counter::default(),
+                leading_runs: Counter::default(),
+                trailing_runs: Counter::default(),
                 store_errors: AtomicU64::new(0),
                 store_timeouts: AtomicU64::new(0),
                 in_store: AtomicUsize::new(0),
@@ -410,8 +465,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             tokens: ahash::RandomState::new(),
             next_token: AtomicU64::new(1),
             full_sweep_at: AtomicU64::new(0),
-            sleeper: Mutex::new(Sleeper::default()),
-            sleeper_wake: Notify::new(),
+            sleepers: (0..STRIPES).map(|_| SleeperShard::default()).collect(),
             runtime: config.runtime,
             name: config.name,
             prefix: config.prefix,
@@ -457,10 +511,10 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// Takes a call: leads on an idle key (starting its process), otherwise
     /// coalesces into the key's next run, starting a process only when the
     /// key has none and the run needs a timer. Never waits.
-    pub(super) fn submit(
+    pub(super) fn submit<J: UserFn<T>>(
         self: &Arc<Self>,
         key: &str,
-        job: Job<T>,
+        job: J,
         wants_cell: bool,
     ) -> Result<Submitted<T>, Error> {
         check_key(key)?;
@@ -519,7 +573,26 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         true
     }
 
-    fn decide(&self, key: &str, job: Job<T>, wants_cell: bool) -> Decision<T> {
+    /// A leading run for a slot whose `next` is empty. With a store, it
+    /// waits in the slot while its window is claimed, so calls arriving
+    /// meanwhile are covered by it. Without one nothing is claimed: the run
+    /// starts now, as the call is taken.
+    fn lead<J: UserFn<T>>(
+        &self,
+        next: &mut Option<Box<Pending<T>>>,
+        generation: Generation,
+        epoch: u32,
+        job: J,
+    ) -> Decision<T, J> {
+        if self.store.is_none() {
+            return Decision::Start(generation, epoch, job);
+        }
+        let (tx, rx) = oneshot::channel();
+        *next = Some(Pending::new(job.boxed(), Some(tx)));
+        Decision::Lead(generation, epoch, rx)
+    }
+
+    fn decide<J: UserFn<T>>(&self, key: &str, job: J, wants_cell: bool) -> Decision<T, J> {
         let gauges = &self.gauges;
         // The mode is read under the shard lock, so `destroy` (mode first,
         // then a pass over every shard) never misses a pending call.
@@ -534,23 +607,21 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                         cell: wants_cell.then(|| next.cell()),
                         stale: Some(std::mem::replace(
                             next.job.get_mut().unwrap_or_else(PoisonError::into_inner),
-                            job,
+                            job.boxed(),
                         )),
                     };
                 }
                 if !state.busy && Instant::now() >= state.until {
                     // A window that is over: lead again in the same slot.
-                    let (tx, rx) = oneshot::channel();
-                    state.next = Some(Pending::new(job, Some(tx)));
                     state.busy = true;
                     state.epoch = state.epoch.wrapping_add(1);
-                    return Decision::Lead(generation, state.epoch, rx);
+                    return self.lead(&mut state.next, generation, state.epoch, job);
                 }
-                let mut next = Pending::new(job, None);
+                let mut next = Pending::new(job.boxed(), None);
                 let cell = wants_cell.then(|| next.cell());
                 state.next = Some(next);
                 // Counted under the lock, before anyone can take it.
-                gauges.pending.fetch_add(1, Ordering::Relaxed);
+                gauges.pending.add(1);
                 if state.busy {
                     Decision::Coalesced { cell, stale: None }
                 } else {
@@ -563,7 +634,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             }
             SlotEntry::Vacant(vacant) => {
                 let state = KeyState {
-                    until: Instant::now(),
+                    // Set when the run ends; nothing reads it while busy.
+                    until: self.epoch.base,
                     next: None,
                     epoch: 0,
                     busy: true,
@@ -571,9 +643,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 };
                 match vacant.insert(state) {
                     Ok(mut slot) => {
-                        let (tx, rx) = oneshot::channel();
-                        slot.state.next = Some(Pending::new(job, Some(tx)));
-                        Decision::Lead(slot.generation(), 0, rx)
+                        let generation = slot.generation();
+                        self.lead(&mut slot.state.next, generation, 0, job)
                     }
                     Err(full) => Decision::Refused(
                         Error::TooManyKeys {
@@ -587,7 +658,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         })
     }
 
-    fn settle(self: &Arc<Self>, key: &str, decision: Decision<T>) -> Result<Submitted<T>, Error> {
+    fn settle<J: UserFn<T>>(
+        self: &Arc<Self>,
+        key: &str,
+        decision: Decision<T, J>,
+    ) -> Result<Submitted<T>, Error> {
         let core = &self.runtime.core;
         match decision {
             Decision::Refused(error, job) => {
@@ -598,18 +673,24 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 // The replaced closure may run user code when dropped: never
                 // under the shard lock.
                 drop(stale);
-                self.gauges.coalesced.fetch_add(1, Ordering::Relaxed);
+                self.gauges.coalesced.incr();
                 tracing::trace!(throttle = %self.name, key, "call coalesced");
                 Ok(Submitted::Coalesced(cell))
             }
             Decision::Schedule(generation, epoch, at, cell) => {
-                self.gauges.coalesced.fetch_add(1, Ordering::Relaxed);
+                self.gauges.coalesced.incr();
                 tracing::trace!(throttle = %self.name, key, "call coalesced");
                 self.schedule(key, generation, epoch, at);
                 Ok(Submitted::Coalesced(cell))
             }
+            Decision::Start(generation, epoch, job) => {
+                self.gauges.leads.incr();
+                let driver =
+                    super::process::Driver::new(self.clone(), key, generation, epoch, true);
+                Ok(Submitted::Started(core.run_here(key, driver.lead(job))?))
+            }
             Decision::Lead(generation, epoch, rx) => {
-                self.gauges.leads.fetch_add(1, Ordering::Relaxed);
+                self.gauges.leads.incr();
                 let driver =
                     super::process::Driver::new(self.clone(), key, generation, epoch, true);
                 let run = core.run_here(key, driver.drive(true))?;
@@ -654,9 +735,9 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         }
     }
 
-    /// Hands a key whose next run waits for `at` to the sleeper (its slot
-    /// is marked scheduled): one heap entry, counted as a timer and as live
-    /// work until it fires.
+    /// Hands a key whose next run waits for `at` to the sleeper of this
+    /// thread's stripe (its slot is marked scheduled): one heap entry,
+    /// counted as a timer until it fires.
     pub(super) fn schedule(
         self: &Arc<Self>,
         key: &str,
@@ -664,18 +745,13 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         epoch: u32,
         at: Instant,
     ) {
-        let gauges = &self.gauges;
-        gauges.live.fetch_add(1, Ordering::AcqRel);
-        gauges.timers.fetch_add(1, Ordering::Relaxed);
-        gauges.runtime.timer_armed();
+        let index = stripe() % self.sleepers.len();
+        let shard = &self.sleepers[index];
         let (start, earlier) = {
-            let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
-            sleeper.seq += 1;
+            let mut sleeper = shard.lock();
             let earlier = sleeper.heap.peek().is_some_and(|top| at < top.0.at);
-            let seq = sleeper.seq;
             sleeper.heap.push(Reverse(Wakeup {
                 at,
-                seq,
                 key: InlineKey::new(key),
                 generation,
                 epoch,
@@ -685,7 +761,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             (start, earlier)
         };
         if start {
-            let sleeper = Arc::clone(self).sleep_loop();
+            let sleeper = Arc::clone(self).sleep_loop(index);
             if self
                 .runtime
                 .core
@@ -695,49 +771,65 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 // No runtime to sleep on: fire now; the processes fail their
                 // callers as they cannot start either.
                 let due = {
-                    let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
+                    let mut sleeper = shard.lock();
                     sleeper.running = false;
-                    std::mem::take(&mut sleeper.heap)
+                    let due = std::mem::take(&mut sleeper.heap);
+                    self.gauges.live.fetch_add(due.len(), Ordering::SeqCst);
+                    due
                 };
+                let n = due.len();
                 for Reverse(wakeup) in due {
                     self.fire(wakeup);
                 }
+                self.unlive(n);
             }
         } else if earlier {
-            self.sleeper_wake.notify_one();
+            shard.wake.notify_one();
         }
     }
 
-    /// Forgets `n` wake-ups that will never fire.
-    fn unschedule(&self, n: usize) {
-        if n == 0 {
-            return;
-        }
-        let gauges = &self.gauges;
-        gauges.timers.fetch_sub(n, Ordering::Relaxed);
-        for _ in 0..n {
-            gauges.runtime.timer_disarmed();
-        }
-        if gauges.live.fetch_sub(n, Ordering::AcqRel) == n {
-            gauges.idle.notify_waiters();
+    /// Uncounts `n` live processes; the last one out wakes a drain. While
+    /// the throttle is open nobody waits, so there is nothing to wake:
+    /// `drain` moves the mode on before it reads the count, and both sides
+    /// are sequentially consistent, so one of them sees the other.
+    pub(super) fn unlive(&self, n: usize) {
+        if n > 0
+            && self.gauges.live.fetch_sub(n, Ordering::SeqCst) == n
+            && self.mode.load(Ordering::SeqCst) != OPEN
+        {
+            self.gauges.idle.notify_waiters();
         }
     }
 
-    /// The sleeper process: starts each scheduled key's process when its
-    /// window ends; exits when nothing is scheduled.
-    async fn sleep_loop(self: Arc<Self>) {
+    /// Wake-ups held by the sleepers: keys whose trailing run waits for its
+    /// window with no process.
+    pub(super) fn wakeups(&self) -> usize {
+        self.sleepers.iter().map(|s| s.lock().heap.len()).sum()
+    }
+
+    /// The sleeper process of shard `index`: starts each scheduled key's
+    /// process when its window ends; exits when nothing is scheduled.
+    ///
+    /// Due wake-ups leave the heap counted as live work (under the shard's
+    /// lock, so a drain never sees them in neither place) until their
+    /// processes have started.
+    async fn sleep_loop(self: Arc<Self>, index: usize) {
+        let shard = &self.sleepers[index];
         loop {
-            let woken = self.sleeper_wake.notified();
+            let woken = shard.wake.notified();
             tokio::pin!(woken);
             woken.as_mut().enable();
             let now = Instant::now();
             let (due, next) = {
-                let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut sleeper = shard.lock();
                 let mut due = Vec::new();
                 while sleeper.heap.peek().is_some_and(|top| top.0.at <= now) {
                     if let Some(Reverse(wakeup)) = sleeper.heap.pop() {
                         due.push(wakeup);
                     }
+                }
+                if !due.is_empty() {
+                    self.gauges.live.fetch_add(due.len(), Ordering::SeqCst);
                 }
                 let next = sleeper.heap.peek().map(|top| top.0.at);
                 if next.is_none() {
@@ -745,9 +837,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 }
                 (due, next)
             };
+            let n = due.len();
             for wakeup in due {
                 self.fire(wakeup);
             }
+            self.unlive(n);
             let Some(at) = next else { return };
             tokio::select! {
                 () = tokio::time::sleep_until(at) => {}
@@ -779,13 +873,12 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             })
             .unwrap_or(false);
         if started {
-            let key = String::from_utf8_lossy(key.as_bytes());
-            let driver = super::process::Driver::new(self.clone(), &key, generation, epoch, false);
+            let key = key.as_str();
+            let driver = super::process::Driver::new(self.clone(), key, generation, epoch, false);
             // On failure the driver is dropped: it releases the slot and
             // fails the callers.
-            let _ = self.runtime.core.start_process(&key, driver.drive(false));
+            let _ = self.runtime.core.start_process(key, driver.drive(false));
         }
-        self.unschedule(1);
     }
 
     /// Runs one store call bounded by the store timeout, with a panic
@@ -982,14 +1075,12 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             // A slot with a process is removed by that process.
             state.busy
         });
-        let unscheduled = {
-            let mut sleeper = self.sleeper.lock().unwrap_or_else(PoisonError::into_inner);
-            std::mem::take(&mut sleeper.heap).len()
-        };
-        self.unschedule(unscheduled);
-        self.sleeper_wake.notify_one();
+        for shard in &self.sleepers {
+            drop(std::mem::take(&mut shard.lock().heap));
+            shard.wake.notify_one();
+        }
         self.registry.shrink_to_fit();
-        self.gauges.pending.fetch_sub(trailing, Ordering::Relaxed);
+        self.gauges.pending.sub(trailing);
         for (key, next) in dropped {
             let error = Error::Discarded {
                 key: shown(&key),
@@ -1017,13 +1108,15 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     pub(super) async fn drain(&self, deadline: Instant) {
         let _ = self
             .mode
-            .compare_exchange(OPEN, DRAINING, Ordering::AcqRel, Ordering::Acquire);
+            .compare_exchange(OPEN, DRAINING, Ordering::SeqCst, Ordering::SeqCst);
         self.wake.notify_waiters();
         loop {
             let idle = self.gauges.idle.notified();
             tokio::pin!(idle);
             idle.as_mut().enable();
-            if self.gauges.live.load(Ordering::Acquire) == 0 {
+            // Wake-ups first: one that fires moves into `live` before it
+            // leaves its heap.
+            if self.wakeups() == 0 && self.gauges.live.load(Ordering::SeqCst) == 0 {
                 break;
             }
             if tokio::time::timeout_at(deadline, idle).await.is_err() {
@@ -1046,6 +1139,8 @@ impl<T: Clone + Send + Sync + 'static> Service for Shared<T> {
     }
 
     fn stats(&self, stats: &mut crate::stats::Stats) {
+        // The sleepers' wake-ups are timers the runtime does not count.
+        stats.timers += self.wakeups();
         stats.trailing.add(&self.snapshot());
     }
 }

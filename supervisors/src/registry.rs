@@ -88,6 +88,17 @@ pub struct VacantSlot<'a, K, S> {
 /// `.await`: other keys of its shard wait while it lives.
 pub struct SlotGuard<'a, K, S> {
     inner: dashmap::mapref::one::RefMut<'a, K, Slot<S>>,
+    /// The slot's generation, kept out of the map: reading it back from a
+    /// freshly written entry would wait for that entry's cache line.
+    generation: Generation,
+}
+
+impl<K: Eq + Hash, S> SlotGuard<'_, K, S> {
+    /// The generation the slot was stamped with.
+    #[must_use]
+    pub fn generation(&self) -> Generation {
+        self.generation
+    }
 }
 
 impl<K: Eq + Hash, S> Deref for SlotGuard<'_, K, S> {
@@ -124,7 +135,7 @@ impl<'a, K: Eq + Hash + Clone, S> VacantSlot<'a, K, S> {
         }
         let generation = Generation(self.shared.next_generation.fetch_add(1, Ordering::Relaxed));
         let inner = self.entry.insert(Slot { generation, state });
-        Ok(SlotGuard { inner })
+        Ok(SlotGuard { inner, generation })
     }
 
     /// The key that would be inserted.
