@@ -101,17 +101,20 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         // No lease to hold: the slot stays busy while it runs.
         let result = Error::from_run(self.key.as_str(), catch_panic(job.start(phase)).await);
         self.finished(&result, phase);
-        self.window_until = Some(self.shared.write_window(self.key.as_str(), 0).await);
+        // No store: the window is a timestamp in the slot, written now.
+        self.window_until = Some(self.shared.window_end());
         self.set_active(false);
-        if self.next_run().await {
-            // The window is already over and a run is pending: it claims in
-            // a process of its own, so this caller has its result now.
+        if !matches!(self.next_step(), Next::Done) {
+            // Not done with the key (it cannot be, with a window just
+            // opened and no race to lose, but the slot has the last word):
+            // the rest goes on in a process of its own, so this caller has
+            // its result now.
             let shared = self.shared.clone();
             let key = self.key.clone();
             let _ = shared
                 .runtime
                 .core
-                .start_process(key.as_str(), self.drive(true));
+                .start_process(key.as_str(), self.drive(false));
         }
         result
     }
@@ -262,12 +265,25 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
     /// (`true`); otherwise hands the key back as a timestamp or closes it
     /// (`false`).
     async fn next_run(&mut self) -> bool {
+        loop {
+            match self.next_step() {
+                Next::Claim => return true,
+                Next::Done => return false,
+                Next::Sleep(until, mode) => self.shared.nap(until, mode).await,
+            }
+        }
+    }
+
+    /// One look at the slot for [`Driver::next_run`], without waiting: the
+    /// key's next run is to be claimed now, or later (a lost race retried
+    /// by this process), or the process is done.
+    fn next_step(&mut self) -> Next {
         let epoch = self.epoch;
         let retrying = self.lost_races > 0;
         loop {
             let mode = self.shared.mode();
             if mode == DESTROYED {
-                return false;
+                return Next::Done;
             }
             let window_until = self.window_until.take();
             // A window just recorded is open (windows are never zero).
@@ -306,20 +322,20 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                 None => {
                     // The slot is not ours any more.
                     self.released = true;
-                    return false;
+                    return Next::Done;
                 }
-                Some(Step::Sleep(until)) => self.shared.nap(until, mode).await,
+                Some(Step::Sleep(until)) => return Next::Sleep(until, mode),
                 Some(Step::Schedule(until)) => {
                     self.released = true;
                     self.shared
                         .schedule(self.key.as_str(), self.generation, epoch, until);
-                    return false;
+                    return Next::Done;
                 }
-                Some(Step::Claim) => return true,
+                Some(Step::Claim) => return Next::Claim,
                 Some(Step::Release) => {
                     self.released = true;
                     tracing::trace!(throttle = %self.shared.name, key = %self.key.as_str(), "window open; process released");
-                    return false;
+                    return Next::Done;
                 }
                 Some(Step::Close) => {
                     let closed =
@@ -331,13 +347,22 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
                     if closed.is_some() {
                         self.released = true;
                         tracing::debug!(throttle = %self.shared.name, key = %self.key.as_str(), "window closed");
-                        return false;
+                        return Next::Done;
                     }
                     // A call arrived since: go round and take it.
                 }
             }
         }
     }
+}
+
+/// What a process does after a look at its slot.
+enum Next {
+    Claim,
+    /// Retrying a lost race: wait until then (or until the mode moves on
+    /// from the one seen), then look again.
+    Sleep(Instant, u8),
+    Done,
 }
 
 /// Polls the function to the end (never cancelled), extending its lease in

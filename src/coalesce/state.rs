@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use super::Phase;
 use super::store::{WindowClaim, WindowEntry, WindowStore, WindowStoreFuture};
 use crate::cell::RunCell;
+use crate::clock::WindowClock;
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, shown};
 use crate::runtime::{Runtime, Service, ServiceFuture, ShutdownPolicy};
@@ -112,9 +113,9 @@ pub(super) struct Pending<T> {
     /// The latest function (a `Mutex` only to make the slot `Sync`; it is
     /// reached through `&mut` or by value, never locked).
     job: Mutex<Job<T>>,
-    /// Where the covered callers wait: empty until one of them waits (plain
-    /// calls need none), then one cell.
-    cells: Vec<Arc<RunCell<T>>>,
+    /// Where the covered callers wait: none until one of them waits (plain
+    /// calls need none), then one cell for all of them.
+    cell: Option<Arc<RunCell<T>>>,
     /// The leading caller, while this is a leading run; `None` for a
     /// trailing run (counted in the `pending` gauge).
     lead: Option<oneshot::Sender<Led<T>>>,
@@ -123,12 +124,12 @@ pub(super) struct Pending<T> {
 /// Who waits for a run once it has started.
 pub(super) struct Waiters<T> {
     pub(super) lead: Option<oneshot::Sender<Led<T>>>,
-    pub(super) cells: Vec<Arc<RunCell<T>>>,
+    pub(super) cell: Option<Arc<RunCell<T>>>,
 }
 
 impl<T: Clone> Waiters<T> {
     pub(super) fn publish(self, result: Result<T, Error>) {
-        for cell in self.cells {
+        if let Some(cell) = self.cell {
             cell.set(result.clone());
         }
         if let Some(tx) = self.lead {
@@ -141,19 +142,14 @@ impl<T: Clone> Pending<T> {
     fn new(job: Job<T>, lead: Option<oneshot::Sender<Led<T>>>) -> Box<Self> {
         Box::new(Self {
             job: Mutex::new(job),
-            cells: Vec::new(),
+            cell: None,
             lead,
         })
     }
 
     /// The cell a new waiter waits on, made on first need.
     fn cell(&mut self) -> Arc<RunCell<T>> {
-        if let Some(cell) = self.cells.first() {
-            return cell.clone();
-        }
-        let cell = RunCell::new();
-        self.cells.push(cell.clone());
-        cell
+        self.cell.get_or_insert_with(RunCell::new).clone()
     }
 
     /// Whether this is a trailing run (counted in the `pending` gauge).
@@ -173,9 +169,9 @@ impl<T: Clone> Pending<T> {
     }
 
     pub(super) fn start(self) -> (Job<T>, Waiters<T>) {
-        let Self { job, cells, lead } = self;
+        let Self { job, cell, lead } = self;
         let job = job.into_inner().unwrap_or_else(PoisonError::into_inner);
-        (job, Waiters { lead, cells })
+        (job, Waiters { lead, cell })
     }
 
     /// Fails every caller waiting here; the function is dropped.
@@ -206,7 +202,9 @@ pub(super) struct KeyState<T> {
 
 /// A key whose next run waits for its window to end, in the sleeper.
 struct Wakeup {
-    at: Instant,
+    /// When it is due, in nanoseconds after the epoch clock's base: half
+    /// the size of an `Instant`, and a heap may hold one per key.
+    at: u64,
     key: InlineKey,
     generation: Generation,
     epoch: u32,
@@ -355,6 +353,17 @@ impl EpochClock {
         }
     }
 
+    /// `instant` in nanoseconds after the base (0 before it).
+    pub(super) fn nanos(&self, instant: Instant) -> u64 {
+        let since = instant.saturating_duration_since(self.base).as_nanos();
+        u64::try_from(since).unwrap_or(u64::MAX)
+    }
+
+    /// The instant `nanos` after the base.
+    fn instant(&self, nanos: u64) -> Instant {
+        self.base + Duration::from_nanos(nanos)
+    }
+
     pub(super) fn at(&self, instant: Instant) -> u64 {
         let since = instant.saturating_duration_since(self.base).as_millis();
         self.base_ms
@@ -396,6 +405,11 @@ pub(super) struct Shared<T> {
     pub(super) wake: Notify,
     pub(super) gauges: Gauges,
     pub(super) epoch: EpochClock,
+    /// Where window ends are read on the hot path: tokio's clock, through
+    /// the timestamp counter unless it is paused (as the leading-edge
+    /// throttle's windows). Timers and store entries stay on tokio's clock;
+    /// the two differ by parts per million.
+    clock: WindowClock,
     /// Owner tokens: random per throttle, distinct per claim.
     tokens: ahash::RandomState,
     next_token: AtomicU64,
@@ -462,6 +476,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             mode: AtomicU8::new(OPEN),
             wake: Notify::new(),
             epoch: EpochClock::new(),
+            clock: WindowClock::new(core.clock),
             tokens: ahash::RandomState::new(),
             next_token: AtomicU64::new(1),
             full_sweep_at: AtomicU64::new(0),
@@ -611,7 +626,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                         )),
                     };
                 }
-                if !state.busy && Instant::now() >= state.until {
+                if !state.busy && self.clock.now() >= state.until {
                     // A window that is over: lead again in the same slot.
                     state.busy = true;
                     state.epoch = state.epoch.wrapping_add(1);
@@ -747,6 +762,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     ) {
         let index = stripe() % self.sleepers.len();
         let shard = &self.sleepers[index];
+        let at = self.epoch.nanos(at);
         let (start, earlier) = {
             let mut sleeper = shard.lock();
             let earlier = sleeper.heap.peek().is_some_and(|top| at < top.0.at);
@@ -819,7 +835,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             let woken = shard.wake.notified();
             tokio::pin!(woken);
             woken.as_mut().enable();
-            let now = Instant::now();
+            let now = self.epoch.nanos(Instant::now());
             let (due, next) = {
                 let mut sleeper = shard.lock();
                 let mut due = Vec::new();
@@ -844,7 +860,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             self.unlive(n);
             let Some(at) = next else { return };
             tokio::select! {
-                () = tokio::time::sleep_until(at) => {}
+                () = tokio::time::sleep_until(self.epoch.instant(at)) => {}
                 () = woken => {}
             }
         }
@@ -1023,7 +1039,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// still ([`Shared::courtesy`]).
     pub(super) async fn write_window(&self, key: &str, token: u64) -> Instant {
         let Some(store) = self.shared_store() else {
-            return Instant::now() + self.window;
+            return self.window_end();
         };
         let px = self.window_px();
         let entry = WindowEntry::new(self.epoch.at(Instant::now() + px), token);
@@ -1038,6 +1054,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             }
             StoreOutcome::Failed => Instant::now() + self.window,
         }
+    }
+
+    /// The end of a window that starts now, kept in memory only.
+    pub(super) fn window_end(&self) -> Instant {
+        self.clock.now() + self.window
     }
 
     /// How long after its window ends an instance re-claims a key on a
