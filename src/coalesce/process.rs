@@ -185,7 +185,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             gauges.leading_runs.incr();
             Phase::Leading
         };
-        let (job, waiters) = (*next).start();
+        let (job, waiters) = next.start();
         self.waiters = Some(waiters);
         tracing::debug!(throttle = %self.shared.name, key = %self.key.as_str(), ?phase, "run started");
         let result = run_job(&self.shared, self.key.as_str(), token, job, phase).await;
@@ -254,7 +254,7 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
             .flatten();
         self.set_active(false);
         if let Some(next) = dropped {
-            (*next).fail(&Error::Discarded {
+            next.fail(&Error::Discarded {
                 key: shown(self.key.as_str()),
                 reason: "lost the window race 10 times in a row",
             });
@@ -418,7 +418,7 @@ impl<T: Clone + Send + Sync + 'static> Drop for Driver<T> {
                 if next.is_trailing() {
                     shared.gauges.pending.sub(1);
                 }
-                (*next).fail(&error);
+                next.fail(&error);
             }
         }
         shared.unlive(1);

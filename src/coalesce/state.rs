@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use sync_wrapper::SyncWrapper;
 use throttlebeam_supervisors::{
     Counters, Generation, Registry, RunHere, SlotEntry, Sweep, catch_panic,
 };
@@ -110,9 +111,9 @@ impl<T> Future for Leading<T> {
 /// While the leading run claims its window, it sits here too, so a call
 /// arriving before the function starts is covered by that run.
 pub(super) struct Pending<T> {
-    /// The latest function (a `Mutex` only to make the slot `Sync`; it is
-    /// reached through `&mut` or by value, never locked).
-    job: Mutex<Job<T>>,
+    /// The latest function, wrapped to make the slot `Sync`: it is only
+    /// ever reached through `&mut` or by value.
+    job: SyncWrapper<Job<T>>,
     /// Where the covered callers wait: none until one of them waits (plain
     /// calls need none), then one cell for all of them.
     cell: Option<Arc<RunCell<T>>>,
@@ -139,12 +140,12 @@ impl<T: Clone> Waiters<T> {
 }
 
 impl<T: Clone> Pending<T> {
-    fn new(job: Job<T>, lead: Option<oneshot::Sender<Led<T>>>) -> Box<Self> {
-        Box::new(Self {
-            job: Mutex::new(job),
+    fn new(job: Job<T>, lead: Option<oneshot::Sender<Led<T>>>) -> Self {
+        Self {
+            job: SyncWrapper::new(job),
             cell: None,
             lead,
-        })
+        }
     }
 
     /// The cell a new waiter waits on, made on first need.
@@ -170,7 +171,7 @@ impl<T: Clone> Pending<T> {
 
     pub(super) fn start(self) -> (Job<T>, Waiters<T>) {
         let Self { job, cell, lead } = self;
-        let job = job.into_inner().unwrap_or_else(PoisonError::into_inner);
+        let job = job.into_inner();
         (job, Waiters { lead, cell })
     }
 
@@ -182,14 +183,14 @@ impl<T: Clone> Pending<T> {
     }
 }
 
-/// A key's slot in the registry: 32 bytes, plus the next run when one is
-/// waiting. With nothing pending and no run in progress, it is a timestamp
-/// with no process.
+/// A key's slot in the registry: 64 bytes, the next run inline (its
+/// function boxed) when one is waiting. With nothing pending and no run in
+/// progress, it is a timestamp with no process.
 pub(super) struct KeyState<T> {
     /// When the window ends (or the next claim retry), once a run is over.
     pub(super) until: Instant,
     /// The next run, not started yet.
-    pub(super) next: Option<Box<Pending<T>>>,
+    pub(super) next: Option<Pending<T>>,
     /// Which process owns the key (bumped on every start), so an exiting
     /// process never touches its successor's slot.
     pub(super) epoch: u32,
@@ -594,7 +595,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// starts now, as the call is taken.
     fn lead<J: UserFn<T>>(
         &self,
-        next: &mut Option<Box<Pending<T>>>,
+        next: &mut Option<Pending<T>>,
         generation: Generation,
         epoch: u32,
         job: J,
@@ -620,10 +621,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                     // Not started yet (leading or trailing): it covers this call.
                     return Decision::Coalesced {
                         cell: wants_cell.then(|| next.cell()),
-                        stale: Some(std::mem::replace(
-                            next.job.get_mut().unwrap_or_else(PoisonError::into_inner),
-                            job.boxed(),
-                        )),
+                        stale: Some(std::mem::replace(next.job.get_mut(), job.boxed())),
                     };
                 }
                 if !state.busy && self.clock.now() >= state.until {
@@ -1107,7 +1105,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 key: shown(&key),
                 reason: "destroyed",
             };
-            (*next).fail(&error);
+            next.fail(&error);
         }
         self.wake.notify_waiters();
         tracing::debug!(throttle = %self.name, "destroyed");
@@ -1179,5 +1177,16 @@ impl<T: Clone + Send + Sync + 'static> Sweep for Shared<T> {
             self.registry.shrink_to_fit();
         }
         left + self.shared_store().map_or(0, WindowStore::sweep)
+    }
+}
+
+#[cfg(all(test, target_pointer_width = "64"))]
+mod tests {
+    use super::KeyState;
+
+    /// The size the slot's documentation states, and idle windows pay.
+    #[test]
+    fn a_slot_is_64_bytes() {
+        assert_eq!(std::mem::size_of::<KeyState<u64>>(), 64);
     }
 }
