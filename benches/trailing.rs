@@ -6,7 +6,9 @@
 //!   call, end to end, against the leading-only throttle doing one executed
 //!   and one throttled call per key; with peak memory per key while windows
 //!   are open. Each side runs in a fresh child process so RSS figures are
-//!   not skewed by memory the other side freed.
+//!   not skewed by memory the other side freed; the sides alternate for
+//!   5 pairs of runs and the figures are their medians, as one run of
+//!   either side varies by up to 2x on a shared VM.
 //! - `idle_window`: memory per key whose window is open with nothing
 //!   pending (one leading call each, every run finished): a timestamp in
 //!   the registry and the store's entry, no process. Target: at most 256
@@ -27,6 +29,10 @@ const TASKS: usize = 2;
 /// Longer than the call phase, so every window is still open (with its
 /// trailing run pending) when the call phase ends and memory is read.
 const KEY_WINDOW: Duration = Duration::from_secs(2);
+/// The window of the warm-up keys: short, so the warm-up ends soon.
+const WARM_WINDOW: Duration = Duration::from_millis(50);
+/// Alternating runs of each side for `trailing_keys`.
+const PAIRS: usize = 5;
 const CHILD_ENV: &str = "THROTTLEBEAM_TRAILING_BENCH_CHILD";
 const KEYS_ENV: &str = "THROTTLEBEAM_TRAILING_BENCH_KEYS";
 
@@ -86,8 +92,13 @@ fn main() {
     let (o, a) = (median(o), median(a));
     drop(rt);
 
-    let ours_keys = spawn_child("ours", KEYS);
-    let anchor_keys = spawn_child("anchor", KEYS);
+    let (mut ours_runs, mut anchor_runs) = (Vec::new(), Vec::new());
+    for _ in 0..PAIRS {
+        ours_runs.push(spawn_child("ours", KEYS));
+        anchor_runs.push(spawn_child("anchor", KEYS));
+    }
+    let ours_keys = KeysResult::median(&ours_runs);
+    let anchor_keys = KeysResult::median(&anchor_runs);
     let idle_keys = spawn_child("idle", KEYS);
     println!();
     println!(
@@ -99,6 +110,15 @@ fn main() {
         ours_keys.ns_per_key,
         anchor_keys.ns_per_key,
         ours_keys.ns_per_key / anchor_keys.ns_per_key
+    );
+    let ratios: Vec<String> = ours_runs
+        .iter()
+        .zip(&anchor_runs)
+        .map(|(o, a)| format!("{:.2}", o.ns_per_key / a.ns_per_key))
+        .collect();
+    println!(
+        "trailing_keys: medians of {PAIRS} alternating runs per side; ratio of each pair: {}",
+        ratios.join(", ")
     );
     println!(
         "trailing_keys: ours {:.0} keys/s (anchor {:.0}), one leading + one coalesced call per key \
@@ -205,6 +225,19 @@ struct KeysResult {
     kept_per_key: f64,
 }
 
+impl KeysResult {
+    /// Each figure's median over `runs`.
+    fn median(runs: &[Self]) -> Self {
+        let of = |f: fn(&Self) -> f64| median(runs.iter().map(f).collect());
+        Self {
+            ns_per_key: of(|r| r.ns_per_key),
+            end_to_end: Duration::from_secs_f64(of(|r| r.end_to_end.as_secs_f64())),
+            bytes_per_key: of(|r| r.bytes_per_key),
+            kept_per_key: of(|r| r.kept_per_key),
+        }
+    }
+}
+
 fn spawn_child(side: &str, keys: usize) -> KeysResult {
     let exe = std::env::current_exe().expect("bench binary");
     let out = Command::new(exe)
@@ -260,8 +293,8 @@ fn keys_child(side: &str) {
         let (warm_keys, keys) = (make("warm:", 1_000), make("user:", n));
         // Warm the runtime and allocator paths on other keys first.
         let warm = match side {
-            "ours" => ours_keys(&runtime, &warm_keys, "warm:", true).await,
-            "idle" => ours_keys(&runtime, &warm_keys, "warm:", false).await,
+            "ours" => ours_keys(&runtime, &warm_keys, "warm:", true, WARM_WINDOW).await,
+            "idle" => ours_keys(&runtime, &warm_keys, "warm:", false, WARM_WINDOW).await,
             _ => anchor_keys(&runtime, &warm_keys).await,
         };
         if let Some(t) = &warm {
@@ -270,8 +303,8 @@ fn keys_child(side: &str) {
         let before = rss();
         let start = Instant::now();
         let throttle = match side {
-            "ours" => ours_keys(&runtime, &keys, "keys:", true).await,
-            "idle" => ours_keys(&runtime, &keys, "keys:", false).await,
+            "ours" => ours_keys(&runtime, &keys, "keys:", true, KEY_WINDOW).await,
+            "idle" => ours_keys(&runtime, &keys, "keys:", false, KEY_WINDOW).await,
             _ => anchor_keys(&runtime, &keys).await,
         };
         let calls = start.elapsed();
@@ -325,10 +358,11 @@ async fn ours_keys(
     keys: &std::sync::Arc<Vec<String>>,
     prefix: &str,
     coalesce: bool,
+    window: Duration,
 ) -> Option<TrailingThrottle<u64>> {
     let throttle: TrailingThrottle<u64> = runtime
         .trailing_throttle(prefix)
-        .with_window(KEY_WINDOW)
+        .with_window(window)
         .build()
         .expect("throttle");
     let mut tasks = Vec::new();

@@ -329,6 +329,57 @@ async fn w2_latest_closure_wins() {
     assert_eq!(ran, ["lead", "e"]);
 }
 
+/// W2 with functions of different types: each replaced function is dropped
+/// once (of the same type it is overwritten in place, of another type its
+/// box is swapped), and the trailing run calls the latest one.
+#[tokio::test(start_paused = true)]
+async fn w2_latest_function_wins_whatever_its_type_and_each_replaced_one_is_dropped_once() {
+    struct Dropped(Arc<AtomicUsize>);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let rt = runtime().await;
+    let t = throttle::<u32>(&rt, 200).await;
+    assert!(
+        t.call("k", |_| async { Ok::<_, std::io::Error>(0) })
+            .await
+            .unwrap()
+    );
+    let drops = Arc::new(AtomicUsize::new(0));
+    // Two call sites, two closure types; the second captures a String.
+    for i in 1..=6u32 {
+        let guard = Dropped(drops.clone());
+        let coalesced = if i % 3 == 0 {
+            let tag = format!("{i}");
+            t.call("k", move |_| async move {
+                let _guard = guard;
+                Ok::<_, std::io::Error>(tag.parse::<u32>().unwrap_or(0) * 10)
+            })
+            .await
+        } else {
+            t.call("k", move |_| async move {
+                let _guard = guard;
+                Ok::<_, std::io::Error>(i)
+            })
+            .await
+        };
+        assert!(!coalesced.unwrap());
+    }
+    // Five replaced, dropped at once; the latest (i = 6, the second type)
+    // is held for the trailing run.
+    assert_eq!(drops.load(Ordering::SeqCst), 5);
+    let value = t
+        .call_and_wait("k", |_| async { Ok::<_, std::io::Error>(99) })
+        .await
+        .unwrap();
+    assert_eq!(value, 99, "the latest function runs");
+    assert_eq!(drops.load(Ordering::SeqCst), 6);
+    let s = t.stats();
+    assert_eq!((s.leading_runs, s.trailing_runs, s.coalesced), (1, 1, 7));
+}
+
 /// W3: a call that arrives while a function runs is covered by the next
 /// trailing run, never by the one already running.
 #[tokio::test(start_paused = true)]

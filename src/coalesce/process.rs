@@ -377,7 +377,7 @@ async fn run_job<T: Clone + Send + Sync + 'static>(
     job: Job<T>,
     phase: Phase,
 ) -> Result<T, Error> {
-    let mut run = catch_panic(job(phase));
+    let mut run = catch_panic(job.call(phase));
     let first = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut run).poll(cx))).await;
     let caught = match first {
         Poll::Ready(out) => out,

@@ -1,6 +1,7 @@
 //! What a coalescing throttle shares between its callers and its per-key
 //! processes: the registry of key slots, the store, the mode and the gauges.
 
+use std::any::Any;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::future::Future;
@@ -27,7 +28,7 @@ use crate::runtime::{Runtime, Service, ServiceFuture, ShutdownPolicy};
 use crate::stats::{Counter, Gauge, STRIPES, stripe};
 
 /// A user function, boxed so the latest one can replace an older one.
-pub(super) type Job<T> = Box<dyn FnOnce(Phase) -> JobFuture<T> + Send>;
+pub(super) type Job<T> = Box<dyn BoxedFn<T>>;
 pub(super) type JobFuture<T> = Pin<Box<dyn Future<Output = Result<T, UserError>> + Send>>;
 pub(super) type UserError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -48,13 +49,42 @@ where
     E: Into<UserError>,
 {
     fn boxed(self) -> Job<T> {
-        Box::new(move |phase| -> JobFuture<T> { Box::pin(self.start(phase)) })
+        Box::new(Boxed(self))
     }
 
     fn start(self, phase: Phase) -> impl Future<Output = Result<T, UserError>> + Send + 'static {
         let run = self(phase);
         async move { run.await.map_err(Into::into) }
     }
+}
+
+/// A boxed user function: called once, or overwritten in place by a newer
+/// function of the same type (the same call site), so coalescing a call
+/// into a pending run allocates nothing.
+pub(super) trait BoxedFn<T>: Send {
+    fn call(self: Box<Self>, phase: Phase) -> JobFuture<T>;
+    fn as_any(&mut self) -> &mut dyn Any;
+}
+
+struct Boxed<F>(F);
+
+impl<T, F: UserFn<T>> BoxedFn<T> for Boxed<F> {
+    fn call(self: Box<Self>, phase: Phase) -> JobFuture<T> {
+        Box::pin(self.0.start(phase))
+    }
+
+    fn as_any(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// The function a coalesced call replaced, dropped once the shard lock is
+/// released (dropping it may run user code).
+enum Stale<T, J> {
+    /// Of the same type, overwritten in place.
+    Same(J),
+    /// Of another type, with its box.
+    Boxed(Job<T>),
 }
 
 /// What the process tells a leading caller.
@@ -145,6 +175,15 @@ impl<T: Clone> Pending<T> {
             job: SyncWrapper::new(job),
             cell: None,
             lead,
+        }
+    }
+
+    /// Makes `job` the run's function, returning the one it replaces.
+    fn replace<J: UserFn<T>>(&mut self, job: J) -> Stale<T, J> {
+        let current = self.job.get_mut();
+        match current.as_any().downcast_mut::<Boxed<J>>() {
+            Some(same) => Stale::Same(std::mem::replace(&mut same.0, job)),
+            None => Stale::Boxed(std::mem::replace(current, job.boxed())),
         }
     }
 
@@ -430,7 +469,7 @@ enum Decision<T, J> {
     Schedule(Generation, u32, Instant, Option<Arc<RunCell<T>>>),
     Coalesced {
         cell: Option<Arc<RunCell<T>>>,
-        stale: Option<Job<T>>,
+        stale: Option<Stale<T, J>>,
     },
     /// Not accepted; the function comes back out to be dropped unlocked.
     Refused(Error, J),
@@ -621,7 +660,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                     // Not started yet (leading or trailing): it covers this call.
                     return Decision::Coalesced {
                         cell: wants_cell.then(|| next.cell()),
-                        stale: Some(std::mem::replace(next.job.get_mut(), job.boxed())),
+                        stale: Some(next.replace(job)),
                     };
                 }
                 if !state.busy && self.clock.now() >= state.until {
@@ -685,7 +724,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             Decision::Coalesced { cell, stale } => {
                 // The replaced closure may run user code when dropped: never
                 // under the shard lock.
-                drop(stale);
+                match stale {
+                    Some(Stale::Same(f)) => drop(f),
+                    Some(Stale::Boxed(job)) => drop(job),
+                    None => {}
+                }
                 self.gauges.coalesced.incr();
                 tracing::trace!(throttle = %self.name, key, "call coalesced");
                 Ok(Submitted::Coalesced(cell))
