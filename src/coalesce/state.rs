@@ -144,18 +144,26 @@ pub(super) struct Pending<T> {
     /// The latest function, wrapped to make the slot `Sync`: it is only
     /// ever reached through `&mut` or by value.
     job: SyncWrapper<Job<T>>,
-    /// Where the covered callers wait: none until one of them waits (plain
-    /// calls need none), then one cell for all of them.
-    cell: Option<Arc<RunCell<T>>>,
-    /// The leading caller, while this is a leading run; `None` for a
-    /// trailing run (counted in the `pending` gauge).
-    lead: Option<oneshot::Sender<Led<T>>>,
+    /// Who waits, boxed to keep every slot small: most runs have nobody
+    /// (plain coalesced calls wait for nothing). The leading caller while
+    /// this is a leading run (none for a trailing run, counted in the
+    /// `pending` gauge), and one cell for every caller covered that waits.
+    waiters: Option<Box<Waiters<T>>>,
 }
 
 /// Who waits for a run once it has started.
 pub(super) struct Waiters<T> {
     pub(super) lead: Option<oneshot::Sender<Led<T>>>,
     pub(super) cell: Option<Arc<RunCell<T>>>,
+}
+
+impl<T> Waiters<T> {
+    fn none() -> Self {
+        Self {
+            lead: None,
+            cell: None,
+        }
+    }
 }
 
 impl<T: Clone> Waiters<T> {
@@ -173,9 +181,18 @@ impl<T: Clone> Pending<T> {
     fn new(job: Job<T>, lead: Option<oneshot::Sender<Led<T>>>) -> Self {
         Self {
             job: SyncWrapper::new(job),
-            cell: None,
-            lead,
+            waiters: lead.map(|lead| {
+                Box::new(Waiters {
+                    lead: Some(lead),
+                    cell: None,
+                })
+            }),
         }
+    }
+
+    fn waiters(&mut self) -> &mut Waiters<T> {
+        self.waiters
+            .get_or_insert_with(|| Box::new(Waiters::none()))
     }
 
     /// Makes `job` the run's function, returning the one it replaces.
@@ -189,19 +206,19 @@ impl<T: Clone> Pending<T> {
 
     /// The cell a new waiter waits on, made on first need.
     fn cell(&mut self) -> Arc<RunCell<T>> {
-        self.cell.get_or_insert_with(RunCell::new).clone()
+        self.waiters().cell.get_or_insert_with(RunCell::new).clone()
     }
 
     /// Whether this is a trailing run (counted in the `pending` gauge).
     pub(super) fn is_trailing(&self) -> bool {
-        self.lead.is_none()
+        self.waiters.as_ref().is_none_or(|w| w.lead.is_none())
     }
 
     /// A leading run that lost its window race becomes a trailing run: the
     /// leading caller is told it was coalesced. Returns whether it was
     /// leading.
     pub(super) fn demote(&mut self) -> bool {
-        let Some(tx) = self.lead.take() else {
+        let Some(tx) = self.waiters.as_mut().and_then(|w| w.lead.take()) else {
             return false;
         };
         let _ = tx.send(Led::Coalesced(self.cell()));
@@ -209,9 +226,9 @@ impl<T: Clone> Pending<T> {
     }
 
     pub(super) fn start(self) -> (Job<T>, Waiters<T>) {
-        let Self { job, cell, lead } = self;
+        let Self { job, waiters } = self;
         let job = job.into_inner();
-        (job, Waiters { lead, cell })
+        (job, waiters.map_or_else(Waiters::none, |w| *w))
     }
 
     /// Fails every caller waiting here; the function is dropped.
@@ -222,7 +239,7 @@ impl<T: Clone> Pending<T> {
     }
 }
 
-/// A key's slot in the registry: 64 bytes, the next run inline (its
+/// A key's slot in the registry: 48 bytes, the next run inline (its
 /// function boxed) when one is waiting. With nothing pending and no run in
 /// progress, it is a timestamp with no process.
 pub(super) struct KeyState<T> {
@@ -1229,7 +1246,7 @@ mod tests {
 
     /// The size the slot's documentation states, and idle windows pay.
     #[test]
-    fn a_slot_is_64_bytes() {
-        assert_eq!(std::mem::size_of::<KeyState<u64>>(), 64);
+    fn a_slot_is_48_bytes() {
+        assert_eq!(std::mem::size_of::<KeyState<u64>>(), 48);
     }
 }
