@@ -19,8 +19,9 @@
 //! cell its waiters share, the window end); a per-key process owns its work
 //! only while it has a run to claim or execute. A key whose window is open
 //! is a timestamp in its slot, with no process; when a trailing run is
-//! pending, one sleeper per throttle (a heap of window ends on one timer)
-//! starts the key's process when the window ends. Coalescing a call is a
+//! pending, a sleeper of the throttle (a heap of window ends on one timer,
+//! one per stripe of threads) starts the key's process when the window
+//! ends. Coalescing a call is a
 //! registry update: no message, no wake-up.
 
 mod process;
@@ -277,8 +278,9 @@ impl TrailingThrottleBuilder {
 ///
 /// Functions run in the key's own process (a leading run's process lives in
 /// its caller's task until the caller has the outcome, then moves into a
-/// task of its own if work is left): dropping a caller's future or a
-/// timeout never cancels them. A failed trailing run fails every waiter it
+/// task of its own if work is left; without a store, a leading run starts
+/// as its call is taken): dropping a caller's future or a timeout never
+/// cancels them. A failed trailing run fails every waiter it
 /// covered and emits one `tracing` error event; everything else is logged at
 /// debug or trace level.
 ///
