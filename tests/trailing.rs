@@ -541,9 +541,12 @@ async fn pending_trailing_runs_wait_without_a_process_each() {
         .map(|key| spawn_wait(&t, key, log.work("trail", 10)))
         .collect();
     settle().await;
-    // One timer per waiting key, held by one sleeper process.
+    // One timer per waiting key, held by one sleeper process, and counted
+    // in the runtime's timers too (beside the sweeper's tick, if armed).
     assert_eq!(gauges(&t), (0, 100, 100, 100));
     assert_eq!(rt.stats().processes, 1);
+    let timers = rt.stats().timers;
+    assert!((100..=101).contains(&timers), "runtime timers: {timers}");
     for w in waits {
         let (v, _) = w.await.unwrap();
         assert_eq!(v.unwrap(), "trail");
@@ -557,6 +560,71 @@ async fn pending_trailing_runs_wait_without_a_process_each() {
     for (lead, trail) in runs[..100].iter().zip(&runs[100..]) {
         assert_eq!(trail.start, lead.end.unwrap() + 1000, "{lead:?} {trail:?}");
     }
+}
+
+/// Callers on several worker threads schedule into per-thread sleepers:
+/// every trailing run still runs once, each waiter gets its own key's value,
+/// and the throttle ends idle with nothing counted.
+#[test]
+fn trailing_runs_scheduled_from_many_threads_all_run_once() {
+    let tokio_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
+    tokio_rt.block_on(async {
+        let rt = runtime().await;
+        let t = throttle::<u64>(&rt, 20).await;
+        let ran = Arc::new(AtomicUsize::new(0));
+        let tasks: Vec<_> = (0..8u64)
+            .map(|task| {
+                let (t, ran) = (t.clone(), ran.clone());
+                tokio::spawn(async move {
+                    let mut waits = Vec::new();
+                    for i in 0..50u64 {
+                        let key = format!("m{task}:{i}");
+                        let n = task * 1000 + i;
+                        assert!(
+                            t.call(&key, move |_| async move { Ok::<_, std::io::Error>(0) })
+                                .await
+                                .unwrap()
+                        );
+                        let (t, ran) = (t.clone(), ran.clone());
+                        waits.push(tokio::spawn(async move {
+                            let v = t
+                                .call_and_wait(&key, move |_| async move {
+                                    ran.fetch_add(1, Ordering::SeqCst);
+                                    Ok::<_, std::io::Error>(n)
+                                })
+                                .await
+                                .unwrap();
+                            assert_eq!(v, n);
+                        }));
+                    }
+                    for w in waits {
+                        w.await.unwrap();
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert_eq!(ran.load(Ordering::SeqCst), 400);
+        let s = t.stats();
+        assert_eq!(
+            (
+                s.leading_runs,
+                s.trailing_runs,
+                s.pending,
+                s.active,
+                s.timers
+            ),
+            (400, 400, 0, 0, 0)
+        );
+        t.shutdown(Duration::from_secs(1)).await;
+        assert_eq!(rt.stats().processes, 0);
+    });
 }
 
 /// W4: every window starts when a run finishes, so runs never overlap, even
