@@ -116,6 +116,23 @@ impl State {
         }) {
             return Ok(Some(left));
         }
+        let mut swept = false;
+        loop {
+            match self.open(key, now, interval) {
+                // Full: windows that are over (not swept yet, if the
+                // sweeper could not run) may be what fills it.
+                Err(Error::TooManyKeys { .. })
+                    if !swept && self.windows.registry.retain_when_full(|_, w| w.until > now) =>
+                {
+                    swept = true;
+                }
+                decided => return decided,
+            }
+        }
+    }
+
+    /// [`State::try_open`] once, under the key's shard lock.
+    fn open(&self, key: &str, now: Instant, interval: Duration) -> Result<Option<Duration>, Error> {
         self.windows
             .registry
             .update(key.as_bytes(), |slot| match slot {

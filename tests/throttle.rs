@@ -234,6 +234,16 @@ async fn open_windows_are_swept_and_cost_no_process() {
     assert_eq!(rt.stats().timers, 0, "the sweeper goes dormant");
 }
 
+/// Under a cap of 2 keys: `a` and `b` run (100 ms windows), `c` is refused.
+async fn a_and_b_then_c_refused(t: &throttlebeam::ThrottleHandle) -> Error {
+    let ok = || async { Ok::<_, Oops>(()) };
+    assert!(!t.call("a", ms(100), ok).await.unwrap().is_throttled());
+    assert!(!t.call("b", ms(100), ok).await.unwrap().is_throttled());
+    let err = t.call("c", ms(100), ok).await.unwrap_err();
+    assert!(matches!(&err, Error::TooManyKeys { key, cap: 2 } if key == "c"));
+    err
+}
+
 #[tokio::test(start_paused = true)]
 async fn key_cap_is_enforced_with_a_clear_error() {
     let rt = throttlebeam::Runtime::builder()
@@ -243,10 +253,7 @@ async fn key_cap_is_enforced_with_a_clear_error() {
         .unwrap();
     let t = rt.throttle();
     let ok = || async { Ok::<_, Oops>(()) };
-    assert!(!t.call("a", ms(100), ok).await.unwrap().is_throttled());
-    assert!(!t.call("b", ms(100), ok).await.unwrap().is_throttled());
-    let err = t.call("c", ms(100), ok).await.unwrap_err();
-    assert!(matches!(&err, Error::TooManyKeys { key, cap: 2 } if key == "c"));
+    let err = a_and_b_then_c_refused(&t).await;
     assert!(err.to_string().contains("cap 2"));
     // Existing keys keep working.
     assert!(t.call("a", ms(100), ok).await.unwrap().is_throttled());
@@ -257,6 +264,33 @@ async fn key_cap_is_enforced_with_a_clear_error() {
             .await,
         Err(Error::InvalidConfig { .. })
     ));
+}
+
+/// A caller that never yields keeps the sweeper from running: a full key
+/// cap then makes room itself from windows that are over (a paced pass),
+/// rather than refusing keys that the sweeper would have freed.
+#[tokio::test(start_paused = true)]
+async fn a_full_key_cap_makes_room_from_windows_that_are_over_without_the_sweeper() {
+    let rt = throttlebeam::Runtime::builder()
+        .with_max_keys(2)
+        .with_sweep_interval(Duration::from_secs(3600))
+        .start()
+        .await
+        .unwrap();
+    let t = rt.throttle();
+    let ok = || async { Ok::<_, Oops>(()) };
+    // Both windows open: nothing to free.
+    a_and_b_then_c_refused(&t).await;
+    // Let the sweeper take its kick (one pass, windows open) and arm its
+    // next tick, an hour away.
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+    tokio::time::advance(ms(150)).await;
+    assert_eq!(rt.stats().keys, 2, "the sweeper has not run");
+    assert!(!t.call("c", ms(100), ok).await.unwrap().is_throttled());
+    assert_eq!(rt.stats().keys, 1, "a and b were over and forgotten");
+    assert!(t.call("c", ms(100), ok).await.unwrap().is_throttled());
 }
 
 #[tokio::test]

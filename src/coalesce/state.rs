@@ -470,9 +470,6 @@ pub(super) struct Shared<T> {
     /// Owner tokens: random per throttle, distinct per claim.
     tokens: ahash::RandomState,
     next_token: AtomicU64,
-    /// When the key cap may next make `submit` sweep, in ms after the epoch
-    /// clock's base (`u64::MAX` while a pass runs).
-    full_sweep_at: AtomicU64,
     sleepers: Box<[SleeperShard]>,
 }
 
@@ -536,7 +533,6 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             clock: WindowClock::new(core.clock),
             tokens: ahash::RandomState::new(),
             next_token: AtomicU64::new(1),
-            full_sweep_at: AtomicU64::new(0),
             sleepers: (0..STRIPES).map(|_| SleeperShard::default()).collect(),
             runtime: config.runtime,
             name: config.name,
@@ -609,40 +605,12 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         self.settle(key, decision)
     }
 
-    /// Forgets windows that are over when the key cap refused a key. It is
-    /// a pass over every key, so it runs at most once per 10 ms and never
-    /// more often than every 20 times its own last duration: a full
-    /// registry of windows still open (nothing to free) costs refused calls
-    /// at most 5 % of the time in passes, not all of it. Returns whether it
-    /// ran.
+    /// Forgets windows that are over when the key cap refused a key
+    /// ([`Registry::retain_when_full`], paced). Returns whether it ran.
     fn sweep_when_full(&self) -> bool {
         let now = Instant::now();
-        let ms_since_base = |at: Instant| {
-            u64::try_from(at.saturating_duration_since(self.epoch.base).as_millis())
-                .unwrap_or(u64::MAX)
-        };
-        let at = ms_since_base(now);
-        let next = self.full_sweep_at.load(Ordering::Relaxed);
-        if at < next {
-            return false;
-        }
-        // Claim this pass; the next is pushed out once its cost is known.
-        if self
-            .full_sweep_at
-            .compare_exchange(next, u64::MAX, Ordering::Relaxed, Ordering::Relaxed)
-            .is_err()
-        {
-            return false;
-        }
         self.registry
-            .retain(|_, state| state.busy || state.scheduled || state.until > now);
-        let took = Instant::now().saturating_duration_since(now);
-        let pause = (took * 20).max(Duration::from_millis(10));
-        self.full_sweep_at.store(
-            at.saturating_add(u64::try_from(pause.as_millis()).unwrap_or(u64::MAX)),
-            Ordering::Relaxed,
-        );
-        true
+            .retain_when_full(|_, state| state.busy || state.scheduled || state.until > now)
     }
 
     /// A leading run for a slot whose `next` is empty. With a store, it

@@ -9,9 +9,12 @@ use std::hash::Hash;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
+
+use tokio::time::Instant;
 
 use crate::stats::Counters;
 use crate::sweeper::Sweeper;
@@ -151,6 +154,39 @@ struct Shared {
     cap: usize,
     len: AtomicUsize,
     next_generation: AtomicU64,
+    full_pass: FullPass,
+}
+
+/// The pacing of [`Registry::retain_when_full`].
+#[derive(Debug)]
+struct FullPass {
+    base: Instant,
+    /// When the next pass may run, in ms after `base` (`u64::MAX` while
+    /// one runs).
+    next_ms: AtomicU64,
+}
+
+impl FullPass {
+    fn ms(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.base).as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
+/// Lets the next pass run `pause` after `at` (ms after the base) when
+/// dropped, even if the pass panicked.
+struct PassDone<'a> {
+    pass: &'a FullPass,
+    at: u64,
+    pause: Duration,
+}
+
+impl Drop for PassDone<'_> {
+    fn drop(&mut self) {
+        let pause = u64::try_from(self.pause.as_millis()).unwrap_or(u64::MAX);
+        self.pass
+            .next_ms
+            .store(self.at.saturating_add(pause), Ordering::Relaxed);
+    }
 }
 
 /// A concurrent map from key to [`Slot`], one per runtime instance.
@@ -199,6 +235,10 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
                 len: AtomicUsize::new(0),
                 next_generation: AtomicU64::new(1),
                 sweeper: None,
+                full_pass: FullPass {
+                    base: Instant::now(),
+                    next_ms: AtomicU64::new(0),
+                },
             },
         }
     }
@@ -316,6 +356,57 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
             remove
         })?;
         Some(slot.state)
+    }
+
+    /// [`Registry::retain`] for a caller the key cap just refused, whose
+    /// registry may be full of slots that are over but not swept yet (a
+    /// task that never yields keeps the sweeper from running). It is a
+    /// pass over every key, so it runs at most once per 10 ms and never
+    /// more often than every 20 times its own last duration: a registry
+    /// full of live keys costs refused callers at most 5 % of their time in
+    /// passes. Returns whether a pass ran (then try again).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use throttlebeam_supervisors::{Counters, Registry, SlotEntry};
+    ///
+    /// let registry = Registry::<u32, bool>::new(Arc::new(Counters::new()), 2);
+    /// let add = |key, live| {
+    ///     registry.update(&key, |slot| match slot {
+    ///         SlotEntry::Vacant(vacant) => vacant.insert(live).is_ok(),
+    ///         SlotEntry::Occupied(_) => true,
+    ///     })
+    /// };
+    /// assert!(add(1, false) && add(2, true));
+    /// assert!(!add(3, true), "full");
+    /// assert!(registry.retain_when_full(|_, live| *live));
+    /// assert!(add(3, true), "the slot that was over made room");
+    /// assert!(!registry.retain_when_full(|_, live| *live), "paced");
+    /// ```
+    pub fn retain_when_full(&self, keep: impl FnMut(&K, &mut S) -> bool) -> bool {
+        let pass = &self.shared.full_pass;
+        let now = Instant::now();
+        let at = pass.ms(now);
+        let next = pass.next_ms.load(Ordering::Relaxed);
+        // Claim this pass; the next is pushed out once its cost is known.
+        if at < next
+            || pass
+                .next_ms
+                .compare_exchange(next, u64::MAX, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return false;
+        }
+        let mut done = PassDone {
+            pass,
+            at,
+            pause: Duration::from_millis(10),
+        };
+        self.retain(keep);
+        done.pause = (now.elapsed() * 20).max(done.pause);
+        true
     }
 
     /// Keeps only the slots for which `keep` returns true; returns the keys
