@@ -25,7 +25,7 @@ use tokio::time::Instant;
 
 use crate::cell::RunCell;
 use crate::error::Error;
-use crate::key::{InlineKey, check_key, check_timer, shown};
+use crate::key::{InlineKey, check_key, check_timer, shown, update_slot};
 use crate::runtime::{Core, Runtime, Service, ServiceFuture, ShutdownPolicy};
 use crate::stats::{Counter, Stats};
 
@@ -655,7 +655,7 @@ impl DebounceHandle {
         let mut replaced = None;
         let now = Instant::now();
         let state = &self.state;
-        let started = state.registry.update(key.as_bytes(), |entry| match entry {
+        let started = update_slot(&state.registry, key, |entry| match entry {
             SlotEntry::Occupied(slot) => {
                 let s = &mut slot.state;
                 if s.type_id != type_id {

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use crate::clock::WindowClock;
 use crate::error::Error;
-use crate::key::{InlineKey, check_key, check_timer, shown};
+use crate::key::{InlineKey, check_key, check_timer, shown, update_slot};
 use crate::runtime::{Core, Runtime, Service};
 use crate::stats::{Counter, Stats};
 
@@ -133,27 +133,25 @@ impl State {
 
     /// [`State::try_open`] once, under the key's shard lock.
     fn open(&self, key: &str, now: Instant, interval: Duration) -> Result<Option<Duration>, Error> {
-        self.windows
-            .registry
-            .update(key.as_bytes(), |slot| match slot {
-                SlotEntry::Occupied(slot) => {
-                    if slot.state.until > now {
-                        Ok(Some(slot.state.until - now))
-                    } else {
-                        slot.state.until = now + interval;
-                        Ok(None)
-                    }
+        update_slot(&self.windows.registry, key, |slot| match slot {
+            SlotEntry::Occupied(slot) => {
+                if slot.state.until > now {
+                    Ok(Some(slot.state.until - now))
+                } else {
+                    slot.state.until = now + interval;
+                    Ok(None)
                 }
-                SlotEntry::Vacant(vacant) => vacant
-                    .insert(Window {
-                        until: now + interval,
-                    })
-                    .map(|_| None)
-                    .map_err(|_| Error::TooManyKeys {
-                        key: shown(key),
-                        cap: self.cap,
-                    }),
-            })
+            }
+            SlotEntry::Vacant(vacant) => vacant
+                .insert(Window {
+                    until: now + interval,
+                })
+                .map(|_| None)
+                .map_err(|_| Error::TooManyKeys {
+                    key: shown(key),
+                    cap: self.cap,
+                }),
+        })
     }
 }
 

@@ -293,6 +293,47 @@ async fn a_full_key_cap_makes_room_from_windows_that_are_over_without_the_sweepe
     assert!(t.call("c", ms(100), ok).await.unwrap().is_throttled());
 }
 
+/// Two tasks that never yield, each running fresh keys with 1 ms windows
+/// back to back: the sweeper never runs, and the cap is reached over and
+/// over, yet no call is refused, as the cap's keys are nearly all over by
+/// then (10,000 keys take well over 1 ms). When one caller's pass is
+/// running, the other waits for it and tries again.
+#[test]
+fn tight_loops_of_fresh_keys_never_hit_a_cap_full_of_windows_that_are_over() {
+    let tokio_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    tokio_rt.block_on(async {
+        let rt = throttlebeam::Runtime::builder()
+            .with_max_keys(10_000)
+            .with_sweep_interval(Duration::from_secs(3600))
+            .start()
+            .await
+            .unwrap();
+        let tasks: Vec<_> = (0..2)
+            .map(|task| {
+                let t = rt.throttle();
+                tokio::spawn(async move {
+                    for i in 0..20_000 {
+                        let key = format!("tight:{task}:{i}");
+                        let outcome = t
+                            .call(&key, ms(1), || async { Ok::<_, Oops>(()) })
+                            .await
+                            .unwrap_or_else(|e| panic!("{key}: {e}"));
+                        assert!(!outcome.is_throttled(), "{key} is fresh");
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert!(rt.stats().keys <= 10_000);
+    });
+}
+
 #[tokio::test]
 async fn windows_on_the_timestamp_counter_behave_the_same() {
     let rt = throttlebeam::Runtime::builder()

@@ -23,7 +23,7 @@ use super::store::{WindowClaim, WindowEntry, WindowStore, WindowStoreFuture};
 use crate::cell::RunCell;
 use crate::clock::WindowClock;
 use crate::error::Error;
-use crate::key::{InlineKey, check_key, shown};
+use crate::key::{InlineKey, check_key, shown, update_slot};
 use crate::runtime::{Runtime, Service, ServiceFuture, ShutdownPolicy};
 use crate::stats::{Counter, Gauge, STRIPES, stripe};
 
@@ -636,7 +636,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         let gauges = &self.gauges;
         // The mode is read under the shard lock, so `destroy` (mode first,
         // then a pass over every shard) never misses a pending call.
-        self.registry.update(key.as_bytes(), |entry| match entry {
+        update_slot(&self.registry, key, |entry| match entry {
             _ if self.mode() != OPEN => Decision::Refused(self.refused(key), job),
             SlotEntry::Occupied(slot) => {
                 let generation = slot.generation();

@@ -80,7 +80,7 @@ use super::{
     Value,
 };
 use crate::error::Error;
-use crate::key::{InlineKey, shown};
+use crate::key::{InlineKey, shown, update_slot};
 use crate::store::Redis;
 use crate::store::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
 
@@ -418,7 +418,7 @@ impl DebounceHandle {
         let type_id = codec.type_id;
         let mut job = Some(job);
         let mut replaced = None;
-        let started = shared.registry.update(key.as_bytes(), |entry| match entry {
+        let started = update_slot(&shared.registry, key, |entry| match entry {
             SlotEntry::Occupied(slot) => {
                 let s = &mut slot.state;
                 if s.type_id != type_id {

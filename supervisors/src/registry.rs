@@ -161,9 +161,13 @@ struct Shared {
 #[derive(Debug)]
 struct FullPass {
     base: Instant,
-    /// When the next pass may run, in ms after `base` (`u64::MAX` while
-    /// one runs).
+    /// When the next pass may run, in ms after `base`.
     next_ms: AtomicU64,
+    /// Passes completed so far.
+    passes: AtomicU64,
+    /// Held by the pass running: other refused callers wait for it, then
+    /// try again, rather than run one of their own or give up.
+    running: std::sync::Mutex<()>,
 }
 
 impl FullPass {
@@ -186,6 +190,7 @@ impl Drop for PassDone<'_> {
         self.pass
             .next_ms
             .store(self.at.saturating_add(pause), Ordering::Relaxed);
+        self.pass.passes.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -238,6 +243,8 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
                 full_pass: FullPass {
                     base: Instant::now(),
                     next_ms: AtomicU64::new(0),
+                    passes: AtomicU64::new(0),
+                    running: std::sync::Mutex::new(()),
                 },
             },
         }
@@ -302,7 +309,35 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         if let Some(mut slot) = self.map.get_mut(key) {
             return f(SlotEntry::Occupied(&mut slot));
         }
-        match self.map.entry(key.to_owned().into()) {
+        self.update_owned(key.to_owned().into(), f)
+    }
+
+    /// [`Registry::update`] with the key already owned: one lookup under one
+    /// shard lock, found or not. The cheaper call when making a `K` costs
+    /// nothing to speak of (a small key kept inline), as `update` looks the
+    /// key up by reference first and, for a new key, converts it and looks
+    /// it up again.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use throttlebeam_supervisors::{Counters, Registry, SlotEntry};
+    ///
+    /// let registry: Registry<u64, u32> = Registry::new(Arc::new(Counters::new()), usize::MAX);
+    /// let calls = || {
+    ///     registry.update_owned(7, |slot| match slot {
+    ///         SlotEntry::Occupied(slot) => {
+    ///             slot.state += 1;
+    ///             slot.state
+    ///         }
+    ///         SlotEntry::Vacant(vacant) => vacant.insert(1).map_or(0, |slot| slot.state),
+    ///     })
+    /// };
+    /// assert_eq!((calls(), calls()), (1, 2));
+    /// ```
+    pub fn update_owned<R>(&self, key: K, f: impl FnOnce(SlotEntry<'_, K, S>) -> R) -> R {
+        match self.map.entry(key) {
             Entry::Occupied(mut occupied) => f(SlotEntry::Occupied(occupied.get_mut())),
             Entry::Vacant(entry) => f(SlotEntry::Vacant(VacantSlot {
                 entry,
@@ -360,11 +395,15 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
 
     /// [`Registry::retain`] for a caller the key cap just refused, whose
     /// registry may be full of slots that are over but not swept yet (a
-    /// task that never yields keeps the sweeper from running). It is a
-    /// pass over every key, so it runs at most once per 10 ms and never
-    /// more often than every 20 times its own last duration: a registry
-    /// full of live keys costs refused callers at most 5 % of their time in
-    /// passes. Returns whether a pass ran (then try again).
+    /// task that never yields keeps the sweeper from running). Returns
+    /// whether a pass ran (then try again).
+    ///
+    /// A pass visits every key, so it is paced by what the last one freed.
+    /// One that freed at least a quarter of the keys paid for itself (each
+    /// key it freed serves a caller), so the next may run as soon as the
+    /// cap is hit again. One that freed less backs off for 10 ms or 20
+    /// times its own duration, whichever is longer: a registry full of live
+    /// keys costs refused callers at most 5 % of their time in passes.
     ///
     /// # Examples
     ///
@@ -383,20 +422,29 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     /// assert!(!add(3, true), "full");
     /// assert!(registry.retain_when_full(|_, live| *live));
     /// assert!(add(3, true), "the slot that was over made room");
+    /// // That pass freed half the keys: the next may run at once. It frees
+    /// // nothing, so the one after waits.
+    /// assert!(!add(4, true));
+    /// assert!(registry.retain_when_full(|_, live| *live));
     /// assert!(!registry.retain_when_full(|_, live| *live), "paced");
     /// ```
     pub fn retain_when_full(&self, keep: impl FnMut(&K, &mut S) -> bool) -> bool {
         let pass = &self.shared.full_pass;
         let now = Instant::now();
         let at = pass.ms(now);
-        let next = pass.next_ms.load(Ordering::Relaxed);
-        // Claim this pass; the next is pushed out once its cost is known.
-        if at < next
-            || pass
-                .next_ms
-                .compare_exchange(next, u64::MAX, Ordering::Relaxed, Ordering::Relaxed)
-                .is_err()
-        {
+        if at < pass.next_ms.load(Ordering::Relaxed) {
+            return false;
+        }
+        let seen = pass.passes.load(Ordering::Acquire);
+        let _running = pass
+            .running
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if pass.passes.load(Ordering::Acquire) != seen {
+            // A pass ended while this caller waited for it: try again.
+            return true;
+        }
+        if at < pass.next_ms.load(Ordering::Relaxed) {
             return false;
         }
         let mut done = PassDone {
@@ -404,8 +452,13 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
             at,
             pause: Duration::from_millis(10),
         };
-        self.retain(keep);
-        done.pause = (now.elapsed() * 20).max(done.pause);
+        let before = self.len();
+        let freed = before.saturating_sub(self.retain(keep));
+        done.pause = if freed.saturating_mul(4) >= before && freed > 0 {
+            Duration::ZERO
+        } else {
+            (now.elapsed() * 20).max(done.pause)
+        };
         true
     }
 
