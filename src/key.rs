@@ -133,20 +133,15 @@ impl InlineKey {
     }
 }
 
-/// Runs `f` on `key`'s slot in `registry`: one lookup when the key fits
-/// inline (owning it allocates nothing), the lookup by reference first
-/// otherwise, so a hot long key is not copied to the heap on every call.
+/// Runs `f` on `key`'s slot in `registry`, building the stored key
+/// straight into its inline form if the key is new.
 #[cfg(feature = "runtime")]
 pub(crate) fn update_slot<S, R>(
     registry: &throttlebeam_supervisors::Registry<InlineKey, S>,
     key: &str,
     f: impl FnOnce(throttlebeam_supervisors::SlotEntry<'_, InlineKey, S>) -> R,
 ) -> R {
-    if key.len() <= INLINE_KEY {
-        registry.update_owned(InlineKey::new(key), f)
-    } else {
-        registry.update(key.as_bytes(), f)
-    }
+    registry.update_with(key.as_bytes(), || InlineKey::new(key), f)
 }
 
 impl From<Vec<u8>> for InlineKey {

@@ -306,17 +306,12 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         Q: Hash + Eq + ?Sized + ToOwned,
         Q::Owned: Into<K>,
     {
-        if let Some(mut slot) = self.map.get_mut(key) {
-            return f(SlotEntry::Occupied(&mut slot));
-        }
-        self.update_owned(key.to_owned().into(), f)
+        self.update_with(key, || key.to_owned().into(), f)
     }
 
-    /// [`Registry::update`] with the key already owned: one lookup under one
-    /// shard lock, found or not. The cheaper call when making a `K` costs
-    /// nothing to speak of (a small key kept inline), as `update` looks the
-    /// key up by reference first and, for a new key, converts it and looks
-    /// it up again.
+    /// [`Registry::update`] with the key made by `make`, only if it is
+    /// new: no `ToOwned` detour (a small key can be built straight into
+    /// its inline form).
     ///
     /// # Examples
     ///
@@ -324,9 +319,9 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     /// use std::sync::Arc;
     /// use throttlebeam_supervisors::{Counters, Registry, SlotEntry};
     ///
-    /// let registry: Registry<u64, u32> = Registry::new(Arc::new(Counters::new()), usize::MAX);
+    /// let registry: Registry<String, u32> = Registry::new(Arc::new(Counters::new()), usize::MAX);
     /// let calls = || {
-    ///     registry.update_owned(7, |slot| match slot {
+    ///     registry.update_with("k", || String::from("k"), |slot| match slot {
     ///         SlotEntry::Occupied(slot) => {
     ///             slot.state += 1;
     ///             slot.state
@@ -336,8 +331,22 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     /// };
     /// assert_eq!((calls(), calls()), (1, 2));
     /// ```
-    pub fn update_owned<R>(&self, key: K, f: impl FnOnce(SlotEntry<'_, K, S>) -> R) -> R {
-        match self.map.entry(key) {
+    pub fn update_with<Q, R>(
+        &self,
+        key: &Q,
+        make: impl FnOnce() -> K,
+        f: impl FnOnce(SlotEntry<'_, K, S>) -> R,
+    ) -> R
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        // Found by reference first: a key already tracked (the common case
+        // of a busy key) is never built.
+        if let Some(mut slot) = self.map.get_mut(key) {
+            return f(SlotEntry::Occupied(&mut slot));
+        }
+        match self.map.entry(make()) {
             Entry::Occupied(mut occupied) => f(SlotEntry::Occupied(occupied.get_mut())),
             Entry::Vacant(entry) => f(SlotEntry::Vacant(VacantSlot {
                 entry,
