@@ -119,6 +119,7 @@ impl InlineKey {
     }
 
     /// The key as text: always, for a key made from a `&str`.
+    #[cfg(feature = "runtime")]
     #[inline]
     pub(crate) fn as_str(&self) -> &str {
         std::str::from_utf8(self.as_bytes()).unwrap_or_default()

@@ -165,6 +165,8 @@ struct FullPass {
     next_ms: AtomicU64,
     /// Passes completed so far.
     passes: AtomicU64,
+    /// When the last pass ended, in ms after `base`.
+    end_ms: AtomicU64,
     /// Held by the pass running: other refused callers wait for it, then
     /// try again, rather than run one of their own or give up.
     running: std::sync::Mutex<()>,
@@ -190,6 +192,9 @@ impl Drop for PassDone<'_> {
         self.pass
             .next_ms
             .store(self.at.saturating_add(pause), Ordering::Relaxed);
+        self.pass
+            .end_ms
+            .store(self.pass.ms(Instant::now()), Ordering::Relaxed);
         self.pass.passes.fetch_add(1, Ordering::Release);
     }
 }
@@ -244,6 +249,7 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
                     base: Instant::now(),
                     next_ms: AtomicU64::new(0),
                     passes: AtomicU64::new(0),
+                    end_ms: AtomicU64::new(0),
                     running: std::sync::Mutex::new(()),
                 },
             },
@@ -412,7 +418,10 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     /// key it freed serves a caller), so the next may run as soon as the
     /// cap is hit again. One that freed less backs off for 10 ms or 20
     /// times its own duration, whichever is longer: a registry full of live
-    /// keys costs refused callers at most 5 % of their time in passes.
+    /// keys costs refused callers at most 5 % of their time in passes. A
+    /// caller refused while a pass runs waits for it; one refused in the
+    /// millisecond a pass ended is told to try again without a pass of its
+    /// own.
     ///
     /// # Examples
     ///
@@ -431,11 +440,7 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     /// assert!(!add(3, true), "full");
     /// assert!(registry.retain_when_full(|_, live| *live));
     /// assert!(add(3, true), "the slot that was over made room");
-    /// // That pass freed half the keys: the next may run at once. It frees
-    /// // nothing, so the one after waits.
-    /// assert!(!add(4, true));
-    /// assert!(registry.retain_when_full(|_, live| *live));
-    /// assert!(!registry.retain_when_full(|_, live| *live), "paced");
+    /// assert!(!add(4, true), "full of live keys");
     /// ```
     pub fn retain_when_full(&self, keep: impl FnMut(&K, &mut S) -> bool) -> bool {
         let pass = &self.shared.full_pass;
@@ -449,8 +454,11 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
             .running
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if pass.passes.load(Ordering::Acquire) != seen {
-            // A pass ended while this caller waited for it: try again.
+        let passes = pass.passes.load(Ordering::Acquire);
+        if passes != seen || (passes > 0 && pass.end_ms.load(Ordering::Relaxed) >= at) {
+            // A pass ended while this caller waited for it, or since it was
+            // refused (within this millisecond): try again rather than pass
+            // over keys that one has just swept.
             return true;
         }
         if at < pass.next_ms.load(Ordering::Relaxed) {
