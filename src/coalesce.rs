@@ -562,6 +562,12 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
 impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// The figures of [`TrailingThrottle::stats`].
     pub(crate) fn snapshot(&self) -> TrailingStats {
+        self.snapshot_with(self.wakeups())
+    }
+
+    /// [`Shared::snapshot`] with the sleepers' wake-ups already counted
+    /// (counting locks every sleeper).
+    pub(crate) fn snapshot_with(&self, wakeups: usize) -> TrailingStats {
         let gauges = &self.gauges;
         let store = self
             .store
@@ -573,7 +579,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             active: gauges.active.get(),
             pending: gauges.pending.get(),
             keys: self.registry.len(),
-            timers: gauges.timers.get() + self.wakeups(),
+            timers: gauges.timers.get() + wakeups,
             store_keys: store.keys,
             calls: gauges.leads.get() + gauges.coalesced.get(),
             leading_runs: gauges.leading_runs.get(),

@@ -266,17 +266,22 @@ async fn key_cap_is_enforced_with_a_clear_error() {
     ));
 }
 
+/// A runtime capped at `cap` keys whose sweeper ticks once an hour.
+async fn runtime_swept_hourly(cap: usize) -> throttlebeam::Runtime {
+    throttlebeam::Runtime::builder()
+        .with_max_keys(cap)
+        .with_sweep_interval(Duration::from_secs(3600))
+        .start()
+        .await
+        .unwrap()
+}
+
 /// A caller that never yields keeps the sweeper from running: a full key
 /// cap then makes room itself from windows that are over (a paced pass),
 /// rather than refusing keys that the sweeper would have freed.
 #[tokio::test(start_paused = true)]
 async fn a_full_key_cap_makes_room_from_windows_that_are_over_without_the_sweeper() {
-    let rt = throttlebeam::Runtime::builder()
-        .with_max_keys(2)
-        .with_sweep_interval(Duration::from_secs(3600))
-        .start()
-        .await
-        .unwrap();
+    let rt = runtime_swept_hourly(2).await;
     let t = rt.throttle();
     let ok = || async { Ok::<_, Oops>(()) };
     // Both windows open: nothing to free.
@@ -306,12 +311,7 @@ fn tight_loops_of_fresh_keys_never_hit_a_cap_full_of_windows_that_are_over() {
         .build()
         .unwrap();
     tokio_rt.block_on(async {
-        let rt = throttlebeam::Runtime::builder()
-            .with_max_keys(10_000)
-            .with_sweep_interval(Duration::from_secs(3600))
-            .start()
-            .await
-            .unwrap();
+        let rt = runtime_swept_hourly(10_000).await;
         let tasks: Vec<_> = (0..2)
             .map(|task| {
                 let t = rt.throttle();

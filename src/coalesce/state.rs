@@ -815,15 +815,11 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 let due = {
                     let mut sleeper = shard.lock();
                     sleeper.running = false;
-                    let due = std::mem::take(&mut sleeper.heap);
+                    let due = std::mem::take(&mut sleeper.heap).into_vec();
                     self.gauges.live.fetch_add(due.len(), Ordering::SeqCst);
                     due
                 };
-                let n = due.len();
-                for Reverse(wakeup) in due {
-                    self.fire(wakeup);
-                }
-                self.unlive(n);
+                self.fire_all(due.into_iter().map(|Reverse(wakeup)| wakeup));
             }
         } else if earlier {
             shard.wake.notify_one();
@@ -879,17 +875,23 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 }
                 (due, next)
             };
-            let n = due.len();
-            for wakeup in due {
-                self.fire(wakeup);
-            }
-            self.unlive(n);
+            self.fire_all(due.into_iter());
             let Some(at) = next else { return };
             tokio::select! {
                 () = tokio::time::sleep_until(self.epoch.instant(at)) => {}
                 () = woken => {}
             }
         }
+    }
+
+    /// Fires wake-ups taken from a heap, which counted them as live work
+    /// under its lock; uncounts them once their processes have started.
+    fn fire_all(self: &Arc<Self>, due: impl ExactSizeIterator<Item = Wakeup>) {
+        let n = due.len();
+        for wakeup in due {
+            self.fire(wakeup);
+        }
+        self.unlive(n);
     }
 
     /// Starts the process of a scheduled key, if its slot is still the one
@@ -1187,8 +1189,9 @@ impl<T: Clone + Send + Sync + 'static> Service for Shared<T> {
 
     fn stats(&self, stats: &mut crate::stats::Stats) {
         // The sleepers' wake-ups are timers the runtime does not count.
-        stats.timers += self.wakeups();
-        stats.trailing.add(&self.snapshot());
+        let wakeups = self.wakeups();
+        stats.timers += wakeups;
+        stats.trailing.add(&self.snapshot_with(wakeups));
     }
 }
 
