@@ -17,6 +17,7 @@ mod claims;
 mod debounce;
 mod notify;
 mod rate_limit;
+mod server_clock;
 mod window;
 
 pub(crate) use self::debounce::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
@@ -149,9 +150,12 @@ impl RedisBuilder {
         } else {
             let client = redis::Client::open(self.nodes[0].as_str())
                 .map_err(|e| StoreError::Config(e.to_string()))?;
+            // No response timeout of its own: every command is already
+            // bounded by `command_timeout` (see `Redis::bounded`), and a
+            // second timer per command costs throughput.
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(self.connect_timeout))
-                .set_response_timeout(Some(self.command_timeout))
+                .set_response_timeout(None)
                 .set_number_of_retries(1)
                 .set_max_delay(Duration::from_millis(200));
             let connecting = ConnectionManager::new_with_config(client, config);
@@ -163,7 +167,7 @@ impl RedisBuilder {
                 .map_err(StoreError::unavailable)?;
             Conn::Single(conn)
         };
-        Ok(Redis {
+        let redis = Redis {
             inner: Arc::new(Inner {
                 conn,
                 prefix: self.prefix,
@@ -171,11 +175,18 @@ impl RedisBuilder {
                 breaker: Breaker::new(self.breaker),
                 commands: AtomicU64::new(0),
                 pinned_now: AtomicU64::new(0),
+                clock: server_clock::ServerClock::default(),
                 nodes: self.nodes,
                 waiters: notify::Waiters::default(),
                 bursts: debounce::BurstListeners::default(),
             }),
-        })
+        };
+        // Learn the server's clock now; if it does not answer, the first
+        // window opened tries again.
+        if let Err(error) = redis.sync_clock().await {
+            tracing::debug!(%error, "reading the Redis server's TIME failed; trying again later");
+        }
+        Ok(redis)
     }
 }
 
@@ -192,6 +203,8 @@ struct Inner {
     breaker: Breaker,
     commands: AtomicU64,
     pinned_now: AtomicU64,
+    /// The server's clock as estimated here.
+    clock: server_clock::ServerClock,
     nodes: Vec<String>,
     #[cfg_attr(not(test), allow(dead_code))]
     waiters: notify::Waiters,
@@ -456,22 +469,61 @@ pub(crate) enum WindowOpen {
 
 impl Redis {
     /// Opens the leading-throttle window of `key` for `window`, or learns
-    /// how long the open one has left, in one round trip: `SET NX PX` and
-    /// `PTTL` pipelined (two plain commands cost the server less than a
-    /// script). Expiry runs on the server's clock, so instances with skewed
-    /// clocks agree.
+    /// how long the open one has left, in one round trip of one plain
+    /// command: `SET key "<end_ms>:<token>" NX PX window GET`. Who opens is
+    /// decided by the server's expiry, so instances with skewed clocks
+    /// agree; the value carries the window's end on the server's clock (as
+    /// estimated here, see [`Redis::sync_clock`]), so a loser reads the time
+    /// left from the holder's reply without a second command.
+    ///
+    /// A server older than Redis 7.0 refuses `NX` with `GET`: from then on
+    /// this sends `SET NX PX` and `PTTL` pipelined (still one round trip).
+    /// A value that carries no end (written by an older version of this
+    /// crate) costs one `PTTL` more.
     pub(crate) async fn open_window(
         &self,
         key: &str,
         window: Duration,
         token: u64,
     ) -> Result<WindowOpen, StoreError> {
-        let px = u64::try_from(window.as_millis()).unwrap_or(u64::MAX).max(1);
+        let px = ms(window);
         let key = self.key(key, ":t");
+        let now = self.server_now_ms();
+        let value = format!("{}:{token}", now.saturating_add(px));
+        if self.inner.clock.takes_set_nx_get() {
+            let mut cmd = redis::cmd("SET");
+            cmd.arg(&key)
+                .arg(&value)
+                .arg("NX")
+                .arg("PX")
+                .arg(px)
+                .arg("GET");
+            match self.query::<Option<String>>(&cmd).await {
+                Ok(None) => return Ok(WindowOpen::Opened),
+                Ok(Some(held)) => {
+                    return match window_end(&held) {
+                        Some(end) => Ok(WindowOpen::Closed(Duration::from_millis(
+                            end.saturating_sub(now).clamp(1, px),
+                        ))),
+                        None => self.time_left(&key).await,
+                    };
+                }
+                Err(StoreError::Protocol(reply)) if reply.contains("syntax") => {
+                    if self.inner.clock.refuse_set_nx_get() {
+                        tracing::info!(
+                            %reply,
+                            "Redis refuses SET with NX and GET (before 7.0): \
+                             leading windows use SET NX PX and PTTL pipelined"
+                        );
+                    }
+                }
+                Err(error) => return Err(error),
+            }
+        }
         let mut pipe = redis::pipe();
         pipe.cmd("SET")
             .arg(&key)
-            .arg(token)
+            .arg(&value)
             .arg("NX")
             .arg("PX")
             .arg(px)
@@ -481,10 +533,56 @@ impl Redis {
         Ok(if opened.is_some() {
             WindowOpen::Opened
         } else {
-            // Below 0: the window ended between the two commands; it is over.
-            WindowOpen::Closed(Duration::from_millis(left.max(1).unsigned_abs()))
+            closed_for(left)
         })
     }
+
+    /// The time left on a window key, asked with `PTTL`.
+    async fn time_left(&self, key: &str) -> Result<WindowOpen, StoreError> {
+        let left: i64 = self.query(redis::cmd("PTTL").arg(key)).await?;
+        Ok(closed_for(left))
+    }
+
+    /// The server's time in ms: pinned by a test, or this instance's
+    /// estimate, which is measured again (in the background) once a minute.
+    fn server_now_ms(&self) -> u64 {
+        if let Some(pinned) = self.pinned_ms() {
+            return pinned;
+        }
+        if self.inner.clock.claim_resync() {
+            let redis = self.clone();
+            tokio::spawn(async move {
+                if let Err(error) = redis.sync_clock().await {
+                    tracing::debug!(%error, "reading the Redis server's TIME failed");
+                }
+            });
+        }
+        self.inner.clock.now_ms()
+    }
+
+    /// Measures the offset between the server's clock and this host's with
+    /// one `TIME`, assuming the server read it halfway through the round
+    /// trip.
+    async fn sync_clock(&self) -> Result<(), StoreError> {
+        let before = server_clock::wall_us();
+        let (s, us): (i64, i64) = self.query(&redis::cmd("TIME")).await?;
+        let after = server_clock::wall_us();
+        let server = s.saturating_mul(1_000_000).saturating_add(us);
+        self.inner.clock.record(before, server, after);
+        Ok(())
+    }
+}
+
+/// The end (ms on the server's clock) a leading window's value carries:
+/// `"<end_ms>:<token>"`.
+fn window_end(value: &str) -> Option<u64> {
+    value.split_once(':')?.0.parse().ok()
+}
+
+/// A `PTTL` reply as a closed window; below 1 ms (the key expired between
+/// the commands) it is over in 1 ms.
+fn closed_for(left_ms: i64) -> WindowOpen {
+    WindowOpen::Closed(Duration::from_millis(left_ms.max(1).unsigned_abs()))
 }
 
 /// Server time in ms, or the pinned time a test passed as the last ARGV.
@@ -572,9 +670,14 @@ fn ms(d: Duration) -> u64 {
 impl Redis {
     /// The pinned time as a script argument, or empty for the server's `TIME`.
     fn pinned(&self) -> String {
+        self.pinned_ms().map(|n| n.to_string()).unwrap_or_default()
+    }
+
+    /// The time a test pinned, in ms since the epoch.
+    fn pinned_ms(&self) -> Option<u64> {
         match self.inner.pinned_now.load(Ordering::Relaxed) {
-            0 => String::new(),
-            n => (n - 1).to_string(),
+            0 => None,
+            n => Some(n - 1),
         }
     }
 
@@ -684,6 +787,84 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_lost_leading_window_reads_the_holders_end_from_one_command() {
+        each_server("leading_window_end", async |redis: Redis| {
+            let w = Duration::from_secs(10);
+            let closed = |s: u64| WindowOpen::Closed(Duration::from_secs(s));
+            redis.pin_time(1_000_000);
+            assert_eq!(
+                redis.open_window("e", w, 1).await.unwrap(),
+                WindowOpen::Opened
+            );
+            // Another instance, 4 s later on the server's clock.
+            redis.pin_time(1_004_000);
+            let sent = redis.stats().commands;
+            assert_eq!(redis.open_window("e", w, 2).await.unwrap(), closed(6));
+            assert_eq!(redis.stats().commands - sent, 1, "one command");
+            // A caller with a shorter window asks again after its own.
+            let short = Duration::from_secs(2);
+            assert_eq!(redis.open_window("e", short, 2).await.unwrap(), closed(2));
+            redis.unpin_time();
+
+            // A value carrying no end (an older version's token): one PTTL more.
+            let legacy = redis.key("legacy", ":t");
+            let () = redis
+                .query(redis::cmd("SET").arg(&legacy).arg(1).arg("PX").arg(5000))
+                .await
+                .unwrap();
+            let sent = redis.stats().commands;
+            match redis.open_window("legacy", w, 3).await.unwrap() {
+                WindowOpen::Closed(left) => {
+                    assert!(left > Duration::from_secs(4) && left <= Duration::from_secs(5));
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(redis.stats().commands - sent, 2);
+
+            // A server that refuses NX with GET (before 7.0): the pipeline.
+            redis.inner.clock.refuse_set_nx_get();
+            assert_eq!(
+                redis.open_window("old", w, 1).await.unwrap(),
+                WindowOpen::Opened
+            );
+            match redis.open_window("old", w, 2).await.unwrap() {
+                WindowOpen::Closed(left) => assert!(left > Duration::from_secs(9) && left <= w),
+                other => panic!("{other:?}"),
+            }
+            // What the pipeline wrote carries its end: a reader that uses
+            // `GET` finds it.
+            redis.inner.clock.set_nx_get.store(true, Ordering::Relaxed);
+            match redis.open_window("old", w, 3).await.unwrap() {
+                WindowOpen::Closed(left) => assert!(left > Duration::from_secs(8) && left <= w),
+                other => panic!("{other:?}"),
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn the_server_clock_estimate_is_measured_at_connect_and_corrected_by_a_resync() {
+        each_server("server_clock", async |redis: Redis| {
+            let server_ms = async || {
+                let (s, us): (u64, u64) = redis.query(&redis::cmd("TIME")).await.unwrap();
+                s * 1000 + us / 1000
+            };
+            let off = |a: u64, b: u64| a.abs_diff(b);
+            let truth = server_ms().await;
+            assert!(
+                off(redis.server_now_ms(), truth) < 1000,
+                "measured at connect"
+            );
+            // Off by an hour (a stepped clock), then measured again.
+            redis.inner.clock.record(0, 3_600_000_000, 0);
+            assert!(off(redis.server_now_ms(), server_ms().await) > 3_000_000);
+            redis.sync_clock().await.unwrap();
+            assert!(off(redis.server_now_ms(), server_ms().await) < 1000);
+        })
+        .await;
+    }
+
+    #[tokio::test]
     async fn window_claim_and_compare_and_set_on_the_token() {
         each_server("window_claim_and_cas", async |redis: Redis| {
             let lease = Duration::from_secs(30);
@@ -738,6 +919,7 @@ mod tests {
             breaker: Breaker::new(b.breaker),
             commands: AtomicU64::new(0),
             pinned_now: AtomicU64::new(0),
+            clock: server_clock::ServerClock::default(),
             nodes: vec![],
             waiters: notify::Waiters::default(),
             bursts: debounce::BurstListeners::default(),

@@ -118,7 +118,13 @@ impl ChildGuard {
 impl Drop for ChildGuard {
     fn drop(&mut self) {
         let partition = &self.inner.partitions[self.index];
-        if partition.live.fetch_sub(1, Ordering::SeqCst) == 1 {
+        // Only `shutdown` waits for zero, and it closes before it looks: a
+        // partition going idle while open wakes nobody (and takes no lock).
+        // Both sides are SeqCst, so either this sees `closed`, or shutdown's
+        // look at `live` comes after this decrement and sees zero.
+        if partition.live.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.inner.closed.load(Ordering::SeqCst)
+        {
             partition.idle.notify_waiters();
         }
     }
