@@ -549,9 +549,11 @@ impl Redis {
         if let Some(pinned) = self.pinned_ms() {
             return pinned;
         }
-        if self.inner.clock.claim_resync() {
+        if self.inner.clock.claim_resync()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
             let redis = self.clone();
-            tokio::spawn(async move {
+            runtime.spawn(async move {
                 if let Err(error) = redis.sync_clock().await {
                     tracing::debug!(%error, "reading the Redis server's TIME failed");
                 }
