@@ -173,7 +173,7 @@ impl RedisBuilder {
                 prefix: self.prefix,
                 command_timeout: self.command_timeout,
                 breaker: Breaker::new(self.breaker),
-                commands: AtomicU64::new(0),
+                commands: crate::stats::Counter::default(),
                 pinned_now: AtomicU64::new(0),
                 clock: server_clock::ServerClock::default(),
                 nodes: self.nodes,
@@ -201,7 +201,8 @@ struct Inner {
     prefix: String,
     command_timeout: Duration,
     breaker: Breaker,
-    commands: AtomicU64,
+    /// Striped: every command counts, from every worker thread.
+    commands: crate::stats::Counter,
     pinned_now: AtomicU64,
     /// The server's clock as estimated here.
     clock: server_clock::ServerClock,
@@ -329,7 +330,7 @@ impl Redis {
     #[must_use]
     pub fn stats(&self) -> RedisStats {
         RedisStats {
-            commands: self.inner.commands.load(Ordering::Relaxed),
+            commands: self.inner.commands.get(),
             breaker: self.inner.breaker.stats(),
         }
     }
@@ -418,7 +419,7 @@ impl Redis {
             .breaker
             .admit()
             .map_err(|retry_in| StoreError::BreakerOpen { retry_in })?;
-        self.inner.commands.fetch_add(1, Ordering::Relaxed);
+        self.inner.commands.incr();
         let result = self.bounded(call(self.inner.conn.clone())).await;
         self.inner
             .breaker
@@ -919,7 +920,7 @@ mod tests {
             prefix: b.prefix,
             command_timeout: b.command_timeout,
             breaker: Breaker::new(b.breaker),
-            commands: AtomicU64::new(0),
+            commands: crate::stats::Counter::default(),
             pinned_now: AtomicU64::new(0),
             clock: server_clock::ServerClock::default(),
             nodes: vec![],
