@@ -531,23 +531,31 @@ impl Ticket {
     /// Runs `work`, renewing the lease every third of it until `work` ends:
     /// a holder that is alive is never taken over, however long it takes.
     pub(crate) async fn hold<F: std::future::Future>(&self, work: F) -> F::Output {
-        let renewer = self.renewer();
-        // Renewing runs beside the work, never between its polls.
+        let start = tokio::time::Instant::now();
+        // Renewing runs beside the work, never between its polls. It is
+        // polled only once the work is pending, so work that ends at its
+        // first poll (most does) costs no renewer and arms no timer; the
+        // first renewal is still due one period after the start.
         let renewing = async {
-            let period = renewer.period();
+            let renewer = self.renewer();
+            let mut due = start + renewer.period();
             loop {
-                tokio::time::sleep(period).await;
+                tokio::time::sleep_until(due).await;
                 if !renewer.renew().await {
                     break;
                 }
+                due = tokio::time::Instant::now() + renewer.period();
             }
             std::future::pending::<()>().await;
         };
         let mut work = std::pin::pin!(work);
         let mut renewing = std::pin::pin!(renewing);
         std::future::poll_fn(|cx| {
+            if let std::task::Poll::Ready(output) = work.as_mut().poll(cx) {
+                return std::task::Poll::Ready(output);
+            }
             let _ = renewing.as_mut().poll(cx);
-            work.as_mut().poll(cx)
+            std::task::Poll::Pending
         })
         .await
     }
