@@ -275,7 +275,9 @@ impl std::fmt::Debug for Redis {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct RedisStats {
-    /// Commands and script calls sent.
+    /// Commands and script calls sent, including the `TIME` reads that keep
+    /// this instance's estimate of the server's clock (one at connect, then
+    /// at most one a minute while leading windows are opened).
     pub commands: u64,
     /// The circuit breaker.
     pub breaker: BreakerStats,
