@@ -16,6 +16,11 @@
 //!
 //! The handler reads its 1 KiB request body and answers 1 KiB: the least a real endpoint does.
 
+#[path = "support/figures.rs"]
+#[allow(dead_code)]
+mod figures;
+use figures::{median, selected};
+
 use std::convert::Infallible;
 use std::hint::black_box;
 use std::net::SocketAddr;
@@ -252,11 +257,6 @@ fn criterion_benches(c: &mut Criterion, f: &Fixture) {
     }
 }
 
-fn median(samples: &mut [f64]) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
-}
-
 fn compare(cmp: &Comparison, f: &Fixture, rounds: u64) -> (f64, f64, f64) {
     let (mut ours, mut anchor, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
@@ -294,12 +294,8 @@ fn main() {
         return;
     }
     // `cargo bench --bench http -- http_idempotency` compares only the matching names.
-    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     for cmp in &COMPARISONS {
-        if filter
-            .as_ref()
-            .is_some_and(|f| !cmp.name.contains(f.as_str()))
-        {
+        if !selected(cmp.name) {
             continue;
         }
         let (ours, anchor, ratio) = compare(cmp, &f, 21);

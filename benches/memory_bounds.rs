@@ -10,6 +10,11 @@
 //! succeeded or got a typed error (the key cap), never an abort. Prints one
 //! `bounds` line per primitive and exits non-zero if a bound is broken.
 
+#[path = "support/figures.rs"]
+#[allow(dead_code)]
+mod figures;
+use figures::selected;
+
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -212,25 +217,20 @@ fn main() {
     let one_million = 1_000_000 / scale;
     // `cargo bench --bench memory_bounds -- coalescing` runs only the rows
     // whose name contains one of the words given.
-    let words: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with("--"))
-        .collect();
-    let run = |name: &str| words.is_empty() || words.iter().any(|w| name.contains(w.as_str()));
     let mut ok = true;
-    if run("leading_throttle") {
+    if selected("leading_throttle") {
         ok &= rt.block_on(leading_throttle(ten_million));
     }
-    if run("idempotency") {
+    if selected("idempotency") {
         ok &= rt.block_on(idempotency(ten_million));
     }
-    if run("rate_limiter") {
+    if selected("rate_limiter") {
         ok &= rate_limiter(ten_million);
     }
-    if run("coalescing_throttle") {
+    if selected("coalescing_throttle") {
         ok &= rt.block_on(coalescing_throttle(ten_million));
     }
-    if run("debounce_pending") {
+    if selected("debounce_pending") {
         ok &= rt.block_on(debounce(one_million));
     }
     if !ok {

@@ -9,6 +9,11 @@
 //! so ours runs with [`QuantaClock`]. An extra line shows ours with the default
 //! [`TokioClock`](throttlebeam::clock::TokioClock), which costs a `std` clock read more.
 
+#[path = "support/figures.rs"]
+#[allow(dead_code)]
+mod figures;
+use figures::median;
+
 use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::time::{Duration, Instant};
@@ -150,11 +155,6 @@ fn criterion_benches(c: &mut Criterion, f: &Fixture) {
         });
         group.finish();
     }
-}
-
-fn median(samples: &mut [f64]) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
 }
 
 /// ns/op of each side and their ratio, from short rounds that alternate between the sides,

@@ -35,6 +35,9 @@
 //! Run: `cargo bench --features redis --bench redis` (all), or with a name
 //! filter: `cargo bench --features redis --bench redis -- redis_gcra`.
 
+#[path = "support/figures.rs"]
+#[allow(dead_code)]
+mod figures;
 #[path = "../tests/support/redis.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod support_redis;
@@ -46,6 +49,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use figures::{median, selected};
 use support_redis::{RedisCluster, RedisNode};
 use throttlebeam::rate_limit::{Gcra, Limiter};
 use throttlebeam::store::Redis;
@@ -69,13 +73,6 @@ fn compare(name: &str, ours: f64, anchor: f64) {
         "compare {name}: ours {ours:.0} ns, anchor {anchor:.0} ns, ratio {:.2}",
         ours / anchor
     );
-}
-
-/// The median of `xs` (not empty).
-fn median(xs: &[f64]) -> f64 {
-    let mut xs = xs.to_vec();
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }
 
 /// A `compare` line whose figures are medians over rounds and whose ratio
@@ -394,15 +391,6 @@ async fn raw_script(url: &str, callers: usize, total: u64) -> f64 {
     .await
 }
 
-/// The names given on the command line (none: run everything).
-fn selected(name: &str) -> bool {
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
-}
-
 /// `redis-benchmark -t set -c 64 -n 200000 -q` against `port`: requests/s.
 fn redis_benchmark(port: u16) -> Option<f64> {
     let out = Command::new("redis-benchmark")
@@ -469,37 +457,25 @@ fn main() {
             anchor_runs.push(raw_set(through_manager.clone(), run).await);
             bare_runs.push(raw_set(bare.clone(), run + 100).await);
         }
-        let ours = median(&ours_runs);
-        let ratio_of = |other: &[f64]| {
-            median(
-                &ours_runs
-                    .iter()
-                    .zip(other)
-                    .map(|(o, a)| o / a)
-                    .collect::<Vec<_>>(),
-            )
+        // Ratios first: the medians below sort the runs in place.
+        let ratios_to = |other: &[f64]| -> Vec<f64> {
+            ours_runs.iter().zip(other).map(|(o, a)| o / a).collect()
         };
-        compare_median(
-            "redis_throttle_fresh",
-            ours,
-            median(&anchor_runs),
-            ratio_of(&anchor_runs),
-        );
+        let (mut ratios, mut bare_ratios) = (ratios_to(&anchor_runs), ratios_to(&bare_runs));
+        let ours = median(&mut ours_runs);
+        let anchor = median(&mut anchor_runs);
+        compare_median("redis_throttle_fresh", ours, anchor, median(&mut ratios));
         compare_median(
             "redis_throttle_fresh_vs_bare_connection",
             ours,
-            median(&bare_runs),
-            ratio_of(&bare_runs),
+            median(&mut bare_runs),
+            median(&mut bare_ratios),
         );
         let mut pipe = f64::MAX;
         for run in 1..=3 {
             pipe = pipe.min(raw_pipe(&url, run).await);
         }
-        compare(
-            "redis_throttle_fresh_raw_pipeline",
-            pipe,
-            median(&anchor_runs),
-        );
+        compare("redis_throttle_fresh_raw_pipeline", pipe, anchor);
 
         let (hot_ours, hot_anchor) = (hot(&runtime).await, hot(&memory).await);
         compare("redis_throttle_hot", hot_ours, hot_anchor);

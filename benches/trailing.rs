@@ -16,6 +16,11 @@
 //!
 //! Run: `cargo bench --bench trailing`
 
+#[path = "support/figures.rs"]
+#[allow(dead_code)]
+mod figures;
+use figures::median;
+
 use std::convert::Infallible;
 use std::hint::black_box;
 use std::process::Command;
@@ -89,7 +94,7 @@ fn main() {
         o.push(rt.block_on(ours.run(iters)).as_nanos() as f64 / iters as f64);
         a.push(rt.block_on(anchor.run(iters)).as_nanos() as f64 / iters as f64);
     }
-    let (o, a) = (median(o), median(a));
+    let (o, a) = (median(&mut o), median(&mut a));
     drop(rt);
 
     let (mut ours_runs, mut anchor_runs) = (Vec::new(), Vec::new());
@@ -142,11 +147,6 @@ fn main() {
         idle_keys.kept_per_key,
         ours_keys.kept_per_key,
     );
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// A key kept inside its window with a pending trailing run.
@@ -228,7 +228,7 @@ struct KeysResult {
 impl KeysResult {
     /// Each figure's median over `runs`.
     fn median(runs: &[Self]) -> Self {
-        let of = |f: fn(&Self) -> f64| median(runs.iter().map(f).collect());
+        let of = |f: fn(&Self) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
         Self {
             ns_per_key: of(|r| r.ns_per_key),
             end_to_end: Duration::from_secs_f64(of(|r| r.end_to_end.as_secs_f64())),
