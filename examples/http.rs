@@ -49,6 +49,8 @@ fn app(runtime: &Runtime) -> Result<Router, Box<dyn std::error::Error>> {
         .with_kept_headers([HeaderName::from_static("location")])
         .with_options(IdempotencyOptions::new().with_wait_timeout(Duration::from_secs(10)));
     let limiter = Limiter::new(Gcra::new(5, Duration::from_secs(10))?);
+    // Keys at rest are dropped by the runtime's sweeper, with the runtime's own maps.
+    limiter.sweep_on(runtime);
     let enforcer = Enforcer::new(limiter).with_headers(HeaderOptions::new().with_structured(true));
     // Trust the local reverse proxy (if any) to say who the client is.
     let client = ClientIp::new().with_trusted_proxies(["127.0.0.1", "::1"])?;

@@ -9,6 +9,10 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use support::{Oops, Runs, ms, runtime};
+use throttlebeam::rate_limit::{
+    FirstKeyHook, FixedWindow, FixedWindowState, Limiter, MemoryRateLimitStore, RateLimitError,
+    RateLimitReply, RateLimitRequest, RateLimitStore,
+};
 use throttlebeam::{
     Debounce, Error, Idempotency, IdempotencyOptions, IdempotencyOutcome, Runtime, Throttle,
     ThrottleOutcome,
@@ -665,4 +669,102 @@ async fn stats_are_exported_through_the_metrics_facade() {
         &DebugValue::Gauge(1.0.into())
     );
     assert_eq!(value("throttlebeam_down"), &DebugValue::Gauge(0.0.into()));
+}
+
+/// A memory store whose `sweep` panics (a broken custom store).
+struct PanickySweep(MemoryRateLimitStore<FixedWindowState>);
+
+impl RateLimitStore<FixedWindow> for PanickySweep {
+    fn apply(
+        &self,
+        request: RateLimitRequest<'_, FixedWindow>,
+    ) -> Result<RateLimitReply, RateLimitError> {
+        self.0.apply(request)
+    }
+
+    fn keys(&self) -> Option<usize> {
+        Some(self.0.len())
+    }
+
+    fn sweep(&self, _now_ms: u64) -> usize {
+        panic!("broken store")
+    }
+
+    fn wake_on_first_key(&self, wake: FirstKeyHook) -> bool {
+        RateLimitStore::<FixedWindow>::wake_on_first_key(&self.0, wake)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_limiter_swept_by_the_runtime_loses_its_keys_at_rest_and_the_sweeper_sleeps() {
+    let rt = Runtime::builder()
+        .with_sweep_interval(ms(1000))
+        .start()
+        .await
+        .unwrap();
+    let limiter = Limiter::new(FixedWindow::new(1, ms(500)).unwrap());
+    limiter.sweep_on(&rt);
+    sleep(ms(10)).await;
+    assert_eq!(rt.stats().timers, 0, "an empty store keeps no timer");
+    assert!(limiter.check("a").unwrap().allowed);
+    assert!(limiter.check("b").unwrap().allowed);
+    assert!(!limiter.check("a").unwrap().allowed);
+    sleep(ms(10)).await;
+    assert_eq!(limiter.stats().keys, 2);
+    assert_eq!(rt.stats().timers, 1, "the first key woke the sweeper");
+    // At rest after 500 ms (kept to the next whole second), then swept.
+    sleep(ms(3000)).await;
+    assert_eq!(limiter.stats().keys, 0);
+    assert_eq!(rt.stats().timers, 0, "asleep again once the store is empty");
+    // A key after the store emptied wakes it again.
+    assert!(limiter.check("a").unwrap().allowed, "a's window is over");
+    sleep(ms(10)).await;
+    assert_eq!(rt.stats().timers, 1);
+    sleep(ms(3000)).await;
+    assert_eq!(limiter.stats().keys, 0);
+    // A dropped limiter is forgotten: nothing keeps the sweeper awake.
+    assert!(limiter.check("c").unwrap().allowed);
+    drop(limiter);
+    sleep(ms(2000)).await;
+    assert_eq!(rt.stats().timers, 0);
+    // Without the runtime's sweeper the same keys would stay: the test above is the sweeper.
+    let unswept = Limiter::new(FixedWindow::new(1, ms(500)).unwrap());
+    unswept.check("a").unwrap();
+    sleep(ms(3000)).await;
+    assert_eq!(unswept.stats().keys, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_that_panics_when_swept_never_takes_the_runtime_down() {
+    let rt = Runtime::builder()
+        .with_sweep_interval(ms(1000))
+        .start()
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(FixedWindow::new(1, ms(500)).unwrap())
+        .with_store(PanickySweep(MemoryRateLimitStore::new()))
+        .build();
+    limiter.sweep_on(&rt);
+    limiter.check("a").unwrap();
+    // Ten sweeps, each panicking inside the store.
+    sleep(ms(10_500)).await;
+    let stats = rt.stats();
+    assert!(!stats.down, "{stats:?}");
+    assert_eq!(stats.restarts, 0);
+    assert_eq!(
+        stats.timers, 1,
+        "still sweeping: the store still holds its key"
+    );
+    // The runtime's own maps are still swept.
+    let t = rt.throttle();
+    let outcome = t
+        .call("k", ms(100), || async { Ok::<_, Oops>(()) })
+        .await
+        .unwrap();
+    assert!(outcome.is_executed());
+    assert_eq!(rt.stats().throttle.windows, 1);
+    drop(limiter);
+    sleep(ms(2000)).await;
+    assert_eq!(rt.stats().throttle.windows, 0);
+    assert_eq!(rt.stats().timers, 0);
 }

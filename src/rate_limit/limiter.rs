@@ -61,6 +61,38 @@ struct Inner<S, St> {
     /// FIFO gates of keys with `until_ready` callers waiting.
     queues: DashMap<Box<str>, Gate, ahash::RandomState>,
     counters: Counters,
+    /// What a runtime's sweeper holds weakly to sweep the store ([`Limiter::sweep_on`]).
+    #[cfg(feature = "runtime")]
+    swept_by: std::sync::Mutex<Option<Arc<dyn throttlebeam_supervisors::Sweep>>>,
+}
+
+/// The store of a [`Limiter`], as a runtime's sweeper sees it.
+#[cfg(feature = "runtime")]
+struct StoreSweep<S, St> {
+    inner: Weak<Inner<S, St>>,
+}
+
+#[cfg(feature = "runtime")]
+impl<S: Strategy, St: AsyncRateLimitStore<S>> throttlebeam_supervisors::Sweep
+    for StoreSweep<S, St>
+{
+    fn sweep(&self, _now: tokio::time::Instant) -> usize {
+        let Some(inner) = self.inner.upgrade() else {
+            return 0;
+        };
+        // A store is the user's code: its panic must not take the runtime's sweeper down.
+        let left = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            AsyncRateLimitStore::sweep(&inner.store, inner.clock.now_ms());
+            AsyncRateLimitStore::keys(&inner.store).unwrap_or(0)
+        }));
+        left.unwrap_or_else(|_| {
+            tracing::warn!(
+                strategy = inner.strategy.name(),
+                "rate limit store panicked while swept; it is swept again at the next tick"
+            );
+            1
+        })
+    }
 }
 
 /// A [`Limiter`]'s counters (see [`Limiter::stats`]).
@@ -218,6 +250,8 @@ impl<S: Strategy, St> LimiterBuilder<S, St> {
                 has_overrides: AtomicBool::new(false),
                 queues: DashMap::default(),
                 counters: Counters::default(),
+                #[cfg(feature = "runtime")]
+                swept_by: std::sync::Mutex::new(None),
             }),
         }
     }
@@ -319,6 +353,62 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
                 AsyncRateLimitStore::sweep(&inner.store, inner.clock.now_ms());
             }
         }))
+    }
+
+    /// Has `runtime`'s sweeper drop this limiter's keys at rest, at the runtime's sweep
+    /// interval, instead of a task of the limiter's own ([`Limiter::spawn_sweeper`]): one
+    /// sweeper, supervised in the runtime's tree, for the runtime's maps and the limiter's
+    /// store. It sweeps while the store holds keys and sleeps (no timer) while it holds none;
+    /// the store wakes it when its first key arrives. A store that keeps nothing to sweep
+    /// (Redis expires its keys itself) is left alone.
+    ///
+    /// Lasts as long as the limiter (every clone dropped) or until the runtime shuts down; a
+    /// later call moves the limiter to another runtime's sweeper. A panic in a store's
+    /// `sweep` is logged and the store is swept again at the next tick.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::num::NonZeroU32;
+    /// use std::time::Duration;
+    /// use throttlebeam::Runtime;
+    /// use throttlebeam::rate_limit::{Gcra, Limiter};
+    ///
+    /// let runtime = Runtime::builder()
+    ///     .with_sweep_interval(Duration::from_secs(30))
+    ///     .start()
+    ///     .await?;
+    /// let limiter = Limiter::new(Gcra::per_second(NonZeroU32::new(10).unwrap()));
+    /// limiter.sweep_on(&runtime);
+    /// limiter.check("alice")?;
+    /// assert_eq!(limiter.stats().keys, 1);
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "runtime")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+    pub fn sweep_on(&self, runtime: &crate::Runtime) {
+        let sweeper = runtime.core.tree.sweeper().clone();
+        let target: Arc<dyn throttlebeam_supervisors::Sweep> = Arc::new(StoreSweep {
+            inner: Arc::downgrade(&self.inner),
+        });
+        sweeper.register(Arc::downgrade(&target));
+        // Replacing an earlier target drops it: the other sweeper forgets this limiter.
+        *self
+            .inner
+            .swept_by
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(target);
+        let kick = sweeper.clone();
+        let wakes = AsyncRateLimitStore::wake_on_first_key(
+            &self.inner.store,
+            Arc::new(move || kick.kick()),
+        );
+        if wakes && AsyncRateLimitStore::keys(&self.inner.store).unwrap_or(0) > 0 {
+            sweeper.kick();
+        }
     }
 
     /// The limiter's counters, with the store's key count and evictions.

@@ -5,6 +5,7 @@
 mod memory;
 
 use std::future::Future;
+use std::sync::Arc;
 
 use serde::Serialize;
 
@@ -12,6 +13,10 @@ pub use memory::{DEFAULT_LIMITER_MAX_KEYS, MemoryRateLimitStore};
 
 use super::RateLimitError;
 use super::strategy::{RateLimitOp, RateLimitReply, Strategy};
+
+/// What a store calls when it goes from holding no keys to holding one (see
+/// [`RateLimitStore::wake_on_first_key`]): a sweeper that went idle starts again.
+pub type FirstKeyHook = Arc<dyn Fn() + Send + Sync>;
 
 /// One operation on one key, as plain data: what a store receives.
 ///
@@ -139,6 +144,15 @@ pub trait RateLimitStore<S: Strategy>: Send + Sync + 'static {
     fn sweep(&self, _now_ms: u64) -> usize {
         0
     }
+
+    /// Asks the store to call `wake` each time it goes from holding no keys to holding one,
+    /// so that a sweeper which went idle while the store was empty starts again (see
+    /// `Limiter::sweep_on`). A store with keys to sweep calls it and returns `true`; the
+    /// default has nothing to sweep and returns `false`. A later `wake` replaces the earlier.
+    fn wake_on_first_key(&self, wake: FirstKeyHook) -> bool {
+        let _ = wake;
+        false
+    }
 }
 
 /// The asynchronous form of [`RateLimitStore`], for backends behind a network. Every
@@ -168,6 +182,12 @@ pub trait AsyncRateLimitStore<S: Strategy>: Send + Sync + 'static {
     fn sweep(&self, _now_ms: u64) -> usize {
         0
     }
+
+    /// See [`RateLimitStore::wake_on_first_key`].
+    fn wake_on_first_key(&self, wake: FirstKeyHook) -> bool {
+        let _ = wake;
+        false
+    }
 }
 
 impl<S: Strategy, St: RateLimitStore<S>> AsyncRateLimitStore<S> for St {
@@ -188,5 +208,9 @@ impl<S: Strategy, St: RateLimitStore<S>> AsyncRateLimitStore<S> for St {
 
     fn sweep(&self, now_ms: u64) -> usize {
         RateLimitStore::sweep(self, now_ms)
+    }
+
+    fn wake_on_first_key(&self, wake: FirstKeyHook) -> bool {
+        RateLimitStore::wake_on_first_key(self, wake)
     }
 }

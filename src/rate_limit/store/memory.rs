@@ -2,13 +2,13 @@
 //! capacity.
 
 use std::num::NonZeroUsize;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError, RwLock};
 
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 
-use super::{RateLimitRequest, RateLimitStore};
+use super::{FirstKeyHook, RateLimitRequest, RateLimitStore};
 use crate::key::InlineKey;
 use crate::rate_limit::RateLimitError;
 use crate::rate_limit::strategy::{
@@ -58,8 +58,9 @@ fn secs_up(ms: u64) -> u32 {
 /// default bound is about 60–120 MB of table for GCRA keys, depending on the table's load.
 ///
 /// Expired entries (keys at rest: their state is that of a fresh key) read as absent and are
-/// dropped by [`MemoryRateLimitStore::sweep`] (see `Limiter::spawn_sweeper`), which also gives
-/// retained capacity back once most of the map is gone.
+/// dropped by [`MemoryRateLimitStore::sweep`] (see `Limiter::sweep_on` and
+/// `Limiter::spawn_sweeper`), which also gives retained capacity back once most of the map is
+/// gone.
 ///
 /// **Eviction never grants capacity.** When a new key arrives and the store holds
 /// `max_keys`, it drops the keys at rest first; if there are none, it evicts the least
@@ -89,6 +90,36 @@ pub struct MemoryRateLimitStore<S> {
     evictions: AtomicU64,
     limited_evictions: AtomicU64,
     warned_at: AtomicU64,
+    wake: Wake,
+}
+
+/// The hook called when the store stops being empty (a sweeper's kick), if any.
+#[derive(Default)]
+struct Wake(RwLock<Option<FirstKeyHook>>);
+
+impl Wake {
+    #[cold]
+    fn call(&self) {
+        let hook = self
+            .0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        if let Some(hook) = hook {
+            hook();
+        }
+    }
+
+    fn set(&self, hook: FirstKeyHook) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = Some(hook);
+    }
+}
+
+impl std::fmt::Debug for Wake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let set = self.0.read().is_ok_and(|hook| hook.is_some());
+        f.debug_tuple("Wake").field(&set).finish()
+    }
 }
 
 impl<S> Default for MemoryRateLimitStore<S> {
@@ -109,6 +140,7 @@ impl<S> MemoryRateLimitStore<S> {
             evictions: AtomicU64::new(0),
             limited_evictions: AtomicU64::new(0),
             warned_at: AtomicU64::new(u64::MAX),
+            wake: Wake::default(),
         }
     }
 
@@ -261,7 +293,8 @@ impl<S: Copy + Send + Sync + 'static> MemoryRateLimitStore<S> {
         if self.len() >= self.max_keys {
             self.make_room(now_ms);
         }
-        match self.map.entry(InlineKey::new(request.key)) {
+        let mut first = false;
+        let result = match self.map.entry(InlineKey::new(request.key)) {
             // Inserted by another thread since our lookup.
             Entry::Occupied(mut e) => run_on(e.get_mut(), request),
             Entry::Vacant(e) => {
@@ -281,11 +314,16 @@ impl<S: Copy + Send + Sync + 'static> MemoryRateLimitStore<S> {
                         limited_until: secs_up(now_ms.saturating_add(limited_ms)),
                         used_at: secs(now_ms),
                     });
-                    self.len.fetch_add(1, Ordering::Relaxed);
+                    first = self.len.fetch_add(1, Ordering::Relaxed) == 0;
                 }
                 Ok(applied.result)
             }
+        };
+        // Outside the shard lock: the hook is someone else's code.
+        if first {
+            self.wake.call();
         }
+        result
     }
 }
 
@@ -332,6 +370,11 @@ impl<St: Strategy> RateLimitStore<St> for MemoryRateLimitStore<St::State> {
 
     fn sweep(&self, now_ms: u64) -> usize {
         Self::sweep(self, now_ms)
+    }
+
+    fn wake_on_first_key(&self, wake: FirstKeyHook) -> bool {
+        self.wake.set(wake);
+        true
     }
 }
 
