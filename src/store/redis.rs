@@ -492,10 +492,12 @@ impl Redis {
         let px = ms(window);
         let key = self.key(key, ":t");
         let now = self.server_now_ms();
-        let value = format!("{}:{token}", now.saturating_add(px));
+        let value = window_value(now.saturating_add(px), token);
         if self.inner.clock.takes_set_nx_get() {
-            let mut cmd = redis::cmd("SET");
-            cmd.arg(&key)
+            // Sized up front: the command's buffers never grow (no reallocation per decision).
+            let mut cmd = redis::Cmd::with_capacity(7, key.len() + value.len() + 32);
+            cmd.arg("SET")
+                .arg(&key)
                 .arg(&value)
                 .arg("NX")
                 .arg("PX")
@@ -576,6 +578,17 @@ impl Redis {
         self.inner.clock.record(before, server, after);
         Ok(())
     }
+}
+
+/// A leading window's value: `"<end_ms>:<token>"`.
+fn window_value(end_ms: u64, token: u64) -> String {
+    let (mut end, mut owner) = (itoa::Buffer::new(), itoa::Buffer::new());
+    let (end, owner) = (end.format(end_ms), owner.format(token));
+    let mut value = String::with_capacity(end.len() + 1 + owner.len());
+    value.push_str(end);
+    value.push(':');
+    value.push_str(owner);
+    value
 }
 
 /// The end (ms on the server's clock) a leading window's value carries:
@@ -772,6 +785,17 @@ async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_window_value_carries_its_end_then_its_token() {
+        assert_eq!(window_value(1_700_000_000_123, 42), "1700000000123:42");
+        assert_eq!(window_value(0, 0), "0:0");
+        let widest = window_value(u64::MAX, u64::MAX);
+        assert_eq!(widest, format!("{}:{}", u64::MAX, u64::MAX));
+        assert_eq!(window_end(&widest), Some(u64::MAX));
+        assert_eq!(window_end("17:3"), Some(17));
+        assert_eq!(window_end("legacy"), None);
+    }
 
     #[tokio::test]
     async fn leading_window_opens_once_then_reports_its_time_left() {
