@@ -370,6 +370,25 @@ impl IdempotencyHandle {
         fast_replay(&self.runtime.core, &self.state.ledger.load(), key, options)
     }
 
+    /// [`IdempotencyHandle::run_with`] for a caller that has just seen
+    /// [`IdempotencyHandle::try_replay`] find nothing: the run, without reading the result
+    /// table again (a result stored since is still found when the key is claimed).
+    #[cfg(feature = "tower")]
+    pub(crate) async fn run_after_miss<F, Fut, T, E>(
+        &self,
+        key: &str,
+        options: IdempotencyOptions,
+        f: F,
+    ) -> Result<IdempotencyOutcome<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        run_claimed(&self.runtime.core, &self.state.ledger(), key, f, options).await
+    }
+
     /// Claims `key` by hand, for a result produced somewhere other than one
     /// function call: returns the stored result as
     /// [`IdempotencyReserved::Replay`], or an [`IdempotencyReservation`] to
@@ -658,6 +677,24 @@ where
     if let Some(value) = fast_replay(core, ledger, key, &options)? {
         return Ok(IdempotencyOutcome::Replay(value));
     }
+    run_claimed(core, ledger, key, f, options).await
+}
+
+/// [`run_in`] past its replay fast path: claims `key` (or replays what the claim finds) and
+/// runs `f` as the key's process.
+async fn run_claimed<F, Fut, T, E>(
+    core: &Core,
+    ledger: &Arc<Ledger>,
+    key: &str,
+    f: F,
+    options: IdempotencyOptions,
+) -> Result<IdempotencyOutcome<T>, Error>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+{
     let ticket = match acquire(core, ledger, key, &options).await? {
         Acquired::Replay(value) => return Ok(IdempotencyOutcome::Replay(value)),
         Acquired::Owner(ticket) => ticket,

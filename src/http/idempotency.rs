@@ -23,7 +23,7 @@ use self::future::Exchange;
 pub use self::future::IdempotentFuture;
 use super::body::{BodyError, RequestBody, ResponseBody};
 use super::problem::{ProblemType, problem};
-use crate::idempotency::{IdempotencyOptions, IdempotencyOutcome};
+use crate::idempotency::{IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome};
 use crate::key::shown;
 use crate::runtime::Runtime;
 
@@ -44,7 +44,8 @@ enum Scope {
 
 #[derive(Clone)]
 struct Config {
-    runtime: Runtime,
+    /// The runtime's idempotency, looked up once.
+    idempotency: IdempotencyHandle,
     methods: Vec<Method>,
     required: bool,
     scope: Scope,
@@ -199,7 +200,7 @@ impl IdempotencyLayer {
         Self {
             config: Arc::new(
                 Config {
-                    runtime: runtime.clone(),
+                    idempotency: runtime.idempotency(),
                     methods: vec![Method::POST, Method::PATCH],
                     required: false,
                     scope: Scope::Credentials,
@@ -446,7 +447,7 @@ impl<S> Pending<S> {
         let options = config
             .options(&parts)
             .with_fingerprint(request::fingerprint(&parts, &bytes));
-        match backend::try_replay(&config.runtime, &key, &options) {
+        match backend::try_replay(&config.idempotency, &key, &options) {
             Ok(Some(stored)) => return Decided::Answer(replay(&stored)),
             Ok(None) => {}
             Err(err) => {
@@ -507,7 +508,7 @@ where
             }
         }
     };
-    let result = backend::run(&config.runtime, &key, options, handler).await;
+    let result = backend::run(&config.idempotency, &key, options, handler).await;
     // The handler ran for this request: answer with its response, stored or not.
     if let Ok(handed) = rx.try_recv() {
         return handed;

@@ -533,31 +533,37 @@ impl Ticket {
     pub(crate) async fn hold<F: std::future::Future>(&self, work: F) -> F::Output {
         let start = tokio::time::Instant::now();
         // Renewing runs beside the work, never between its polls. It is
-        // polled only once the work is pending, so work that ends at its
-        // first poll (most does) costs no renewer and arms no timer; the
-        // first renewal is still due one period after the start.
-        let renewing = async {
-            let renewer = self.renewer();
-            let mut due = start + renewer.period();
-            loop {
-                tokio::time::sleep_until(due).await;
-                if !renewer.renew().await {
-                    break;
-                }
-                due = tokio::time::Instant::now() + renewer.period();
-            }
-            std::future::pending::<()>().await;
-        };
+        // built and polled only once the work is pending, so work that ends
+        // at its first poll (most does) costs no renewer, arms no timer and
+        // carries no renewer in its future (boxed, the renewer's store call
+        // stays out of every run's future); the first renewal is still due
+        // one period after the start.
         let mut work = std::pin::pin!(work);
-        let mut renewing = std::pin::pin!(renewing);
+        let mut renewing: Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>>> = None;
         std::future::poll_fn(|cx| {
             if let std::task::Poll::Ready(output) = work.as_mut().poll(cx) {
                 return std::task::Poll::Ready(output);
             }
+            let renewing = renewing.get_or_insert_with(|| Box::pin(self.renew_from(start)));
             let _ = renewing.as_mut().poll(cx);
             std::task::Poll::Pending
         })
         .await
+    }
+
+    /// Renews the lease one period after `start`, then every period after
+    /// each renewal, until a renewal fails; then never ends.
+    async fn renew_from(&self, start: tokio::time::Instant) {
+        let renewer = self.renewer();
+        let mut due = start + renewer.period();
+        loop {
+            tokio::time::sleep_until(due).await;
+            if !renewer.renew().await {
+                break;
+            }
+            due = tokio::time::Instant::now() + renewer.period();
+        }
+        std::future::pending::<()>().await;
     }
 
     /// What renews this ticket's lease from elsewhere.

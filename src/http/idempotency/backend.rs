@@ -10,8 +10,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
-use crate::idempotency::{IdempotencyOptions, IdempotencyOutcome, InFlight};
-use crate::runtime::Runtime;
+use crate::idempotency::{IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, InFlight};
 
 /// A stored response: one serializable envelope, so a shared store can keep it as it is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,9 +77,9 @@ pub(super) fn base_options(options: IdempotencyOptions, fail_fast: bool) -> Idem
     }
 }
 
-/// Runs `f` once for `key` under `options` on `runtime`.
+/// Runs `f` once for `key` under `options`, after [`try_replay`] found no stored response.
 pub(super) async fn run<F, Fut>(
-    runtime: &Runtime,
+    idempotency: &IdempotencyHandle,
     key: &str,
     options: IdempotencyOptions,
     f: F,
@@ -89,17 +88,16 @@ where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = Result<StoredResponse, NotStored>> + Send + 'static,
 {
-    // Boxed: the run is the slow path; it keeps the future of every request small.
-    Box::pin(runtime.idempotency().run_with(key, options, f)).await
+    idempotency.run_after_miss(key, options, f).await
 }
 
 /// The stored response of `key`, when it has one that can be read at once.
 pub(super) fn try_replay(
-    runtime: &Runtime,
+    idempotency: &IdempotencyHandle,
     key: &str,
     options: &IdempotencyOptions,
 ) -> Result<Option<StoredResponse>, Error> {
-    runtime.idempotency().try_replay(key, options)
+    idempotency.try_replay(key, options)
 }
 
 /// The handler's response was handed back but not stored (a 5xx, too large, or its body
