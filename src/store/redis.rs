@@ -179,6 +179,7 @@ impl RedisBuilder {
                 nodes: self.nodes,
                 waiters: notify::Waiters::default(),
                 bursts: debounce::BurstListeners::default(),
+                batches: rate_limit::Batcher::default(),
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
@@ -211,6 +212,8 @@ struct Inner {
     waiters: notify::Waiters,
     /// Who hears debounce notices.
     bursts: debounce::BurstListeners,
+    /// Rate-limit operations waiting to go out together (single node).
+    batches: rate_limit::Batcher,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -952,6 +955,7 @@ mod tests {
             nodes: vec![],
             waiters: notify::Waiters::default(),
             bursts: debounce::BurstListeners::default(),
+            batches: rate_limit::Batcher::default(),
         };
         let redis = Redis {
             inner: Arc::new(inner),

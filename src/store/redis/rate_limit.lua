@@ -2,14 +2,18 @@
 -- src/rate_limit/{strategy,emission,gcra,leaky,token_bucket,fixed_window,sliding_window,
 -- algebra}.rs; keep them in step (tests/redis_rate_limit.rs compares every reply).
 --
--- KEYS[1]  the key's state: "<kinds> <field> <field> ..." (one kind letter per tier;
+-- This file is the library: `decide` runs one operation. The store appends the entry point
+-- (src/store/redis/rate_limit.rs): one operation per call, or several keys' operations in one
+-- call at one `TIME` (a batch).
+--
+-- A key holds its state: "<kinds> <field> <field> ..." (one kind letter per tier;
 --          g gcra, l leaky shaper, t token bucket, f fixed window, s sliding window)
--- ARGV[1]  pinned time in ms, or '' for the server's TIME (now_ms comes from the prelude)
--- ARGV[2]  op: c check, r reserve, p peek, f forecast, x reset
--- ARGV[3]  cost
--- ARGV[4]  ms the key outlives its state's rest point (server time: 1; pinned: more)
--- ARGV[5]  the kinds, one letter per tier (also the stored signature)
--- then per tier 4 values: limit, a, b, c
+-- An operation's arguments, from ARGV[o + 2]:
+--   op     c check, r reserve, p peek, f forecast, x reset
+--   cost
+--   slack  ms the key outlives its state's rest point (server time: 1; pinned: more)
+--   kinds  one letter per tier (also the stored signature)
+--   then per tier 4 values: limit, a, b, c
 --          g, l: period_us, per, tolerance     t: capacity, per_us, refill
 --          f, s: window_us, 0, 0
 --
@@ -20,7 +24,8 @@
 -- per tier, since a script's cost is mostly allocation.
 -- Replies: {1, allowed, limit, remaining, reset_at_ms, retry_after_ms} a decision,
 -- {2, spendable_now, next_replenish_at_ms, full_at_ms} a forecast, {3, 1, delay_ms} or
--- {3, 0, retry_after_ms} a reservation, {4} a reset.
+-- {3, 0, retry_after_ms} a reservation, {4} a reset, {5} a key holding another strategy's
+-- state.
 
 local fmod = math.fmod
 
@@ -167,129 +172,132 @@ local function run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
   return 1, lim, avail - units, reset, 0, v1, v2, v3, ttl, wait
 end
 
-local op = ARGV[2]
-if op == 'x' then
-  redis.call('DEL', KEYS[1])
-  return {4}
-end
-local units = tonumber(ARGV[3])
-local slack = tonumber(ARGV[4])
-local kinds = ARGV[5]
-local n = #kinds
-local now = now_ms(ARGV[1]) * 1000
-if now > 4000000000000000 then now = 4000000000000000 end
-local nms = idiv(now, 1000)
-local raw = redis.call('GET', KEYS[1])
+-- One operation on `key` at `t_ms` (ms), its arguments at ARGV[o + 2] onwards (op, cost, slack,
+-- kinds, then 4 per tier, as described above). Returns the reply, or {5} when the key holds
+-- another strategy's state.
+local function decide(key, o, t_ms)
+  local op = ARGV[o + 2]
+  if op == 'x' then
+    redis.call('DEL', key)
+    return {4}
+  end
+  local units = tonumber(ARGV[o + 3])
+  local slack = tonumber(ARGV[o + 4])
+  local kinds = ARGV[o + 5]
+  local n = #kinds
+  local now = t_ms * 1000
+  if now > 4000000000000000 then now = 4000000000000000 end
+  local nms = idiv(now, 1000)
+  local raw = redis.call('GET', key)
 
-local FOREIGN = ' holds the state of another strategy'
+  if n == 1 then
+    local k = kinds
+    local lim, a, b, c = tonumber(ARGV[o + 6]), tonumber(ARGV[o + 7]), tonumber(ARGV[o + 8]), tonumber(ARGV[o + 9])
+    local has, s1, s2, s3 = false, 0, 0, 0
+    if raw then
+      local sig
+      sig, s1, s2, s3 = string.match(raw, '^(%a+) (%d+) (%d+) ?(%d*)$')
+      if sig ~= k then return {5} end
+      has, s1, s2, s3 = true, tonumber(s1), tonumber(s2), tonumber(s3) or 0
+    end
+    if op == 'f' then return {2, run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)} end
+    local allowed, l, rem, reset, retry, n1, n2, n3, ttl, wait =
+      run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
+    if op == 'p' then return {1, allowed, l, rem, reset, retry} end
+    if allowed == 1 then
+      local value
+      if k == 's' then
+        value = string.format('%s %d %d %d', k, n1, n2, n3)
+      else
+        value = string.format('%s %d %d', k, n1, n2)
+      end
+      redis.call('SET', key, value, 'PX', string.format('%d', ttl + slack))
+    end
+    if op == 'c' then return {1, allowed, l, rem, reset, retry} end
+    if allowed == 1 then return {3, 1, wait} end
+    return {3, 0, retry}
+  end
 
-if n == 1 then
-  local k = kinds
-  local lim, a, b, c = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-  local has, s1, s2, s3 = false, 0, 0, 0
+  -- Several tiers, all-or-nothing: charged together, or none is and the decision combines the
+  -- denials with what the other tiers would report as they stand.
+  local fields = {}
   if raw then
-    local sig
-    sig, s1, s2, s3 = string.match(raw, '^(%a+) (%d+) (%d+) ?(%d*)$')
-    if sig ~= k then return redis.error_reply('rate limit key ' .. KEYS[1] .. FOREIGN) end
-    has, s1, s2, s3 = true, tonumber(s1), tonumber(s2), tonumber(s3) or 0
+    local it = string.gmatch(raw, '%S+')
+    if it() ~= kinds then return {5} end
+    for i = 1, n do
+      local width = 2
+      if string.sub(kinds, i, i) == 's' then width = 3 end
+      for _ = 1, width do fields[#fields + 1] = tonumber(it()) end
+      if width == 2 then fields[#fields + 1] = 0 end
+    end
   end
-  if op == 'f' then return {2, run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)} end
-  local allowed, l, rem, reset, retry, n1, n2, n3, ttl, wait =
-    run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
-  if op == 'p' then return {1, allowed, l, rem, reset, retry} end
-  if allowed == 1 then
-    local value
-    if k == 's' then
-      value = string.format('%s %d %d %d', k, n1, n2, n3)
+
+  local function tier(i, tier_op)
+    local base = 2 + 4 * i
+    local f = 3 * (i - 1)
+    return run(tier_op, string.sub(kinds, i, i), tonumber(ARGV[o + base]), tonumber(ARGV[o + base + 1]),
+      tonumber(ARGV[o + base + 2]), tonumber(ARGV[o + base + 3]), raw and true or false,
+      fields[f + 1], fields[f + 2], fields[f + 3], now, nms, units)
+  end
+
+  if op == 'f' then
+    local spend, nxt, full
+    for i = 1, n do
+      local s, x, y = tier(i, 'f')
+      if not spend or s < spend then
+        spend, nxt = s, x
+      elseif s == spend and x > nxt then
+        nxt = x
+      end
+      if not full or y > full then full = y end
+    end
+    return {2, spend, nxt, full}
+  end
+
+  -- Combines a decision into (A, L, R, S, T): allowed and, limits and remaining min, reset and
+  -- retry max.
+  local A, L, R, S, T
+  local function fold(allowed, l, rem, reset, retry)
+    if not A then
+      A, L, R, S, T = allowed, l, rem, reset, retry
+      return
+    end
+    if allowed < A then A = allowed end
+    if l < L then L = l end
+    if rem < R then R = rem end
+    if reset > S then S = reset end
+    if retry > T then T = retry end
+  end
+
+  if op == 'p' then
+    for i = 1, n do fold(tier(i, 'p')) end
+    return {1, A, L, R, S, T}
+  end
+
+  local results, parts, ttl, all = {}, {kinds}, 0, true
+  for i = 1, n do
+    local allowed, l, rem, reset, retry, n1, n2, n3, t = tier(i, 'c')
+    results[i] = {allowed, l, rem, reset, retry}
+    if allowed == 1 then
+      if t > ttl then ttl = t end
+      parts[#parts + 1] = string.format('%d %d', n1, n2)
+      if string.sub(kinds, i, i) == 's' then parts[#parts + 1] = string.format('%d', n3) end
     else
-      value = string.format('%s %d %d', k, n1, n2)
+      all = false
     end
-    redis.call('SET', KEYS[1], value, 'PX', string.format('%d', ttl + slack))
   end
-  if op == 'c' then return {1, allowed, l, rem, reset, retry} end
-  if allowed == 1 then return {3, 1, wait} end
-  return {3, 0, retry}
-end
-
--- Several tiers, all-or-nothing: charged together, or none is and the decision combines the
--- denials with what the other tiers would report as they stand.
-local fields = {}
-if raw then
-  local it = string.gmatch(raw, '%S+')
-  if it() ~= kinds then return redis.error_reply('rate limit key ' .. KEYS[1] .. FOREIGN) end
   for i = 1, n do
-    local width = 2
-    if string.sub(kinds, i, i) == 's' then width = 3 end
-    for _ = 1, width do fields[#fields + 1] = tonumber(it()) end
-    if width == 2 then fields[#fields + 1] = 0 end
-  end
-end
-
-local function tier(i, tier_op)
-  local base = 2 + 4 * i
-  local f = 3 * (i - 1)
-  return run(tier_op, string.sub(kinds, i, i), tonumber(ARGV[base]), tonumber(ARGV[base + 1]),
-    tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), raw and true or false,
-    fields[f + 1], fields[f + 2], fields[f + 3], now, nms, units)
-end
-
-if op == 'f' then
-  local spend, nxt, full
-  for i = 1, n do
-    local s, x, y = tier(i, 'f')
-    if not spend or s < spend then
-      spend, nxt = s, x
-    elseif s == spend and x > nxt then
-      nxt = x
+    local d = results[i]
+    if all or d[1] == 0 then
+      fold(d[1], d[2], d[3], d[4], d[5])
+    else
+      fold(tier(i, 'p'))
     end
-    if not full or y > full then full = y end
   end
-  return {2, spend, nxt, full}
-end
-
--- Combines a decision into (A, L, R, S, T): allowed and, limits and remaining min, reset and
--- retry max.
-local A, L, R, S, T
-local function fold(allowed, l, rem, reset, retry)
-  if not A then
-    A, L, R, S, T = allowed, l, rem, reset, retry
-    return
+  if all then
+    redis.call('SET', key, table.concat(parts, ' '), 'PX', string.format('%d', ttl + slack))
   end
-  if allowed < A then A = allowed end
-  if l < L then L = l end
-  if rem < R then R = rem end
-  if reset > S then S = reset end
-  if retry > T then T = retry end
+  if op == 'c' then return {1, A, L, R, S, T} end
+  if A == 1 then return {3, 1, 0} end
+  return {3, 0, T}
 end
-
-if op == 'p' then
-  for i = 1, n do fold(tier(i, 'p')) end
-  return {1, A, L, R, S, T}
-end
-
-local results, parts, ttl, all = {}, {kinds}, 0, true
-for i = 1, n do
-  local allowed, l, rem, reset, retry, n1, n2, n3, t = tier(i, 'c')
-  results[i] = {allowed, l, rem, reset, retry}
-  if allowed == 1 then
-    if t > ttl then ttl = t end
-    parts[#parts + 1] = string.format('%d %d', n1, n2)
-    if string.sub(kinds, i, i) == 's' then parts[#parts + 1] = string.format('%d', n3) end
-  else
-    all = false
-  end
-end
-for i = 1, n do
-  local d = results[i]
-  if all or d[1] == 0 then
-    fold(d[1], d[2], d[3], d[4], d[5])
-  else
-    fold(tier(i, 'p'))
-  end
-end
-if all then
-  redis.call('SET', KEYS[1], table.concat(parts, ' '), 'PX', string.format('%d', ttl + slack))
-end
-if op == 'c' then return {1, A, L, R, S, T} end
-if A == 1 then return {3, 1, 0} end
-return {3, 0, T}

@@ -7,7 +7,16 @@
 //! Every [`RateLimitOp`] (check, reserve, peek, forecast, reset) of every strategy is one call
 //! of one Lua script (`EVALSHA`, loading it on `NOSCRIPT`), which runs the strategies' own
 //! integer maths on the server, atomically: a [`Tiered`] limit charges every tier or none in
-//! that same call. The strategy's parameters travel as plain integers (see
+//! that same call.
+//!
+//! On a single node, operations that arrive while two calls are already in flight share the
+//! next call: the batch script runs each of them in arrival order, each exactly as it would
+//! run alone, at one `TIME`, and replies to each on its own (a key holding another
+//! strategy's state fails only its own operation). A lone caller never waits for a batch: an
+//! operation that finds a call slot free goes at once. Each decision still takes one round
+//! trip; under load the call's fixed cost (the round trip, the script's start, the `TIME`)
+//! is spread over every operation in it. A cluster runs a script on one slot's keys only, so
+//! there every operation is its own call. The strategy's parameters travel as plain integers (see
 //! [`ScriptedStrategy`]); the state of a key lives at `{prefix:key}:r` (all tiers in one
 //! value, so one cluster slot), in microseconds exactly as the Rust strategies keep it, and
 //! expires (`PX`) once it is at rest, when it is equal to no state at all.
@@ -38,9 +47,10 @@
 //! [`RateLimitError::InsufficientCapacity`], decided before any round trip, as in memory.
 
 use std::future::Future;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock, PoisonError};
 
-use redis::Script;
+use redis::{Script, ScriptInvocation};
+use tokio::sync::oneshot;
 
 use super::{Redis, cached};
 use crate::rate_limit::{
@@ -50,7 +60,28 @@ use crate::rate_limit::{
 };
 use crate::store::StoreError;
 
-const SCRIPT_BODY: &str = include_str!("rate_limit.lua");
+/// The script of one operation: the library, then its entry point.
+const SINGLE: &str = concat!(
+    include_str!("rate_limit.lua"),
+    r"
+return decide(KEYS[1], 0, now_ms(ARGV[1]))
+"
+);
+
+/// The script of a batch: KEYS one per operation; ARGV[1] the pinned time or ''; then per
+/// operation its argument count and its arguments. One `TIME` for all; replies in order.
+const BATCH: &str = concat!(
+    include_str!("rate_limit.lua"),
+    r"
+local t = now_ms(ARGV[1])
+local replies, p = {}, 2
+for k = 1, #KEYS do
+  replies[k] = decide(KEYS[k], p - 1, t)
+  p = p + 1 + tonumber(ARGV[p])
+end
+return replies
+"
+);
 
 /// The exact integer range of a Lua number.
 const MAX_EXACT: u64 = 1 << 53;
@@ -131,12 +162,228 @@ fn decode(reply: &[i64]) -> Result<RateLimitReply, StoreError> {
     })
 }
 
+/// One operation as the script reads it: the key and its arguments after the time.
+struct Operation {
+    key: String,
+    op: &'static str,
+    cost: u32,
+    slack: u64,
+    kinds: String,
+    numbers: Vec<u64>,
+}
+
+impl Operation {
+    /// How many arguments [`Operation::push_args`] adds.
+    fn arg_count(&self) -> usize {
+        4 + self.numbers.len()
+    }
+
+    fn push_args(&self, call: &mut ScriptInvocation<'_>) {
+        call.arg(self.op)
+            .arg(self.cost)
+            .arg(self.slack)
+            .arg(&self.kinds);
+        for n in &self.numbers {
+            call.arg(n);
+        }
+    }
+}
+
+/// A script reply as a result: code 5 is a key holding another strategy's state.
+fn reply_of(key: &str, reply: &[i64]) -> Result<RateLimitReply, StoreError> {
+    if reply == [5] {
+        return Err(StoreError::Protocol(format!(
+            "rate limit key {key} holds the state of another strategy"
+        )));
+    }
+    decode(reply)
+}
+
+/// The most operations one batch carries: a script blocks the server while it runs, so a
+/// batch stays short (about 64 decisions' worth of Lua).
+const MAX_BATCH: usize = 64;
+
+/// Calls in flight at once: while the server runs one, the next is being built and sent, so
+/// neither side waits for the other.
+const IN_FLIGHT: usize = 2;
+
+/// Rate-limit operations of one `Redis` on a single node that go out together.
+///
+/// An operation that finds a call slot free and nothing queued goes at once, alone, from its
+/// caller's task: a lone caller pays nothing for batching. Operations that arrive while
+/// [`IN_FLIGHT`] calls are out wait in a queue; a task sends them as one call of the batch
+/// script (one `TIME`, the operations run in arrival order, one reply each), and keeps
+/// sending what queues meanwhile until the queue is empty. Under load that spreads a call's
+/// cost (the round trip, the script's start, the `TIME`) over every operation in it.
+#[derive(Default)]
+pub(super) struct Batcher {
+    state: Mutex<BatchState>,
+}
+
+#[derive(Default)]
+struct BatchState {
+    queue: Vec<Queued>,
+    /// Operations sent alone, in flight.
+    alone: usize,
+    /// Tasks sending batches.
+    tasks: usize,
+}
+
+impl BatchState {
+    fn slot_free(&self) -> bool {
+        self.alone + self.tasks < IN_FLIGHT
+    }
+}
+
+struct Queued {
+    operation: Operation,
+    reply: oneshot::Sender<Result<Vec<i64>, StoreError>>,
+}
+
+impl Batcher {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BatchState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// An operation sent alone holds a slot until its call ends (or its caller gives up); then,
+/// if operations queued meanwhile and no task is sending, it starts one for them.
+struct AloneFlight {
+    redis: Redis,
+}
+
+impl Drop for AloneFlight {
+    fn drop(&mut self) {
+        let start = {
+            let mut state = self.redis.inner.batches.lock();
+            state.alone -= 1;
+            let start = !state.queue.is_empty() && state.tasks == 0 && state.slot_free();
+            if start {
+                state.tasks += 1;
+            }
+            start
+        };
+        if start {
+            let draining = Draining {
+                redis: self.redis.clone(),
+                done: false,
+            };
+            draining.spawn();
+        }
+    }
+}
+
+/// A task sending batches. Whatever way it ends (its runtime shut down included), it gives
+/// its slot back, so the next operation can start another; if it was dropped mid-way with
+/// operations still queued and nobody else in flight, they are told at once rather than
+/// left waiting.
+struct Draining {
+    redis: Redis,
+    /// Gave its slot back on its own, finding the queue empty.
+    done: bool,
+}
+
+impl Drop for Draining {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let left = {
+            let mut state = self.redis.inner.batches.lock();
+            state.tasks -= 1;
+            if state.tasks + state.alone > 0 {
+                // Whoever is still in flight sends what is queued (or starts a task for it).
+                return;
+            }
+            std::mem::take(&mut state.queue)
+        };
+        for queued in left {
+            let _ = queued.reply.send(Err(StoreError::Protocol(
+                "rate limit batch abandoned: its task ended".to_owned(),
+            )));
+        }
+    }
+}
+
+impl Draining {
+    /// Runs on the current tokio runtime (dropped at once, giving its slot back, without
+    /// one).
+    fn spawn(mut self) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move { self.drain().await });
+        }
+    }
+
+    /// Sends batches until the queue is empty.
+    async fn drain(&mut self) {
+        static SCRIPT: OnceLock<Script> = OnceLock::new();
+        loop {
+            let batch: Vec<Queued> = {
+                let mut state = self.redis.inner.batches.lock();
+                if state.queue.is_empty() {
+                    // Gives the slot back under the lock that queues: an operation queued
+                    // after this sees the slot free and starts another task.
+                    state.tasks -= 1;
+                    self.done = true;
+                    return;
+                }
+                let take = state.queue.len().min(MAX_BATCH);
+                state.queue.drain(..take).collect()
+            };
+            let mut call = cached(&SCRIPT, BATCH, true).prepare_invoke();
+            call.arg(self.redis.pinned());
+            for queued in &batch {
+                call.key(&queued.operation.key)
+                    .arg(queued.operation.arg_count());
+                queued.operation.push_args(&mut call);
+            }
+            match self.redis.invoke::<Vec<Vec<i64>>>(&call).await {
+                Ok(replies) if replies.len() == batch.len() => {
+                    for (queued, reply) in batch.into_iter().zip(replies) {
+                        let _ = queued.reply.send(Ok(reply));
+                    }
+                }
+                Ok(replies) => {
+                    let error = StoreError::Protocol(format!(
+                        "rate limit batch of {} replied {} times",
+                        batch.len(),
+                        replies.len()
+                    ));
+                    for queued in batch {
+                        let _ = queued.reply.send(Err(error.clone()));
+                    }
+                }
+                Err(error) => {
+                    for queued in batch {
+                        let _ = queued.reply.send(Err(error.clone()));
+                    }
+                }
+            }
+        }
+    }
+}
+
 impl Redis {
-    /// Runs `request` as one script call.
+    /// Runs `request` as one script call, alone or in a batch.
     async fn rate_limit<S: ScriptedStrategy>(
         &self,
         request: RateLimitRequest<'_, S>,
     ) -> Result<RateLimitReply, RateLimitError> {
+        let operation = self.operation(&request)?;
+        let reply = if self.is_cluster() {
+            // A cluster runs a script on one slot's keys only: one call per operation.
+            self.alone(&operation).await
+        } else {
+            self.batched(operation).await
+        };
+        reply.map_err(|e| RateLimitError::store(request.key, e))
+    }
+
+    /// The script's view of `request`, after the checks made before any round trip.
+    fn operation<S: ScriptedStrategy>(
+        &self,
+        request: &RateLimitRequest<'_, S>,
+    ) -> Result<Operation, RateLimitError> {
         let (op, cost) = match request.op {
             RateLimitOp::Check { cost } => ("c", Some(cost)),
             RateLimitOp::Reserve { cost } => ("r", Some(cost)),
@@ -161,33 +408,88 @@ impl Redis {
                 what: "a time to refill from empty of over 5 * 10^15 µs, for the Redis store,",
             });
         }
-
-        static SCRIPT: OnceLock<Script> = OnceLock::new();
-        let pinned = self.pinned();
-        let slack = if pinned.is_empty() {
+        let slack = if self.pinned_ms().is_none() {
             SLACK_MS
         } else {
             PINNED_SLACK_MS
         };
-        let tiers: Vec<_> = tiers.iter().map(kind).collect();
-        let kinds: String = tiers.iter().map(|(k, _)| k).collect();
-        let mut call = cached(&SCRIPT, SCRIPT_BODY, true).prepare_invoke();
-        call.key(self.key(request.key, ":r"))
-            .arg(pinned)
-            .arg(op)
-            .arg(cost.map_or(1, |c| c.get()))
-            .arg(slack)
-            .arg(kinds);
-        for (_, numbers) in &tiers {
-            for n in numbers {
-                call.arg(n);
-            }
+        let mut kinds = String::with_capacity(tiers.len());
+        let mut numbers = Vec::with_capacity(4 * tiers.len());
+        for tier in &tiers {
+            let (kind, values) = kind(tier);
+            kinds.push(kind);
+            numbers.extend_from_slice(&values);
         }
-        let reply: Vec<i64> = self
-            .invoke(&call)
-            .await
-            .map_err(|e| RateLimitError::store(request.key, e))?;
-        decode(&reply).map_err(|e| RateLimitError::store(request.key, e))
+        Ok(Operation {
+            key: self.key(request.key, ":r"),
+            op,
+            cost: cost.map_or(1, |c| c.get()),
+            slack,
+            kinds,
+            numbers,
+        })
+    }
+
+    /// One call of the script for one operation.
+    async fn alone(&self, operation: &Operation) -> Result<RateLimitReply, StoreError> {
+        static SCRIPT: OnceLock<Script> = OnceLock::new();
+        let mut call = cached(&SCRIPT, SINGLE, true).prepare_invoke();
+        call.key(&operation.key).arg(self.pinned());
+        operation.push_args(&mut call);
+        let reply: Vec<i64> = self.invoke(&call).await?;
+        reply_of(&operation.key, &reply)
+    }
+
+    /// Sends `operation` at once if a call slot is free and nothing is queued; otherwise
+    /// queues it for the next batch (starting a task to send it if a slot is free) and waits
+    /// for its reply, at most the command timeout.
+    async fn batched(&self, operation: Operation) -> Result<RateLimitReply, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        let queued = {
+            let mut state = self.inner.batches.lock();
+            if state.queue.is_empty() && state.slot_free() {
+                state.alone += 1;
+                Err(operation)
+            } else {
+                let key = operation.key.clone();
+                state.queue.push(Queued {
+                    operation,
+                    reply: tx,
+                });
+                let start = state.slot_free();
+                if start {
+                    state.tasks += 1;
+                }
+                Ok((key, start))
+            }
+        };
+        let (key, start) = match queued {
+            Ok(queued) => queued,
+            Err(operation) => {
+                let _flight = AloneFlight {
+                    redis: self.clone(),
+                };
+                return self.alone(&operation).await;
+            }
+        };
+        if start {
+            Draining {
+                redis: self.clone(),
+                done: false,
+            }
+            .spawn();
+        }
+        let after = self.inner.command_timeout;
+        let reply = match tokio::time::timeout(after, rx).await {
+            Err(_) => return Err(StoreError::Timeout { after }),
+            Ok(Err(_)) => {
+                return Err(StoreError::Protocol(
+                    "rate limit batch abandoned".to_owned(),
+                ));
+            }
+            Ok(Ok(reply)) => reply?,
+        };
+        reply_of(&key, &reply)
     }
 }
 
@@ -308,6 +610,118 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(exists, 0);
+        })
+        .await;
+    }
+
+    fn check_one() -> RateLimitOp {
+        RateLimitOp::Check {
+            cost: NonZeroU32::MIN,
+        }
+    }
+
+    #[tokio::test]
+    async fn concurrent_operations_go_out_in_batches_and_each_is_decided_exactly() {
+        each_server("rate_limit_batches", async |redis: Redis| {
+            redis.pin_time(1_000_000);
+            let limit = FixedWindow::new(100, Duration::from_secs(60)).unwrap();
+            let before = redis.stats().commands;
+            let calls = (0..250).map(|_| apply(&redis, &limit, "hot", check_one()));
+            let replies = futures_util::future::join_all(calls).await;
+            let calls = redis.stats().commands - before;
+            let mut allowed = 0;
+            let mut remaining = Vec::new();
+            for reply in replies {
+                match reply.unwrap() {
+                    RateLimitReply::Decision(d) if d.allowed => {
+                        allowed += 1;
+                        remaining.push(d.remaining);
+                    }
+                    RateLimitReply::Decision(d) => assert_eq!(d.remaining, 0),
+                    other => panic!("{other:?}"),
+                }
+            }
+            // Exactly the limit, each admission seeing the one before it.
+            assert_eq!(allowed, 100);
+            remaining.sort_unstable();
+            assert_eq!(remaining, (0..100).collect::<Vec<u64>>());
+            if redis.is_cluster() {
+                assert_eq!(calls, 250, "a cluster sends each operation alone");
+            } else {
+                assert!(
+                    calls < 250,
+                    "{calls} calls: operations in flight together are batched"
+                );
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn each_operation_of_a_batch_is_answered_on_its_own() {
+        each_server("rate_limit_batch_errors", async |redis: Redis| {
+            let window = FixedWindow::new(2, Duration::from_secs(1)).unwrap();
+            apply(&redis, &window, "window", check_one()).await.unwrap();
+            let g = gcra();
+            let (a, foreign, b) = tokio::join!(
+                apply(&redis, &g, "a", check_one()),
+                apply(&redis, &g, "window", check_one()),
+                apply(&redis, &g, "b", check_one()),
+            );
+            let err = foreign.unwrap_err();
+            assert!(err.is_store(), "{err:?}");
+            assert!(
+                format!("{err:?}").contains("holds the state of another strategy"),
+                "{err:?}"
+            );
+            for ok in [a, b] {
+                assert!(matches!(ok.unwrap(), RateLimitReply::Decision(d) if d.allowed));
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_task_dropped_with_its_runtime_wedges_nothing() {
+        each_server("rate_limit_batch_dropped", async |redis: Redis| {
+            if redis.is_cluster() {
+                return; // no batches on a cluster
+            }
+            // Twice: a runtime whose callers fill both call slots and queue a third
+            // operation, then give up; the batch task started for the queued one never
+            // runs before the runtime ends. Two abandoned tasks that kept their slots would
+            // wedge every later call.
+            for _ in 0..2 {
+                let short_redis = redis.clone();
+                std::thread::spawn(move || {
+                    let redis = short_redis;
+                    let short = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap();
+                    short.block_on(async {
+                        let g = gcra();
+                        let mut calls: Vec<_> = (0..3)
+                            .map(|_| Box::pin(apply(&redis, &g, "k", check_one())))
+                            .collect();
+                        for call in &mut calls {
+                            assert!(futures_util::FutureExt::now_or_never(call).is_none());
+                        }
+                        let state = redis.inner.batches.lock();
+                        assert_eq!((state.alone, state.tasks, state.queue.len()), (2, 0, 1));
+                    });
+                })
+                .join()
+                .unwrap();
+                let state = redis.inner.batches.lock();
+                assert_eq!((state.alone, state.tasks, state.queue.len()), (0, 0, 0));
+            }
+            let g = gcra();
+            let reply =
+                tokio::time::timeout(Duration::from_secs(5), apply(&redis, &g, "k", check_one()))
+                    .await
+                    .expect("not wedged");
+            assert!(matches!(reply.unwrap(), RateLimitReply::Decision(_)));
         })
         .await;
     }
