@@ -280,7 +280,8 @@ impl std::fmt::Debug for Redis {
 pub struct RedisStats {
     /// Commands and script calls sent, including the `TIME` reads that keep
     /// this instance's estimate of the server's clock (one at connect, then
-    /// at most one a minute while leading windows are opened).
+    /// at most one a minute while leading windows are opened). A batch of
+    /// rate-limit operations sent together is one script call.
     pub commands: u64,
     /// The circuit breaker.
     pub breaker: BreakerStats,
