@@ -846,3 +846,79 @@ async fn fail_mode_decides_while_redis_is_down_and_recovery_is_automatic() {
     assert_eq!(e.decision.expect("decision").remaining, 98);
     assert_eq!(redis.stats().breaker.state, BreakerState::Closed);
 }
+
+/// A burst of concurrent checks (batched on a single node) while Redis stalls and while it
+/// is down: every one ends within the command timeout with a store error, none hangs; back
+/// up, a burst is decided exactly again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_concurrent_burst_during_an_outage_fails_fast_and_recovers_exactly() {
+    let Some(mut node) = RedisNode::start("burst_during_outage") else {
+        return;
+    };
+    let timeout = ms(200);
+    let redis = Redis::builder(node.url())
+        .with_command_timeout(timeout)
+        .with_breaker(BreakerConfig::default().with_cooldown(ms(300)))
+        .connect()
+        .await
+        .expect("connects");
+    let limiter = Limiter::builder(FixedWindow::new(50, Duration::from_secs(60)).unwrap())
+        .with_store(redis.clone())
+        .build();
+    let burst = |key: &'static str| {
+        let tasks: Vec<_> = (0..200)
+            .map(|_| {
+                let limiter = limiter.clone();
+                tokio::spawn(async move {
+                    let started = Instant::now();
+                    let result = limiter.check_async(key).await;
+                    (result, started.elapsed())
+                })
+            })
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for task in tasks {
+                out.push(task.await.expect("no panic"));
+            }
+            out
+        }
+    };
+    let up = burst("before").await;
+    let admitted = up
+        .iter()
+        .filter(|(r, _)| r.as_ref().unwrap().allowed)
+        .count();
+    assert_eq!(admitted, 50);
+
+    // A server that stops answering (every client paused for 800 ms): each check gives
+    // up at the command timeout, queued ones included.
+    node.cli(&["CLIENT", "PAUSE", "800", "ALL"])
+        .expect("pauses clients");
+    for (result, took) in burst("stalled").await {
+        let err = result.expect_err("Redis does not answer");
+        assert!(err.is_store(), "{err:?}");
+        assert!(took < timeout + ms(300), "took {took:?}");
+    }
+    tokio::time::sleep(ms(800)).await;
+
+    node.kill();
+    for (result, took) in burst("down").await {
+        let err = result.expect_err("Redis is down");
+        assert!(err.is_store(), "{err:?}");
+        assert!(took < timeout + ms(300), "took {took:?}");
+    }
+
+    node.restart();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while limiter.check_async("probe").await.is_err() {
+        assert!(Instant::now() < deadline, "no recovery");
+        tokio::time::sleep(ms(100)).await;
+    }
+    let back = burst("after").await;
+    let admitted = back
+        .iter()
+        .filter(|(r, _)| r.as_ref().unwrap().allowed)
+        .count();
+    assert_eq!(admitted, 50);
+}
