@@ -663,11 +663,31 @@ mod tests {
             let window = FixedWindow::new(2, Duration::from_secs(1)).unwrap();
             apply(&redis, &window, "window", check_one()).await.unwrap();
             let g = gcra();
-            let (a, foreign, b) = tokio::join!(
+            if !redis.is_cluster() {
+                // The server holds its answers for a moment, so no call ends at its first poll.
+                redis
+                    .query::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(100).arg("ALL"))
+                    .await
+                    .unwrap();
+            }
+            let before = redis.stats().commands;
+            // The first two fill the call slots; the other three wait and go together.
+            let (first, second, a, foreign, b) = tokio::join!(
+                apply(&redis, &g, "first", check_one()),
+                apply(&redis, &g, "second", check_one()),
                 apply(&redis, &g, "a", check_one()),
                 apply(&redis, &g, "window", check_one()),
                 apply(&redis, &g, "b", check_one()),
             );
+            let calls = redis.stats().commands - before;
+            if redis.is_cluster() {
+                assert_eq!(calls, 5);
+            } else {
+                assert_eq!(calls, 3, "two alone, then one batch of three");
+            }
+            for ok in [first, second] {
+                assert!(matches!(ok.unwrap(), RateLimitReply::Decision(d) if d.allowed));
+            }
             let err = foreign.unwrap_err();
             assert!(err.is_store(), "{err:?}");
             assert!(
@@ -690,7 +710,13 @@ mod tests {
             // Twice: a runtime whose callers fill both call slots and queue a third
             // operation, then give up; the batch task started for the queued one never
             // runs before the runtime ends. Two abandoned tasks that kept their slots would
-            // wedge every later call.
+            // wedge every later call. The server holds its answers meanwhile, so that no
+            // call can end at its first poll.
+            redis
+                .query::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(400).arg("ALL"))
+                .await
+                .unwrap();
+            let paused_at = tokio::time::Instant::now();
             for _ in 0..2 {
                 let short_redis = redis.clone();
                 std::thread::spawn(move || {
@@ -716,6 +742,7 @@ mod tests {
                 let state = redis.inner.batches.lock();
                 assert_eq!((state.alone, state.tasks, state.queue.len()), (0, 0, 0));
             }
+            tokio::time::sleep_until(paused_at + Duration::from_millis(500)).await;
             let g = gcra();
             let reply =
                 tokio::time::timeout(Duration::from_secs(5), apply(&redis, &g, "k", check_one()))
