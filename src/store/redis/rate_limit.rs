@@ -660,7 +660,8 @@ mod tests {
     #[tokio::test]
     async fn each_operation_of_a_batch_is_answered_on_its_own() {
         each_server("rate_limit_batch_errors", async |redis: Redis| {
-            let window = FixedWindow::new(2, Duration::from_secs(1)).unwrap();
+            // A long window: its state must outlive the pause below.
+            let window = FixedWindow::new(2, Duration::from_secs(3_600)).unwrap();
             apply(&redis, &window, "window", check_one()).await.unwrap();
             let g = gcra();
             if !redis.is_cluster() {
@@ -759,7 +760,9 @@ mod tests {
             let check = RateLimitOp::Check {
                 cost: NonZeroU32::MIN,
             };
-            apply(&redis, &gcra(), "mixed", check).await.unwrap();
+            // A slow GCRA: its state must outlive the next call, however loaded the machine.
+            let slow_gcra = Gcra::new(2, Duration::from_secs(3_600)).unwrap();
+            apply(&redis, &slow_gcra, "mixed", check).await.unwrap();
             let window = FixedWindow::new(2, Duration::from_secs(1)).unwrap();
             let err = apply(&redis, &window, "mixed", check).await.unwrap_err();
             assert!(err.is_store(), "{err:?}");
