@@ -305,7 +305,9 @@ impl<S: Strategy> Limiter<S> {
 
 impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
     /// Spawns a task on the current tokio runtime that drops the store's keys at rest every
-    /// `every`, until the limiter is dropped.
+    /// `every`, until the limiter is dropped. For programs without a throttlebeam runtime;
+    /// with one, `Limiter::sweep_on` (feature `runtime`) hands the store to the runtime's
+    /// supervised sweeper instead, which sleeps while the store is empty.
     ///
     /// # Errors
     ///
