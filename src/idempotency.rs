@@ -352,7 +352,7 @@ impl IdempotencyHandle {
         if let Some(value) = fast_replay(core, &self.state.ledger.load(), key, &options)? {
             return Ok(IdempotencyOutcome::Replay(value));
         }
-        run_in(core, &self.state.ledger(), key, f, options).await
+        self.run_after_miss(key, options, f).await
     }
 
     /// The completed result of `key`, read at once without building a future
@@ -370,10 +370,9 @@ impl IdempotencyHandle {
         fast_replay(&self.runtime.core, &self.state.ledger.load(), key, options)
     }
 
-    /// [`IdempotencyHandle::run_with`] for a caller that has just seen
-    /// [`IdempotencyHandle::try_replay`] find nothing: the run, without reading the result
-    /// table again (a result stored since is still found when the key is claimed).
-    #[cfg(feature = "tower")]
+    /// [`IdempotencyHandle::run_with`] past its replay fast path (or for a caller that has
+    /// just seen [`IdempotencyHandle::try_replay`] find nothing): the run, without reading the
+    /// result table again (a result stored since is still found when the key is claimed).
     pub(crate) async fn run_after_miss<F, Fut, T, E>(
         &self,
         key: &str,
@@ -661,6 +660,9 @@ where
     }
 }
 
+/// The replay fast path, then [`run_claimed`]: what [`IdempotencyHandle::run_with`] does, on
+/// a given ledger.
+#[cfg(test)]
 async fn run_in<F, Fut, T, E>(
     core: &Core,
     ledger: &Arc<Ledger>,
@@ -680,7 +682,7 @@ where
     run_claimed(core, ledger, key, f, options).await
 }
 
-/// [`run_in`] past its replay fast path: claims `key` (or replays what the claim finds) and
+/// Claims `key` (or replays what the claim finds, or waits for its holder) and
 /// runs `f` as the key's process.
 async fn run_claimed<F, Fut, T, E>(
     core: &Core,

@@ -233,11 +233,18 @@ impl BatchState {
     fn slot_free(&self) -> bool {
         self.alone + self.tasks < IN_FLIGHT
     }
+
+    /// Takes a slot for a new batch task when `wanted` and one is free; whether it did.
+    fn claim_task(&mut self, wanted: bool) -> bool {
+        let claimed = wanted && self.slot_free();
+        self.tasks += usize::from(claimed);
+        claimed
+    }
 }
 
 struct Queued {
     operation: Operation,
-    reply: oneshot::Sender<Result<Vec<i64>, StoreError>>,
+    reply: oneshot::Sender<Result<RateLimitReply, StoreError>>,
 }
 
 impl Batcher {
@@ -257,18 +264,11 @@ impl Drop for AloneFlight {
         let start = {
             let mut state = self.redis.inner.batches.lock();
             state.alone -= 1;
-            let start = !state.queue.is_empty() && state.tasks == 0 && state.slot_free();
-            if start {
-                state.tasks += 1;
-            }
-            start
+            let idle_queue = !state.queue.is_empty() && state.tasks == 0;
+            state.claim_task(idle_queue)
         };
         if start {
-            let draining = Draining {
-                redis: self.redis.clone(),
-                done: false,
-            };
-            draining.spawn();
+            Draining::start(self.redis.clone());
         }
     }
 }
@@ -306,11 +306,12 @@ impl Drop for Draining {
 }
 
 impl Draining {
-    /// Runs on the current tokio runtime (dropped at once, giving its slot back, without
-    /// one).
-    fn spawn(mut self) {
+    /// Runs a task, holding the slot its starter claimed, on the current tokio runtime
+    /// (without one, the slot is given back at once).
+    fn start(redis: Redis) {
+        let mut draining = Self { redis, done: false };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move { self.drain().await });
+            runtime.spawn(async move { draining.drain().await });
         }
     }
 
@@ -337,20 +338,19 @@ impl Draining {
                     .arg(queued.operation.arg_count());
                 queued.operation.push_args(&mut call);
             }
-            match self.redis.invoke::<Vec<Vec<i64>>>(&call).await {
-                Ok(replies) if replies.len() == batch.len() => {
-                    for (queued, reply) in batch.into_iter().zip(replies) {
-                        let _ = queued.reply.send(Ok(reply));
-                    }
-                }
+            let replies = match self.redis.invoke::<Vec<Vec<i64>>>(&call).await {
+                Ok(replies) if replies.len() != batch.len() => Err(StoreError::Protocol(format!(
+                    "rate limit batch of {} replied {} times",
+                    batch.len(),
+                    replies.len()
+                ))),
+                other => other,
+            };
+            match replies {
                 Ok(replies) => {
-                    let error = StoreError::Protocol(format!(
-                        "rate limit batch of {} replied {} times",
-                        batch.len(),
-                        replies.len()
-                    ));
-                    for queued in batch {
-                        let _ = queued.reply.send(Err(error.clone()));
+                    for (queued, reply) in batch.into_iter().zip(replies) {
+                        let answer = reply_of(&queued.operation.key, &reply);
+                        let _ = queued.reply.send(answer);
                     }
                 }
                 Err(error) => {
@@ -444,26 +444,18 @@ impl Redis {
     /// queues it for the next batch (starting a task to send it if a slot is free) and waits
     /// for its reply, at most the command timeout.
     async fn batched(&self, operation: Operation) -> Result<RateLimitReply, StoreError> {
-        let (tx, rx) = oneshot::channel();
         let queued = {
             let mut state = self.inner.batches.lock();
             if state.queue.is_empty() && state.slot_free() {
                 state.alone += 1;
                 Err(operation)
             } else {
-                let key = operation.key.clone();
-                state.queue.push(Queued {
-                    operation,
-                    reply: tx,
-                });
-                let start = state.slot_free();
-                if start {
-                    state.tasks += 1;
-                }
-                Ok((key, start))
+                let (reply, rx) = oneshot::channel();
+                state.queue.push(Queued { operation, reply });
+                Ok((rx, state.claim_task(true)))
             }
         };
-        let (key, start) = match queued {
+        let (rx, start) = match queued {
             Ok(queued) => queued,
             Err(operation) => {
                 let _flight = AloneFlight {
@@ -473,23 +465,16 @@ impl Redis {
             }
         };
         if start {
-            Draining {
-                redis: self.clone(),
-                done: false,
-            }
-            .spawn();
+            Draining::start(self.clone());
         }
         let after = self.inner.command_timeout;
-        let reply = match tokio::time::timeout(after, rx).await {
-            Err(_) => return Err(StoreError::Timeout { after }),
-            Ok(Err(_)) => {
-                return Err(StoreError::Protocol(
-                    "rate limit batch abandoned".to_owned(),
-                ));
-            }
-            Ok(Ok(reply)) => reply?,
-        };
-        reply_of(&key, &reply)
+        match tokio::time::timeout(after, rx).await {
+            Err(_) => Err(StoreError::Timeout { after }),
+            Ok(Err(_)) => Err(StoreError::Protocol(
+                "rate limit batch abandoned".to_owned(),
+            )),
+            Ok(Ok(reply)) => reply,
+        }
     }
 }
 
