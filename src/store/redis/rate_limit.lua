@@ -2,13 +2,14 @@
 -- src/rate_limit/{strategy,emission,gcra,leaky,token_bucket,fixed_window,sliding_window,
 -- algebra}.rs; keep them in step (tests/redis_rate_limit.rs compares every reply).
 --
--- This file is the library: `decide` runs one operation. The store appends the entry point
--- (src/store/redis/rate_limit.rs): one operation per call, or several keys' operations in one
--- call at one `TIME` (a batch).
+-- This file is the library: `params` reads an operation's arguments once, `decide` runs one
+-- operation. The store appends the entry point (src/store/redis/rate_limit.rs): one operation
+-- per call, or several keys' operations in one call at one `TIME` (a batch), where operations
+-- with the same arguments (one limiter's checks) share one parsed set.
 --
 -- A key holds its state: "<kinds> <field> <field> ..." (one kind letter per tier;
 --          g gcra, l leaky shaper, t token bucket, f fixed window, s sliding window)
--- An operation's arguments, from ARGV[o + 2]:
+-- An operation's arguments, from ARGV[o]:
 --   op     c check, r reserve, p peek, f forecast, x reset
 --   cost
 --   slack  ms the key outlives its state's rest point (server time: 1; pinned: more)
@@ -172,18 +173,27 @@ local function run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
   return 1, lim, avail - units, reset, 0, v1, v2, v3, ttl, wait
 end
 
--- One operation on `key` at `t_ms` (ms), its arguments at ARGV[o + 2] onwards (op, cost, slack,
--- kinds, then 4 per tier, as described above). Returns the reply, or {5} when the key holds
--- another strategy's state.
-local function decide(key, o, t_ms)
-  local op = ARGV[o + 2]
+-- An operation's arguments from ARGV[o] onwards (op, cost, slack, kinds, then 4 numbers per
+-- tier, as described above), parsed: {op, units, slack, kinds, numbers...} with the numbers
+-- from index 5.
+local function params(o)
+  local op = ARGV[o]
+  if op == 'x' then return {op} end
+  local kinds = ARGV[o + 3]
+  local p = {op, tonumber(ARGV[o + 1]), tonumber(ARGV[o + 2]), kinds}
+  for i = 1, 4 * #kinds do p[4 + i] = tonumber(ARGV[o + 3 + i]) end
+  return p
+end
+
+-- One operation on `key` at `t_ms` (ms) with the parsed arguments `p` (from `params`). Returns
+-- the reply, or {5} when the key holds another strategy's state.
+local function decide(key, p, t_ms)
+  local op = p[1]
   if op == 'x' then
     redis.call('DEL', key)
     return {4}
   end
-  local units = tonumber(ARGV[o + 3])
-  local slack = tonumber(ARGV[o + 4])
-  local kinds = ARGV[o + 5]
+  local units, slack, kinds = p[2], p[3], p[4]
   local n = #kinds
   local now = t_ms * 1000
   if now > 4000000000000000 then now = 4000000000000000 end
@@ -192,7 +202,7 @@ local function decide(key, o, t_ms)
 
   if n == 1 then
     local k = kinds
-    local lim, a, b, c = tonumber(ARGV[o + 6]), tonumber(ARGV[o + 7]), tonumber(ARGV[o + 8]), tonumber(ARGV[o + 9])
+    local lim, a, b, c = p[5], p[6], p[7], p[8]
     local has, s1, s2, s3 = false, 0, 0, 0
     if raw then
       local sig
@@ -233,11 +243,10 @@ local function decide(key, o, t_ms)
   end
 
   local function tier(i, tier_op)
-    local base = 2 + 4 * i
+    local base = 4 * i
     local f = 3 * (i - 1)
-    return run(tier_op, string.sub(kinds, i, i), tonumber(ARGV[o + base]), tonumber(ARGV[o + base + 1]),
-      tonumber(ARGV[o + base + 2]), tonumber(ARGV[o + base + 3]), raw and true or false,
-      fields[f + 1], fields[f + 2], fields[f + 3], now, nms, units)
+    return run(tier_op, string.sub(kinds, i, i), p[base + 1], p[base + 2], p[base + 3], p[base + 4],
+      raw and true or false, fields[f + 1], fields[f + 2], fields[f + 3], now, nms, units)
   end
 
   if op == 'f' then

@@ -64,20 +64,26 @@ use crate::store::StoreError;
 const SINGLE: &str = concat!(
     include_str!("rate_limit.lua"),
     r"
-return decide(KEYS[1], 0, now_ms(ARGV[1]))
+return decide(KEYS[1], params(2), now_ms(ARGV[1]))
 "
 );
 
-/// The script of a batch: KEYS one per operation; ARGV[1] the pinned time or ''; then per
-/// operation its argument count and its arguments. One `TIME` for all; replies in order.
+/// The script of a batch: KEYS one per operation; ARGV[1] the pinned time or ''; ARGV[2] how
+/// many distinct argument sets follow, each as its argument count and its arguments; then per
+/// operation the number of its set. One `TIME` for all; each set parsed once; replies in
+/// order.
 const BATCH: &str = concat!(
     include_str!("rate_limit.lua"),
     r"
 local t = now_ms(ARGV[1])
-local replies, p = {}, 2
-for k = 1, #KEYS do
-  replies[k] = decide(KEYS[k], p - 1, t)
+local sets, p = {}, 3
+for s = 1, tonumber(ARGV[2]) do
+  sets[s] = params(p + 1)
   p = p + 1 + tonumber(ARGV[p])
+end
+local replies = {}
+for k = 1, #KEYS do
+  replies[k] = decide(KEYS[k], sets[tonumber(ARGV[p + k - 1])], t)
 end
 return replies
 "
@@ -178,6 +184,15 @@ impl Operation {
         4 + self.numbers.len()
     }
 
+    /// Whether `other` sends the same arguments (the key aside).
+    fn same_args(&self, other: &Self) -> bool {
+        self.op == other.op
+            && self.cost == other.cost
+            && self.slack == other.slack
+            && self.kinds == other.kinds
+            && self.numbers == other.numbers
+    }
+
     fn push_args(&self, call: &mut ScriptInvocation<'_>) {
         call.arg(self.op)
             .arg(self.cost)
@@ -197,6 +212,26 @@ fn reply_of(key: &str, reply: &[i64]) -> Result<RateLimitReply, StoreError> {
         )));
     }
     decode(reply)
+}
+
+/// The distinct argument sets of `operations` (in order of first use), and for each
+/// operation the number of its set, from 1 as the script counts.
+fn argument_sets<'a>(
+    operations: impl ExactSizeIterator<Item = &'a Operation>,
+) -> (Vec<&'a Operation>, Vec<usize>) {
+    let mut sets: Vec<&Operation> = Vec::new();
+    let mut set_of = Vec::with_capacity(operations.len());
+    for operation in operations {
+        let set = match sets.iter().position(|o| o.same_args(operation)) {
+            Some(set) => set,
+            None => {
+                sets.push(operation);
+                sets.len() - 1
+            }
+        };
+        set_of.push(set + 1);
+    }
+    (sets, set_of)
 }
 
 /// The most operations one batch carries: a script blocks the server while it runs, so a
@@ -333,10 +368,19 @@ impl Draining {
             };
             let mut call = cached(&SCRIPT, BATCH, true).prepare_invoke();
             call.arg(self.redis.pinned());
+            // Operations with the same arguments (one limiter's checks, usually all of them)
+            // share one set: the server parses it once.
+            let (sets, set_of) = argument_sets(batch.iter().map(|q| &q.operation));
             for queued in &batch {
-                call.key(&queued.operation.key)
-                    .arg(queued.operation.arg_count());
-                queued.operation.push_args(&mut call);
+                call.key(&queued.operation.key);
+            }
+            call.arg(sets.len());
+            for operation in &sets {
+                call.arg(operation.arg_count());
+                operation.push_args(&mut call);
+            }
+            for set in set_of {
+                call.arg(set);
             }
             let replies = match self.redis.invoke::<Vec<Vec<i64>>>(&call).await {
                 Ok(replies) if replies.len() != batch.len() => Err(StoreError::Protocol(format!(
@@ -683,6 +727,111 @@ mod tests {
             for ok in [a, b] {
                 assert!(matches!(ok.unwrap(), RateLimitReply::Decision(d) if d.allowed));
             }
+        })
+        .await;
+    }
+
+    #[test]
+    fn operations_with_the_same_arguments_share_one_set() {
+        let op = |key: &str, op, cost, numbers: &[u64]| Operation {
+            key: key.to_owned(),
+            op,
+            cost,
+            slack: 1,
+            kinds: "g".to_owned(),
+            numbers: numbers.to_vec(),
+        };
+        let ops = [
+            op("a", "c", 1, &[2, 500_000, 1, 1_000_000]),
+            op("b", "p", 1, &[2, 500_000, 1, 1_000_000]),
+            op("c", "c", 1, &[2, 500_000, 1, 1_000_000]),
+            op("d", "c", 2, &[2, 500_000, 1, 1_000_000]),
+            op("e", "c", 1, &[3, 500_000, 1, 1_000_000]),
+            op("f", "p", 1, &[2, 500_000, 1, 1_000_000]),
+        ];
+        let (sets, set_of) = argument_sets(ops.iter());
+        let keys: Vec<&str> = sets.iter().map(|o| o.key.as_str()).collect();
+        assert_eq!(keys, ["a", "b", "d", "e"]);
+        assert_eq!(set_of, [1, 2, 1, 3, 4, 2]);
+    }
+
+    #[tokio::test]
+    async fn a_batch_of_several_limits_and_operations_decides_each_with_its_own() {
+        each_server("rate_limit_batch_sets", async |redis: Redis| {
+            let now_ms = 1_000_000;
+            redis.pin_time(now_ms);
+            let (g, other) = (gcra(), Gcra::new(5, Duration::from_secs(1)).unwrap());
+            let window = FixedWindow::new(4, Duration::from_secs(60)).unwrap();
+            let two = RateLimitOp::Check {
+                cost: NonZeroU32::new(2).unwrap(),
+            };
+            // What the memory store decides for the same operations in the same order.
+            let memory_g = crate::rate_limit::MemoryRateLimitStore::new();
+            let memory_w = crate::rate_limit::MemoryRateLimitStore::new();
+            let expect_g = |strategy: &Gcra, key: &str, op| {
+                let request = RateLimitRequest {
+                    key,
+                    now_ms,
+                    strategy,
+                    op,
+                };
+                crate::rate_limit::RateLimitStore::apply(&memory_g, request).unwrap()
+            };
+            let expect_w = |key: &str, op| {
+                let request = RateLimitRequest {
+                    key,
+                    now_ms,
+                    strategy: &window,
+                    op,
+                };
+                crate::rate_limit::RateLimitStore::apply(&memory_w, request).unwrap()
+            };
+            let expected = [
+                expect_g(&g, "first", check_one()),
+                expect_g(&g, "second", check_one()),
+                expect_g(&g, "a", check_one()),
+                expect_w("w", two),
+                expect_g(&other, "o", check_one()),
+                expect_g(&g, "a", RateLimitOp::Peek),
+                expect_w("w", check_one()),
+                expect_g(&g, "a", check_one()),
+                expect_w("w", two),
+                expect_g(&other, "o", check_one()),
+            ];
+            if !redis.is_cluster() {
+                // The server holds its answers for a moment, so no call ends at its first poll.
+                redis
+                    .query::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(100).arg("ALL"))
+                    .await
+                    .unwrap();
+            }
+            let before = redis.stats().commands;
+            // The first two fill the call slots; the other eight go together, in this order
+            // (`join_all` polls them in order), with five different argument sets among them.
+            type Call<'a> = std::pin::Pin<
+                Box<dyn Future<Output = Result<RateLimitReply, RateLimitError>> + Send + 'a>,
+            >;
+            let calls: Vec<Call<'_>> = vec![
+                Box::pin(apply(&redis, &g, "first", check_one())),
+                Box::pin(apply(&redis, &g, "second", check_one())),
+                Box::pin(apply(&redis, &g, "a", check_one())),
+                Box::pin(apply(&redis, &window, "w", two)),
+                Box::pin(apply(&redis, &other, "o", check_one())),
+                Box::pin(apply(&redis, &g, "a", RateLimitOp::Peek)),
+                Box::pin(apply(&redis, &window, "w", check_one())),
+                Box::pin(apply(&redis, &g, "a", check_one())),
+                Box::pin(apply(&redis, &window, "w", two)),
+                Box::pin(apply(&redis, &other, "o", check_one())),
+            ];
+            let got = futures_util::future::join_all(calls).await;
+            let calls = redis.stats().commands - before;
+            if !redis.is_cluster() {
+                assert_eq!(calls, 3, "two alone, then one batch of eight");
+            }
+            let got: Vec<RateLimitReply> = got.into_iter().map(Result::unwrap).collect();
+            assert_eq!(got, expected);
+            // The last check of the window was denied: 2 + 1 + 2 over a limit of 4.
+            assert!(matches!(got[8], RateLimitReply::Decision(d) if !d.allowed));
         })
         .await;
     }
