@@ -611,10 +611,16 @@ where
                         retry_after: retry_hint(Some(now + lease_left), now),
                     });
                 }
-                match ledger
-                    .wait_remote(ticket, key, lease_left, deadline, options.wait_timeout())
-                    .await?
-                {
+                // Boxed: this rare wait (a key in flight on another instance) would
+                // otherwise size, and be copied with, every run's future.
+                let waited = Box::pin(ledger.wait_remote(
+                    ticket,
+                    key,
+                    lease_left,
+                    deadline,
+                    options.wait_timeout(),
+                ));
+                match waited.await? {
                     Step::Replay(value) => return Ok(Acquired::Replay(value)),
                     Step::Owner(ticket) => {
                         Tally::bump(&ledger.tally.fresh);
@@ -707,7 +713,8 @@ where
     // dropped before it ends (its tokio runtime went away), dropping it
     // drops the ticket: the key is released.
     let run = core.run_here(key, async move {
-        let caught = ticket.hold(catch_panic(async move { f().await })).await;
+        let work = std::pin::pin!(catch_panic(async move { f().await }));
+        let caught = ticket.hold(work).await;
         match Error::from_run(ticket.key(), caught) {
             Ok(value) => match ticket.complete(value.clone()).await {
                 Ok(()) | Err(Error::ShutDown { .. }) => Ok(value),

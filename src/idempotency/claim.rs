@@ -530,7 +530,13 @@ impl Ticket {
 
     /// Runs `work`, renewing the lease every third of it until `work` ends:
     /// a holder that is alive is never taken over, however long it takes.
-    pub(crate) async fn hold<F: std::future::Future>(&self, work: F) -> F::Output {
+    ///
+    /// `work` comes pinned where the caller keeps it, so the work's future
+    /// is not moved into this one's (a second copy of it in every run).
+    pub(crate) async fn hold<F: std::future::Future>(
+        &self,
+        mut work: std::pin::Pin<&mut F>,
+    ) -> F::Output {
         let start = tokio::time::Instant::now();
         // Renewing runs beside the work, never between its polls. It is
         // built and polled only once the work is pending, so work that ends
@@ -538,7 +544,6 @@ impl Ticket {
         // carries no renewer in its future (boxed, the renewer's store call
         // stays out of every run's future); the first renewal is still due
         // one period after the start.
-        let mut work = std::pin::pin!(work);
         let mut renewing: Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>>> = None;
         std::future::poll_fn(|cx| {
             if let std::task::Poll::Ready(output) = work.as_mut().poll(cx) {
