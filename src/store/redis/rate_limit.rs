@@ -214,15 +214,22 @@ fn reply_of(key: &str, reply: &[i64]) -> Result<RateLimitReply, StoreError> {
     decode(reply)
 }
 
-/// The distinct argument sets of `operations` (in order of first use), and for each
-/// operation the number of its set, from 1 as the script counts.
+/// How many argument sets a batch looks through for one an operation can share: a batch
+/// of operations that all differ (many limiters at once) costs at most this many comparisons
+/// per operation, and a set sent twice is only parsed twice.
+const SHARED_SETS: usize = 8;
+
+/// The argument sets of `operations` (in order of first use; distinct among the first
+/// [`SHARED_SETS`]), and for each operation the number of its set, from 1 as the script
+/// counts.
 fn argument_sets<'a>(
     operations: impl ExactSizeIterator<Item = &'a Operation>,
 ) -> (Vec<&'a Operation>, Vec<usize>) {
     let mut sets: Vec<&Operation> = Vec::new();
     let mut set_of = Vec::with_capacity(operations.len());
     for operation in operations {
-        let set = match sets.iter().position(|o| o.same_args(operation)) {
+        let shared = sets.iter().take(SHARED_SETS);
+        let set = match shared.into_iter().position(|o| o.same_args(operation)) {
             Some(set) => set,
             None => {
                 sets.push(operation);
@@ -753,6 +760,14 @@ mod tests {
         let keys: Vec<&str> = sets.iter().map(|o| o.key.as_str()).collect();
         assert_eq!(keys, ["a", "b", "d", "e"]);
         assert_eq!(set_of, [1, 2, 1, 3, 4, 2]);
+
+        // Only the first sets are looked through: past them, each operation brings its own.
+        let limit = |n| op("k", "c", 1, &[n, 500_000, 1, 1_000_000]);
+        let mut many: Vec<Operation> = (1..=10).map(limit).collect();
+        many.extend([limit(1), limit(8), limit(9), limit(9)]);
+        let (sets, set_of) = argument_sets(many.iter());
+        assert_eq!(sets.len(), 12);
+        assert_eq!(set_of, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 8, 11, 12]);
     }
 
     #[tokio::test]
