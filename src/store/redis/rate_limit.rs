@@ -650,6 +650,17 @@ mod tests {
         .await;
     }
 
+    /// On a single node, has the server hold its answers for a moment (`CLIENT PAUSE`), so
+    /// no call ends at its first poll and the calls made meanwhile queue deterministically.
+    async fn hold_answers(redis: &Redis) {
+        if !redis.is_cluster() {
+            redis
+                .query::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(100).arg("ALL"))
+                .await
+                .unwrap();
+        }
+    }
+
     fn check_one() -> RateLimitOp {
         RateLimitOp::Check {
             cost: NonZeroU32::MIN,
@@ -700,13 +711,7 @@ mod tests {
             let window = FixedWindow::new(2, Duration::from_secs(3_600)).unwrap();
             apply(&redis, &window, "window", check_one()).await.unwrap();
             let g = gcra();
-            if !redis.is_cluster() {
-                // The server holds its answers for a moment, so no call ends at its first poll.
-                redis
-                    .query::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(100).arg("ALL"))
-                    .await
-                    .unwrap();
-            }
+            hold_answers(&redis).await;
             let before = redis.stats().commands;
             // The first two fill the call slots; the other three wait and go together.
             let (first, second, a, foreign, b) = tokio::join!(
@@ -813,13 +818,7 @@ mod tests {
                 expect_w("w", two),
                 expect_g(&other, "o", check_one()),
             ];
-            if !redis.is_cluster() {
-                // The server holds its answers for a moment, so no call ends at its first poll.
-                redis
-                    .query::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(100).arg("ALL"))
-                    .await
-                    .unwrap();
-            }
+            hold_answers(&redis).await;
             let before = redis.stats().commands;
             // The first two fill the call slots; the other eight go together, in this order
             // (`join_all` polls them in order), with five different argument sets among them.
