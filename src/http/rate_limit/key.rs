@@ -189,6 +189,9 @@ fn client_key(
     client_text(client_ip, headers, extensions).map(KeyText::into_string)
 }
 
+/// `X-Forwarded-For`, named once rather than parsed from text on every request.
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
 fn client_text(
     client_ip: &ClientIp,
     headers: &HeaderMap,
@@ -202,7 +205,7 @@ fn client_text(
         .collect();
     let addr = if forwarded.is_empty() {
         let xff = headers
-            .get_all("x-forwarded-for")
+            .get_all(X_FORWARDED_FOR)
             .iter()
             .filter_map(|v| v.to_str().ok());
         client_ip.client_addr(peer, xff)
