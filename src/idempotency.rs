@@ -973,6 +973,31 @@ mod tests {
         assert_eq!(runs.load(Ordering::SeqCst), 1);
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_completion_after_the_fast_path_missed_is_replayed_by_the_claim() {
+        let runtime = Runtime::builder().start().await.unwrap();
+        let idempotency = runtime.idempotency();
+        let options = IdempotencyOptions::new();
+        let runs = Arc::new(AtomicUsize::new(0));
+        // The replay fast path finds nothing...
+        let ledger = State::of(&runtime.core).ledger();
+        let missed = fast_replay::<Charge>(&runtime.core, &ledger, "k", &options).unwrap();
+        assert_eq!(missed, None);
+        // ...then another caller runs the key and stores its result...
+        let first = idempotency
+            .run_with("k", options.clone(), counted(&runs, 1))
+            .await
+            .unwrap();
+        assert!(first.is_fresh());
+        // ...and the run that missed, claiming without looking again first, replays it.
+        let late = idempotency
+            .run_after_miss("k", options, counted(&runs, 2))
+            .await
+            .unwrap();
+        assert_eq!(late, IdempotencyOutcome::Replay(first.into_inner()));
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
     const SEC: Duration = Duration::from_secs(1);
 
     #[tokio::test(start_paused = true)]
