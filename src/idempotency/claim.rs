@@ -196,7 +196,7 @@ impl Ledger {
         // An early return from here drops the ticket, which releases the key.
         let found = self
             .store
-            .get(&ticket.full, Instant::now())
+            .get(&ticket.full, now)
             .resolve()
             .await
             .map_err(|e| unavailable(key, e))?;
@@ -376,6 +376,7 @@ impl Ledger {
             fingerprint,
             ttl: options.ttl(),
             lease: options.lease(),
+            claimed_at: now,
             cell,
             held: true,
             fence: None,
@@ -459,6 +460,8 @@ pub(crate) struct Ticket {
     fingerprint: Option<Fingerprint>,
     ttl: Duration,
     lease: Duration,
+    /// When the claim was made: its lease runs from here.
+    claimed_at: Instant,
     cell: Arc<RunCell<Settled>>,
     held: bool,
     /// The fencing counter of the claim won in the shared store, if any.
@@ -546,7 +549,8 @@ impl Ticket {
         &self,
         mut work: std::pin::Pin<&mut F>,
     ) -> F::Output {
-        let start = tokio::time::Instant::now();
+        // Renewals run from the claim, whose lease started then.
+        let start = self.claimed_at;
         // Renewing runs beside the work, never between its polls. It is
         // built and polled only once the work is pending, so work that ends
         // at its first poll (most does) costs no renewer, arms no timer and
