@@ -373,19 +373,22 @@ impl IdempotencyHandle {
     /// [`IdempotencyHandle::run_with`] past its replay fast path (or for a caller that has
     /// just seen [`IdempotencyHandle::try_replay`] find nothing): the run, without reading the
     /// result table again (a result stored since is still found when the key is claimed).
-    pub(crate) async fn run_after_miss<F, Fut, T, E>(
-        &self,
-        key: &str,
+    ///
+    /// A plain function returning the run's future, not an `async fn` around it: a
+    /// forwarding layer of its own would be one more copy of the whole run's future.
+    pub(crate) fn run_after_miss<'a, F, Fut, T, E>(
+        &'a self,
+        key: &'a str,
         options: IdempotencyOptions,
         f: F,
-    ) -> Result<IdempotencyOutcome<T>, Error>
+    ) -> impl Future<Output = Result<IdempotencyOutcome<T>, Error>> + 'a
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
-        run_claimed(&self.runtime.core, &self.state.ledger(), key, f, options).await
+        run_claimed(&self.runtime.core, self.state.ledger(), key, f, options)
     }
 
     /// Claims `key` by hand, for a result produced somewhere other than one
@@ -685,14 +688,14 @@ where
     if let Some(value) = fast_replay(core, ledger, key, &options)? {
         return Ok(IdempotencyOutcome::Replay(value));
     }
-    run_claimed(core, ledger, key, f, options).await
+    run_claimed(core, Arc::clone(ledger), key, f, options).await
 }
 
 /// Claims `key` (or replays what the claim finds, or waits for its holder) and
 /// runs `f` as the key's process.
 async fn run_claimed<F, Fut, T, E>(
     core: &Core,
-    ledger: &Arc<Ledger>,
+    ledger: Arc<Ledger>,
     key: &str,
     f: F,
     options: IdempotencyOptions,
@@ -703,7 +706,7 @@ where
     T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
     E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
 {
-    let ticket = match acquire(core, ledger, key, &options).await? {
+    let ticket = match acquire(core, &ledger, key, &options).await? {
         Acquired::Replay(value) => return Ok(IdempotencyOutcome::Replay(value)),
         Acquired::Owner(ticket) => ticket,
     };

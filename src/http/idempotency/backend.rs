@@ -78,17 +78,18 @@ pub(super) fn base_options(options: IdempotencyOptions, fail_fast: bool) -> Idem
 }
 
 /// Runs `f` once for `key` under `options`, after [`try_replay`] found no stored response.
-pub(super) async fn run<F, Fut>(
-    idempotency: &IdempotencyHandle,
-    key: &str,
+/// (Returns the run's future itself: an `async fn` here would copy it once more.)
+pub(super) fn run<'a, F, Fut>(
+    idempotency: &'a IdempotencyHandle,
+    key: &'a str,
     options: IdempotencyOptions,
     f: F,
-) -> Result<RunOutcome, Error>
+) -> impl Future<Output = Result<RunOutcome, Error>> + 'a
 where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = Result<StoredResponse, NotStored>> + Send + 'static,
 {
-    idempotency.run_after_miss(key, options, f).await
+    idempotency.run_after_miss(key, options, f)
 }
 
 /// The stored response of `key`, when it has one that can be read at once.
