@@ -228,8 +228,11 @@ fn argument_sets<'a>(
     let mut sets: Vec<&Operation> = Vec::new();
     let mut set_of = Vec::with_capacity(operations.len());
     for operation in operations {
-        let shared = sets.iter().take(SHARED_SETS);
-        let set = match shared.into_iter().position(|o| o.same_args(operation)) {
+        let shared = sets
+            .iter()
+            .take(SHARED_SETS)
+            .position(|o| o.same_args(operation));
+        let set = match shared {
             Some(set) => set,
             None => {
                 sets.push(operation);
