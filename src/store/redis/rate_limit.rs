@@ -171,6 +171,13 @@ fn decode(reply: &[i64]) -> Result<RateLimitReply, StoreError> {
 /// One operation as the script reads it: the key and its arguments after the time.
 struct Operation {
     key: String,
+    args: Args,
+}
+
+/// An operation's arguments, the key aside: operations with equal ones share one set in a
+/// batch.
+#[derive(PartialEq, Eq)]
+struct Args {
     op: &'static str,
     cost: u32,
     slack: u64,
@@ -178,22 +185,13 @@ struct Operation {
     numbers: Vec<u64>,
 }
 
-impl Operation {
-    /// How many arguments [`Operation::push_args`] adds.
-    fn arg_count(&self) -> usize {
+impl Args {
+    /// How many arguments [`Args::push`] adds.
+    fn count(&self) -> usize {
         4 + self.numbers.len()
     }
 
-    /// Whether `other` sends the same arguments (the key aside).
-    fn same_args(&self, other: &Self) -> bool {
-        self.op == other.op
-            && self.cost == other.cost
-            && self.slack == other.slack
-            && self.kinds == other.kinds
-            && self.numbers == other.numbers
-    }
-
-    fn push_args(&self, call: &mut ScriptInvocation<'_>) {
+    fn push(&self, call: &mut ScriptInvocation<'_>) {
         call.arg(self.op)
             .arg(self.cost)
             .arg(self.slack)
@@ -224,18 +222,16 @@ const SHARED_SETS: usize = 8;
 /// counts.
 fn argument_sets<'a>(
     operations: impl ExactSizeIterator<Item = &'a Operation>,
-) -> (Vec<&'a Operation>, Vec<usize>) {
-    let mut sets: Vec<&Operation> = Vec::new();
+) -> (Vec<&'a Args>, Vec<usize>) {
+    let mut sets: Vec<&Args> = Vec::new();
     let mut set_of = Vec::with_capacity(operations.len());
     for operation in operations {
-        let shared = sets
-            .iter()
-            .take(SHARED_SETS)
-            .position(|o| o.same_args(operation));
+        let args = &operation.args;
+        let shared = sets.iter().take(SHARED_SETS).position(|set| *set == args);
         let set = match shared {
             Some(set) => set,
             None => {
-                sets.push(operation);
+                sets.push(args);
                 sets.len() - 1
             }
         };
@@ -385,9 +381,9 @@ impl Draining {
                 call.key(&queued.operation.key);
             }
             call.arg(sets.len());
-            for operation in &sets {
-                call.arg(operation.arg_count());
-                operation.push_args(&mut call);
+            for args in &sets {
+                call.arg(args.count());
+                args.push(&mut call);
             }
             for set in set_of {
                 call.arg(set);
@@ -476,11 +472,13 @@ impl Redis {
         }
         Ok(Operation {
             key: self.key(request.key, ":r"),
-            op,
-            cost: cost.map_or(1, |c| c.get()),
-            slack,
-            kinds,
-            numbers,
+            args: Args {
+                op,
+                cost: cost.map_or(1, |c| c.get()),
+                slack,
+                kinds,
+                numbers,
+            },
         })
     }
 
@@ -489,7 +487,7 @@ impl Redis {
         static SCRIPT: OnceLock<Script> = OnceLock::new();
         let mut call = cached(&SCRIPT, SINGLE, true).prepare_invoke();
         call.key(&operation.key).arg(self.pinned());
-        operation.push_args(&mut call);
+        operation.args.push(&mut call);
         let reply: Vec<i64> = self.invoke(&call).await?;
         reply_of(&operation.key, &reply)
     }
@@ -750,11 +748,13 @@ mod tests {
     fn operations_with_the_same_arguments_share_one_set() {
         let op = |key: &str, op, cost, numbers: &[u64]| Operation {
             key: key.to_owned(),
-            op,
-            cost,
-            slack: 1,
-            kinds: "g".to_owned(),
-            numbers: numbers.to_vec(),
+            args: Args {
+                op,
+                cost,
+                slack: 1,
+                kinds: "g".to_owned(),
+                numbers: numbers.to_vec(),
+            },
         };
         let ops = [
             op("a", "c", 1, &[2, 500_000, 1, 1_000_000]),
@@ -765,7 +765,12 @@ mod tests {
             op("f", "p", 1, &[2, 500_000, 1, 1_000_000]),
         ];
         let (sets, set_of) = argument_sets(ops.iter());
-        let keys: Vec<&str> = sets.iter().map(|o| o.key.as_str()).collect();
+        // Each set is the arguments of the operation that used it first.
+        let first_user = |set: &&Args| ops.iter().find(|o| std::ptr::eq(&o.args, *set));
+        let keys: Vec<&str> = sets
+            .iter()
+            .map(|s| first_user(s).unwrap().key.as_str())
+            .collect();
         assert_eq!(keys, ["a", "b", "d", "e"]);
         assert_eq!(set_of, [1, 2, 1, 3, 4, 2]);
 
