@@ -23,7 +23,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use throttlebeam_supervisors::{Counters, Sweeper, catch_panic};
+use throttlebeam_supervisors::{Counters, Sweeper, catch_panic_fn};
 use tokio::time::Instant;
 
 use self::claim::{Ledger, Settled, Step, Tally, Ticket};
@@ -34,6 +34,7 @@ pub use self::seam::{
     IdempotencyStoreFuture, KeyChanged, MemoryIdempotencyStore, StoredResult,
 };
 use self::store::ResultTable;
+use crate::cell::RunCell;
 use crate::error::Error;
 use crate::key::{check_key, shown};
 use crate::runtime::{Core, Runtime, Service};
@@ -582,6 +583,13 @@ fn retry_hint(lease_until: Option<Instant>, now: Instant) -> Duration {
 
 /// Looks at the key until it replays, is held by this caller, or the wait
 /// timeout passes (or, with [`InFlight::Reject`], until it is found in flight).
+/// Where a claim that found its key held waits: on the holder here, or (boxed) on the
+/// holder on another instance.
+enum Look<W> {
+    Here(Arc<RunCell<Settled>>, Option<Instant>),
+    Elsewhere(W),
+}
+
 async fn acquire<T>(
     core: &Core,
     ledger: &Arc<Ledger>,
@@ -598,13 +606,15 @@ where
     let deadline = now + options.wait_timeout();
     loop {
         core.check_open(key)?;
-        let (cell, lease_until) = match ledger.attempt(key, options, now).await? {
+        // The step is taken apart in a statement of its own, and the waits come after it:
+        // a step kept across a wait would size every run's future.
+        let look = match ledger.attempt(key, options, now).await? {
             Step::Replay(value) => return Ok(Acquired::Replay(value)),
             Step::Owner(ticket) => {
                 Tally::bump(&ledger.tally.fresh);
                 return Ok(Acquired::Owner(ticket));
             }
-            Step::Wait { cell, lease_until } => (cell, lease_until),
+            Step::Wait { cell, lease_until } => Look::Here(cell, lease_until),
             Step::Remote { ticket, lease_left } => {
                 if options.in_flight() == InFlight::Reject {
                     Tally::bump(&ledger.tally.in_flight_rejections);
@@ -616,26 +626,29 @@ where
                 }
                 // Boxed: this rare wait (a key in flight on another instance) would
                 // otherwise size, and be copied with, every run's future.
-                let waited = Box::pin(ledger.wait_remote(
+                Look::Elsewhere(Box::pin(ledger.wait_remote(
                     ticket,
                     key,
                     lease_left,
                     deadline,
                     options.wait_timeout(),
-                ));
-                match waited.await? {
-                    Step::Replay(value) => return Ok(Acquired::Replay(value)),
-                    Step::Owner(ticket) => {
-                        Tally::bump(&ledger.tally.fresh);
-                        return Ok(Acquired::Owner(ticket));
-                    }
-                    // wait_remote ends only in a replay or a claim.
-                    Step::Wait { .. } | Step::Remote { .. } => {
-                        now = Instant::now();
-                        continue;
-                    }
-                }
+                )))
             }
+        };
+        let (cell, lease_until) = match look {
+            Look::Here(cell, lease_until) => (cell, lease_until),
+            Look::Elsewhere(waited) => match waited.await? {
+                Step::Replay(value) => return Ok(Acquired::Replay(value)),
+                Step::Owner(ticket) => {
+                    Tally::bump(&ledger.tally.fresh);
+                    return Ok(Acquired::Owner(ticket));
+                }
+                // wait_remote ends only in a replay or a claim.
+                Step::Wait { .. } | Step::Remote { .. } => {
+                    now = Instant::now();
+                    continue;
+                }
+            },
         };
         if options.in_flight() == InFlight::Reject {
             Tally::bump(&ledger.tally.in_flight_rejections);
@@ -693,31 +706,59 @@ where
 
 /// Claims `key` (or replays what the claim finds, or waits for its holder) and
 /// runs `f` as the key's process.
-async fn run_claimed<F, Fut, T, E>(
-    core: &Core,
+///
+/// A plain function around an `async move` block, not an `async fn`: an `async fn` keeps its
+/// arguments twice in its future (as captured, and as the body's locals), and `f` holds the
+/// caller's whole request.
+#[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
+fn run_claimed<'a, F, Fut, T, E>(
+    core: &'a Core,
     ledger: Arc<Ledger>,
-    key: &str,
+    key: &'a str,
     f: F,
     options: IdempotencyOptions,
-) -> Result<IdempotencyOutcome<T>, Error>
+) -> impl Future<Output = Result<IdempotencyOutcome<T>, Error>> + 'a
 where
     F: FnOnce() -> Fut + Send + 'static,
     Fut: Future<Output = Result<T, E>> + Send + 'static,
     T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
     E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
 {
-    let ticket = match acquire(core, &ledger, key, &options).await? {
-        Acquired::Replay(value) => return Ok(IdempotencyOutcome::Replay(value)),
-        Acquired::Owner(ticket) => ticket,
-    };
-    // The run is the key's process, driven in this task (no spawn, no
-    // hand-off); if this caller leaves mid-run, the rest moves into a
-    // process of its own and still completes. If it never starts, or is
-    // dropped before it ends (its tokio runtime went away), dropping it
-    // drops the ticket: the key is released.
-    let run = core.run_here(key, async move {
-        let work = std::pin::pin!(catch_panic(async move { f().await }));
-        let caught = ticket.hold(work).await;
+    async move {
+        let ticket = match acquire(core, &ledger, key, &options).await? {
+            Acquired::Replay(value) => return Ok(IdempotencyOutcome::Replay(value)),
+            Acquired::Owner(ticket) => ticket,
+        };
+        // The run is the key's process, driven in this task (no spawn, no
+        // hand-off); if this caller leaves mid-run, the rest moves into a
+        // process of its own and still completes. If it never starts, or is
+        // dropped before it ends (its tokio runtime went away), dropping it
+        // drops the ticket: the key is released. Boxed where it is built: it
+        // holds `f`'s whole future.
+        let run = core.run_here_boxed(key, Box::pin(owned_run(ticket, f)))?;
+        run.await.map(IdempotencyOutcome::Fresh)
+    }
+}
+
+/// The run a claim's owner drives: `f` under `ticket`'s lease, then its result completed (or
+/// the key released). The work's future is dropped before completing, so the two never take
+/// room in this future at once.
+#[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
+fn owned_run<F, Fut, T, E>(
+    ticket: Ticket,
+    f: F,
+) -> impl Future<Output = Result<T, Error>> + Send + 'static
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<T, E>> + Send,
+    T: Serialize + Clone + Send + Sync + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    async move {
+        let caught = {
+            let work = std::pin::pin!(catch_panic_fn(f));
+            ticket.hold(work).await
+        };
         match Error::from_run(ticket.key(), caught) {
             Ok(value) => match ticket.complete(value.clone()).await {
                 Ok(()) | Err(Error::ShutDown { .. }) => Ok(value),
@@ -728,8 +769,7 @@ where
                 Err(e)
             }
         }
-    })?;
-    run.await.map(IdempotencyOutcome::Fresh)
+    }
 }
 
 async fn reserve_in<T>(

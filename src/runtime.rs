@@ -367,6 +367,19 @@ impl Core {
             .map_err(|e| start_error(key, e))
     }
 
+    /// [`Core::run_here`] for work boxed where it is built (a large run's future is then not
+    /// copied again on its way in).
+    pub(crate) fn run_here_boxed<O: Send + 'static>(
+        &self,
+        key: &str,
+        work: std::pin::Pin<Box<dyn Future<Output = O> + Send>>,
+    ) -> Result<RunHere<O>, Error> {
+        self.tree
+            .supervisor()
+            .run_here_boxed(self.router.hash_one(key), work)
+            .map_err(|e| start_error(key, e))
+    }
+
     /// Starts a per-key process under the partitioned supervisor; the key
     /// picks the partition.
     pub(crate) fn start_process<F>(&self, key: &str, process: F) -> Result<(), Error>

@@ -248,9 +248,19 @@ async fn i5_an_error_or_a_panic_releases_the_key_and_a_retry_runs_again() {
     let retry = idem.run("pay:7", op(&runs, MS, 2_u32)).await;
     assert_eq!(retry.unwrap(), IdempotencyOutcome::Fresh(2));
 
-    assert_eq!(count(&runs), 4);
+    // A closure that panics while building its future is caught the same way.
+    let unbuilt: Op<u32> = Box::new(|| panic!("no future for you"));
+    let panicked = idem.run("pay:8", unbuilt).await;
+    assert!(
+        matches!(&panicked, Err(Error::Panicked { message, .. }) if message == "no future for you"),
+        "{panicked:?}"
+    );
+    let retry = idem.run("pay:8", op(&runs, MS, 3_u32)).await;
+    assert_eq!(retry.unwrap(), IdempotencyOutcome::Fresh(3));
+
+    assert_eq!(count(&runs), 5);
     assert_eq!(rt.stats().keys, 0);
-    assert_eq!(rt.stats().ttl_entries, 2, "failures are never stored");
+    assert_eq!(rt.stats().ttl_entries, 3, "failures are never stored");
 }
 
 #[tokio::test(start_paused = true)]

@@ -461,13 +461,17 @@ impl<S> Pending<S> {
 
 /// A guarded request that found no stored response: run the handler once for its key (or
 /// wait for the run in flight and replay it).
-async fn exchange<S, ReqB, ResB>(
+///
+/// A plain function around an `async move` block, not an `async fn`, which would keep its
+/// arguments (the whole request among them) twice in its future.
+#[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
+fn exchange<S, ReqB, ResB>(
     config: Arc<Config>,
     mut inner: S,
     request: Request<RequestBody<ReqB>>,
     key: String,
     options: IdempotencyOptions,
-) -> Result<Response<ResponseBody<ResB>>, S::Error>
+) -> impl Future<Output = Result<Response<ResponseBody<ResB>>, S::Error>> + Send + 'static
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
     S::Future: Send + 'static,
@@ -477,48 +481,51 @@ where
     ResB: Body<Data = Bytes> + Send + Unpin + 'static,
     ResB::Error: Into<BodyError>,
 {
-    let (tx, mut rx) = oneshot::channel::<Handed<ResB, S::Error>>();
-    let max_stored = config.max_stored;
-    let keep = Arc::clone(&config.keep);
-    let handler = move || async move {
-        let response = match inner.call(request).await {
-            Ok(response) => response,
-            Err(err) => {
-                let _ = tx.send(Err(err));
+    async move {
+        let (tx, mut rx) = oneshot::channel::<Handed<ResB, S::Error>>();
+        let max_stored = config.max_stored;
+        let keep = Arc::clone(&config.keep);
+        let handler = move || async move {
+            let response = match inner.call(request).await {
+                Ok(response) => response,
+                Err(err) => {
+                    let _ = tx.send(Err(err));
+                    return Err(NotStored);
+                }
+            };
+            let (head, body) = response.into_parts();
+            if head.status.is_server_error() {
+                let _ = tx.send(Ok(Response::from_parts(
+                    head,
+                    ResponseBody::streaming(body),
+                )));
                 return Err(NotStored);
             }
+            match buffer(body, max_stored).await {
+                Buffered::Whole(bytes) => {
+                    let stored =
+                        StoredResponse::new(head.status, &head.headers, &keep, bytes.clone());
+                    let _ = tx.send(Ok(Response::from_parts(head, ResponseBody::full(bytes))));
+                    Ok(stored)
+                }
+                Buffered::Partial(body) => {
+                    let _ = tx.send(Ok(Response::from_parts(head, body)));
+                    Err(NotStored)
+                }
+            }
         };
-        let (head, body) = response.into_parts();
-        if head.status.is_server_error() {
-            let _ = tx.send(Ok(Response::from_parts(
-                head,
-                ResponseBody::streaming(body),
-            )));
-            return Err(NotStored);
+        let result = backend::run(&config.idempotency, &key, options, handler).await;
+        // The handler ran for this request: answer with its response, stored or not.
+        if let Ok(handed) = rx.try_recv() {
+            return handed;
         }
-        match buffer(body, max_stored).await {
-            Buffered::Whole(bytes) => {
-                let stored = StoredResponse::new(head.status, &head.headers, &keep, bytes.clone());
-                let _ = tx.send(Ok(Response::from_parts(head, ResponseBody::full(bytes))));
-                Ok(stored)
+        Ok(match result {
+            Ok(IdempotencyOutcome::Replay(stored) | IdempotencyOutcome::Fresh(stored)) => {
+                replay(&stored)
             }
-            Buffered::Partial(body) => {
-                let _ = tx.send(Ok(Response::from_parts(head, body)));
-                Err(NotStored)
-            }
-        }
-    };
-    let result = backend::run(&config.idempotency, &key, options, handler).await;
-    // The handler ran for this request: answer with its response, stored or not.
-    if let Ok(handed) = rx.try_recv() {
-        return handed;
+            Err(err) => refuse(&backend::refusal(&err, config.fail_fast), &key),
+        })
     }
-    Ok(match result {
-        Ok(IdempotencyOutcome::Replay(stored) | IdempotencyOutcome::Fresh(stored)) => {
-            replay(&stored)
-        }
-        Err(err) => refuse(&backend::refusal(&err, config.fail_fast), &key),
-    })
 }
 
 /// The data frames of a request body read so far: one frame (the usual case) is kept as it

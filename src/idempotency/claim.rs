@@ -168,7 +168,8 @@ impl Ledger {
                 Step::Owner(ticket) => ticket,
                 other => return Ok(other),
             };
-            return self.claim_shared(shared.as_ref(), ticket, key).await;
+            // Boxed: this path's future would otherwise size every run's future.
+            return Box::pin(self.claim_shared(shared.as_ref(), ticket, key)).await;
         }
         // A store that answers at once was read by the replay fast path every run takes
         // first (and a caller back from waiting has the look after the claim below): look
@@ -603,99 +604,110 @@ impl Ticket {
     /// (nothing is stored), [`Error::ShutDown`] after the runtime shut down
     /// (nothing is stored, the key is released), and
     /// [`Error::StoreUnavailable`] if the store refused it (released too).
-    pub(crate) async fn complete<T>(mut self, value: T) -> Result<(), Error>
+    ///
+    /// A plain function around an `async move` block, not an `async fn`, which would keep
+    /// the ticket and the value twice in its future.
+    #[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
+    pub(crate) fn complete<T>(
+        mut self,
+        value: T,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'static
     where
         T: Serialize + Send + Sync + 'static,
     {
-        let ledger = Arc::clone(&self.ledger);
-        let (generation, token) = (self.generation, self.token);
-        let ours = ledger
-            .claims
-            .with_slot(self.full.as_bytes(), |slot| {
-                let ours = slot.generation() == generation && slot.state.token == token;
-                if ours {
-                    slot.state.completing = true;
-                }
-                ours
-            })
-            .unwrap_or(false);
-        if !ours {
-            // Not ours to release either: the slot belongs to the new holder.
-            self.held = false;
-            tracing::debug!(key = %self.key, "idempotency completion rejected: lease lost");
-            return Err(Error::LeaseLost {
-                key: self.key.to_string(),
-            });
-        }
-        if ledger.is_closed() {
-            self.release_now();
-            return Err(Error::ShutDown {
-                key: self.key.to_string(),
-            });
-        }
-        let record = if let Some(shared) = ledger.shared.as_deref().filter(|_| self.fence.is_some())
-        {
-            let stored = match stored_result(self.fingerprint, &value) {
-                Ok(stored) => stored,
-                Err(e) => {
-                    self.release_now();
-                    return Err(unavailable(&self.key, Arc::new(e)));
-                }
-            };
-            match self.complete_shared(shared, &stored).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    // Taken over in the shared store: the key is another owner's.
-                    self.drop_local();
-                    tracing::debug!(key = %self.key, "idempotency completion refused: lease lost");
-                    return Err(Error::LeaseLost {
-                        key: self.key.to_string(),
-                    });
-                }
-                Err(e) => {
-                    self.release_now();
-                    return Err(unavailable(&self.key, Arc::new(e)));
-                }
+        async move {
+            let ledger = Arc::clone(&self.ledger);
+            let (generation, token) = (self.generation, self.token);
+            let ours = ledger
+                .claims
+                .with_slot(self.full.as_bytes(), |slot| {
+                    let ours = slot.generation() == generation && slot.state.token == token;
+                    if ours {
+                        slot.state.completing = true;
+                    }
+                    ours
+                })
+                .unwrap_or(false);
+            if !ours {
+                // Not ours to release either: the slot belongs to the new holder.
+                self.held = false;
+                tracing::debug!(key = %self.key, "idempotency completion rejected: lease lost");
+                return Err(Error::LeaseLost {
+                    key: self.key.to_string(),
+                });
             }
-            // Local waiters replay the typed value, not the bytes.
-            match Record::new(Form::Typed, self.fingerprint, value) {
-                Ok(record) => record,
-                Err(e) => {
-                    self.release_now();
-                    return Err(unavailable(&self.key, Arc::new(e)));
-                }
-            }
-        } else {
-            let record = match Record::new(ledger.store.form(), self.fingerprint, value) {
-                Ok(record) => record,
-                Err(e) => {
-                    self.release_now();
-                    return Err(unavailable(&self.key, Arc::new(e)));
-                }
-            };
-            let put = ledger
-                .store
-                .put(&self.full, record.clone(), self.ttl)
-                .resolve()
-                .await;
-            if let Err(e) = put {
+            if ledger.is_closed() {
                 self.release_now();
-                return Err(unavailable(&self.key, e));
+                return Err(Error::ShutDown {
+                    key: self.key.to_string(),
+                });
             }
-            record
-        };
-        if ledger.is_closed() {
-            // Shutdown cleared the store while we were putting.
-            ledger.store.close();
+            let record = if let Some(shared) =
+                ledger.shared.as_deref().filter(|_| self.fence.is_some())
+            {
+                let stored = match stored_result(self.fingerprint, &value) {
+                    Ok(stored) => stored,
+                    Err(e) => {
+                        self.release_now();
+                        return Err(unavailable(&self.key, Arc::new(e)));
+                    }
+                };
+                // Boxed: this path's future would otherwise size every run's future.
+                match Box::pin(self.complete_shared(shared, &stored)).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // Taken over in the shared store: the key is another owner's.
+                        self.drop_local();
+                        tracing::debug!(key = %self.key, "idempotency completion refused: lease lost");
+                        return Err(Error::LeaseLost {
+                            key: self.key.to_string(),
+                        });
+                    }
+                    Err(e) => {
+                        self.release_now();
+                        return Err(unavailable(&self.key, Arc::new(e)));
+                    }
+                }
+                // Local waiters replay the typed value, not the bytes.
+                match Record::new(Form::Typed, self.fingerprint, value) {
+                    Ok(record) => record,
+                    Err(e) => {
+                        self.release_now();
+                        return Err(unavailable(&self.key, Arc::new(e)));
+                    }
+                }
+            } else {
+                let record = match Record::new(ledger.store.form(), self.fingerprint, value) {
+                    Ok(record) => record,
+                    Err(e) => {
+                        self.release_now();
+                        return Err(unavailable(&self.key, Arc::new(e)));
+                    }
+                };
+                let put = ledger
+                    .store
+                    .put(&self.full, record.clone(), self.ttl)
+                    .resolve()
+                    .await;
+                if let Err(e) = put {
+                    self.release_now();
+                    return Err(unavailable(&self.key, e));
+                }
+                record
+            };
+            if ledger.is_closed() {
+                // Shutdown cleared the store while we were putting.
+                ledger.store.close();
+            }
+            ledger
+                .claims
+                .remove_if(self.full.as_bytes(), generation, |claim| {
+                    claim.token == token
+                });
+            self.held = false;
+            self.cell.set(Ok(Settled::Done(record)));
+            Ok(())
         }
-        ledger
-            .claims
-            .remove_if(self.full.as_bytes(), generation, |claim| {
-                claim.token == token
-            });
-        self.held = false;
-        self.cell.set(Ok(Settled::Done(record)));
-        Ok(())
     }
 
     /// Stores `stored` in the shared store, trying again while the store

@@ -99,7 +99,7 @@ mod sweeper;
 mod tree;
 mod ttl;
 
-pub use panic::{CatchPanic, Panic, catch_panic};
+pub use panic::{CatchPanic, Panic, catch_panic, catch_panic_fn};
 pub use registry::{CapacityError, Generation, Registry, Slot, SlotEntry, SlotGuard, VacantSlot};
 pub use stats::{Counters, Snapshot, TimerGuard};
 pub use supervisor::{RunHere, StartError, Supervisor};

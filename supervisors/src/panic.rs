@@ -77,3 +77,56 @@ impl<F: Future> Future for CatchPanic<F> {
         }
     }
 }
+
+/// [`catch_panic`] over the future `f` returns, with `f` called at the first poll: a panic
+/// while building the future is caught too, and the future takes the place of `f` (the two
+/// never take room at once, as they would in `catch_panic(async move { f().await })`).
+///
+/// # Examples
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
+/// use throttlebeam_supervisors::catch_panic_fn;
+///
+/// assert_eq!(catch_panic_fn(|| async { 7 }).await.unwrap(), 7);
+/// let caught = catch_panic_fn(|| -> std::future::Ready<u8> { panic!("boom") }).await;
+/// assert_eq!(caught.unwrap_err().message(), "boom");
+/// let caught = catch_panic_fn(|| async { panic!("later") }).await;
+/// assert_eq!(caught.map(|()| ()).unwrap_err().message(), "later");
+/// # });
+/// ```
+pub fn catch_panic_fn<F, Fut>(f: F) -> impl Future<Output = Result<Fut::Output, Panic>>
+where
+    F: FnOnce() -> Fut,
+    Fut: Future,
+{
+    catch_panic(Started::Not { f: Some(f) })
+}
+
+pin_project_lite::pin_project! {
+    /// `f` until the first poll, then the future it returned.
+    #[project = StartedProj]
+    enum Started<F, Fut> {
+        Not { f: Option<F> },
+        Running { #[pin] future: Fut },
+    }
+}
+
+impl<F, Fut> Future for Started<F, Fut>
+where
+    F: FnOnce() -> Fut,
+    Fut: Future,
+{
+    type Output = Fut::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Fut::Output> {
+        if let StartedProj::Not { f } = self.as_mut().project() {
+            let f = f.take().expect("Started polled after its start panicked");
+            self.set(Started::Running { future: f() });
+        }
+        match self.project() {
+            StartedProj::Running { future } => future.poll(cx),
+            StartedProj::Not { .. } => unreachable!("started above"),
+        }
+    }
+}

@@ -287,10 +287,39 @@ impl Supervisor {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
+        self.run_here_boxed(route, Box::pin(work))
+    }
+
+    /// [`Supervisor::run_here`] for work already boxed: a large future boxed where it is
+    /// built is not copied again on its way in.
+    ///
+    /// # Errors
+    ///
+    /// As [`Supervisor::run_here`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+    /// use throttlebeam_supervisors::Supervisor;
+    ///
+    /// let supervisor = Supervisor::new(2);
+    /// let run = supervisor.run_here_boxed(7, Box::pin(async { 6 * 7 })).unwrap();
+    /// assert_eq!(run.await, 42);
+    /// # });
+    /// ```
+    pub fn run_here_boxed<O>(
+        &self,
+        route: u64,
+        work: Pin<Box<dyn Future<Output = O> + Send>>,
+    ) -> Result<RunHere<O>, StartError>
+    where
+        O: Send + 'static,
+    {
         let (guard, handle) = self.admit(route)?;
         Ok(RunHere {
             running: Some(Running {
-                work: Box::pin(work),
+                work,
                 guard,
                 handle,
             }),
