@@ -5,7 +5,7 @@ use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use throttlebeam_supervisors::{Registry, SlotEntry, Sweep, catch_panic};
+use throttlebeam_supervisors::{Registry, SlotEntry, Sweep, catch_panic_fn};
 use tokio::time::Instant;
 
 use crate::clock::WindowClock;
@@ -303,9 +303,7 @@ impl ThrottleHandle {
         // The function runs in this task, counted as the key's process: no
         // task to spawn and no hand-off on the way back. If this future is
         // dropped mid-run, the rest moves into a process of its own.
-        let caught = core
-            .run_here(key, catch_panic(async move { f().await }))?
-            .await;
+        let caught = core.run_here(key, catch_panic_fn(f))?.await;
         Error::from_run(key, caught).map(ThrottleOutcome::Executed)
     }
 }
