@@ -27,6 +27,8 @@ use throttlebeam_supervisors::{Counters, Sweeper, catch_panic_fn};
 use tokio::time::Instant;
 
 use self::claim::{Ledger, Settled, Step, Tally, Ticket};
+#[cfg(feature = "tower")]
+pub(crate) use self::options::Fingerprint;
 pub use self::options::{IdempotencyOptions, InFlight};
 pub use self::reservation::{IdempotencyReservation, IdempotencyReserved};
 pub use self::seam::{

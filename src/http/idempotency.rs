@@ -446,7 +446,7 @@ impl<S> Pending<S> {
         };
         let options = config
             .options(&parts)
-            .with_fingerprint(request::fingerprint(&parts, &bytes));
+            .with_fingerprint_digest(request::fingerprint(&parts, &bytes));
         match backend::try_replay(&config.idempotency, &key, &options) {
             Ok(Some(stored)) => return Decided::Answer(replay(&stored)),
             Ok(None) => {}

@@ -120,6 +120,14 @@ impl IdempotencyOptions {
         self
     }
 
+    /// [`IdempotencyOptions::with_fingerprint`] for a caller that already holds a SHA-256
+    /// digest of what it fingerprints: kept as it is, not hashed again.
+    #[cfg(feature = "tower")]
+    pub(crate) fn with_fingerprint_digest(mut self, digest: Fingerprint) -> Self {
+        self.fingerprint = Some(digest);
+        self
+    }
+
     /// How long a completed result is replayed (default 24 h).
     pub fn with_ttl(mut self, ttl: Duration) -> Self {
         self.ttl = ttl;

@@ -6,6 +6,8 @@ use http::header::{AUTHORIZATION, COOKIE, HeaderName};
 use http::request::Parts;
 use sha2::{Digest, Sha256};
 
+use crate::idempotency::Fingerprint;
+
 /// `Idempotency-Key` (draft-ietf-httpapi-idempotency-key-header).
 pub(super) const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
@@ -90,9 +92,9 @@ pub(super) fn tenant_scope(tenant: &str) -> String {
     format!("http/tenant/{tenant}")
 }
 
-/// SHA-256 over method, path, query and body, each length-prefixed, as 64 lowercase hex
-/// characters (on the stack: no allocation per request).
-pub(super) fn fingerprint(parts: &Parts, body: &Bytes) -> [u8; 64] {
+/// SHA-256 over method, path, query and body, each length-prefixed: the request's
+/// fingerprint as the runtime keeps it (handed over as a digest, so it is not hashed again).
+pub(super) fn fingerprint(parts: &Parts, body: &Bytes) -> Fingerprint {
     let mut hasher = Sha256::new();
     let fields: [&[u8]; 4] = [
         parts.method.as_str().as_bytes(),
@@ -104,12 +106,7 @@ pub(super) fn fingerprint(parts: &Parts, body: &Bytes) -> [u8; 64] {
         hasher.update((field.len() as u64).to_be_bytes());
         hasher.update(field);
     }
-    let mut out = [0; 64];
-    for (pair, byte) in out.chunks_exact_mut(2).zip(hasher.finalize()) {
-        pair[0] = HEX[usize::from(byte >> 4)];
-        pair[1] = HEX[usize::from(byte & 0x0f)];
-    }
-    out
+    hasher.finalize().into()
 }
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -185,16 +182,13 @@ mod tests {
             fingerprint(&parts, &Bytes::from_static(body.as_bytes()))
         };
         let base = fp("POST", "/pay?x=1", "{}");
-        // The hex digest of SHA-256 over the length-prefixed fields, as before it moved to
-        // the stack: stored fingerprints stay valid across the change.
+        // The digest of SHA-256 over the length-prefixed fields, as the docs describe it.
         let mut hasher = Sha256::new();
         for field in [&b"POST"[..], b"/pay", b"x=1", b"{}"] {
             hasher.update((field.len() as u64).to_be_bytes());
             hasher.update(field);
         }
-        let mut hex = String::new();
-        push_hex(&mut hex, &hasher.finalize());
-        assert_eq!(std::str::from_utf8(&base).unwrap(), hex);
+        assert_eq!(base, <[u8; 32]>::from(hasher.finalize()));
         assert_eq!(base, fp("POST", "/pay?x=1", "{}"));
         for other in [
             fp("PATCH", "/pay?x=1", "{}"),
