@@ -16,7 +16,6 @@
 //!   lease lapses, and only then may another caller take the key over.
 
 use std::cell::RefCell;
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -838,7 +837,21 @@ pub(crate) fn with_full_key<R>(scope: Option<&str>, key: &str, f: impl FnOnce(&s
         match scope {
             None => buffer.push('-'),
             Some(scope) => {
-                let _ = write!(buffer, "{}:", scope.len());
+                // The length in decimal, without the formatting machinery (this runs on
+                // every lookup).
+                let mut digits = [0u8; 20];
+                let mut at = digits.len();
+                let mut len = scope.len();
+                loop {
+                    at -= 1;
+                    digits[at] = b'0' + (len % 10) as u8;
+                    len /= 10;
+                    if len == 0 {
+                        break;
+                    }
+                }
+                buffer.extend(digits[at..].iter().map(|&d| char::from(d)));
+                buffer.push(':');
                 buffer.push_str(scope);
             }
         }
@@ -880,5 +893,11 @@ mod tests {
         assert_eq!(unique.len(), forms.len(), "{forms:?}");
         assert_eq!(forms[1], "1:ab");
         assert_eq!(forms[0], "-1:ab");
+        // The scope's length in decimal, every digit of it.
+        for len in [9, 10, 14, 99, 100, 255, 1000] {
+            let scope = "s".repeat(len);
+            let full = with_full_key(Some(&scope), "k", str::to_owned);
+            assert_eq!(full, format!("{len}:{scope}k"));
+        }
     }
 }
