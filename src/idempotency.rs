@@ -583,8 +583,6 @@ fn retry_hint(lease_until: Option<Instant>, now: Instant) -> Duration {
         .clamp(Duration::from_millis(1), MAX_HINT)
 }
 
-/// Looks at the key until it replays, is held by this caller, or the wait
-/// timeout passes (or, with [`InFlight::Reject`], until it is found in flight).
 /// Where a claim that found its key held waits: on the holder here, or (boxed) on the
 /// holder on another instance.
 enum Look<W> {
@@ -592,6 +590,8 @@ enum Look<W> {
     Elsewhere(W),
 }
 
+/// Looks at the key until it replays, is held by this caller, or the wait
+/// timeout passes (or, with [`InFlight::Reject`], until it is found in flight).
 async fn acquire<T>(
     core: &Core,
     ledger: &Arc<Ledger>,
