@@ -17,6 +17,7 @@ mod claims;
 mod debounce;
 mod notify;
 mod rate_limit;
+mod script_loads;
 mod server_clock;
 mod window;
 
@@ -180,6 +181,7 @@ impl RedisBuilder {
                 waiters: notify::Waiters::default(),
                 bursts: debounce::BurstListeners::default(),
                 batches: rate_limit::Batcher::default(),
+                script_loads: script_loads::ScriptLoads::default(),
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
@@ -214,6 +216,8 @@ struct Inner {
     bursts: debounce::BurstListeners,
     /// Rate-limit operations waiting to go out together (single node).
     batches: rate_limit::Batcher,
+    /// Script loads in flight, shared by the calls that found a script missing.
+    script_loads: script_loads::ScriptLoads,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -399,16 +403,17 @@ impl Redis {
         .await
     }
 
-    /// Calls a script (`EVALSHA`, loading it on `NOSCRIPT`), under the
-    /// timeout and the breaker.
+    /// Calls a script (`EVALSHA`, loading it on `NOSCRIPT`: one load shared by every call
+    /// that found it missing at once), under the timeout and the breaker.
     pub(crate) async fn invoke<T: FromRedisValue>(
         &self,
         invocation: &ScriptInvocation<'_>,
     ) -> Result<T, StoreError> {
+        let loads = &self.inner.script_loads;
         self.guarded(|conn| async move {
             match conn {
-                Conn::Single(mut c) => invocation.invoke_async(&mut c).await,
-                Conn::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+                Conn::Single(mut c) => invocation.invoke_async(&mut loads.on(&mut c)).await,
+                Conn::Cluster(mut c) => invocation.invoke_async(&mut loads.on(&mut c)).await,
             }
         })
         .await
@@ -957,6 +962,7 @@ mod tests {
             waiters: notify::Waiters::default(),
             bursts: debounce::BurstListeners::default(),
             batches: rate_limit::Batcher::default(),
+            script_loads: script_loads::ScriptLoads::default(),
         };
         let redis = Redis {
             inner: Arc::new(inner),
