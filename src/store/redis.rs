@@ -223,9 +223,10 @@ struct Inner {
 /// A Redis (or Redis Cluster) backend shared by several instances.
 ///
 /// A cheap handle (`Clone`). Every decision made through it is one command
-/// or one script call (`EVALSHA`, with a fallback to `EVAL` when the server
-/// does not know the script yet); every call is bounded by the command
-/// timeout and guarded by a circuit breaker.
+/// or one script call (`EVALSHA`; when the server does not know the script
+/// yet, it is loaded and called again, one load shared by every call that
+/// found it missing); every call is bounded by the command timeout and
+/// guarded by a circuit breaker.
 ///
 /// # Rate limiting
 ///
