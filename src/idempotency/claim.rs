@@ -837,20 +837,8 @@ pub(crate) fn with_full_key<R>(scope: Option<&str>, key: &str, f: impl FnOnce(&s
         match scope {
             None => buffer.push('-'),
             Some(scope) => {
-                // The length in decimal, without the formatting machinery (this runs on
-                // every lookup).
-                let mut digits = [0u8; 20];
-                let mut at = digits.len();
-                let mut len = scope.len();
-                loop {
-                    at -= 1;
-                    digits[at] = b'0' + (len % 10) as u8;
-                    len /= 10;
-                    if len == 0 {
-                        break;
-                    }
-                }
-                buffer.extend(digits[at..].iter().map(|&d| char::from(d)));
+                // `itoa`, not `write!`: this runs on every lookup.
+                buffer.push_str(itoa::Buffer::new().format(scope.len()));
                 buffer.push(':');
                 buffer.push_str(scope);
             }

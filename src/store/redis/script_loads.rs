@@ -79,17 +79,17 @@ impl ScriptLoads {
                 }
             }
         };
-        // A caller dropped mid-load (its timeout) hands the load to the next waiter.
-        let answer = load
-            .answer
-            .get_or_init(|| conn.req_packed_command(cmd))
+        // A caller dropped mid-load (its timeout) hands the load to the next waiter. Only
+        // the caller that sent the load marks its end.
+        load.answer
+            .get_or_init(|| async {
+                let answer = conn.req_packed_command(cmd).await;
+                let tick = self.ticks.fetch_add(1, Ordering::AcqRel) + 1;
+                load.ended_at.store(tick, Ordering::Release);
+                answer
+            })
             .await
-            .clone();
-        let tick = self.ticks.fetch_add(1, Ordering::AcqRel) + 1;
-        let _ = load
-            .ended_at
-            .compare_exchange(0, tick, Ordering::AcqRel, Ordering::Acquire);
-        answer
+            .clone()
     }
 }
 
