@@ -370,7 +370,10 @@ const GCRA_ARGS: [&str; 9] = [
 async fn raw_script(url: &str, callers: usize, total: u64) -> f64 {
     // The library, then the store's entry point for one operation.
     let body = include_str!("../src/store/redis/rate_limit.lua");
-    let src = format!("{NOW}{body}\nreturn decide(KEYS[1], params(2), now_ms(ARGV[1]))\n");
+    let src = format!(
+        "{NOW}{body}\nlocal now, nms = clock(now_ms(ARGV[1]))\nlocal out = {{}}\n\
+         decide(KEYS[1], params(2), now, nms, redis.call('GET', KEYS[1]), out, 1)\nreturn out\n"
+    );
     let client = redis::Client::open(url).expect("client");
     let conn = redis::aio::ConnectionManager::new(client)
         .await

@@ -3,9 +3,11 @@
 -- algebra}.rs; keep them in step (tests/redis_rate_limit.rs compares every reply).
 --
 -- This file is the library: `params` reads an operation's arguments once, `decide` runs one
--- operation. The store appends the entry point (src/store/redis/rate_limit.rs): one operation
--- per call, or several keys' operations in one call at one `TIME` (a batch), where operations
--- with the same arguments (one limiter's checks) share one parsed set.
+-- operation on a key's state read by its caller. The store appends the entry point
+-- (src/store/redis/rate_limit.rs): one operation per call (`GET`, then `decide`), or several
+-- keys' operations in one call at one `TIME` (a batch): one `MGET` for all their states,
+-- operations with the same arguments (one limiter's checks) sharing one parsed set, and an
+-- operation seeing what an earlier one of the batch wrote to its key (`written`).
 --
 -- A key holds its state: "<kinds> <field> <field> ..." (one kind letter per tier;
 --          g gcra, l leaky shaper, t token bucket, f fixed window, s sliding window)
@@ -23,10 +25,11 @@
 -- and '%d' prints them exactly (Lua 5.1 formats it as a C long).
 -- Subtractions the Rust code saturates are clamped at 0 here. No tables or closures are made
 -- per tier, since a script's cost is mostly allocation.
--- Replies: {1, allowed, limit, remaining, reset_at_ms, retry_after_ms} a decision,
--- {2, spendable_now, next_replenish_at_ms, full_at_ms} a forecast, {3, 1, delay_ms} or
--- {3, 0, retry_after_ms} a reservation, {4} a reset, {5} a key holding another strategy's
--- state.
+-- Replies, written by `decide` into a flat table from a given index (one table per call, not
+-- one per operation): 1, allowed, limit, remaining, reset_at_ms, retry_after_ms a decision;
+-- 2, spendable_now, next_replenish_at_ms, full_at_ms a forecast; 3, 1, delay_ms or
+-- 3, 0, retry_after_ms a reservation; 4 a reset; 5 a key holding another strategy's state
+-- (or, read in a batch, a value of another type).
 
 local fmod = math.fmod
 
@@ -185,20 +188,46 @@ local function params(o)
   return p
 end
 
--- One operation on `key` at `t_ms` (ms) with the parsed arguments `p` (from `params`). Returns
--- the reply, or {5} when the key holds another strategy's state.
-local function decide(key, p, t_ms)
+-- What this call wrote to each key (false: deleted), so that in a batch an operation sees
+-- what an earlier one did to the same key.
+local written = {}
+
+-- Writes `value` as the state of `key` for `px` ms; `fresh` when the key had no state, so the
+-- write is `NX`: a key that `MGET` read as empty but holds a value of another type is left
+-- alone, and `false` returned.
+local function store(key, value, px, fresh)
+  local ms = string.format('%d', px)
+  local done
+  if fresh then
+    done = redis.call('SET', key, value, 'PX', ms, 'NX')
+  else
+    done = redis.call('SET', key, value, 'PX', ms)
+  end
+  if not done then return false end
+  written[key] = value
+  return true
+end
+
+-- The time of a call in µs (capped as the Rust strategies cap it) and in ms.
+local function clock(t_ms)
+  local now = t_ms * 1000
+  if now > 4000000000000000 then now = 4000000000000000 end
+  return now, idiv(now, 1000)
+end
+
+-- One operation on `key`, whose state is `raw` (false when it has none), at `now` µs / `nms`
+-- ms, with the parsed arguments `p` (from `params`). Writes its reply into `out` from index
+-- `i` and returns the index after it.
+local function decide(key, p, now, nms, raw, out, i)
   local op = p[1]
   if op == 'x' then
     redis.call('DEL', key)
-    return {4}
+    written[key] = false
+    out[i] = 4
+    return i + 1
   end
   local units, slack, kinds = p[2], p[3], p[4]
   local n = #kinds
-  local now = t_ms * 1000
-  if now > 4000000000000000 then now = 4000000000000000 end
-  local nms = idiv(now, 1000)
-  local raw = redis.call('GET', key)
 
   if n == 1 then
     local k = kinds
@@ -207,25 +236,39 @@ local function decide(key, p, t_ms)
     if raw then
       local sig
       sig, s1, s2, s3 = string.match(raw, '^(%a+) (%d+) (%d+) ?(%d*)$')
-      if sig ~= k then return {5} end
+      if sig ~= k then
+        out[i] = 5
+        return i + 1
+      end
       has, s1, s2, s3 = true, tonumber(s1), tonumber(s2), tonumber(s3) or 0
     end
-    if op == 'f' then return {2, run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)} end
+    if op == 'f' then
+      local spend, nxt, full = run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
+      out[i], out[i + 1], out[i + 2], out[i + 3] = 2, spend, nxt, full
+      return i + 4
+    end
     local allowed, l, rem, reset, retry, n1, n2, n3, ttl, wait =
       run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
-    if op == 'p' then return {1, allowed, l, rem, reset, retry} end
-    if allowed == 1 then
+    if allowed == 1 and op ~= 'p' then
       local value
       if k == 's' then
         value = string.format('%s %d %d %d', k, n1, n2, n3)
       else
         value = string.format('%s %d %d', k, n1, n2)
       end
-      redis.call('SET', key, value, 'PX', string.format('%d', ttl + slack))
+      if not store(key, value, ttl + slack, not raw) then
+        out[i] = 5
+        return i + 1
+      end
     end
-    if op == 'c' then return {1, allowed, l, rem, reset, retry} end
-    if allowed == 1 then return {3, 1, wait} end
-    return {3, 0, retry}
+    if op ~= 'r' then
+      out[i], out[i + 1], out[i + 2], out[i + 3], out[i + 4], out[i + 5] =
+        1, allowed, l, rem, reset, retry
+      return i + 6
+    end
+    out[i], out[i + 1] = 3, allowed
+    if allowed == 1 then out[i + 2] = wait else out[i + 2] = retry end
+    return i + 3
   end
 
   -- Several tiers, all-or-nothing: charged together, or none is and the decision combines the
@@ -233,26 +276,29 @@ local function decide(key, p, t_ms)
   local fields = {}
   if raw then
     local it = string.gmatch(raw, '%S+')
-    if it() ~= kinds then return {5} end
-    for i = 1, n do
+    if it() ~= kinds then
+      out[i] = 5
+      return i + 1
+    end
+    for t = 1, n do
       local width = 2
-      if string.sub(kinds, i, i) == 's' then width = 3 end
+      if string.sub(kinds, t, t) == 's' then width = 3 end
       for _ = 1, width do fields[#fields + 1] = tonumber(it()) end
       if width == 2 then fields[#fields + 1] = 0 end
     end
   end
 
-  local function tier(i, tier_op)
-    local base = 4 * i
-    local f = 3 * (i - 1)
-    return run(tier_op, string.sub(kinds, i, i), p[base + 1], p[base + 2], p[base + 3], p[base + 4],
+  local function tier(t, tier_op)
+    local base = 4 * t
+    local f = 3 * (t - 1)
+    return run(tier_op, string.sub(kinds, t, t), p[base + 1], p[base + 2], p[base + 3], p[base + 4],
       raw and true or false, fields[f + 1], fields[f + 2], fields[f + 3], now, nms, units)
   end
 
   if op == 'f' then
     local spend, nxt, full
-    for i = 1, n do
-      local s, x, y = tier(i, 'f')
+    for t = 1, n do
+      local s, x, y = tier(t, 'f')
       if not spend or s < spend then
         spend, nxt = s, x
       elseif s == spend and x > nxt then
@@ -260,7 +306,8 @@ local function decide(key, p, t_ms)
       end
       if not full or y > full then full = y end
     end
-    return {2, spend, nxt, full}
+    out[i], out[i + 1], out[i + 2], out[i + 3] = 2, spend, nxt, full
+    return i + 4
   end
 
   -- Combines a decision into (A, L, R, S, T): allowed and, limits and remaining min, reset and
@@ -279,34 +326,40 @@ local function decide(key, p, t_ms)
   end
 
   if op == 'p' then
-    for i = 1, n do fold(tier(i, 'p')) end
-    return {1, A, L, R, S, T}
-  end
-
-  local results, parts, ttl, all = {}, {kinds}, 0, true
-  for i = 1, n do
-    local allowed, l, rem, reset, retry, n1, n2, n3, t = tier(i, 'c')
-    results[i] = {allowed, l, rem, reset, retry}
-    if allowed == 1 then
-      if t > ttl then ttl = t end
-      parts[#parts + 1] = string.format('%d %d', n1, n2)
-      if string.sub(kinds, i, i) == 's' then parts[#parts + 1] = string.format('%d', n3) end
-    else
-      all = false
+    for t = 1, n do fold(tier(t, 'p')) end
+  else
+    local results, parts, ttl, all = {}, {kinds}, 0, true
+    for t = 1, n do
+      local allowed, l, rem, reset, retry, n1, n2, n3, tl = tier(t, 'c')
+      results[t] = {allowed, l, rem, reset, retry}
+      if allowed == 1 then
+        if tl > ttl then ttl = tl end
+        parts[#parts + 1] = string.format('%d %d', n1, n2)
+        if string.sub(kinds, t, t) == 's' then parts[#parts + 1] = string.format('%d', n3) end
+      else
+        all = false
+      end
+    end
+    for t = 1, n do
+      local d = results[t]
+      if all or d[1] == 0 then
+        fold(d[1], d[2], d[3], d[4], d[5])
+      else
+        fold(tier(t, 'p'))
+      end
+    end
+    if all then
+      if not store(key, table.concat(parts, ' '), ttl + slack, not raw) then
+        out[i] = 5
+        return i + 1
+      end
+    end
+    if op == 'r' then
+      out[i], out[i + 1] = 3, A
+      if A == 1 then out[i + 2] = 0 else out[i + 2] = T end
+      return i + 3
     end
   end
-  for i = 1, n do
-    local d = results[i]
-    if all or d[1] == 0 then
-      fold(d[1], d[2], d[3], d[4], d[5])
-    else
-      fold(tier(i, 'p'))
-    end
-  end
-  if all then
-    redis.call('SET', key, table.concat(parts, ' '), 'PX', string.format('%d', ttl + slack))
-  end
-  if op == 'c' then return {1, A, L, R, S, T} end
-  if A == 1 then return {3, 1, 0} end
-  return {3, 0, T}
+  out[i], out[i + 1], out[i + 2], out[i + 3], out[i + 4], out[i + 5] = 1, A, L, R, S, T
+  return i + 6
 end

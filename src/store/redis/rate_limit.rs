@@ -12,10 +12,12 @@
 //! On a single node, operations that arrive while two calls are already in flight share the
 //! next call: the batch script runs each of them in arrival order, each exactly as it would
 //! run alone, at one `TIME`, and replies to each on its own (a key holding another
-//! strategy's state fails only its own operation). A lone caller never waits for a batch: an
+//! strategy's state, or a value of another type, fails only its own operation and is left as
+//! it is). The batch reads every state with one `MGET`; an operation on a key that an earlier
+//! one of the batch wrote sees that write. A lone caller never waits for a batch: an
 //! operation that finds a call slot free goes at once. Each decision still takes one round
-//! trip; under load the call's fixed cost (the round trip, the script's start, the `TIME`)
-//! is spread over every operation in it. A cluster runs a script on one slot's keys only, so
+//! trip; under load the call's fixed cost (the round trip, the script's start, the `TIME`,
+//! the read of the states) is spread over every operation in it. A cluster runs a script on one slot's keys only, so
 //! there every operation is its own call. The strategy's parameters travel as plain integers (see
 //! [`ScriptedStrategy`]); the state of a key lives at `{prefix:key}:r` (all tiers in one
 //! value, so one cluster slot), in microseconds exactly as the Rust strategies keep it, and
@@ -64,30 +66,62 @@ use crate::store::StoreError;
 const SINGLE: &str = concat!(
     include_str!("rate_limit.lua"),
     r"
-return decide(KEYS[1], params(2), now_ms(ARGV[1]))
+local now, nms = clock(now_ms(ARGV[1]))
+local p, raw = params(2), false
+if p[1] ~= 'x' then raw = redis.call('GET', KEYS[1]) end
+local out = {}
+decide(KEYS[1], p, now, nms, raw, out, 1)
+return out
 "
 );
 
 /// The script of a batch: KEYS one per operation; ARGV[1] the pinned time or ''; ARGV[2] how
 /// many distinct argument sets follow, each as its argument count and its arguments; then per
-/// operation the number of its set. One `TIME` for all; each set parsed once; replies in
-/// order.
+/// operation the number of its set. One `TIME` and one `MGET` for all; each set parsed once;
+/// the replies in order in one flat array, each after its length.
 const BATCH: &str = concat!(
     include_str!("rate_limit.lua"),
     r"
-local t = now_ms(ARGV[1])
+local now, nms = clock(now_ms(ARGV[1]))
 local sets, p = {}, 3
 for s = 1, tonumber(ARGV[2]) do
   sets[s] = params(p + 1)
   p = p + 1 + tonumber(ARGV[p])
 end
-local replies = {}
+local states = redis.call('MGET', unpack(KEYS))
+local out, i = {}, 1
 for k = 1, #KEYS do
-  replies[k] = decide(KEYS[k], sets[tonumber(ARGV[p + k - 1])], t)
+  local key = KEYS[k]
+  local raw = written[key]
+  if raw == nil then raw = states[k] end
+  local j = decide(key, sets[tonumber(ARGV[p + k - 1])], now, nms, raw, out, i + 1)
+  out[i] = j - i - 1
+  i = j
 end
-return replies
+return out
 "
 );
+
+/// The replies of a batch of `operations` from its flat array (each reply after its length).
+fn batch_replies(flat: &[i64], operations: usize) -> Result<Vec<&[i64]>, StoreError> {
+    let mut replies = Vec::with_capacity(operations);
+    let mut rest = flat;
+    while let Some((&len, tail)) = rest.split_first() {
+        let reply = usize::try_from(len)
+            .ok()
+            .and_then(|len| tail.get(..len))
+            .ok_or_else(|| StoreError::Protocol(format!("rate limit batch replied {flat:?}")))?;
+        replies.push(reply);
+        rest = &tail[reply.len()..];
+    }
+    if replies.len() != operations {
+        return Err(StoreError::Protocol(format!(
+            "rate limit batch of {operations} replied {} times",
+            replies.len()
+        )));
+    }
+    Ok(replies)
+}
 
 /// The exact integer range of a Lua number.
 const MAX_EXACT: u64 = 1 << 53;
@@ -206,7 +240,8 @@ impl Args {
 fn reply_of(key: &str, reply: &[i64]) -> Result<RateLimitReply, StoreError> {
     if reply == [5] {
         return Err(StoreError::Protocol(format!(
-            "rate limit key {key} holds the state of another strategy"
+            "rate limit key {key} holds the state of another strategy, or a value of \
+             another type"
         )));
     }
     decode(reply)
@@ -388,18 +423,17 @@ impl Draining {
             for set in set_of {
                 call.arg(set);
             }
-            let replies = match self.redis.invoke::<Vec<Vec<i64>>>(&call).await {
-                Ok(replies) if replies.len() != batch.len() => Err(StoreError::Protocol(format!(
-                    "rate limit batch of {} replied {} times",
-                    batch.len(),
-                    replies.len()
-                ))),
-                other => other,
-            };
-            match replies {
-                Ok(replies) => {
-                    for (queued, reply) in batch.into_iter().zip(replies) {
-                        let answer = reply_of(&queued.operation.key, &reply);
+            let flat = self.redis.invoke::<Vec<i64>>(&call).await;
+            match flat.and_then(|flat| {
+                let replies = batch_replies(&flat, batch.len())?;
+                Ok(replies
+                    .into_iter()
+                    .zip(&batch)
+                    .map(|(reply, queued)| reply_of(&queued.operation.key, reply))
+                    .collect::<Vec<_>>())
+            }) {
+                Ok(answers) => {
+                    for (queued, answer) in batch.into_iter().zip(answers) {
                         let _ = queued.reply.send(answer);
                     }
                 }
@@ -711,23 +745,34 @@ mod tests {
             // A long window: its state must outlive the pause below.
             let window = FixedWindow::new(2, Duration::from_secs(3_600)).unwrap();
             apply(&redis, &window, "window", check_one()).await.unwrap();
+            // A key holding a value of another type: refused, and left as it is.
+            let hashed = redis.key("hashed", ":r");
+            redis
+                .query::<()>(redis::cmd("HSET").arg(&hashed).arg("f").arg("v"))
+                .await
+                .unwrap();
             let g = gcra();
             hold_answers(&redis).await;
             let before = redis.stats().commands;
-            // The first two fill the call slots; the other three wait and go together.
-            let (first, second, a, foreign, b) = tokio::join!(
+            // The first two fill the call slots; the other four wait and go together.
+            let (first, second, a, foreign, b, other_type) = tokio::join!(
                 apply(&redis, &g, "first", check_one()),
                 apply(&redis, &g, "second", check_one()),
                 apply(&redis, &g, "a", check_one()),
                 apply(&redis, &g, "window", check_one()),
                 apply(&redis, &g, "b", check_one()),
+                apply(&redis, &g, "hashed", check_one()),
             );
             let calls = redis.stats().commands - before;
             if redis.is_cluster() {
-                assert_eq!(calls, 5);
+                assert_eq!(calls, 6);
             } else {
-                assert_eq!(calls, 3, "two alone, then one batch of three");
+                assert_eq!(calls, 3, "two alone, then one batch of four");
             }
+            let err = other_type.unwrap_err();
+            assert!(err.is_store(), "{err:?}");
+            let kind: String = redis.query(redis::cmd("TYPE").arg(&hashed)).await.unwrap();
+            assert_eq!(kind, "hash");
             for ok in [first, second] {
                 assert!(matches!(ok.unwrap(), RateLimitReply::Decision(d) if d.allowed));
             }
@@ -825,11 +870,14 @@ mod tests {
                 expect_g(&g, "a", check_one()),
                 expect_w("w", two),
                 expect_g(&other, "o", check_one()),
+                expect_g(&g, "a", RateLimitOp::Reset),
+                expect_g(&g, "a", check_one()),
             ];
             hold_answers(&redis).await;
             let before = redis.stats().commands;
-            // The first two fill the call slots; the other eight go together, in this order
-            // (`join_all` polls them in order), with five different argument sets among them.
+            // The first two fill the call slots; the other ten go together, in this order
+            // (`join_all` polls them in order), with five different argument sets among them;
+            // a key's later operations see what its earlier ones wrote, a reset included.
             type Call<'a> = std::pin::Pin<
                 Box<dyn Future<Output = Result<RateLimitReply, RateLimitError>> + Send + 'a>,
             >;
@@ -844,11 +892,13 @@ mod tests {
                 Box::pin(apply(&redis, &g, "a", check_one())),
                 Box::pin(apply(&redis, &window, "w", two)),
                 Box::pin(apply(&redis, &other, "o", check_one())),
+                Box::pin(apply(&redis, &g, "a", RateLimitOp::Reset)),
+                Box::pin(apply(&redis, &g, "a", check_one())),
             ];
             let got = futures_util::future::join_all(calls).await;
             let calls = redis.stats().commands - before;
             if !redis.is_cluster() {
-                assert_eq!(calls, 3, "two alone, then one batch of eight");
+                assert_eq!(calls, 3, "two alone, then one batch of ten");
             }
             let got: Vec<RateLimitReply> = got.into_iter().map(Result::unwrap).collect();
             assert_eq!(got, expected);
