@@ -22,7 +22,9 @@
 //!   script's server time and our client side. `redis_gcra_floor`: a
 //!   script doing only what any server-timed stateful check must (`TIME`,
 //!   `GET`, `SET PX`) against the same anchor, and `redis_gcra_over_floor`:
-//!   our check against that floor.
+//!   our check against that floor. `redis_gcra_server_script` and
+//!   `redis_gcra_server_cpu`: what each side costs the server per check,
+//!   by `INFO` (script time of `EVALSHA`, and the server process's CPU).
 //! - `redis_cluster_fresh`: the same decisions on a 3-node cluster, printing
 //!   throughput.
 //! - `redis_idempotency_replay`: replaying a completed key across instances
@@ -297,14 +299,24 @@ async fn gcra(url: &str, redis: &Redis) {
     script_returning_one(url, CALLERS, DECISIONS / 4).await;
     // The floor alternates with both sides, so all three see the same load.
     let (mut ours, mut anchor, mut floor) = (f64::MAX, f64::MAX, f64::MAX);
+    // What each side costs the server per check: script time and process CPU.
+    let mut server = ServerProbe::new(url).await;
+    let (mut ours_server, mut anchor_server) = ([f64::MAX; 2], [f64::MAX; 2]);
+    let min2 = |a: [f64; 2], b: [f64; 2]| [a[0].min(b[0]), a[1].min(b[1])];
     for _ in 0..3 {
+        server.start().await;
         ours = ours.min(ours_gcra(&limiter, CALLERS, DECISIONS).await);
+        ours_server = min2(ours_server, server.per_call(DECISIONS).await);
+        server.start().await;
         anchor = anchor.min(script_returning_one(url, CALLERS, DECISIONS).await);
+        anchor_server = min2(anchor_server, server.per_call(DECISIONS).await);
         floor = floor.min(floor_script(url, CALLERS, DECISIONS).await);
     }
     compare("redis_gcra", ours, anchor);
     compare("redis_gcra_floor", floor, anchor);
     compare("redis_gcra_over_floor", ours, floor);
+    compare("redis_gcra_server_script", ours_server[0], anchor_server[0]);
+    compare("redis_gcra_server_cpu", ours_server[1], anchor_server[1]);
     let (mut ours, mut anchor) = (f64::MAX, f64::MAX);
     for _ in 0..3 {
         ours = ours.min(ours_gcra(&limiter, 1, DECISIONS / 5).await);
@@ -323,6 +335,66 @@ async fn gcra(url: &str, redis: &Redis) {
         anchor = anchor.min(script_returning_one(url, CALLERS, DECISIONS).await);
     }
     compare("redis_gcra_raw_script", raw, anchor);
+}
+
+/// The server's cost per check, read from `INFO`: script time (`EVALSHA` in
+/// `commandstats`, reset by `start`) and the process's CPU (`used_cpu_*`).
+struct ServerProbe {
+    conn: redis::aio::ConnectionManager,
+    cpu_at_start: f64,
+}
+
+impl ServerProbe {
+    async fn new(url: &str) -> Self {
+        let client = redis::Client::open(url).expect("client");
+        let conn = redis::aio::ConnectionManager::new(client)
+            .await
+            .expect("connection manager");
+        Self {
+            conn,
+            cpu_at_start: 0.0,
+        }
+    }
+
+    /// A field of `INFO <section>` as a number (0 when missing).
+    async fn info(&mut self, section: &str, line: &str, field: &str) -> f64 {
+        let info: String = redis::cmd("INFO")
+            .arg(section)
+            .query_async(&mut self.conn)
+            .await
+            .expect("INFO");
+        let Some(rest) = info.lines().find_map(|l| l.strip_prefix(line)) else {
+            return 0.0;
+        };
+        // commandstats lines hold `k=v,k=v`; cpu lines are `name:value`.
+        rest.split(',')
+            .find_map(|kv| kv.strip_prefix(field))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    async fn cpu(&mut self) -> f64 {
+        self.info("cpu", "used_cpu_user:", "").await + self.info("cpu", "used_cpu_sys:", "").await
+    }
+
+    async fn start(&mut self) {
+        redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .exec_async(&mut self.conn)
+            .await
+            .expect("CONFIG RESETSTAT");
+        self.cpu_at_start = self.cpu().await;
+    }
+
+    /// Script time and server CPU per check, in ns, since `start`, over `checks`.
+    async fn per_call(&mut self, checks: u64) -> [f64; 2] {
+        let cpu = self.cpu().await - self.cpu_at_start;
+        let script_us = self.info("commandstats", "cmdstat_evalsha:", "usec=").await;
+        [
+            script_us * 1_000.0 / checks as f64,
+            cpu * 1e9 / checks as f64,
+        ]
+    }
 }
 
 /// The least a server-timed stateful script does: `TIME`, `GET` of the
