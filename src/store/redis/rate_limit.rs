@@ -17,11 +17,12 @@
 //! one of the batch wrote sees that write. A lone caller never waits for a batch: an
 //! operation that finds a call slot free goes at once. Each decision still takes one round
 //! trip; under load the call's fixed cost (the round trip, the script's start, the `TIME`,
-//! the read of the states) is spread over every operation in it. A cluster runs a script on one slot's keys only, so
-//! there every operation is its own call. The strategy's parameters travel as plain integers (see
-//! [`ScriptedStrategy`]); the state of a key lives at `{prefix:key}:r` (all tiers in one
-//! value, so one cluster slot), in microseconds exactly as the Rust strategies keep it, and
-//! expires (`PX`) once it is at rest, when it is equal to no state at all.
+//! the read of the states) is spread over every operation in it. A cluster runs a script on
+//! one slot's keys only, so there every operation is its own call. The strategy's parameters
+//! travel as plain integers (see [`ScriptedStrategy`]); the state of a key lives at
+//! `{prefix:key}:r` (all tiers in one value, so one cluster slot), in microseconds exactly as
+//! the Rust strategies keep it, and expires (`PX`) once it is at rest, when it is equal to no
+//! state at all.
 //!
 //! # Bit for bit
 //!
@@ -787,6 +788,24 @@ mod tests {
             }
         })
         .await;
+    }
+
+    #[test]
+    fn a_batch_reply_is_split_by_its_lengths_and_checked() {
+        let flat = [6, 1, 1, 2, 1, 1000, 0, 1, 4, 1, 5];
+        let replies = batch_replies(&flat, 3).unwrap();
+        assert_eq!(replies, [&flat[1..7], &[4][..], &[5][..]]);
+        assert_eq!(batch_replies(&[], 0).unwrap().len(), 0);
+        // Too few or too many replies, a length past the end, a negative length.
+        for (bad, operations) in [
+            (&flat[..], 2),
+            (&flat[..], 4),
+            (&[3, 1][..], 1),
+            (&[-1][..], 1),
+        ] {
+            let err = batch_replies(bad, operations).unwrap_err();
+            assert!(matches!(err, StoreError::Protocol(_)), "{err:?}");
+        }
     }
 
     #[test]
