@@ -772,9 +772,25 @@ mod harness;
 /// Runs `check` against a fresh single node, then a fresh 3-node cluster.
 #[cfg(test)]
 async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
+    each_server_bounded(test, None, check).await;
+}
+
+/// [`each_server`] with another command timeout than the default (`None`), for tests that
+/// check what is decided, not how fast: a burst on a cluster just created, on a loaded
+/// machine, can take longer than the default.
+#[cfg(test)]
+async fn each_server_bounded(
+    test: &str,
+    command_timeout: Option<Duration>,
+    check: impl AsyncFn(Redis),
+) {
+    let bounded = |builder: RedisBuilder| match command_timeout {
+        Some(after) => builder.with_command_timeout(after),
+        None => builder,
+    };
     if let Some(node) = harness::RedisNode::start(test) {
         check(
-            Redis::builder(node.url())
+            bounded(Redis::builder(node.url()))
                 .connect()
                 .await
                 .expect("connects"),
@@ -783,7 +799,7 @@ async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
     }
     if let Some(cluster) = harness::RedisCluster::start(test) {
         check(
-            Redis::cluster(cluster.urls())
+            bounded(Redis::cluster(cluster.urls()))
                 .connect()
                 .await
                 .expect("connects"),
