@@ -356,25 +356,33 @@ impl ServerProbe {
         }
     }
 
-    /// A field of `INFO <section>` as a number (0 when missing).
-    async fn info(&mut self, section: &str, line: &str, field: &str) -> f64 {
+    /// The numbers after each of `lines` in `INFO <section>` (0 when missing), from one
+    /// `INFO`; with `field`, the value of that `field=` of a `k=v,k=v` line.
+    async fn info<const N: usize>(
+        &mut self,
+        section: &str,
+        lines: [&str; N],
+        field: &str,
+    ) -> [f64; N] {
         let info: String = redis::cmd("INFO")
             .arg(section)
             .query_async(&mut self.conn)
             .await
             .expect("INFO");
-        let Some(rest) = info.lines().find_map(|l| l.strip_prefix(line)) else {
-            return 0.0;
-        };
-        // commandstats lines hold `k=v,k=v`; cpu lines are `name:value`.
-        rest.split(',')
-            .find_map(|kv| kv.strip_prefix(field))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0.0)
+        lines.map(|line| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(line))
+                .and_then(|rest| rest.split(',').find_map(|kv| kv.strip_prefix(field)))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0.0)
+        })
     }
 
     async fn cpu(&mut self) -> f64 {
-        self.info("cpu", "used_cpu_user:", "").await + self.info("cpu", "used_cpu_sys:", "").await
+        let [user, sys] = self
+            .info("cpu", ["used_cpu_user:", "used_cpu_sys:"], "")
+            .await;
+        user + sys
     }
 
     async fn start(&mut self) {
@@ -389,7 +397,9 @@ impl ServerProbe {
     /// Script time and server CPU per check, in ns, since `start`, over `checks`.
     async fn per_call(&mut self, checks: u64) -> [f64; 2] {
         let cpu = self.cpu().await - self.cpu_at_start;
-        let script_us = self.info("commandstats", "cmdstat_evalsha:", "usec=").await;
+        let [script_us] = self
+            .info("commandstats", ["cmdstat_evalsha:"], "usec=")
+            .await;
         [
             script_us * 1_000.0 / checks as f64,
             cpu * 1e9 / checks as f64,

@@ -361,10 +361,7 @@ impl Core {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        self.tree
-            .supervisor()
-            .run_here(self.router.hash_one(key), work)
-            .map_err(|e| start_error(key, e))
+        self.run_here_boxed(key, Box::pin(work))
     }
 
     /// [`Core::run_here`] for work boxed where it is built (a large run's future is then not
