@@ -8,7 +8,9 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, FromRedisValue, Script, ScriptInvocation};
+use redis::{Cmd, FromRedisValue};
+
+use script::{LuaScript, ScriptCall};
 use serde::Serialize;
 
 use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
@@ -17,7 +19,7 @@ mod claims;
 mod debounce;
 mod notify;
 mod rate_limit;
-mod script_loads;
+mod script;
 mod server_clock;
 mod window;
 
@@ -181,7 +183,6 @@ impl RedisBuilder {
                 waiters: notify::Waiters::default(),
                 bursts: debounce::BurstListeners::default(),
                 batches: rate_limit::Batcher::default(),
-                script_loads: script_loads::ScriptLoads::default(),
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
@@ -216,17 +217,15 @@ struct Inner {
     bursts: debounce::BurstListeners,
     /// Rate-limit operations waiting to go out together (single node).
     batches: rate_limit::Batcher,
-    /// Script loads in flight, shared by the calls that found a script missing.
-    script_loads: script_loads::ScriptLoads,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
 ///
 /// A cheap handle (`Clone`). Every decision made through it is one command
 /// or one script call (`EVALSHA`; when the server does not know the script
-/// yet, it is loaded and called again, one load shared by every call that
-/// found it missing); every call is bounded by the command timeout and
-/// guarded by a circuit breaker.
+/// yet, the same call goes again as `EVAL` with the script's text, which
+/// leaves it in the server's cache); every call is bounded by the command
+/// timeout and guarded by a circuit breaker.
 ///
 /// # Rate limiting
 ///
@@ -404,17 +403,16 @@ impl Redis {
         .await
     }
 
-    /// Calls a script (`EVALSHA`, loading it on `NOSCRIPT`: one load shared by every call
-    /// that found it missing at once), under the timeout and the breaker.
+    /// Calls a script (`EVALSHA`; on `NOSCRIPT`, the same call as `EVAL`, see
+    /// [`script`]), under the timeout and the breaker.
     pub(crate) async fn invoke<T: FromRedisValue>(
         &self,
-        invocation: &ScriptInvocation<'_>,
+        call: &ScriptCall<'_>,
     ) -> Result<T, StoreError> {
-        let loads = &self.inner.script_loads;
         self.guarded(|conn| async move {
             match conn {
-                Conn::Single(mut c) => invocation.invoke_async(&mut loads.on(&mut c)).await,
-                Conn::Cluster(mut c) => invocation.invoke_async(&mut loads.on(&mut c)).await,
+                Conn::Single(mut c) => evaluate(call, &mut c).await,
+                Conn::Cluster(mut c) => evaluate(call, &mut c).await,
             }
         })
         .await
@@ -465,10 +463,16 @@ fn is_reply_error(e: &redis::RedisError) -> bool {
         && e.kind() != redis::ErrorKind::Client
 }
 
-/// Scripts, loaded once per process.
-#[allow(dead_code)]
-pub(crate) fn script(source: &'static str) -> Script {
-    Script::new(source)
+/// `call` as `EVALSHA`, then as `EVAL` if the server does not know its script.
+async fn evaluate<T, C>(call: &ScriptCall<'_>, conn: &mut C) -> redis::RedisResult<T>
+where
+    T: FromRedisValue,
+    C: redis::aio::ConnectionLike + Send,
+{
+    match call.evalsha().query_async(conn).await {
+        Err(e) if script::is_no_script(&e) => call.eval().query_async(conn).await,
+        done => done,
+    }
 }
 
 /// What [`Redis::open_window`] found.
@@ -678,15 +682,15 @@ impl HeldWindow {
 }
 
 fn cached(
-    cell: &'static std::sync::OnceLock<Script>,
+    cell: &'static std::sync::OnceLock<LuaScript>,
     body: &str,
     with_now: bool,
-) -> &'static Script {
+) -> &'static LuaScript {
     cell.get_or_init(|| {
         if with_now {
-            Script::new(&format!("{NOW}{body}"))
+            LuaScript::new(format!("{NOW}{body}"))
         } else {
-            Script::new(body)
+            LuaScript::new(body.to_owned())
         }
     })
 }
@@ -732,7 +736,7 @@ impl Redis {
         token: u64,
         ttl: Duration,
     ) -> Result<Option<HeldWindow>, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, WINDOW_CLAIM, true).prepare_invoke();
         call.key(key).arg(token).arg(ms(ttl)).arg(self.pinned());
         let (won, left, raw): (i64, i64, String) = self.invoke(&call).await?;
@@ -747,7 +751,7 @@ impl Redis {
         token: u64,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, WINDOW_CAS, true).prepare_invoke();
         call.key(key).arg(token).arg(ms(ttl)).arg(self.pinned());
         let written: i64 = self.invoke(&call).await?;
@@ -756,7 +760,7 @@ impl Redis {
 
     /// What the window key holds, if it is live.
     pub(crate) async fn window_read(&self, key: &str) -> Result<Option<HeldWindow>, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, WINDOW_READ, false).prepare_invoke();
         call.key(key);
         let (found, left, raw): (i64, i64, String) = self.invoke(&call).await?;
@@ -979,7 +983,6 @@ mod tests {
             waiters: notify::Waiters::default(),
             bursts: debounce::BurstListeners::default(),
             batches: rate_limit::Batcher::default(),
-            script_loads: script_loads::ScriptLoads::default(),
         };
         let redis = Redis {
             inner: Arc::new(inner),

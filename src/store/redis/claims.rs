@@ -20,8 +20,9 @@
 
 use std::time::Duration;
 
-use redis::{Script, Value};
+use redis::Value;
 
+use super::script::LuaScript;
 use super::{Redis, cached, ms};
 use crate::store::StoreError;
 use crate::{
@@ -132,7 +133,7 @@ impl Redis {
         key: &str,
         request: ClaimRequest<'_>,
     ) -> Result<ClaimReply, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, CLAIM, false).prepare_invoke();
         call.key(self.key(key, ":i"))
             .key(self.key(key, ":in"))
@@ -169,7 +170,7 @@ impl Redis {
         result: &StoredResult,
         ttl: Duration,
     ) -> Result<bool, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, COMPLETE, false).prepare_invoke();
         call.key(self.key(key, ":i"))
             .arg(&token.to_bytes()[..])
@@ -187,7 +188,7 @@ impl Redis {
         key: &str,
         token: ClaimToken,
     ) -> Result<bool, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, RELEASE, false).prepare_invoke();
         call.key(self.key(key, ":i"))
             .arg(&token.to_bytes()[..])
@@ -202,7 +203,7 @@ impl Redis {
         token: ClaimToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, RENEW, false).prepare_invoke();
         call.key(self.key(key, ":i"))
             .arg(&token.to_bytes()[..])
@@ -212,7 +213,7 @@ impl Redis {
 
     #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) async fn read_record(&self, key: &str) -> Result<RecordReply, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, READ, false).prepare_invoke();
         call.key(self.key(key, ":i"));
         let reply: Vec<Value> = self.invoke(&call).await?;

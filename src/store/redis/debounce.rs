@@ -27,8 +27,9 @@
 use std::sync::{Mutex, PoisonError, Weak};
 use std::time::Duration;
 
-use redis::{Script, Value};
+use redis::Value;
 
+use super::script::LuaScript;
 use super::{Redis, cached, ms};
 use crate::store::StoreError;
 
@@ -353,7 +354,7 @@ impl Redis {
         max_wait: Option<Duration>,
         leading: bool,
     ) -> Result<BurstJoined, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut invocation = cached(&SCRIPT, CALL, true).prepare_invoke();
         invocation
             .key(self.key(key, ":d"))
@@ -387,7 +388,7 @@ impl Redis {
         max_wait: Option<Duration>,
         rescue: Option<Duration>,
     ) -> Result<BurstState, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut invocation = cached(&SCRIPT, FIRE, true).prepare_invoke();
         invocation
             .key(self.key(key, ":d"))
@@ -415,7 +416,7 @@ impl Redis {
 
     /// Renews the lease of a running burst. `false` if it is not running.
     pub(crate) async fn burst_renew(&self, key: &str, burst: &str) -> Result<bool, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut invocation = cached(&SCRIPT, RENEW, false).prepare_invoke();
         invocation
             .key(self.outcome_key(key, burst))
@@ -431,7 +432,7 @@ impl Redis {
         burst: &str,
         outcome: Vec<u8>,
     ) -> Result<(), StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let notice = BurstNotice {
             key: key.to_owned(),
             burst: burst.to_owned(),
@@ -450,7 +451,7 @@ impl Redis {
     /// Cancels `key`'s open burst, wherever its calls came from; the
     /// cancelled burst's id, or `None` if no burst was open.
     pub(crate) async fn burst_cancel(&self, key: &str) -> Result<Option<String>, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         // The outcome key is named after the burst, which a script may not
         // compute (cluster scripts declare their keys): read it first, then
         // cancel only if it is still the open one.
@@ -483,7 +484,7 @@ impl Redis {
     /// Asks the owner of `key`'s open burst to fire now. `false` if no
     /// burst was open.
     pub(crate) async fn burst_flush(&self, key: &str) -> Result<bool, StoreError> {
-        static SCRIPT: std::sync::OnceLock<Script> = std::sync::OnceLock::new();
+        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut invocation = cached(&SCRIPT, FLUSH, false).prepare_invoke();
         invocation
             .key(self.key(key, ":d"))

@@ -5,9 +5,9 @@
 //! # One script call per decision
 //!
 //! Every [`RateLimitOp`] (check, reserve, peek, forecast, reset) of every strategy is one call
-//! of one Lua script (`EVALSHA`, loading it on `NOSCRIPT`), which runs the strategies' own
-//! integer maths on the server, atomically: a [`Tiered`] limit charges every tier or none in
-//! that same call.
+//! of one Lua script (`EVALSHA`, sent again as `EVAL` on `NOSCRIPT`), which runs the
+//! strategies' own integer maths on the server, atomically: a [`Tiered`] limit charges every
+//! tier or none in that same call.
 //!
 //! On a single node, operations that arrive while two calls are already in flight share the
 //! next call: the batch script runs each of them in arrival order, each exactly as it would
@@ -52,9 +52,9 @@
 use std::future::Future;
 use std::sync::{Mutex, OnceLock, PoisonError};
 
-use redis::{Script, ScriptInvocation};
 use tokio::sync::oneshot;
 
+use super::script::{LuaScript, ScriptCall};
 use super::{Redis, cached};
 use crate::rate_limit::{
     AsyncRateLimitStore, Decision, FixedWindow, Forecast, Gcra, InsufficientCapacity, LeakyBucket,
@@ -226,7 +226,7 @@ impl Args {
         4 + self.numbers.len()
     }
 
-    fn push(&self, call: &mut ScriptInvocation<'_>) {
+    fn push(&self, call: &mut ScriptCall<'_>) {
         call.arg(self.op)
             .arg(self.cost)
             .arg(self.slack)
@@ -394,7 +394,7 @@ impl Draining {
 
     /// Sends batches until the queue is empty.
     async fn drain(&mut self) {
-        static SCRIPT: OnceLock<Script> = OnceLock::new();
+        static SCRIPT: OnceLock<LuaScript> = OnceLock::new();
         loop {
             let batch: Vec<Queued> = {
                 let mut state = self.redis.inner.batches.lock();
@@ -519,7 +519,7 @@ impl Redis {
 
     /// One call of the script for one operation.
     async fn alone(&self, operation: &Operation) -> Result<RateLimitReply, StoreError> {
-        static SCRIPT: OnceLock<Script> = OnceLock::new();
+        static SCRIPT: OnceLock<LuaScript> = OnceLock::new();
         let mut call = cached(&SCRIPT, SINGLE, true).prepare_invoke();
         call.key(&operation.key).arg(self.pinned());
         operation.args.push(&mut call);
