@@ -705,9 +705,9 @@ mod tests {
 
     #[tokio::test]
     async fn concurrent_operations_go_out_in_batches_and_each_is_decided_exactly() {
-        // 250 operations at once, each alone on a cluster: what is decided is checked here,
-        // not how fast (a CI run once saw one pass 500 ms on a cluster just created).
-        let bound = Some(Duration::from_secs(10));
+        // 250 operations at once, each alone on a cluster just created: what is decided is
+        // checked here, not how fast, so the bound is looser than the default.
+        let bound = Some(Duration::from_secs(2));
         each_server_bounded("rate_limit_batches", bound, async |redis: Redis| {
             redis.pin_time(1_000_000);
             let limit = FixedWindow::new(100, Duration::from_secs(60)).unwrap();
