@@ -301,15 +301,15 @@ async fn gcra(url: &str, redis: &Redis) {
     let (mut ours, mut anchor, mut floor) = (f64::MAX, f64::MAX, f64::MAX);
     // What each side costs the server per check: script time and process CPU.
     let mut server = ServerProbe::new(url).await;
-    let (mut ours_server, mut anchor_server) = ([f64::MAX; 2], [f64::MAX; 2]);
-    let min2 = |a: [f64; 2], b: [f64; 2]| [a[0].min(b[0]), a[1].min(b[1])];
+    let (mut ours_server, mut anchor_server) = ([f64::MAX; 3], [f64::MAX; 3]);
+    let min_each = |a: [f64; 3], b: [f64; 3]| [0, 1, 2].map(|i| a[i].min(b[i]));
     for _ in 0..3 {
         server.start().await;
         ours = ours.min(ours_gcra(&limiter, CALLERS, DECISIONS).await);
-        ours_server = min2(ours_server, server.per_call(DECISIONS).await);
+        ours_server = min_each(ours_server, server.per_call(DECISIONS).await);
         server.start().await;
         anchor = anchor.min(script_returning_one(url, CALLERS, DECISIONS).await);
-        anchor_server = min2(anchor_server, server.per_call(DECISIONS).await);
+        anchor_server = min_each(anchor_server, server.per_call(DECISIONS).await);
         floor = floor.min(floor_script(url, CALLERS, DECISIONS).await);
     }
     compare("redis_gcra", ours, anchor);
@@ -317,6 +317,11 @@ async fn gcra(url: &str, redis: &Redis) {
     compare("redis_gcra_over_floor", ours, floor);
     compare("redis_gcra_server_script", ours_server[0], anchor_server[0]);
     compare("redis_gcra_server_cpu", ours_server[1], anchor_server[1]);
+    println!(
+        "redis_gcra: {:.3} script calls per check (a call per {:.1} checks)",
+        ours_server[2],
+        1.0 / ours_server[2]
+    );
     let (mut ours, mut anchor) = (f64::MAX, f64::MAX);
     for _ in 0..3 {
         ours = ours.min(ours_gcra(&limiter, 1, DECISIONS / 5).await);
@@ -394,15 +399,20 @@ impl ServerProbe {
         self.cpu_at_start = self.cpu().await;
     }
 
-    /// Script time and server CPU per check, in ns, since `start`, over `checks`.
-    async fn per_call(&mut self, checks: u64) -> [f64; 2] {
+    /// Script time and server CPU per check, in ns, and script calls per check, since
+    /// `start`, over `checks`.
+    async fn per_call(&mut self, checks: u64) -> [f64; 3] {
         let cpu = self.cpu().await - self.cpu_at_start;
         let [script_us] = self
             .info("commandstats", ["cmdstat_evalsha:"], "usec=")
             .await;
+        let [calls] = self
+            .info("commandstats", ["cmdstat_evalsha:"], "calls=")
+            .await;
         [
             script_us * 1_000.0 / checks as f64,
             cpu * 1e9 / checks as f64,
+            calls / checks as f64,
         ]
     }
 }

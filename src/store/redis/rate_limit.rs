@@ -653,19 +653,48 @@ mod tests {
         }
     }
 
+    /// A stored state: its kinds, then its fields as little-endian doubles.
+    fn decode_state(stored: &[u8], kinds: &str) -> Vec<u64> {
+        assert_eq!(&stored[..kinds.len()], kinds.as_bytes());
+        let doubles = &stored[kinds.len()..];
+        assert_eq!(doubles.len() % 8, 0, "{stored:?}");
+        doubles
+            .chunks_exact(8)
+            .map(|d| {
+                let v = f64::from_le_bytes(d.try_into().unwrap());
+                assert_eq!(v.fract(), 0.0, "{v}");
+                v as u64
+            })
+            .collect()
+    }
+
     #[tokio::test]
     async fn state_is_stored_in_microseconds_and_expires_at_rest() {
         each_server("rate_limit_state_and_expiry", async |redis: Redis| {
             let check = RateLimitOp::Check {
                 cost: NonZeroU32::MIN,
             };
+            let stored = async |key: &str| -> Vec<u8> {
+                redis
+                    .query(redis::cmd("GET").arg(redis.key(key, ":r")))
+                    .await
+                    .unwrap()
+            };
             redis.pin_time(1_000);
             apply(&redis, &gcra(), "k", check).await.unwrap();
-            let stored: Option<String> = redis
-                .query(redis::cmd("GET").arg(redis.key("k", ":r")))
-                .await
-                .unwrap();
-            assert_eq!(stored.as_deref(), Some("g 1500000 0"));
+            // The theoretical arrival time 1.5 s in µs, no remainder.
+            assert_eq!(decode_state(&stored("k").await, "g"), [1_500_000, 0]);
+            apply(&redis, &gcra(), "k", check).await.unwrap();
+            assert_eq!(decode_state(&stored("k").await, "g"), [2_000_000, 0]);
+            // Two tiers in one value, each one's fields (a sliding window keeps three).
+            let tiered = Tiered::new(
+                gcra(),
+                SlidingWindow::new(10, Duration::from_secs(1)).unwrap(),
+            );
+            apply(&redis, &tiered, "t", check).await.unwrap();
+            let state = decode_state(&stored("t").await, "gs");
+            assert_eq!(state, [1_500_000, 0, 1_000_000, 0, 1]);
+
             // On the server's clock, the key lives until its state is at rest (+1 ms).
             redis.unpin_time();
             apply(&redis, &gcra(), "k2", check).await.unwrap();
