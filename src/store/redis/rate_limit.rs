@@ -77,25 +77,27 @@ return out
 );
 
 /// The script of a batch: KEYS one per operation; ARGV[1] the pinned time or ''; ARGV[2] how
-/// many distinct argument sets follow, each as its argument count and its arguments; then per
-/// operation the number of its set. One `TIME` and one `MGET` for all; each set parsed once;
-/// the replies in order in one flat array, each after its length.
+/// many distinct argument sets follow, each as its argument count and its arguments; then,
+/// when there are several sets, per operation the number of its set. One `TIME` and one
+/// `MGET` for all; each set parsed once; the replies in order in one flat array, each after
+/// its length.
 const BATCH: &str = concat!(
     include_str!("rate_limit.lua"),
     r"
 local now, nms = clock(now_ms(ARGV[1]))
-local sets, p = {}, 3
-for s = 1, tonumber(ARGV[2]) do
+local sets, p, count = {}, 3, tonumber(ARGV[2])
+for s = 1, count do
   sets[s] = params(p + 1)
   p = p + 1 + tonumber(ARGV[p])
 end
 local states = redis.call('MGET', unpack(KEYS))
-local out, i = {}, 1
+local out, i, set = {}, 1, sets[1]
 for k = 1, #KEYS do
   local key = KEYS[k]
   local raw = written[key]
   if raw == nil then raw = states[k] end
-  local j = decide(key, sets[tonumber(ARGV[p + k - 1])], now, nms, raw, out, i + 1)
+  if count > 1 then set = sets[tonumber(ARGV[p + k - 1])] end
+  local j = decide(key, set, now, nms, raw, out, i + 1)
   out[i] = j - i - 1
   i = j
 end
@@ -421,8 +423,11 @@ impl Draining {
                 call.arg(args.count());
                 args.push(&mut call);
             }
-            for set in set_of {
-                call.arg(set);
+            // One set (the usual batch: one limiter's checks) needs no number per operation.
+            if sets.len() > 1 {
+                for set in set_of {
+                    call.arg(set);
+                }
             }
             let flat = self.redis.invoke::<Vec<i64>>(&call).await;
             match flat.and_then(|flat| {
