@@ -25,6 +25,8 @@
 //!   our check against that floor. `redis_gcra_server_script` and
 //!   `redis_gcra_server_cpu`: what each side costs the server per check,
 //!   by `INFO` (script time of `EVALSHA`, and the server process's CPU).
+//! - `redis_gcra_hot_key`: the same checks, all on one key (a global limit), against the
+//!   same anchor; with the server's script time and CPU per check.
 //! - `redis_cluster_fresh`: the same decisions on a 3-node cluster, printing
 //!   throughput.
 //! - `redis_idempotency_replay`: replaying a completed key across instances
@@ -241,11 +243,21 @@ const GCRA_KEYS: u64 = 10_000;
 
 /// GCRA checks through the Redis store, `callers` at a time: ns per check.
 async fn ours_gcra(limiter: &Limiter<Gcra, Redis>, callers: usize, total: u64) -> f64 {
+    ours_gcra_on(limiter, callers, total, GCRA_KEYS).await
+}
+
+/// [`ours_gcra`] over `keys` keys.
+async fn ours_gcra_on(
+    limiter: &Limiter<Gcra, Redis>,
+    callers: usize,
+    total: u64,
+    keys: u64,
+) -> f64 {
     let limiter = limiter.clone();
     concurrent_with(callers, total, move |n| {
         let limiter = limiter.clone();
         async move {
-            let key = format!("gcra:{}", n % GCRA_KEYS);
+            let key = format!("gcra:{}", n % keys);
             let decision = limiter.check_async(&key).await.expect("decision");
             black_box(decision);
         }
@@ -321,6 +333,26 @@ async fn gcra(url: &str, redis: &Redis) {
         "redis_gcra: {:.3} script calls per check (a call per {:.1} checks)",
         ours_server[2],
         1.0 / ours_server[2]
+    );
+    // One hot key (a global limit): a limit no check reaches, so every check is allowed and
+    // writes the key.
+    let hot = Limiter::builder(Gcra::per_second(
+        std::num::NonZeroU32::new(1_000_000).unwrap(),
+    ))
+    .with_store(redis.clone())
+    .with_namespace("bench-hot")
+    .build();
+    let (mut ours, mut anchor, mut hot_server) = (f64::MAX, f64::MAX, [f64::MAX; 3]);
+    for _ in 0..3 {
+        server.start().await;
+        ours = ours.min(ours_gcra_on(&hot, CALLERS, DECISIONS, 1).await);
+        hot_server = min_each(hot_server, server.per_call(DECISIONS).await);
+        anchor = anchor.min(script_returning_one(url, CALLERS, DECISIONS).await);
+    }
+    compare("redis_gcra_hot_key", ours, anchor);
+    println!(
+        "redis_gcra_hot_key: {:.0} ns of script time and {:.0} ns of server CPU per check",
+        hot_server[0], hot_server[1]
     );
     let (mut ours, mut anchor) = (f64::MAX, f64::MAX);
     for _ in 0..3 {

@@ -196,10 +196,22 @@ end
 -- what an earlier one did to the same key.
 local written = {}
 
+-- In a batch (set by its entry point), the writes that wait for its end: the keys in order,
+-- and for each the ms its last state must live. A key that already holds a state of this
+-- library takes a plain `SET`, which cannot fail, so the operations of a batch on one key
+-- (a hot key: a global limit, one tenant's) write it once, with what the last one left.
+local deferred, deferred_keys = nil, nil
+
 -- Writes `value` as the state of `key` for `px` ms; `fresh` when the key had no state, so the
 -- write is `NX`: a key that `MGET` read as empty but holds a value of another type is left
--- alone, and `false` returned.
+-- alone, and `false` returned. In a batch, a write to a key with a state waits for its end.
 local function store(key, value, px, fresh)
+  if deferred and not fresh then
+    if not deferred[key] then deferred_keys[#deferred_keys + 1] = key end
+    deferred[key] = px
+    written[key] = value
+    return true
+  end
   local ms = string.format('%d', px)
   local done
   if fresh then
@@ -241,6 +253,7 @@ local function decide(key, p, now, nms, raw, out, i)
   if op == 'x' then
     redis.call('DEL', key)
     written[key] = false
+    if deferred then deferred[key] = nil end
     out[i] = 4
     return i + 1
   end

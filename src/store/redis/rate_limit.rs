@@ -14,7 +14,9 @@
 //! run alone, at one `TIME`, and replies to each on its own (a key holding another
 //! strategy's state, or a value of another type, fails only its own operation and is left as
 //! it is). The batch reads every state with one `MGET`; an operation on a key that an earlier
-//! one of the batch wrote sees that write. A lone caller never waits for a batch: an
+//! one of the batch wrote sees that write, and a key that already holds a state is written
+//! once at the end of the batch, however many of its operations it carries (a hot key: a
+//! global or per-tenant limit). A lone caller never waits for a batch: an
 //! operation that finds a call slot free goes at once. Each decision still takes one round
 //! trip; under load the call's fixed cost (the round trip, the script's start, the `TIME`,
 //! the read of the states) is spread over every operation in it. A cluster runs a script on
@@ -79,8 +81,9 @@ return out
 /// The script of a batch: KEYS one per operation; ARGV[1] the pinned time or ''; ARGV[2] how
 /// many distinct argument sets follow, each as its argument count and its arguments; then,
 /// when there are several sets, per operation the number of its set. One `TIME` and one
-/// `MGET` for all; each set parsed once; the replies in order in one flat array, each after
-/// its length.
+/// `MGET` for all; each set parsed once; a key that holds a state is written once, at the
+/// end, with what its last operation left; the replies in order in one flat array, each
+/// after its length.
 const BATCH: &str = concat!(
     include_str!("rate_limit.lua"),
     r"
@@ -91,6 +94,7 @@ for s = 1, count do
   p = p + 1 + tonumber(ARGV[p])
 end
 local states = redis.call('MGET', unpack(KEYS))
+deferred, deferred_keys = {}, {}
 local out, i, set = {}, 1, sets[1]
 for k = 1, #KEYS do
   local key = KEYS[k]
@@ -100,6 +104,13 @@ for k = 1, #KEYS do
   local j = decide(key, set, now, nms, raw, out, i + 1)
   out[i] = j - i - 1
   i = j
+end
+for _, key in ipairs(deferred_keys) do
+  local px = deferred[key]
+  if px then
+    redis.call('SET', key, written[key], 'PX', string.format('%d', px))
+    deferred[key] = nil
+  end
 end
 return out
 "
@@ -777,6 +788,58 @@ mod tests {
         .await;
     }
 
+    /// `SET`s the server ran (scripts' included) since it started: single node only.
+    async fn sets_run(redis: &Redis) -> u64 {
+        let info: String = redis
+            .query(redis::cmd("INFO").arg("commandstats"))
+            .await
+            .unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_set:calls="))
+            .and_then(|rest| rest.split(',').next())
+            .map_or(0, |n| n.parse().unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_batch_writes_a_hot_key_once_with_what_its_last_operation_left() {
+        each_server("rate_limit_hot_key", async |redis: Redis| {
+            // A long window: its state must outlive the pause below.
+            let window = FixedWindow::new(1_000, Duration::from_secs(3_600)).unwrap();
+            apply(&redis, &window, "hot", check_one()).await.unwrap();
+            let sets = if redis.is_cluster() {
+                0
+            } else {
+                sets_run(&redis).await
+            };
+            hold_answers(&redis).await;
+            let calls = (0..40).map(|_| apply(&redis, &window, "hot", check_one()));
+            let mut remaining: Vec<u64> = futures_util::future::join_all(calls)
+                .await
+                .into_iter()
+                .map(|reply| match reply.unwrap() {
+                    RateLimitReply::Decision(d) if d.allowed => d.remaining,
+                    other => panic!("{other:?}"),
+                })
+                .collect();
+            // Each saw the one before it, batched or not.
+            remaining.sort_unstable();
+            assert_eq!(remaining, (959..999).collect::<Vec<u64>>());
+            if !redis.is_cluster() {
+                // The first two went alone; the other 38 queued into one batch, one write.
+                assert_eq!(sets_run(&redis).await - sets, 3);
+            }
+            // What was stored is what the last operation left.
+            match apply(&redis, &window, "hot", RateLimitOp::Peek)
+                .await
+                .unwrap()
+            {
+                RateLimitReply::Decision(d) => assert_eq!(d.remaining, 959),
+                other => panic!("{other:?}"),
+            }
+        })
+        .await;
+    }
+
     #[tokio::test]
     async fn each_operation_of_a_batch_is_answered_on_its_own() {
         each_server("rate_limit_batch_errors", async |redis: Redis| {
@@ -960,6 +1023,21 @@ mod tests {
             assert_eq!(got, expected);
             // The last check of the window was denied: 2 + 1 + 2 over a limit of 4.
             assert!(matches!(got[8], RateLimitReply::Decision(d) if !d.allowed));
+            // What the batch left stored (writes to keys with a state wait for its end) is
+            // what the memory store holds.
+            let peek = RateLimitOp::Peek;
+            assert_eq!(
+                apply(&redis, &g, "a", peek).await.unwrap(),
+                expect_g(&g, "a", peek)
+            );
+            assert_eq!(
+                apply(&redis, &other, "o", peek).await.unwrap(),
+                expect_g(&other, "o", peek)
+            );
+            assert_eq!(
+                apply(&redis, &window, "w", peek).await.unwrap(),
+                expect_w("w", peek)
+            );
         })
         .await;
     }
