@@ -9,10 +9,9 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue};
-
-use script::{LuaScript, ScriptCall};
 use serde::Serialize;
 
+use self::script::{LuaScript, ScriptCall};
 use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 
 mod claims;
