@@ -58,10 +58,28 @@ impl<T> ThrottleOutcome<T> {
     }
 }
 
-/// A key's throttle window, kept in the registry: 16 bytes, no process.
+/// A key's throttle window, kept in the registry: 8 bytes, no process.
 #[derive(Debug)]
 struct Window {
-    until: Instant,
+    /// When it ends, in nanoseconds on the windows' clock
+    /// ([`WindowClock::now_ns`]).
+    until: u64,
+}
+
+impl Window {
+    /// The window ending `interval` after `now`.
+    #[inline]
+    fn from(now: u64, interval: Duration) -> Self {
+        Self {
+            until: now.saturating_add(u64::try_from(interval.as_nanos()).unwrap_or(u64::MAX)),
+        }
+    }
+
+    /// The time left at `now`, if the window is still open.
+    #[inline]
+    fn left(&self, now: u64) -> Option<Duration> {
+        (self.until > now).then(|| Duration::from_nanos(self.until - now))
+    }
 }
 
 /// The leading-edge throttle of one runtime: its windows and counters.
@@ -82,7 +100,7 @@ struct Windows {
 
 impl Sweep for Windows {
     fn sweep(&self, _: Instant) -> usize {
-        let now = self.clock.now();
+        let now = self.clock.now_ns();
         self.registry.retain(|_, w| w.until > now)
     }
 }
@@ -109,11 +127,13 @@ impl State {
     /// Opens the key's window if none is open; otherwise reports the time left.
     #[inline]
     fn try_open(&self, key: &str, interval: Duration) -> Result<Option<Duration>, Error> {
-        let now = self.windows.clock.now();
+        let now = self.windows.clock.now_ns();
         // Inside a window nothing changes: a shared lock is enough.
-        if let Some(Some(left)) = self.windows.registry.read(key.as_bytes(), |slot| {
-            (slot.state.until > now).then(|| slot.state.until - now)
-        }) {
+        if let Some(Some(left)) = self
+            .windows
+            .registry
+            .read(key.as_bytes(), |slot| slot.state.left(now))
+        {
             return Ok(Some(left));
         }
         let mut swept = false;
@@ -132,20 +152,17 @@ impl State {
     }
 
     /// [`State::try_open`] once, under the key's shard lock.
-    fn open(&self, key: &str, now: Instant, interval: Duration) -> Result<Option<Duration>, Error> {
+    fn open(&self, key: &str, now: u64, interval: Duration) -> Result<Option<Duration>, Error> {
         update_slot(&self.windows.registry, key, |slot| match slot {
-            SlotEntry::Occupied(slot) => {
-                if slot.state.until > now {
-                    Ok(Some(slot.state.until - now))
-                } else {
-                    slot.state.until = now + interval;
+            SlotEntry::Occupied(slot) => match slot.state.left(now) {
+                Some(left) => Ok(Some(left)),
+                None => {
+                    slot.state = Window::from(now, interval);
                     Ok(None)
                 }
-            }
+            },
             SlotEntry::Vacant(vacant) => vacant
-                .insert(Window {
-                    until: now + interval,
-                })
+                .insert(Window::from(now, interval))
                 .map(|_| None)
                 .map_err(|_| Error::TooManyKeys {
                     key: shown(key),
@@ -171,10 +188,10 @@ impl State {
         match redis.open_window(key, interval, 1).await {
             Ok(WindowOpen::Opened) => None,
             Ok(WindowOpen::Closed(left)) => {
-                let until = self.windows.clock.now() + left;
+                let until = Window::from(self.windows.clock.now_ns(), left);
                 self.windows.registry.update(key.as_bytes(), |slot| {
                     if let SlotEntry::Occupied(slot) = slot {
-                        slot.state.until = until;
+                        slot.state = until;
                     }
                 });
                 self.throttled.incr();

@@ -47,7 +47,9 @@ pub enum RuntimeClock {
 
 #[derive(Debug, Clone)]
 pub(crate) enum WindowClock {
-    Tokio,
+    Tokio {
+        base: Instant,
+    },
     Tsc {
         clock: quanta::Clock,
         base: quanta::Instant,
@@ -62,7 +64,9 @@ impl WindowClock {
             RuntimeClock::Auto | RuntimeClock::Tokio => !tokio_paused(),
         };
         if !tsc {
-            return Self::Tokio;
+            return Self::Tokio {
+                base: Instant::now(),
+            };
         }
         let clock = quanta();
         let base = clock.now();
@@ -76,13 +80,25 @@ impl WindowClock {
     #[inline]
     pub(crate) fn now(&self) -> Instant {
         match self {
-            Self::Tokio => Instant::now(),
+            Self::Tokio { .. } => Instant::now(),
             Self::Tsc {
                 clock,
                 base,
                 base_tokio,
             } => *base_tokio + clock.now().saturating_duration_since(*base),
         }
+    }
+
+    /// The time as nanoseconds since this clock was made: 8 bytes where an
+    /// [`Instant`] takes 16, so a registry entry that holds one stays small
+    /// (more entries per cache line and in cache). 584 years of range.
+    #[inline]
+    pub(crate) fn now_ns(&self) -> u64 {
+        let since = match self {
+            Self::Tokio { base } => Instant::now().saturating_duration_since(*base),
+            Self::Tsc { clock, base, .. } => clock.now().saturating_duration_since(*base),
+        };
+        u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
     }
 
     pub(crate) fn is_tsc(&self) -> bool {
