@@ -250,6 +250,13 @@ pub(crate) fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// Nanoseconds in `d`, saturating at `u64::MAX` (584 years).
+#[cfg(feature = "runtime")]
+#[inline]
+pub(crate) fn duration_ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

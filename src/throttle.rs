@@ -8,7 +8,7 @@ use std::time::Duration;
 use throttlebeam_supervisors::{Registry, SlotEntry, Sweep, catch_panic_fn};
 use tokio::time::Instant;
 
-use crate::clock::WindowClock;
+use crate::clock::{WindowClock, duration_ns};
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, check_timer, shown, update_slot};
 use crate::runtime::{Core, Runtime, Service};
@@ -71,7 +71,7 @@ impl Window {
     #[inline]
     fn from(now: u64, interval: Duration) -> Self {
         Self {
-            until: now.saturating_add(u64::try_from(interval.as_nanos()).unwrap_or(u64::MAX)),
+            until: now.saturating_add(duration_ns(interval)),
         }
     }
 

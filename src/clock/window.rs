@@ -20,7 +20,7 @@
 
 use tokio::time::Instant;
 
-use super::{quanta, tokio_paused};
+use super::{duration_ns, quanta, tokio_paused};
 
 /// Which clock a [`crate::Runtime`]'s leading-edge throttle windows use.
 ///
@@ -98,7 +98,7 @@ impl WindowClock {
             Self::Tokio { base } => Instant::now().saturating_duration_since(*base),
             Self::Tsc { clock, base, .. } => clock.now().saturating_duration_since(*base),
         };
-        u64::try_from(since.as_nanos()).unwrap_or(u64::MAX)
+        duration_ns(since)
     }
 
     pub(crate) fn is_tsc(&self) -> bool {

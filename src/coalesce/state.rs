@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use super::Phase;
 use super::store::{WindowClaim, WindowEntry, WindowStore, WindowStoreFuture};
 use crate::cell::RunCell;
-use crate::clock::WindowClock;
+use crate::clock::{WindowClock, duration_ns};
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, shown, update_slot};
 use crate::runtime::{Runtime, Service, ServiceFuture, ShutdownPolicy};
@@ -412,8 +412,7 @@ impl EpochClock {
 
     /// `instant` in nanoseconds after the base (0 before it).
     pub(super) fn nanos(&self, instant: Instant) -> u64 {
-        let since = instant.saturating_duration_since(self.base).as_nanos();
-        u64::try_from(since).unwrap_or(u64::MAX)
+        duration_ns(instant.saturating_duration_since(self.base))
     }
 
     /// The instant `nanos` after the base.
