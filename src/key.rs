@@ -137,10 +137,10 @@ impl InlineKey {
 /// Runs `f` on `key`'s slot in `registry`, building the stored key
 /// straight into its inline form if the key is new.
 #[cfg(feature = "runtime")]
-pub(crate) fn update_slot<S, R>(
-    registry: &throttlebeam_supervisors::Registry<InlineKey, S>,
+pub(crate) fn update_slot<S, G: throttlebeam_supervisors::Stamp, R>(
+    registry: &throttlebeam_supervisors::Registry<InlineKey, S, G>,
     key: &str,
-    f: impl FnOnce(throttlebeam_supervisors::SlotEntry<'_, InlineKey, S>) -> R,
+    f: impl FnOnce(throttlebeam_supervisors::SlotEntry<'_, InlineKey, S, G>) -> R,
 ) -> R {
     registry.update_with(key.as_bytes(), || InlineKey::new(key), f)
 }

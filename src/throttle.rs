@@ -5,7 +5,7 @@ use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use throttlebeam_supervisors::{Registry, SlotEntry, Sweep, catch_panic_fn};
+use throttlebeam_supervisors::{NoGeneration, Registry, SlotEntry, Sweep, catch_panic_fn};
 use tokio::time::Instant;
 
 use crate::clock::{WindowClock, duration_ns};
@@ -95,7 +95,8 @@ pub(crate) struct State {
 struct Windows {
     // Windows are opened, checked and swept on this one clock.
     clock: WindowClock,
-    registry: Registry<InlineKey, Window>,
+    // No process removes a window by incarnation: slots without generations, 32 bytes a key.
+    registry: Registry<InlineKey, Window, NoGeneration>,
 }
 
 impl Sweep for Windows {
@@ -383,4 +384,20 @@ fn global() -> Result<&'static ThrottleHandle, Error> {
         .get_or_init(|| Runtime::global().map(|rt| rt.throttle()))
         .as_ref()
         .map_err(Clone::clone)
+}
+
+#[cfg(test)]
+mod tests {
+    use throttlebeam_supervisors::Slot;
+
+    use super::*;
+
+    #[test]
+    fn an_open_window_is_a_32_byte_registry_entry() {
+        // The key inline (24) and the window's end (8): no generation, as governor's 32.
+        assert_eq!(
+            std::mem::size_of::<(InlineKey, Slot<Window, NoGeneration>)>(),
+            32
+        );
+    }
 }

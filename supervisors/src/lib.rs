@@ -100,7 +100,10 @@ mod tree;
 mod ttl;
 
 pub use panic::{CatchPanic, Panic, catch_panic, catch_panic_fn};
-pub use registry::{CapacityError, Generation, Registry, Slot, SlotEntry, SlotGuard, VacantSlot};
+pub use registry::{
+    CapacityError, Generation, NoGeneration, Registry, Slot, SlotEntry, SlotGuard, Stamp,
+    VacantSlot,
+};
 pub use stats::{Counters, Snapshot, TimerGuard};
 pub use supervisor::{RunHere, StartError, Supervisor};
 pub use sweeper::{Sweep, Sweeper};

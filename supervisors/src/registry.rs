@@ -1,4 +1,5 @@
-//! A keyed registry of per-key slots with generation stamps.
+//! A keyed registry of per-key slots, stamped with generations (or not, for slots that no
+//! process ever removes by incarnation).
 //!
 //! The registry owns each key's state; a per-key process only owns time and
 //! work. Every operation is synchronous and runs under one shard lock, so it
@@ -44,6 +45,41 @@ impl Generation {
     }
 }
 
+/// A registry whose slots carry no [`Generation`]: for states that no process removes by
+/// incarnation (they are only updated in place and swept with [`Registry::retain`]). Each
+/// key costs 8 bytes less, and a new key takes no number from the registry's shared
+/// counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct NoGeneration;
+
+/// What a registry stamps each new slot with: a [`Generation`] (the default), or
+/// [`NoGeneration`].
+pub trait Stamp: Copy + private::Sealed {
+    /// The stamp of a slot inserted now.
+    #[doc(hidden)]
+    fn next(counter: &AtomicU64) -> Self;
+}
+
+impl Stamp for Generation {
+    #[inline]
+    fn next(counter: &AtomicU64) -> Self {
+        Self(counter.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl Stamp for NoGeneration {
+    #[inline]
+    fn next(_: &AtomicU64) -> Self {
+        Self
+    }
+}
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for super::Generation {}
+    impl Sealed for super::NoGeneration {}
+}
+
 /// The cap on tracked keys was reached; nothing was inserted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("registry is full: {cap} keys tracked")]
@@ -52,10 +88,11 @@ pub struct CapacityError {
     pub cap: usize,
 }
 
-/// One key's slot: its generation and the state the registry owns for it.
+/// One key's slot: its stamp (a generation, by default) and the state the registry owns
+/// for it.
 #[derive(Debug)]
-pub struct Slot<S> {
-    generation: Generation,
+pub struct Slot<S, G = Generation> {
+    stamp: G,
     /// The key's state.
     pub state: S,
 }
@@ -64,24 +101,24 @@ impl<S> Slot<S> {
     /// The incarnation this slot belongs to.
     #[must_use]
     pub fn generation(&self) -> Generation {
-        self.generation
+        self.stamp
     }
 }
 
 /// A key's slot as found by [`Registry::update`].
 #[derive(Debug)]
-pub enum SlotEntry<'a, K, S> {
+pub enum SlotEntry<'a, K, S, G = Generation> {
     /// The key is tracked.
-    Occupied(&'a mut Slot<S>),
+    Occupied(&'a mut Slot<S, G>),
     /// The key is not tracked; [`VacantSlot::insert`] starts tracking it.
-    Vacant(VacantSlot<'a, K, S>),
+    Vacant(VacantSlot<'a, K, S, G>),
 }
 
 /// A key that is not tracked, its shard locked until this value drops.
 ///
 /// Dropping it without [`VacantSlot::insert`] tracks nothing.
-pub struct VacantSlot<'a, K, S> {
-    entry: dashmap::mapref::entry::VacantEntry<'a, K, Slot<S>>,
+pub struct VacantSlot<'a, K, S, G = Generation> {
+    entry: dashmap::mapref::entry::VacantEntry<'a, K, Slot<S, G>>,
     shared: &'a Shared,
 }
 
@@ -89,43 +126,44 @@ pub struct VacantSlot<'a, K, S> {
 ///
 /// Read and write the slot through `Deref`/`DerefMut`. Drop it before any
 /// `.await`: other keys of its shard wait while it lives.
-pub struct SlotGuard<'a, K, S> {
-    inner: dashmap::mapref::one::RefMut<'a, K, Slot<S>>,
-    /// The slot's generation, kept out of the map: reading it back from a
+pub struct SlotGuard<'a, K, S, G = Generation> {
+    inner: dashmap::mapref::one::RefMut<'a, K, Slot<S, G>>,
+    /// The slot's stamp, kept out of the map: reading it back from a
     /// freshly written entry would wait for that entry's cache line.
-    generation: Generation,
+    stamp: G,
 }
 
 impl<K: Eq + Hash, S> SlotGuard<'_, K, S> {
     /// The generation the slot was stamped with.
     #[must_use]
     pub fn generation(&self) -> Generation {
-        self.generation
+        self.stamp
     }
 }
 
-impl<K: Eq + Hash, S> Deref for SlotGuard<'_, K, S> {
-    type Target = Slot<S>;
-    fn deref(&self) -> &Slot<S> {
+impl<K: Eq + Hash, S, G> Deref for SlotGuard<'_, K, S, G> {
+    type Target = Slot<S, G>;
+    fn deref(&self) -> &Slot<S, G> {
         &self.inner
     }
 }
 
-impl<K: Eq + Hash, S> DerefMut for SlotGuard<'_, K, S> {
-    fn deref_mut(&mut self) -> &mut Slot<S> {
+impl<K: Eq + Hash, S, G> DerefMut for SlotGuard<'_, K, S, G> {
+    fn deref_mut(&mut self) -> &mut Slot<S, G> {
         &mut self.inner
     }
 }
 
-impl<'a, K: Eq + Hash + Clone, S> VacantSlot<'a, K, S> {
-    /// Starts tracking the key with `state`, stamping a fresh generation.
+impl<'a, K: Eq + Hash + Clone, S, G: Stamp> VacantSlot<'a, K, S, G> {
+    /// Starts tracking the key with `state`, stamping a fresh generation (if the registry
+    /// stamps them).
     /// Wakes the registry's sweeper, if any, when this is its first key.
     ///
     /// # Errors
     ///
     /// [`CapacityError`] when the [`Counters`] shared by this registry
     /// already count its cap of keys; nothing is inserted.
-    pub fn insert(self, state: S) -> Result<SlotGuard<'a, K, S>, CapacityError> {
+    pub fn insert(self, state: S) -> Result<SlotGuard<'a, K, S, G>, CapacityError> {
         if !self.shared.counters.key_added(self.shared.cap) {
             return Err(CapacityError {
                 cap: self.shared.cap,
@@ -136,9 +174,9 @@ impl<'a, K: Eq + Hash + Clone, S> VacantSlot<'a, K, S> {
         {
             sweeper.kick();
         }
-        let generation = Generation(self.shared.next_generation.fetch_add(1, Ordering::Relaxed));
-        let inner = self.entry.insert(Slot { generation, state });
-        Ok(SlotGuard { inner, generation })
+        let stamp = G::next(&self.shared.next_generation);
+        let inner = self.entry.insert(Slot { stamp, state });
+        Ok(SlotGuard { inner, stamp })
     }
 
     /// The key that would be inserted.
@@ -227,12 +265,27 @@ impl Drop for PassDone<'_> {
 /// assert!(registry.remove_if("a", generation, |n| *n == 1).is_some());
 /// assert_eq!(counters.keys(), 0);
 /// ```
-pub struct Registry<K, S> {
-    map: DashMap<K, Slot<S>, ahash::RandomState>,
+///
+/// A registry whose slots no process removes by incarnation can do without generations:
+///
+/// ```
+/// use std::sync::Arc;
+/// use throttlebeam_supervisors::{Counters, NoGeneration, Registry, SlotEntry};
+///
+/// let windows: Registry<String, u64, NoGeneration> =
+///     Registry::new(Arc::new(Counters::new()), usize::MAX);
+/// windows.update("a", |slot| match slot {
+///     SlotEntry::Occupied(slot) => slot.state = 20,
+///     SlotEntry::Vacant(vacant) => drop(vacant.insert(10)),
+/// });
+/// assert_eq!(windows.retain(|_, until| *until > 5), 1);
+/// ```
+pub struct Registry<K, S, G = Generation> {
+    map: DashMap<K, Slot<S, G>, ahash::RandomState>,
     shared: Shared,
 }
 
-impl<K: Eq + Hash + Clone, S> Registry<K, S> {
+impl<K: Eq + Hash + Clone, S, G: Stamp> Registry<K, S, G> {
     /// Creates an empty registry counting its keys in `counters`, refusing
     /// new keys once `counters` counts `cap` keys (`usize::MAX`: no cap).
     #[must_use]
@@ -306,7 +359,7 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     /// assert_eq!(calls(), 1);
     /// assert_eq!(calls(), 2);
     /// ```
-    pub fn update<Q, R>(&self, key: &Q, f: impl FnOnce(SlotEntry<'_, K, S>) -> R) -> R
+    pub fn update<Q, R>(&self, key: &Q, f: impl FnOnce(SlotEntry<'_, K, S, G>) -> R) -> R
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized + ToOwned,
@@ -341,7 +394,7 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
         &self,
         key: &Q,
         make: impl FnOnce() -> K,
-        f: impl FnOnce(SlotEntry<'_, K, S>) -> R,
+        f: impl FnOnce(SlotEntry<'_, K, S, G>) -> R,
     ) -> R
     where
         K: Borrow<Q>,
@@ -363,7 +416,7 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
 
     /// Reads the key's live slot under a shared lock, if any. The cheapest
     /// lookup: concurrent readers of one shard do not exclude each other.
-    pub fn read<Q, R>(&self, key: &Q, f: impl FnOnce(&Slot<S>) -> R) -> Option<R>
+    pub fn read<Q, R>(&self, key: &Q, f: impl FnOnce(&Slot<S, G>) -> R) -> Option<R>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
@@ -372,40 +425,12 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     }
 
     /// Runs `f` on the key's live slot, if any, without creating one.
-    pub fn with_slot<Q, R>(&self, key: &Q, f: impl FnOnce(&mut Slot<S>) -> R) -> Option<R>
+    pub fn with_slot<Q, R>(&self, key: &Q, f: impl FnOnce(&mut Slot<S, G>) -> R) -> Option<R>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
         self.map.get_mut(key).map(|mut slot| f(&mut slot))
-    }
-
-    /// Compare-and-remove: removes the slot only if it is still incarnation
-    /// `generation` and `pred` holds, returning its state.
-    ///
-    /// A process exiting on idle calls this; if it fails, a caller arrived
-    /// (or the slot was replaced) and the process must stay or leave
-    /// without touching the slot.
-    pub fn remove_if<Q>(
-        &self,
-        key: &Q,
-        generation: Generation,
-        pred: impl FnOnce(&S) -> bool,
-    ) -> Option<S>
-    where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
-    {
-        // Uncount under the shard lock, as `insert` counts, so the count
-        // never runs ahead of the map for one key.
-        let (_, slot) = self.map.remove_if(key, |_, slot| {
-            let remove = slot.generation == generation && pred(&slot.state);
-            if remove {
-                self.forget(1);
-            }
-            remove
-        })?;
-        Some(slot.state)
     }
 
     /// [`Registry::retain`] for a caller the key cap just refused, whose
@@ -555,7 +580,37 @@ impl<K: Eq + Hash + Clone, S> Registry<K, S> {
     }
 }
 
-impl<K, S> Registry<K, S> {
+impl<K: Eq + Hash + Clone, S> Registry<K, S> {
+    /// Compare-and-remove: removes the slot only if it is still incarnation
+    /// `generation` and `pred` holds, returning its state.
+    ///
+    /// A process exiting on idle calls this; if it fails, a caller arrived
+    /// (or the slot was replaced) and the process must stay or leave
+    /// without touching the slot.
+    pub fn remove_if<Q>(
+        &self,
+        key: &Q,
+        generation: Generation,
+        pred: impl FnOnce(&S) -> bool,
+    ) -> Option<S>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        // Uncount under the shard lock, as `insert` counts, so the count
+        // never runs ahead of the map for one key.
+        let (_, slot) = self.map.remove_if(key, |_, slot| {
+            let remove = slot.stamp == generation && pred(&slot.state);
+            if remove {
+                self.forget(1);
+            }
+            remove
+        })?;
+        Some(slot.state)
+    }
+}
+
+impl<K, S, G> Registry<K, S, G> {
     fn forget(&self, n: usize) {
         if n > 0 {
             self.shared.len.fetch_sub(n, Ordering::AcqRel);
@@ -564,7 +619,7 @@ impl<K, S> Registry<K, S> {
     }
 }
 
-impl<K, S> Drop for Registry<K, S> {
+impl<K, S, G> Drop for Registry<K, S, G> {
     fn drop(&mut self) {
         // Keys of a dropped registry must not keep holding the shared cap.
         let n = *self.shared.len.get_mut();
@@ -575,32 +630,32 @@ impl<K, S> Drop for Registry<K, S> {
 }
 
 /// Forgets `n` removed slots when dropped, on every exit path.
-struct Forget<'a, K, S> {
-    registry: &'a Registry<K, S>,
+struct Forget<'a, K, S, G> {
+    registry: &'a Registry<K, S, G>,
     n: usize,
 }
 
-impl<K, S> Drop for Forget<'_, K, S> {
+impl<K, S, G> Drop for Forget<'_, K, S, G> {
     fn drop(&mut self) {
         self.registry.forget(self.n);
     }
 }
 
-impl<K, S> std::fmt::Debug for VacantSlot<'_, K, S> {
+impl<K, S, G> std::fmt::Debug for VacantSlot<'_, K, S, G> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VacantSlot").finish_non_exhaustive()
     }
 }
 
-impl<K: Eq + Hash, S> std::fmt::Debug for SlotGuard<'_, K, S> {
+impl<K: Eq + Hash, S, G: std::fmt::Debug> std::fmt::Debug for SlotGuard<'_, K, S, G> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SlotGuard")
-            .field("generation", &self.inner.generation)
+            .field("stamp", &self.stamp)
             .finish_non_exhaustive()
     }
 }
 
-impl<K, S> std::fmt::Debug for Registry<K, S> {
+impl<K, S, G> std::fmt::Debug for Registry<K, S, G> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Registry")
             .field("len", &self.shared.len.load(Ordering::Relaxed))
