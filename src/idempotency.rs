@@ -794,6 +794,7 @@ where
 
 #[cfg(test)]
 mod tests {
+    use crate::key::InlineKey;
     use std::collections::HashMap;
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -839,11 +840,11 @@ mod tests {
 
         fn put(
             &self,
-            key: &str,
+            key: &InlineKey,
             record: Record,
             ttl: Duration,
         ) -> Pending<'_, Result<(), BoxError>> {
-            let key = key.to_owned();
+            let key = key.as_str().to_owned();
             Pending::Later(Box::pin(async move {
                 tokio::task::yield_now().await;
                 if self.fail_puts.load(Ordering::SeqCst) {
@@ -1211,7 +1212,7 @@ mod tests {
         }
         fn put(
             &self,
-            key: &str,
+            key: &InlineKey,
             record: Record,
             ttl: Duration,
         ) -> Pending<'_, Result<(), BoxError>> {

@@ -90,11 +90,13 @@ pub(crate) const INLINE_KEY: usize = 22;
 
 /// A key as stored in a registry or store. Short keys (ids, IPs) are kept
 /// inline, so a lookup compares them without chasing a pointer to another
-/// cache line; longer ones go to the heap. Looked up by its bytes.
+/// cache line; longer ones go to the heap, shared by every clone (a claim, its ticket, the
+/// result stored and the results' eviction queue hold one allocation between them). Looked
+/// up by its bytes.
 #[derive(Debug, Clone)]
 pub(crate) enum InlineKey {
     Inline { len: u8, bytes: [u8; INLINE_KEY] },
-    Heap(Box<[u8]>),
+    Heap(std::sync::Arc<[u8]>),
 }
 
 impl InlineKey {
@@ -151,7 +153,7 @@ impl From<Vec<u8>> for InlineKey {
         if raw.len() <= INLINE_KEY {
             Self::from_bytes(&raw)
         } else {
-            Self::Heap(raw.into_boxed_slice())
+            Self::Heap(raw.into())
         }
     }
 }

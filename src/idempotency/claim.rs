@@ -30,7 +30,7 @@ use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, Stored
 use super::store::{Form, Pending, Record, ResultStore, stored_result};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
-use crate::key::{InlineKey, shown};
+use crate::key::{InlineKey, shown, update_slot};
 use crate::store::StoreError;
 
 /// How a claim ended, as its waiters see it.
@@ -77,7 +77,9 @@ pub(crate) enum Step<T> {
 /// What the registry update decided: claimed (taking over a lapsed holder,
 /// whose waiters must be woken) or wait.
 enum Joined<T> {
-    Claimed(Generation, Option<Arc<RunCell<Settled>>>),
+    /// The claim's generation, its key as the registry stored it (shared with the ticket),
+    /// and the cell of a holder whose lapsed claim this one took over.
+    Claimed(Generation, InlineKey, Option<Arc<RunCell<Settled>>>),
     Wait(Step<T>),
 }
 
@@ -196,7 +198,7 @@ impl Ledger {
         // An early return from here drops the ticket, which releases the key.
         let found = self
             .store
-            .get(&ticket.full, now)
+            .get(ticket.full.as_str(), now)
             .resolve()
             .await
             .map_err(|e| unavailable(key, e))?;
@@ -226,7 +228,7 @@ impl Ledger {
             ticket.ttl,
         );
         let reply = shared
-            .claim(&ticket.full, request)
+            .claim(ticket.full.as_str(), request)
             .await
             .map_err(|e| unavailable(key, Arc::new(e)))?;
         // An early return drops the ticket, which releases the local claim.
@@ -291,7 +293,12 @@ impl Ledger {
             if self.is_closed() {
                 return Err(Error::ShutDown { key: shown(key) });
             }
-            if !self.renew(&ticket.full, ticket.generation, ticket.token, ticket.lease) {
+            if !self.renew(
+                ticket.full.as_str(),
+                ticket.generation,
+                ticket.token,
+                ticket.lease,
+            ) {
                 // The local claim is gone (the runtime was reset): start over.
                 return Err(Error::Discarded {
                     key: shown(key),
@@ -299,7 +306,7 @@ impl Ledger {
                 });
             }
             // Registered before the claim, so a change right after it wakes us.
-            changed = Some(shared.watch(&ticket.full));
+            changed = Some(shared.watch(ticket.full.as_str()));
             match self.claim_shared(shared, ticket, key).await? {
                 Step::Remote {
                     ticket: again,
@@ -331,7 +338,7 @@ impl Ledger {
             completing: false,
             cell: Arc::clone(&cell),
         };
-        let joined = self.claims.update(full.as_bytes(), |slot| match slot {
+        let joined = update_slot(&self.claims, full, |slot| match slot {
             SlotEntry::Occupied(slot) => {
                 let generation = slot.generation();
                 let claim = &mut slot.state;
@@ -347,18 +354,25 @@ impl Ledger {
                 }
                 // The lease lapsed: a live holder renews it, so the holder is gone.
                 let old = std::mem::replace(claim, fresh);
-                Ok(Joined::Claimed(generation, Some(old.cell)))
+                Ok(Joined::Claimed(
+                    generation,
+                    InlineKey::new(full),
+                    Some(old.cell),
+                ))
             }
-            SlotEntry::Vacant(vacant) => match vacant.insert(fresh) {
-                Ok(slot) => Ok(Joined::Claimed(slot.generation(), None)),
-                Err(_) => Err(Error::TooManyKeys {
-                    key: shown(key),
-                    cap: self.cap,
-                }),
-            },
+            SlotEntry::Vacant(vacant) => {
+                let stored = vacant.key().clone();
+                match vacant.insert(fresh) {
+                    Ok(slot) => Ok(Joined::Claimed(slot.generation(), stored, None)),
+                    Err(_) => Err(Error::TooManyKeys {
+                        key: shown(key),
+                        cap: self.cap,
+                    }),
+                }
+            }
         })?;
-        let (generation, superseded) = match joined {
-            Joined::Claimed(generation, superseded) => (generation, superseded),
+        let (generation, stored, superseded) = match joined {
+            Joined::Claimed(generation, stored, superseded) => (generation, stored, superseded),
             Joined::Wait(wait) => return Ok(wait),
         };
         if let Some(old) = superseded {
@@ -369,7 +383,7 @@ impl Ledger {
         }
         Ok(Step::Owner(Ticket {
             ledger: Arc::clone(self),
-            full: full.into(),
+            full: stored,
             key: shown(key).into(),
             generation,
             token,
@@ -451,8 +465,8 @@ impl Ledger {
 /// Held by the per-key process of a run, or inside a [`super::IdempotencyReservation`].
 pub(crate) struct Ticket {
     ledger: Arc<Ledger>,
-    /// The scoped key the ledger knows.
-    full: Box<str>,
+    /// The scoped key the ledger knows (the claim's own, shared).
+    full: InlineKey,
     /// The caller's key, shortened for errors.
     key: Box<str>,
     generation: Generation,
@@ -471,7 +485,7 @@ pub(crate) struct Ticket {
 /// Renews one claim's lease from wherever its holder lives.
 pub(crate) struct Renewer {
     ledger: Arc<Ledger>,
-    full: Box<str>,
+    full: InlineKey,
     key: Box<str>,
     generation: Generation,
     token: ClaimToken,
@@ -491,14 +505,17 @@ impl Renewer {
     pub(crate) async fn renew(&self) -> bool {
         if !self
             .ledger
-            .renew(&self.full, self.generation, self.token, self.lease)
+            .renew(self.full.as_str(), self.generation, self.token, self.lease)
         {
             return false;
         }
         let Some(shared) = self.ledger.shared.as_deref().filter(|_| self.shared) else {
             return true;
         };
-        match shared.renew(&self.full, self.token, self.lease).await {
+        match shared
+            .renew(self.full.as_str(), self.token, self.lease)
+            .await
+        {
             Ok(true) => true,
             Ok(false) => {
                 tracing::warn!(
@@ -721,7 +738,7 @@ impl Ticket {
         let mut pause = Duration::from_millis(20);
         loop {
             match shared
-                .complete(&self.full, self.token, stored, self.ttl)
+                .complete(self.full.as_str(), self.token, stored, self.ttl)
                 .await
             {
                 Ok(stored) => return Ok(stored),
@@ -792,7 +809,7 @@ impl Ticket {
         };
         let (full, key, token) = (self.full.clone(), self.key.clone(), self.token);
         runtime.spawn(async move {
-            if let Err(e) = shared.release(&full, token).await {
+            if let Err(e) = shared.release(full.as_str(), token).await {
                 tracing::debug!(key = %key, error = %e, "releasing an idempotency claim failed; its lease will lapse");
             }
         });

@@ -208,8 +208,14 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
     /// The live record for `key` as of `now`.
     fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>>;
 
-    /// Stores `record` for `ttl`, replacing any record for `key`.
-    fn put(&self, key: &str, record: Record, ttl: Duration) -> Pending<'_, Result<(), BoxError>>;
+    /// Stores `record` for `ttl`, replacing any record for `key` (handed over in its stored
+    /// form, so a table keeps a clone instead of building the key again).
+    fn put(
+        &self,
+        key: &InlineKey,
+        record: Record,
+        ttl: Duration,
+    ) -> Pending<'_, Result<(), BoxError>>;
 
     /// Results held and evicted, for stats; zero where the store cannot
     /// tell cheaply.
@@ -290,8 +296,13 @@ impl ResultStore for ResultTable {
         Pending::Ready(Ok(self.table.get_at(key.as_bytes(), now)))
     }
 
-    fn put(&self, key: &str, record: Record, ttl: Duration) -> Pending<'_, Result<(), BoxError>> {
-        let evicted = self.table.insert(InlineKey::new(key), record, ttl);
+    fn put(
+        &self,
+        key: &InlineKey,
+        record: Record,
+        ttl: Duration,
+    ) -> Pending<'_, Result<(), BoxError>> {
+        let evicted = self.table.insert(key.clone(), record, ttl);
         if evicted > 0 {
             self.evicted(evicted);
         }
