@@ -794,7 +794,6 @@ where
 
 #[cfg(test)]
 mod tests {
-    use crate::key::InlineKey;
     use std::collections::HashMap;
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -804,6 +803,7 @@ mod tests {
     use super::store::{Form, Pending, Record, ResultStore};
     use super::*;
     use crate::error::BoxError;
+    use crate::key::InlineKey;
 
     /// Behaves like a store shared across processes: takes encoded values
     /// and answers after a round trip.
