@@ -1238,14 +1238,35 @@ async fn ten_million_distinct_keys_stay_within_the_default_results_cap() {
         println!("resident after 10 million keys: {} MiB", rss >> 20);
         assert!(rss < 256 << 20, "{} MiB resident", rss >> 20);
     }
-    // The newest results are the ones kept.
-    let last = idem
-        .run(&format!("flood:{}", KEYS - 1), || async {
-            Ok::<_, io::Error>(0)
-        })
+    // The newest results are the ones kept, the oldest the ones evicted. (Not the flood's
+    // last key: the four callers do not finish together, so another may store more than
+    // the cap's worth of results after it.)
+    for i in 0..10_u64 {
+        let fresh = idem
+            .run(&format!("last:{i}"), move || async move {
+                Ok::<_, io::Error>(i)
+            })
+            .await
+            .unwrap();
+        assert_eq!(fresh, IdempotencyOutcome::Fresh(i));
+    }
+    for i in 0..10_u64 {
+        let replay = idem
+            .run(&format!("last:{i}"), || async { Ok::<_, io::Error>(0) })
+            .await
+            .unwrap();
+        assert_eq!(replay, IdempotencyOutcome::Replay(i), "last:{i}");
+    }
+    let first = idem
+        .run("flood:0", || async { Ok::<_, io::Error>(u64::MAX) })
         .await
         .unwrap();
-    assert_eq!(last, IdempotencyOutcome::Replay(KEYS - 1));
+    assert_eq!(
+        first,
+        IdempotencyOutcome::Fresh(u64::MAX),
+        "flood:0 was evicted"
+    );
+    assert_eq!(idem.stats().stored_results, cap);
 }
 
 /// Resident memory of this process, where `/proc` tells it.
