@@ -275,6 +275,10 @@ impl TrailingThrottleBuilder {
 ///   process (with a trailing run pending, also an entry in the throttle's
 ///   sleeper, which starts the key's process when the window ends); windows
 ///   that are over are swept by the runtime's sweeper.
+/// - The sleeper is a task on the tokio runtime of the call that started
+///   it. If that runtime ends, its pending runs are handed back: a caller
+///   waiting for one of them, or the next call on the throttle, restarts
+///   the sleeper on its own runtime.
 ///
 /// Functions run in the key's own process (a leading run's process lives in
 /// its caller's task until the caller has the outcome, then moves into a
@@ -467,7 +471,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
                 Err(_) => return Err(self.shared.exit_error(key)),
             },
         };
-        cell.wait().await
+        self.shared.wait_cell(&cell).await
     }
 
     /// Live figures and counters.

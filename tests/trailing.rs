@@ -1224,6 +1224,142 @@ async fn runtime_shutdown_with_the_drop_policy_destroys_the_throttle() {
     assert!(t.is_destroyed());
 }
 
+// ---------------------------------------------------------------- S16, ended runtimes
+
+/// A tokio runtime of its own, on real time: each test below ends one.
+fn tokio_runtime(workers: usize) -> tokio::runtime::Runtime {
+    if workers == 0 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        builder.worker_threads(workers);
+        builder
+    }
+    .enable_all()
+    .build()
+    .expect("a tokio runtime")
+}
+
+/// Waits (real time, bounded) until `done` holds.
+async fn eventually(what: &str, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting: {what}"
+        );
+        sleep(ms(2)).await;
+    }
+}
+
+/// Issue 30 item 3, S16: the sleeper that holds a pending trailing run lives
+/// on the tokio runtime of the call that scheduled it. When that runtime
+/// ends, the sleeper hands its wake-ups back: a caller already waiting on
+/// another runtime drives the run, and the next call completes.
+#[test]
+fn a_sleeper_whose_runtime_ended_hands_its_wake_ups_back() {
+    let home = tokio_runtime(1);
+    let rt = home.block_on(runtime());
+    let t: TrailingThrottle<&'static str> = home.block_on(async { throttle(&rt, 200).await });
+
+    // Runtime A: a leading run, then a call that leaves a trailing run
+    // pending in the sleeper A's runtime started.
+    let a = tokio_runtime(0);
+    a.block_on(async {
+        assert!(
+            t.call("k", |_| async { Ok::<_, Oops>("lead") })
+                .await
+                .unwrap()
+        );
+        assert!(
+            !t.call("k", |_| async { Ok::<_, Oops>("trail") })
+                .await
+                .unwrap()
+        );
+        settle().await;
+        assert_eq!(t.stats().pending, 1);
+    });
+    // A caller on the home runtime waits for that trailing run.
+    let waiter = {
+        let t = t.clone();
+        home.spawn(async move {
+            t.call_and_wait("k", |_| async { Ok::<_, Oops>("waited") })
+                .await
+        })
+    };
+    home.block_on(eventually("the waiter is coalesced", || {
+        t.stats().calls == 3
+    }));
+    // Runtime A ends with the wake-up still pending (the window is 200 ms).
+    drop(a);
+    let waited = home.block_on(async {
+        tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("the waiter is not left hanging")
+            .unwrap()
+    });
+    assert_eq!(waited.unwrap(), "waited");
+    // The next call on the key completes too, and the key goes idle.
+    let next = home.block_on(async {
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            t.call_and_wait("k", |_| async { Ok::<_, Oops>("next") }),
+        )
+        .await
+        .expect("the next call completes")
+    });
+    assert_eq!(next.unwrap(), "next");
+    home.block_on(eventually("the throttle goes idle", || {
+        let s = t.stats();
+        (s.active, s.pending, s.timers) == (0, 0, 0)
+    }));
+    assert_eq!(t.stats().trailing_runs, 2);
+}
+
+/// Issue 30 item 3, S16: with nobody waiting when the sleeper's runtime
+/// ends, the next call from another runtime restarts the sleeper there and
+/// the pending trailing run (and the call) completes.
+#[test]
+fn the_next_call_from_another_runtime_restarts_an_ended_sleeper() {
+    let home = tokio_runtime(1);
+    let rt = home.block_on(runtime());
+    let t: TrailingThrottle<&'static str> = home.block_on(async { throttle(&rt, 200).await });
+    let ran = Arc::new(Mutex::new(Vec::new()));
+    let a = tokio_runtime(0);
+    a.block_on(async {
+        assert!(
+            t.call("k", |_| async { Ok::<_, Oops>("lead") })
+                .await
+                .unwrap()
+        );
+        let ran = ran.clone();
+        assert!(
+            !t.call("k", move |_| async move {
+                ran.lock().unwrap().push("trail");
+                Ok::<_, Oops>("trail")
+            })
+            .await
+            .unwrap()
+        );
+    });
+    drop(a);
+    // Another key's call from the home runtime adopts the orphaned wake-up.
+    let other = home.block_on(t.call("other", |_| async { Ok::<_, Oops>("other") }));
+    assert!(other.unwrap());
+    home.block_on(eventually("the trailing run ran", || {
+        ran.lock().unwrap().len() == 1
+    }));
+    let next = home.block_on(async {
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            t.call_and_wait("k", |_| async { Ok::<_, Oops>("next") }),
+        )
+        .await
+        .expect("the next call completes")
+    });
+    assert_eq!(next.unwrap(), "next");
+}
+
 // ---------------------------------------------------------------- bad input
 
 #[tokio::test(start_paused = true)]

@@ -6,7 +6,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -315,6 +315,39 @@ impl SleeperShard {
     }
 }
 
+/// Holds a sleeper shard's `running` mark for its process. A process that
+/// ends without handing the shard back itself (its tokio runtime ended, or
+/// it never started) is dropped with wake-ups still in the heap: the guard
+/// clears the mark and flags them as orphaned, so the next call or waiter
+/// on a live runtime starts a sleeper there ([`Shared::adopt_orphans`]).
+struct SleeperGuard<T: Clone + Send + Sync + 'static> {
+    shared: Arc<Shared<T>>,
+    index: usize,
+    /// The process emptied its heap and cleared the mark itself.
+    done: bool,
+}
+
+impl<T: Clone + Send + Sync + 'static> Drop for SleeperGuard<T> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let shared = &self.shared;
+        let left = {
+            let mut sleeper = shared.sleepers[self.index].lock();
+            sleeper.running = false;
+            sleeper.heap.len()
+        };
+        if left > 0 {
+            // Flagged after the shard is handed back, so an adopter that
+            // sees the flag sees the shard free.
+            shared.orphaned.store(true, Ordering::Release);
+            shared.adopt.notify_waiters();
+            tracing::debug!(throttle = %shared.name, shard = self.index, left, "sleeper ended with wake-ups pending; handed back");
+        }
+    }
+}
+
 pub(super) const OPEN: u8 = 0;
 pub(super) const DRAINING: u8 = 1;
 pub(super) const DESTROYED: u8 = 2;
@@ -470,6 +503,10 @@ pub(super) struct Shared<T> {
     tokens: ahash::RandomState,
     next_token: AtomicU64,
     sleepers: Box<[SleeperShard]>,
+    /// A sleeper's process ended (its runtime ended) with wake-ups left.
+    orphaned: AtomicBool,
+    /// Wakes waiters when that happens, so they adopt them.
+    adopt: Notify,
 }
 
 enum Decision<T, J> {
@@ -533,6 +570,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             tokens: ahash::RandomState::new(),
             next_token: AtomicU64::new(1),
             sleepers: (0..STRIPES).map(|_| SleeperShard::default()).collect(),
+            orphaned: AtomicBool::new(false),
+            adopt: Notify::new(),
             runtime: config.runtime,
             name: config.name,
             prefix: config.prefix,
@@ -587,6 +626,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         check_key(key)?;
         let core = &self.runtime.core;
         core.check_open(key)?;
+        self.adopt_orphans();
         let mut job = job;
         let mut swept = false;
         let decision = loop {
@@ -802,26 +842,80 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             (start, earlier)
         };
         if start {
-            let sleeper = Arc::clone(self).sleep_loop(index);
-            if self
-                .runtime
-                .core
-                .start_process(&self.prefix, sleeper)
-                .is_err()
-            {
-                // No runtime to sleep on: fire now; the processes fail their
-                // callers as they cannot start either.
-                let due = {
-                    let mut sleeper = shard.lock();
-                    sleeper.running = false;
-                    let due = std::mem::take(&mut sleeper.heap).into_vec();
-                    self.gauges.live.fetch_add(due.len(), Ordering::SeqCst);
-                    due
-                };
-                self.fire_all(due.into_iter().map(|Reverse(wakeup)| wakeup));
-            }
+            self.start_sleeper(index);
         } else if earlier {
             shard.wake.notify_one();
+        }
+    }
+
+    /// Starts the process of sleeper shard `index` on the caller's tokio
+    /// runtime; its shard was just marked running.
+    fn start_sleeper(self: &Arc<Self>, index: usize) {
+        let guard = SleeperGuard {
+            shared: Arc::clone(self),
+            index,
+            done: false,
+        };
+        if self
+            .runtime
+            .core
+            .start_process(&self.prefix, Self::sleep_loop(guard))
+            .is_err()
+        {
+            // (The unpolled guard handed the shard back as it was dropped.)
+            // No runtime to sleep on: fire now; the processes fail their
+            // callers as they cannot start either.
+            let shard = &self.sleepers[index];
+            let due = {
+                let mut sleeper = shard.lock();
+                if sleeper.running {
+                    // Another caller started a sleeper meanwhile.
+                    return;
+                }
+                let due = std::mem::take(&mut sleeper.heap).into_vec();
+                self.gauges.live.fetch_add(due.len(), Ordering::SeqCst);
+                due
+            };
+            self.fire_all(due.into_iter().map(|Reverse(wakeup)| wakeup));
+        }
+    }
+
+    /// Restarts, on the caller's tokio runtime, the sleepers whose own
+    /// runtime ended while they held wake-ups. Costs one load while there
+    /// are none; outside a tokio runtime it leaves them to the next caller.
+    pub(super) fn adopt_orphans(self: &Arc<Self>) {
+        if !self.orphaned.load(Ordering::Acquire)
+            || tokio::runtime::Handle::try_current().is_err()
+            || !self.orphaned.swap(false, Ordering::AcqRel)
+        {
+            return;
+        }
+        for (index, shard) in self.sleepers.iter().enumerate() {
+            let start = {
+                let mut sleeper = shard.lock();
+                let start = !sleeper.running && !sleeper.heap.is_empty();
+                sleeper.running |= start;
+                start
+            };
+            if start {
+                tracing::debug!(throttle = %self.name, shard = index, "sleeper restarted on this runtime");
+                self.start_sleeper(index);
+            }
+        }
+    }
+
+    /// Waits for `cell`, adopting wake-ups whose sleeper's runtime ended
+    /// meanwhile: a waiter on a live runtime drives the run it waits for.
+    pub(super) async fn wait_cell(self: &Arc<Self>, cell: &RunCell<T>) -> Result<T, Error> {
+        loop {
+            let orphaned = self.adopt.notified();
+            tokio::pin!(orphaned);
+            orphaned.as_mut().enable();
+            self.adopt_orphans();
+            tokio::select! {
+                result = cell.wait() => return result,
+                () = orphaned => {}
+            }
         }
     }
 
@@ -844,19 +938,21 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         self.sleepers.iter().map(|s| s.lock().heap.len()).sum()
     }
 
-    /// The sleeper process of shard `index`: starts each scheduled key's
+    /// The process of the guard's sleeper shard: starts each scheduled key's
     /// process when its window ends; exits when nothing is scheduled.
     ///
     /// Due wake-ups leave the heap counted as live work (under the shard's
     /// lock, so a drain never sees them in neither place) until their
     /// processes have started.
-    async fn sleep_loop(self: Arc<Self>, index: usize) {
-        let shard = &self.sleepers[index];
+    async fn sleep_loop(mut guard: SleeperGuard<T>) {
+        let this = Arc::clone(&guard.shared);
+        let index = guard.index;
+        let shard = &this.sleepers[index];
         loop {
             let woken = shard.wake.notified();
             tokio::pin!(woken);
             woken.as_mut().enable();
-            let now = self.epoch.nanos(Instant::now());
+            let now = this.epoch.nanos(Instant::now());
             let (due, next) = {
                 let mut sleeper = shard.lock();
                 let mut due = Vec::new();
@@ -866,18 +962,19 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                     }
                 }
                 if !due.is_empty() {
-                    self.gauges.live.fetch_add(due.len(), Ordering::SeqCst);
+                    this.gauges.live.fetch_add(due.len(), Ordering::SeqCst);
                 }
                 let next = sleeper.heap.peek().map(|top| top.0.at);
                 if next.is_none() {
                     sleeper.running = false;
+                    guard.done = true;
                 }
                 (due, next)
             };
-            self.fire_all(due.into_iter());
+            this.fire_all(due.into_iter());
             let Some(at) = next else { return };
             tokio::select! {
-                () = tokio::time::sleep_until(self.epoch.instant(at)) => {}
+                () = tokio::time::sleep_until(this.epoch.instant(at)) => {}
                 () = woken => {}
             }
         }
