@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use support::redis::{RedisCluster, RedisNode};
 use throttlebeam::store::Redis;
-use throttlebeam::{Phase, Runtime};
+use throttlebeam::{IdempotencyOptions, IdempotencyOutcome, IdempotencyReserved, Phase, Runtime};
 use tokio::time::Instant;
 
 /// Each "instance": its own connection to Redis and its own runtime,
@@ -222,4 +222,211 @@ async fn s7_a_dead_redis_fails_open_and_recovers() {
         assert!(std::time::Instant::now() < deadline, "did not recover");
     }
     rt.shutdown(Duration::from_secs(1)).await;
+}
+
+// ------------------------------------------------ S16: the pub/sub listener
+
+/// A tokio runtime of its own, on real time (0 workers: current thread).
+fn tokio_runtime(workers: usize) -> tokio::runtime::Runtime {
+    if workers == 0 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut builder = tokio::runtime::Builder::new_multi_thread();
+        builder.worker_threads(workers);
+        builder
+    }
+    .enable_all()
+    .build()
+    .expect("a tokio runtime")
+}
+
+/// Waits (real time, bounded for a busy machine) until `done` holds.
+async fn eventually(what: &str, within: Duration, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + within;
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {within:?} waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn long_wait() -> IdempotencyOptions {
+    IdempotencyOptions::new()
+        .with_lease(Duration::from_secs(30))
+        .with_wait_timeout(Duration::from_secs(20))
+}
+
+/// `owner` reserves `key` (retrying while its Redis comes back); then a
+/// duplicate on `waiter` waits for it, on the tokio runtime this is
+/// awaited on. Once the waiter's listener has subscribed `subscriptions`
+/// times in all, the owner completes the key: the duplicate replays it,
+/// and the waiter's backend counts the completion's pub/sub notice.
+async fn duplicate_wakes_by_notice(
+    owner: &Runtime,
+    waiter: &Runtime,
+    waiter_redis: &Redis,
+    key: &str,
+    subscriptions: u64,
+) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let reservation = loop {
+        match owner.idempotency().reserve::<u64>(key, long_wait()).await {
+            Ok(IdempotencyReserved::Fresh(reservation)) => break reservation,
+            Ok(IdempotencyReserved::Replay(_)) => panic!("{key} is fresh"),
+            Err(error) => {
+                assert!(std::time::Instant::now() < deadline, "{key}: {error}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let duplicate = {
+        let (waiter, key) = (waiter.clone(), key.to_owned());
+        tokio::spawn(async move {
+            waiter
+                .idempotency()
+                .run_with(&key, long_wait(), || async {
+                    Ok::<_, std::io::Error>(0u64)
+                })
+                .await
+        })
+    };
+    eventually(
+        "the waiter's listener subscribes",
+        Duration::from_secs(20),
+        || waiter_redis.stats().subscriptions >= subscriptions,
+    )
+    .await;
+    assert_eq!(waiter_redis.stats().subscriptions, subscriptions);
+    let heard = waiter_redis.stats().notices;
+    reservation.complete(7).await.expect("the owner completes");
+    let replay = tokio::time::timeout(Duration::from_secs(20), duplicate)
+        .await
+        .expect("the duplicate is woken")
+        .unwrap()
+        .expect("the duplicate replays");
+    assert_eq!(replay, IdempotencyOutcome::Replay(7));
+    // (On a busy machine the duplicate may have looked again by itself
+    // just before the notice landed: wait for it rather than race it.)
+    eventually(
+        "the completion notice reaches the waiter's listener",
+        Duration::from_secs(20),
+        || waiter_redis.stats().notices > heard,
+    )
+    .await;
+}
+
+/// Issue 30 item 3, S16: the pub/sub listener runs on the tokio runtime of
+/// the first waiter. When that runtime ends, the next waiter restarts it on
+/// its own runtime, and completions from another instance reach it again;
+/// after its node is killed and restarted, it subscribes again by itself.
+#[test]
+fn s16_the_listener_restarts_after_its_runtime_ends_and_after_its_node_restarts() {
+    let Some(mut node) = RedisNode::start(
+        "s16_the_listener_restarts_after_its_runtime_ends_and_after_its_node_restarts",
+    ) else {
+        return;
+    };
+    let urls = vec![node.url()];
+    let home = tokio_runtime(2);
+    let (owner, _owner_redis) = home.block_on(instance(&urls, false));
+    let (waiter, waiter_redis) = home.block_on(instance(&urls, false));
+
+    // The first waiter is on runtime A: the listener starts there.
+    let a = tokio_runtime(0);
+    a.block_on(duplicate_wakes_by_notice(
+        &owner,
+        &waiter,
+        &waiter_redis,
+        "order:1",
+        1,
+    ));
+    drop(a);
+    // A waiter on the home runtime restarts the listener there.
+    home.block_on(duplicate_wakes_by_notice(
+        &owner,
+        &waiter,
+        &waiter_redis,
+        "order:2",
+        2,
+    ));
+    // The node dies and comes back: the listener subscribes again.
+    node.restart();
+    home.block_on(async {
+        // The waiter's command connection finds the restart on its first
+        // command: that one fails, not what this test is about.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while waiter_redis.ping().await.is_err() {
+            assert!(std::time::Instant::now() < deadline, "redis is back");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        eventually(
+            "the listener subscribes again after the restart",
+            Duration::from_secs(20),
+            || waiter_redis.stats().subscriptions >= 3,
+        )
+        .await;
+        duplicate_wakes_by_notice(&owner, &waiter, &waiter_redis, "order:3", 3).await;
+    });
+}
+
+/// Which cluster nodes have a subscriber on the completion channel.
+fn listening_nodes(cluster: &RedisCluster, alive: &[bool]) -> Vec<usize> {
+    (0..cluster.nodes.len())
+        .filter(|&i| {
+            alive[i]
+                && cluster.nodes[i]
+                    .cli(&["PUBSUB", "NUMSUB", "throttlebeam:idempotency"])
+                    .is_some_and(|out| out.lines().nth(1).is_some_and(|n| n.trim() != "0"))
+        })
+        .collect()
+}
+
+/// Issue 30 item 3: on a cluster, the listener moves to another seed node
+/// when its node dies, and still hears completions once the cluster heals.
+#[test]
+fn s16_the_listener_moves_to_another_cluster_node_when_its_node_dies() {
+    let Some(mut cluster) =
+        RedisCluster::start("s16_the_listener_moves_to_another_cluster_node_when_its_node_dies")
+    else {
+        return;
+    };
+    let urls = cluster.urls();
+    let home = tokio_runtime(2);
+    let (owner, _owner_redis) = home.block_on(instance(&urls, true));
+    let (waiter, waiter_redis) = home.block_on(instance(&urls, true));
+    home.block_on(duplicate_wakes_by_notice(
+        &owner,
+        &waiter,
+        &waiter_redis,
+        "order:1",
+        1,
+    ));
+    let mut alive = vec![true; 3];
+    let first = listening_nodes(&cluster, &alive);
+    assert_eq!(first.len(), 1, "one listener, on one node: {first:?}");
+    let dead = first[0];
+    cluster.nodes[dead].kill();
+    alive[dead] = false;
+    home.block_on(eventually(
+        "the listener subscribes on another node",
+        Duration::from_secs(20),
+        || waiter_redis.stats().subscriptions >= 2,
+    ));
+    let moved = listening_nodes(&cluster, &alive);
+    assert_eq!(moved.len(), 1, "{moved:?}");
+    assert_ne!(moved[0], dead);
+    cluster.nodes[dead].restart();
+    assert!(
+        cluster.wait_ok(Duration::from_secs(30)),
+        "the cluster heals"
+    );
+    home.block_on(duplicate_wakes_by_notice(
+        &owner,
+        &waiter,
+        &waiter_redis,
+        "order:2",
+        2,
+    ));
 }

@@ -210,7 +210,6 @@ struct Inner {
     /// The server's clock as estimated here.
     clock: server_clock::ServerClock,
     nodes: Vec<String>,
-    #[cfg_attr(not(test), allow(dead_code))]
     waiters: notify::Waiters,
     /// Who hears debounce notices.
     bursts: debounce::BurstListeners,
@@ -288,6 +287,13 @@ pub struct RedisStats {
     pub commands: u64,
     /// The circuit breaker.
     pub breaker: BreakerStats,
+    /// Times the pub/sub listener (completion and debounce notices)
+    /// subscribed: 1 once it is live, more after it lost its connection,
+    /// moved to another node, or restarted on another tokio runtime after
+    /// its own ended.
+    pub subscriptions: u64,
+    /// Pub/sub notices the listener received.
+    pub notices: u64,
 }
 
 impl Redis {
@@ -338,9 +344,12 @@ impl Redis {
     /// Counters, breaker included.
     #[must_use]
     pub fn stats(&self) -> RedisStats {
+        let (subscriptions, notices) = self.inner.waiters.counts();
         RedisStats {
             commands: self.inner.commands.get(),
             breaker: self.inner.breaker.stats(),
+            subscriptions,
+            notices,
         }
     }
 

@@ -2,7 +2,13 @@
 //! pub/sub subscription per backend value, on two channels, multiplexed over
 //! every waiting key, with polling as the fallback when the subscription is
 //! down.
+//!
+//! The listener is a task on the tokio runtime of the first subscriber.
+//! It reconnects by itself, moving to the next seed node after a failure;
+//! if its task ends (its runtime ended), its guard marks it gone and the
+//! next subscriber starts it again on its own runtime.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -12,21 +18,37 @@ use tokio::sync::Notify;
 
 use super::Inner;
 
+/// How long connecting and subscribing to one node may take before the
+/// listener tries the next one.
+const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Keys someone on this instance waits for, each with its wake-up.
 pub(crate) struct Waiters {
     keys: DashMap<String, Arc<Notify>>,
-    started: std::sync::Once,
+    /// A listener task is alive (or starting); its guard clears this when
+    /// the task ends, however it ends, so the next subscriber starts one.
+    listening: AtomicBool,
     /// Whether the subscription is live, for users that should not publish
     /// before they can hear the answer.
     subscribed: tokio::sync::watch::Sender<bool>,
+    /// Which seed node the next subscription tries: moved on after a
+    /// failure or a lost subscription.
+    node: AtomicUsize,
+    /// Subscriptions made so far.
+    subscriptions: AtomicU64,
+    /// Notices received so far.
+    notices: AtomicU64,
 }
 
 impl Default for Waiters {
     fn default() -> Self {
         Self {
             keys: DashMap::new(),
-            started: std::sync::Once::new(),
+            listening: AtomicBool::new(false),
             subscribed: tokio::sync::watch::Sender::new(false),
+            node: AtomicUsize::new(0),
+            subscriptions: AtomicU64::new(0),
+            notices: AtomicU64::new(0),
         }
     }
 }
@@ -36,6 +58,22 @@ impl Waiters {
         if let Some(notify) = self.keys.get(key) {
             notify.notify_waiters();
         }
+    }
+
+    /// Wakes every waiter: notices may have been missed while nobody
+    /// listened, so each looks at its key again (and subscribes again).
+    fn wake_all(&self) {
+        for entry in &self.keys {
+            entry.value().notify_waiters();
+        }
+    }
+
+    /// Subscriptions made and notices received so far.
+    pub(super) fn counts(&self) -> (u64, u64) {
+        (
+            self.subscriptions.load(Ordering::Relaxed),
+            self.notices.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -92,20 +130,29 @@ impl super::Redis {
 }
 
 impl super::Redis {
-    /// Starts the backend's one subscription, once (inside a tokio runtime).
+    /// Starts the backend's one subscription on the caller's tokio runtime,
+    /// unless a listener is alive; a listener whose task ended (its runtime
+    /// ended) is started again here.
     pub(crate) fn subscribe(&self) {
-        // Outside tokio nothing can listen yet: leave it to the next caller.
-        if tokio::runtime::Handle::try_current().is_err() {
+        let waiters = &self.inner.waiters;
+        if waiters.listening.load(Ordering::Acquire) {
             return;
         }
-        self.inner.waiters.started.call_once(|| {
-            tokio::spawn(listen(
-                Arc::downgrade(&self.inner),
-                self.inner.nodes[0].clone(),
-                self.claims_channel(),
-                self.debounce_channel(),
-            ));
-        });
+        // Outside tokio nothing can listen yet: leave it to the next caller.
+        if tokio::runtime::Handle::try_current().is_err()
+            || waiters.listening.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        // Made before the spawn: a task dropped unpolled hands back too.
+        let guard = Listening {
+            inner: Arc::downgrade(&self.inner),
+        };
+        tokio::spawn(listen(
+            guard,
+            self.claims_channel(),
+            self.debounce_channel(),
+        ));
     }
 
     /// Waits until the subscription is live, at most `max`. Whether it is.
@@ -118,46 +165,87 @@ impl super::Redis {
     }
 }
 
+/// The listener task's hold on the backend. Dropped on every exit path
+/// (the backend dropped, the task's tokio runtime ended, a panic), it marks
+/// the listener gone, so the next subscriber starts one on its own runtime,
+/// and wakes every waiter, whose next look subscribes again.
+struct Listening {
+    inner: Weak<Inner>,
+}
+
+impl Drop for Listening {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.upgrade() {
+            let waiters = &inner.waiters;
+            waiters.subscribed.send_replace(false);
+            waiters.listening.store(false, Ordering::Release);
+            waiters.wake_all();
+            tracing::debug!("completion listener ended; the next subscriber restarts it");
+        }
+    }
+}
+
 /// The subscription loop: reconnects with a pause while the backend value
-/// lives. Regular `PUBLISH` reaches every node of a cluster, so one seed
-/// node is enough.
-async fn listen(inner: Weak<Inner>, url: String, channel: String, bursts: String) {
+/// lives, moving to the next seed node after a failure or a lost
+/// subscription. Regular `PUBLISH` reaches every node of a cluster, so one
+/// node at a time is enough.
+async fn listen(guard: Listening, channel: String, bursts: String) {
     let mut pause = Duration::from_millis(100);
     loop {
-        if inner.strong_count() == 0 {
-            return;
-        }
-        let subscribed = async {
+        let (url, again) = {
+            let Some(inner) = guard.inner.upgrade() else {
+                return;
+            };
+            let waiters = &inner.waiters;
+            let node = waiters.node.load(Ordering::Relaxed) % inner.nodes.len().max(1);
+            let url = inner.nodes.get(node).cloned().unwrap_or_default();
+            (url, waiters.subscriptions.load(Ordering::Relaxed) > 0)
+        };
+        let subscribed = tokio::time::timeout(SUBSCRIBE_TIMEOUT, async {
             let client = redis::Client::open(url.as_str())?;
             let mut pubsub = client.get_async_pubsub().await?;
             pubsub.subscribe(&[&channel, &bursts]).await?;
             Ok::<_, redis::RedisError>(pubsub)
-        }
+        })
         .await;
         match subscribed {
-            Ok(pubsub) => {
+            Ok(Ok(pubsub)) => {
                 pause = Duration::from_millis(100);
-                tracing::debug!(%channel, %bursts, "subscribed to completions and debounce notices");
-                if let Some(inner) = inner.upgrade() {
-                    inner.waiters.subscribed.send_replace(true);
+                tracing::debug!(%channel, %bursts, %url, "subscribed to completions and debounce notices");
+                if let Some(inner) = guard.inner.upgrade() {
+                    let waiters = &inner.waiters;
+                    waiters.subscriptions.fetch_add(1, Ordering::Relaxed);
+                    waiters.subscribed.send_replace(true);
+                    if again {
+                        // Notices sent while nobody listened are lost: every
+                        // waiter looks again.
+                        waiters.wake_all();
+                    }
                 }
                 let mut messages = pubsub.into_on_message();
                 while let Some(msg) = messages.next().await {
-                    let Some(inner) = inner.upgrade() else { return };
+                    let Some(inner) = guard.inner.upgrade() else {
+                        return;
+                    };
+                    inner.waiters.notices.fetch_add(1, Ordering::Relaxed);
                     if msg.get_channel_name() == bursts {
                         inner.bursts.deliver(msg.get_payload_bytes());
                     } else if let Ok(key) = msg.get_payload::<String>() {
                         inner.waiters.wake(&key);
                     }
                 }
-                if let Some(inner) = inner.upgrade() {
-                    inner.waiters.subscribed.send_replace(false);
-                }
-                tracing::debug!(%channel, "completion subscription ended; reconnecting");
+                tracing::debug!(%channel, %url, "completion subscription ended; reconnecting");
             }
-            Err(e) => {
-                tracing::debug!(%channel, error = %e, "completion subscription failed; polling meanwhile");
+            Ok(Err(e)) => {
+                tracing::debug!(%channel, %url, error = %e, "completion subscription failed; polling meanwhile");
             }
+            Err(_) => {
+                tracing::debug!(%channel, %url, timeout = ?SUBSCRIBE_TIMEOUT, "completion subscription timed out; polling meanwhile");
+            }
+        }
+        if let Some(inner) = guard.inner.upgrade() {
+            inner.waiters.subscribed.send_replace(false);
+            inner.waiters.node.fetch_add(1, Ordering::Relaxed);
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_secs(5));
