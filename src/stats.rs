@@ -107,6 +107,10 @@ pub struct ThrottleStats {
     pub throttled_remotely: u64,
     /// Shared-store failures; each call decided per instance (fail open).
     pub store_errors: u64,
+    /// Executed functions that failed or panicked after their caller had
+    /// dropped its future: nobody else saw the error, so each is also
+    /// logged at warn level.
+    pub unobserved_failures: u64,
 }
 
 #[cfg(feature = "metrics")]
@@ -142,7 +146,7 @@ impl Stats {
             #[allow(clippy::cast_precision_loss)]
             gauge!(metric, &label).set(value as f64);
         }
-        let counters: [(&'static str, u64); 24] = [
+        let counters: [(&'static str, u64); 25] = [
             ("throttlebeam_restarts_total", self.restarts),
             ("throttlebeam_debounce_calls_total", self.debounce.calls),
             ("throttlebeam_debounce_runs_total", self.debounce.runs),
@@ -171,6 +175,10 @@ impl Stats {
             (
                 "throttlebeam_throttle_store_errors_total",
                 self.throttle.store_errors,
+            ),
+            (
+                "throttlebeam_throttle_unobserved_failures_total",
+                self.throttle.unobserved_failures,
             ),
             (
                 "throttlebeam_idempotency_fresh_total",

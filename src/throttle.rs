@@ -90,6 +90,7 @@ pub(crate) struct State {
     throttled: Counter,
     throttled_remotely: Counter,
     store_errors: Counter,
+    unobserved_failures: Counter,
 }
 
 struct Windows {
@@ -122,6 +123,7 @@ impl State {
             throttled: Counter::default(),
             throttled_remotely: Counter::default(),
             store_errors: Counter::default(),
+            unobserved_failures: Counter::default(),
         }
     }
 
@@ -225,6 +227,7 @@ impl Service for State {
         stats.throttle.capacity = self.windows.registry.capacity();
         stats.throttle.throttled_remotely = self.throttled_remotely.get();
         stats.throttle.store_errors = self.store_errors.get();
+        stats.throttle.unobserved_failures = self.unobserved_failures.get();
     }
 }
 
@@ -267,7 +270,14 @@ impl ThrottleHandle {
     /// `processes` figure and [`Runtime::shutdown`] see it. Dropping this
     /// future does not cancel it: the rest of the run moves into a process
     /// of its own and finishes there. Its error or panic is returned to this
-    /// caller, and the window stays open either way.
+    /// caller, and the window stays open either way; if the caller has left
+    /// by then, it is logged at warn level and counted
+    /// ([`ThrottleStats::unobserved_failures`](crate::ThrottleStats::unobserved_failures)).
+    ///
+    /// With a shared store (a runtime on Redis), opening the window there
+    /// and running the function are one unit: a caller dropped while the
+    /// window is being opened still leaves the function to run once the
+    /// window is open, so a window is never used up with nothing run.
     ///
     /// # Errors
     ///
@@ -311,18 +321,73 @@ impl ThrottleHandle {
             state.throttled.incr();
             return Ok(ThrottleOutcome::Throttled { retry_after });
         }
-        #[cfg(feature = "redis")]
-        if let Some(redis) = &core.redis
-            && let Some(retry_after) = state.open_shared(redis, key, interval).await
-        {
-            return Ok(ThrottleOutcome::Throttled { retry_after });
-        }
-        state.executed.incr();
+        let run = Run {
+            state: Arc::clone(state),
+            key: InlineKey::new(key),
+            caller: tokio::task::try_id(),
+        };
         // The function runs in this task, counted as the key's process: no
         // task to spawn and no hand-off on the way back. If this future is
         // dropped mid-run, the rest moves into a process of its own.
-        let caught = core.run_here(key, catch_panic_fn(f))?.await;
-        Error::from_run(key, caught).map(ThrottleOutcome::Executed)
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &core.redis {
+            // Opening the shared window and running are one unit: once the
+            // window may be open cluster-wide, the function runs, even if
+            // this caller leaves while the window is being opened.
+            let redis = redis.clone();
+            let work = async move {
+                if let Some(retry_after) = run
+                    .state
+                    .open_shared(&redis, run.key.as_str(), interval)
+                    .await
+                {
+                    return Ok(ThrottleOutcome::Throttled { retry_after });
+                }
+                run.state.executed.incr();
+                run.finish(catch_panic_fn(f).await)
+                    .map(ThrottleOutcome::Executed)
+            };
+            return core.run_here(key, work)?.await;
+        }
+        state.executed.incr();
+        let work = async move {
+            run.finish(catch_panic_fn(f).await)
+                .map(ThrottleOutcome::Executed)
+        };
+        core.run_here(key, work)?.await
+    }
+}
+
+/// An executed call's run: what it needs to tell a failure nobody hears.
+struct Run {
+    state: Arc<State>,
+    key: InlineKey,
+    /// The caller's task. The run starts in it, and finishes elsewhere
+    /// only if the caller dropped its future (the rest moved into a
+    /// process of its own).
+    caller: Option<tokio::task::Id>,
+}
+
+impl Run {
+    /// The run's result; a failure after the caller left is logged at warn
+    /// and counted, as nobody else will see it.
+    fn finish<T, E>(
+        self,
+        caught: Result<Result<T, E>, throttlebeam_supervisors::Panic>,
+    ) -> Result<T, Error>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    {
+        let result = Error::from_run(self.key.as_str(), caught);
+        if let Err(error) = &result
+            && tokio::task::try_id() != self.caller
+        {
+            self.state.unobserved_failures.incr();
+            // As an error value, so subscribers can walk its sources.
+            let error: &(dyn std::error::Error + 'static) = error;
+            tracing::warn!(key = %shown(self.key.as_str()), error, "throttled function failed after its caller left");
+        }
+        result
     }
 }
 

@@ -430,3 +430,78 @@ fn s16_the_listener_moves_to_another_cluster_node_when_its_node_dies() {
         2,
     ));
 }
+
+// ------------------------------------- issue 30 item 4: window and run, one unit
+
+/// Polls `fut` once; whether it finished.
+async fn poll_once<F: std::future::Future + Unpin>(fut: &mut F) -> bool {
+    std::future::poll_fn(|cx| {
+        std::task::Poll::Ready(std::pin::Pin::new(&mut *fut).poll(cx).is_ready())
+    })
+    .await
+}
+
+/// S10, S15: a leading throttle's shared window and its run are one unit.
+/// A caller dropped right after its window opened in Redis (before its
+/// function started) still leaves the function to run, exactly once: the
+/// window is never used up cluster-wide with nothing run. Dropped after
+/// one poll only (the window may be opening), the same holds: the window
+/// is open exactly when the function ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s10_a_caller_dropped_once_its_shared_window_opened_still_runs_its_function() {
+    let Some(node) = RedisNode::start(
+        "s10_a_caller_dropped_once_its_shared_window_opened_still_runs_its_function",
+    ) else {
+        return;
+    };
+    let urls = vec![node.url()];
+    let (rt, _redis) = instance(&urls, false).await;
+    let (other, _other_redis) = instance(&urls, false).await;
+    let interval = Duration::from_secs(60);
+    let throttle = rt.throttle();
+    let window_open = |key: &str| {
+        node.cli(&["EXISTS", &format!("{{throttlebeam:{key}}}:t")])
+            .as_deref()
+            == Some("1")
+    };
+    for (key, until_open) in [("mail:1", true), ("mail:2", false)] {
+        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = runs.clone();
+        let mut call = Box::pin(throttle.call(key, interval, move || async move {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok::<_, std::io::Error>(())
+        }));
+        let mut finished = poll_once(&mut call).await;
+        if until_open {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while !finished && !window_open(key) {
+                assert!(std::time::Instant::now() < deadline, "the window opens");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                finished = poll_once(&mut call).await;
+            }
+        }
+        drop(call);
+        eventually(
+            "the function runs once the window is open",
+            Duration::from_secs(10),
+            || runs.load(std::sync::atomic::Ordering::SeqCst) == 1,
+        )
+        .await;
+        eventually("the run ends", Duration::from_secs(10), || {
+            rt.stats().processes == 0
+        })
+        .await;
+        assert!(window_open(key), "{key}: the window is open in Redis");
+        let turned = other
+            .throttle()
+            .call(key, interval, || async { Ok::<_, std::io::Error>(()) })
+            .await
+            .expect("the other instance is throttled");
+        assert!(turned.is_throttled(), "{key}: one run per window");
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1, "{key}");
+        assert_eq!(
+            rt.stats().throttle.executed,
+            if key == "mail:1" { 1 } else { 2 }
+        );
+    }
+}

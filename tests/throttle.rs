@@ -4,7 +4,7 @@ mod support;
 
 use std::time::Duration;
 
-use support::{Oops, Runs, ms, runtime};
+use support::{Events, Oops, Runs, ms, runtime, settle};
 use throttlebeam::{Error, ThrottleOutcome};
 use tokio::time::{Instant, advance, sleep};
 
@@ -505,4 +505,57 @@ fn a_run_whose_caller_and_runtime_end_mid_run_leaves_the_key_throttled_not_wedge
             "{again:?}"
         );
     });
+}
+
+/// Issue 30 item 14: a function that fails after its caller dropped its
+/// future is logged at warn and counted; a caller who waits gets the error
+/// and nothing is counted.
+#[tokio::test(start_paused = true)]
+async fn a_failure_after_the_caller_left_is_logged_at_warn_and_counted() {
+    let events = Events::default();
+    let _events = events.install();
+    let rt = runtime().await;
+    let t = rt.throttle();
+    let seen = t
+        .call("seen", ms(100), || async {
+            sleep(ms(50)).await;
+            Err::<(), _>(Oops("seen"))
+        })
+        .await;
+    assert!(matches!(seen, Err(Error::Failed { .. })), "{seen:?}");
+    assert_eq!(rt.stats().throttle.unobserved_failures, 0);
+    assert!(events.at(tracing::Level::WARN).is_empty());
+
+    // This caller gives up after 10 ms; the run fails at 50 ms and panics
+    // at 60 ms, in processes of their own.
+    let left = tokio::time::timeout(
+        ms(10),
+        t.call("left", ms(100), || async {
+            sleep(ms(50)).await;
+            Err::<(), _>(Oops("unseen"))
+        }),
+    )
+    .await;
+    assert!(left.is_err(), "the caller left");
+    let panicked = tokio::time::timeout(
+        ms(10),
+        t.call("panicked", ms(100), || async {
+            sleep(ms(50)).await;
+            panic!("unseen");
+            #[allow(unreachable_code)]
+            Ok::<(), Oops>(())
+        }),
+    )
+    .await;
+    assert!(panicked.is_err(), "the caller left");
+    assert_eq!(rt.stats().processes, 2, "the runs go on");
+    assert_eq!(rt.stats().throttle.unobserved_failures, 0);
+    sleep(ms(50)).await;
+    settle().await;
+    assert_eq!(rt.stats().processes, 0);
+    assert_eq!(rt.stats().throttle.unobserved_failures, 2);
+    assert_eq!(
+        events.at(tracing::Level::WARN),
+        ["throttled function failed after its caller left"; 2]
+    );
 }

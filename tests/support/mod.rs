@@ -50,5 +50,50 @@ pub async fn settle() {
     }
 }
 
+/// Tracing events of this crate, captured on the current thread.
+#[derive(Clone, Default)]
+pub struct Events(Arc<std::sync::Mutex<Vec<(tracing::Level, String)>>>);
+
+struct Message(String);
+
+impl tracing::field::Visit for Message {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Events {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        let meta = event.metadata();
+        if meta.target().starts_with("throttlebeam") {
+            let mut message = Message(String::new());
+            event.record(&mut message);
+            self.0.lock().unwrap().push((*meta.level(), message.0));
+        }
+    }
+}
+
+impl Events {
+    /// Captures events on this thread (a current-thread test) until the
+    /// guard is dropped.
+    pub fn install(&self) -> tracing::subscriber::DefaultGuard {
+        use tracing_subscriber::layer::SubscriberExt;
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
+    }
+
+    /// The messages of the events at `level`.
+    pub fn at(&self, level: tracing::Level) -> Vec<String> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(l, _)| *l == level)
+            .map(|(_, m)| m.clone())
+            .collect()
+    }
+}
+
 #[cfg(feature = "redis")]
 pub mod redis;
