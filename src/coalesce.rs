@@ -99,6 +99,11 @@ pub struct TrailingStats {
     /// Live windows the store evicted early because it was full
     /// ([`WindowStore::stats`]).
     pub evictions: u64,
+    /// Runs that failed (error or panic) with nobody left to hear it: a
+    /// leading run whose caller dropped its future (also logged at warn
+    /// level), a trailing run no caller waits for (logged at error level,
+    /// as every failed trailing run).
+    pub unobserved_failures: u64,
 }
 
 impl TrailingStats {
@@ -116,6 +121,7 @@ impl TrailingStats {
         self.store_errors += other.store_errors;
         self.store_timeouts += other.store_timeouts;
         self.evictions += other.evictions;
+        self.unobserved_failures += other.unobserved_failures;
     }
 }
 
@@ -592,6 +598,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             store_errors: count(&gauges.store_errors),
             store_timeouts: count(&gauges.store_timeouts),
             evictions: store.evictions,
+            unobserved_failures: gauges.unobserved_failures.get(),
         }
     }
 }

@@ -146,7 +146,7 @@ impl Stats {
             #[allow(clippy::cast_precision_loss)]
             gauge!(metric, &label).set(value as f64);
         }
-        let counters: [(&'static str, u64); 25] = [
+        let counters: [(&'static str, u64); 26] = [
             ("throttlebeam_restarts_total", self.restarts),
             ("throttlebeam_debounce_calls_total", self.debounce.calls),
             ("throttlebeam_debounce_runs_total", self.debounce.runs),
@@ -228,6 +228,10 @@ impl Stats {
             (
                 "throttlebeam_trailing_evictions_total",
                 self.trailing.evictions,
+            ),
+            (
+                "throttlebeam_trailing_unobserved_failures_total",
+                self.trailing.unobserved_failures,
             ),
         ];
         for (metric, value) in counters {

@@ -830,6 +830,58 @@ async fn w8_failing_trailing_run_fails_every_waiter_and_logs_once() {
     assert_eq!(captured.ours(Level::ERROR).len(), 1);
 }
 
+/// Issue 30 item 14: a failure nobody hears is counted: a leading run whose
+/// caller dropped its future (logged at warn; with a store or without), a
+/// trailing run no caller waits for (logged at error, as every failed
+/// trailing run). A failure someone hears is not.
+#[tokio::test(start_paused = true)]
+async fn failures_nobody_hears_are_logged_and_counted() {
+    let captured = Captured::default();
+    let _guard = captured.install();
+    let rt = runtime().await;
+    let plain = throttle(&rt, 100).await;
+    let stored: TrailingThrottle<&'static str> = rt
+        .trailing_throttle("stored:")
+        .with_window(ms(100))
+        .with_store(MemoryWindowStore::new())
+        .build()
+        .unwrap();
+    let log = Log::new();
+    let unheard = || rt.stats().trailing.unobserved_failures;
+
+    // Heard: a leading caller and a trailing waiter get their errors.
+    assert!(plain.call("heard", log.fail("lead", 10)).await.is_err());
+    let waiter = spawn_wait(&plain, "heard", log.fail("trail", 10));
+    assert!(waiter.await.unwrap().0.is_err());
+    assert_eq!(unheard(), 0);
+    assert!(captured.ours(Level::WARN).is_empty());
+
+    // Leading runs whose callers left after 5 ms, failing at 10 ms.
+    for t in [&plain, &stored] {
+        let left = tokio::time::timeout(ms(5), t.call("left", log.fail("lead", 10))).await;
+        assert!(left.is_err(), "the caller left");
+    }
+    sleep(ms(10)).await;
+    settle().await;
+    assert_eq!(unheard(), 2);
+    assert_eq!(
+        captured.ours(Level::WARN),
+        ["leading run failed after its caller left"; 2]
+    );
+
+    // A trailing run with nobody waiting: one error event, counted.
+    let errors = captured.ours(Level::ERROR).len();
+    assert!(!plain.call("left", log.fail("trail", 10)).await.unwrap());
+    sleep(ms(200)).await;
+    settle().await;
+    assert_eq!(unheard(), 3);
+    assert_eq!(captured.ours(Level::ERROR).len(), errors + 1);
+    assert_eq!(
+        plain.stats().unobserved_failures + stored.stats().unobserved_failures,
+        3
+    );
+}
+
 /// A panicking function: its waiters get an error, the runtime survives,
 /// the key recovers after the window.
 #[tokio::test(start_paused = true)]

@@ -94,13 +94,19 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
     /// Runs a leading run that started as its call was taken (no store:
     /// nothing to claim, nothing in the slot to take) and resolves with its
     /// result, once its window is in the slot. Driven by the caller.
-    pub(super) async fn lead<J: UserFn<T>>(mut self, job: J) -> Result<T, Error> {
+    pub(super) async fn lead<J: UserFn<T>>(
+        mut self,
+        job: J,
+        caller: Option<tokio::task::Id>,
+    ) -> Result<T, Error> {
         let phase = Phase::Leading;
         self.shared.gauges.leading_runs.incr();
         tracing::debug!(throttle = %self.shared.name, key = %self.key.as_str(), ?phase, "run started");
         // No lease to hold: the slot stays busy while it runs.
         let result = Error::from_run(self.key.as_str(), catch_panic(job.start(phase)).await);
-        self.finished(&result, phase);
+        // Driven by its caller until the caller leaves: then the rest runs
+        // in a task of its own.
+        self.finished(&result, phase, tokio::task::try_id() == caller);
         // No store: the window is a timestamp in the slot, written now.
         self.window_until = Some(self.shared.window_end());
         self.set_active(false);
@@ -189,7 +195,8 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
         self.waiters = Some(waiters);
         tracing::debug!(throttle = %self.shared.name, key = %self.key.as_str(), ?phase, "run started");
         let result = run_job(&self.shared, self.key.as_str(), token, job, phase).await;
-        self.finished(&result, phase);
+        let heard = self.waiters.as_ref().is_some_and(Waiters::heard);
+        self.finished(&result, phase, heard);
         if let Some(waiters) = self.waiters.take() {
             waiters.publish(result);
         }
@@ -200,13 +207,22 @@ impl<T: Clone + Send + Sync + 'static> Driver<T> {
     }
 
     /// Logs a run's end: a failed trailing run at error level (nobody may
-    /// be waiting for it), anything else at debug.
-    fn finished(&self, result: &Result<T, Error>, phase: Phase) {
+    /// be waiting for it), a failed leading run whose caller left (`heard`
+    /// false) at warn, anything else at debug. A failure nobody heard is
+    /// counted.
+    fn finished(&self, result: &Result<T, Error>, phase: Phase, heard: bool) {
+        if result.is_err() && !heard {
+            self.shared.gauges.unobserved_failures.incr();
+        }
         match (result, phase) {
             (Err(error), Phase::Trailing) => {
                 // As an error value, so subscribers can walk its sources.
                 let error: &(dyn std::error::Error + 'static) = error;
                 tracing::error!(throttle = %self.shared.name, key = %self.key.as_str(), error, "trailing run failed");
+            }
+            (Err(error), Phase::Leading) if !heard => {
+                let error: &(dyn std::error::Error + 'static) = error;
+                tracing::warn!(throttle = %self.shared.name, key = %self.key.as_str(), error, "leading run failed after its caller left");
             }
             _ => {
                 tracing::debug!(throttle = %self.shared.name, key = %self.key.as_str(), ?phase, ok = result.is_ok(), "run finished");

@@ -167,6 +167,16 @@ impl<T> Waiters<T> {
 }
 
 impl<T: Clone> Waiters<T> {
+    /// Whether anyone is still there to hear the run's outcome: the leading
+    /// caller, or a caller waiting on the cell.
+    pub(super) fn heard(&self) -> bool {
+        self.lead.as_ref().is_some_and(|tx| !tx.is_closed())
+            || self
+                .cell
+                .as_ref()
+                .is_some_and(|cell| Arc::strong_count(cell) > 1)
+    }
+
     pub(super) fn publish(self, result: Result<T, Error>) {
         if let Some(cell) = self.cell {
             cell.set(result.clone());
@@ -372,6 +382,8 @@ pub(super) struct Gauges {
     pub(super) trailing_runs: Counter,
     pub(super) store_errors: AtomicU64,
     pub(super) store_timeouts: AtomicU64,
+    /// Runs that failed with nobody left to hear it.
+    pub(super) unobserved_failures: Counter,
     /// Store calls in flight that a destroy abandons, and who waits for them.
     in_store: AtomicUsize,
     store_idle: Notify,
@@ -558,6 +570,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 trailing_runs: Counter::default(),
                 store_errors: AtomicU64::new(0),
                 store_timeouts: AtomicU64::new(0),
+                unobserved_failures: Counter::default(),
                 in_store: AtomicUsize::new(0),
                 store_idle: Notify::new(),
             },
@@ -767,7 +780,12 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 self.gauges.leads.incr();
                 let driver =
                     super::process::Driver::new(self.clone(), key, generation, epoch, true);
-                Ok(Submitted::Started(core.run_here(key, driver.lead(job))?))
+                // The caller's task: the run finishes elsewhere only if the
+                // caller left.
+                let caller = tokio::task::try_id();
+                Ok(Submitted::Started(
+                    core.run_here(key, driver.lead(job, caller))?,
+                ))
             }
             Decision::Lead(generation, epoch, rx) => {
                 self.gauges.leads.incr();
