@@ -62,8 +62,9 @@ pub enum Phase {
 /// Figures of one [`TrailingThrottle`], from [`TrailingThrottle::stats`].
 ///
 /// The gauges (`active`, `pending`, `timers`) are zero once the throttle is
-/// idle; `keys` and `store_keys` once its windows are over and swept; the
-/// counters only grow.
+/// idle; `keys` once its windows are over (not waiting for the runtime's
+/// sweep); `store_keys` once the store has swept them; the counters only
+/// grow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[non_exhaustive]
 pub struct TrailingStats {
@@ -72,9 +73,9 @@ pub struct TrailingStats {
     pub active: usize,
     /// Keys with coalesced calls waiting for a trailing run.
     pub pending: usize,
-    /// Keys tracked: running, pending, or inside a window (an open window
-    /// with nothing pending is a timestamp with no process), windows that
-    /// are over but not swept yet included.
+    /// Keys live now: running, pending, or inside a window (an open window
+    /// with nothing pending is a timestamp with no process). A window that
+    /// is over counts no more, even before the runtime's sweeper forgets it.
     pub keys: usize,
     /// Per-key timers scheduled now (one per key at most: a window with a
     /// trailing run pending, held by the throttle's sleeper, or a lease).
@@ -588,7 +589,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         TrailingStats {
             active: gauges.active.get(),
             pending: gauges.pending.get(),
-            keys: self.registry.len(),
+            keys: self.live_keys(),
             timers: gauges.timers.get() + wakeups,
             store_keys: store.keys,
             calls: gauges.leads.get() + gauges.coalesced.get(),

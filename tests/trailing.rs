@@ -498,10 +498,11 @@ async fn an_open_window_with_nothing_pending_costs_no_process() {
     assert_eq!(gauges(&t), (0, 0, 1, 0));
     assert_eq!(rt.stats().processes, 0);
 
-    // The window [1200, 2200) is over: the next call leads at once, though
-    // the slot has not been swept.
+    // The window [1200, 2200) is over: the key counts no more, and the next
+    // call leads at once, though the slot has not been swept.
     log.until(2200).await;
-    assert_eq!(gauges(&t), (0, 0, 1, 0));
+    assert_eq!(gauges(&t), IDLE);
+    assert_eq!(rt.stats().keys, 1, "not swept yet");
     assert_eq!(
         t.call_and_wait("k", log.work("again", 100)).await.unwrap(),
         "again"
@@ -1012,6 +1013,43 @@ async fn a_long_run_extends_its_lease_in_the_store() {
     assert!(store.read("lease:k").await.unwrap().is_some());
     log.until(6000).await;
     assert!(store.read("lease:k").await.unwrap().is_none());
+}
+
+/// Issue 30 item 12, W6, W9: `keys` counts windows open now. Once the last
+/// window is over it is 0 at once, without waiting for the runtime's sweep
+/// (60 s); the sweep then forgets the slots, and the sweeper stops once
+/// nothing is left.
+#[tokio::test(start_paused = true)]
+async fn keys_count_open_windows_and_the_sweeper_stops_once_nothing_is_left() {
+    let rt = runtime().await;
+    let t = throttle(&rt, 1000).await;
+    let log = Log::new();
+    // Runs [0, 100), [100, 200), [200, 300): windows end at 1100, 1200, 1300.
+    for key in ["a", "b", "c"] {
+        assert!(t.call(key, log.work(key, 100)).await.unwrap());
+    }
+    assert_eq!(gauges(&t), (0, 0, 3, 0));
+    log.until(1099).await;
+    assert_eq!(t.stats().keys, 3);
+    log.until(1100).await;
+    assert_eq!(t.stats().keys, 2, "a's window is over");
+    log.until(1300).await;
+    assert_eq!(gauges(&t), IDLE);
+    assert_eq!(rt.stats().trailing.keys, 0);
+    // Still held until the sweep, which is armed meanwhile.
+    assert_eq!((rt.stats().keys, rt.stats().timers), (3, 1));
+    sleep(ms(60_000)).await;
+    settle().await;
+    assert_eq!(
+        (rt.stats().keys, rt.stats().timers),
+        (0, 0),
+        "swept; the sweeper stopped"
+    );
+    // Nothing wakes it again until a key comes back.
+    sleep(ms(600_000)).await;
+    assert_eq!(rt.stats().timers, 0);
+    assert!(t.call("a", log.work("a", 100)).await.unwrap());
+    assert_eq!((t.stats().keys, rt.stats().timers), (1, 1));
 }
 
 // ---------------------------------------------------------------- W10

@@ -950,6 +950,15 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         }
     }
 
+    /// Keys with a run in progress or pending, or inside a window: what is
+    /// left once windows that are over (kept until the runtime's sweep, or
+    /// until the key's next call) are set aside. Visits every slot.
+    pub(super) fn live_keys(&self) -> usize {
+        let now = self.clock.now();
+        self.registry
+            .count(|s| s.busy || s.scheduled || s.next.is_some() || s.until > now)
+    }
+
     /// Wake-ups held by the sleepers: keys whose trailing run waits for its
     /// window with no process.
     pub(super) fn wakeups(&self) -> usize {

@@ -424,6 +424,35 @@ impl<K: Eq + Hash + Clone, S, G: Stamp> Registry<K, S, G> {
         self.map.get(key).map(|slot| f(&slot))
     }
 
+    /// Counts the slots whose state satisfies `pred`, under shared locks
+    /// (one shard at a time: callers of other shards are never held up).
+    /// For figures such as "keys live now" when slots outlive their use
+    /// until a sweep; it visits every slot.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use throttlebeam_supervisors::{Counters, Registry, SlotEntry};
+    ///
+    /// let registry = Registry::<u32, u32>::new(Arc::new(Counters::new()), usize::MAX);
+    /// for key in 0..4 {
+    ///     registry.update(&key, |slot| {
+    ///         if let SlotEntry::Vacant(vacant) = slot {
+    ///             vacant.insert(key * 10).unwrap();
+    ///         }
+    ///     });
+    /// }
+    /// assert_eq!(registry.count(|state| *state >= 20), 2);
+    /// assert_eq!(registry.len(), 4);
+    /// ```
+    pub fn count(&self, mut pred: impl FnMut(&S) -> bool) -> usize {
+        self.map
+            .iter()
+            .filter(|slot| pred(&slot.value().state))
+            .count()
+    }
+
     /// Runs `f` on the key's live slot, if any, without creating one.
     pub fn with_slot<Q, R>(&self, key: &Q, f: impl FnOnce(&mut Slot<S, G>) -> R) -> Option<R>
     where
