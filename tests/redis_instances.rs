@@ -505,3 +505,54 @@ async fn s10_a_caller_dropped_once_its_shared_window_opened_still_runs_its_funct
         );
     }
 }
+
+/// S15: the coalescing throttle's leading run on a shared store claims its
+/// window and runs in the same process: a caller dropped right after the
+/// claim landed in Redis still leaves the function to run, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s15_a_leading_caller_dropped_once_its_window_is_claimed_still_runs_its_function() {
+    let Some(node) = RedisNode::start(
+        "s15_a_leading_caller_dropped_once_its_window_is_claimed_still_runs_its_function",
+    ) else {
+        return;
+    };
+    let urls = vec![node.url()];
+    let (rt, redis) = instance(&urls, false).await;
+    let t = rt
+        .trailing_throttle("sync:")
+        .with_window(Duration::from_secs(60))
+        .with_store(redis)
+        .build::<u32>()
+        .expect("throttle");
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    let mut call = Box::pin(t.call("room", move |_| async move {
+        counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok::<_, std::io::Error>(1)
+    }));
+    let claimed = || {
+        node.cli(&["EXISTS", "{throttlebeam:sync:room}:w"])
+            .as_deref()
+            == Some("1")
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !poll_once(&mut call).await && !claimed() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the window is claimed"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    drop(call);
+    eventually("the function runs", Duration::from_secs(10), || {
+        runs.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    eventually("the run ends", Duration::from_secs(10), || {
+        let s = t.stats();
+        (s.active, s.pending) == (0, 0)
+    })
+    .await;
+    assert_eq!(t.stats().leading_runs, 1);
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
