@@ -58,7 +58,7 @@ async fn cluster(cluster: &RedisCluster) -> Redis {
 // Bit for bit: the same random operations at the same times, memory against Redis.
 // ---------------------------------------------------------------------------------------------
 
-/// How the time moves before a step.
+/// How the time moves before a step, in µs.
 #[derive(Debug, Clone, Copy)]
 enum Move {
     Stay,
@@ -95,10 +95,12 @@ struct Step {
 fn moves() -> impl proptest::strategy::Strategy<Value = Move> {
     prop_oneof![
         3 => Just(Move::Stay),
-        6 => (1..=60u64).prop_map(Move::Forward),
-        3 => (1..=3_000u64).prop_map(Move::Forward),
-        1 => (1..=2_000u64).prop_map(Move::Back),
-        1 => (1..=10_000_000u64).prop_map(Move::Jump),
+        // Within a millisecond: the strategies and the script read microseconds.
+        3 => (1..=999u64).prop_map(Move::Forward),
+        4 => (1..=60_000u64).prop_map(Move::Forward),
+        3 => (1..=3_000_000u64).prop_map(Move::Forward),
+        1 => (1..=2_000_000u64).prop_map(Move::Back),
+        1 => (1..=10_000_000_000u64).prop_map(Move::Jump),
     ]
 }
 
@@ -128,13 +130,13 @@ fn steps() -> impl proptest::strategy::Strategy<Value = Vec<Step>> {
     )
 }
 
-/// Where a sequence starts: near 0, today-ish, or across the strategies' time ceiling (in
-/// 2096), where time stands still.
+/// Where a sequence starts, in µs: near 0, today-ish, or across the strategies' time ceiling
+/// (in 2096), where time stands still.
 fn starts() -> impl proptest::strategy::Strategy<Value = u64> {
     prop_oneof![
-        2 => 0..=10_000u64,
-        6 => 1_000_000_000_000..=2_000_000_000_000u64,
-        1 => 3_999_999_900_000..=4_000_000_100_000u64,
+        2 => 0..=10_000_000u64,
+        6 => 1_000_000_000_000_000..=2_000_000_000_000_000u64,
+        1 => 3_999_999_900_000_000..=4_000_000_100_000_000u64,
     ]
 }
 
@@ -261,16 +263,16 @@ where
         let key = format!("{case}:{}", step.key);
         let request = || RateLimitRequest {
             key: &key,
-            now_ms: now,
+            now_us: now,
             strategy: &strategy,
             op,
         };
         let in_memory = shown(memory.apply(request()));
-        redis.pin_time(now);
+        redis.pin_time_us(now);
         let in_redis = shown(redis.apply_async(request()).await);
         if in_memory != in_redis {
             return Err(format!(
-                "step {i} at {now} ms, {op:?} on key {}:\n memory {in_memory:?}\n redis  {in_redis:?}",
+                "step {i} at {now} µs, {op:?} on key {}:\n memory {in_memory:?}\n redis  {in_redis:?}",
                 step.key
             ));
         }

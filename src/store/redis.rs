@@ -706,6 +706,11 @@ impl Redis {
 
     /// The time a test pinned, in ms since the epoch.
     fn pinned_ms(&self) -> Option<u64> {
+        self.pinned_us_at().map(|us| us / 1_000)
+    }
+
+    /// The time a test pinned, in µs since the epoch (rate limiting reads it so).
+    fn pinned_us_at(&self) -> Option<u64> {
         match self.inner.pinned_now.load(Ordering::Relaxed) {
             0 => None,
             n => Some(n - 1),
@@ -716,8 +721,15 @@ impl Redis {
     /// of the server's `TIME`. For tests that need exact instants.
     #[doc(hidden)]
     pub fn pin_time(&self, now_ms: u64) {
+        self.pin_time_us(now_ms.saturating_mul(1_000));
+    }
+
+    /// [`Redis::pin_time`] to the microsecond, which rate limiting reads
+    /// (other scripts read its milliseconds).
+    #[doc(hidden)]
+    pub fn pin_time_us(&self, now_us: u64) {
         // Stored plus one, so that 0 can mean "not pinned".
-        let stored = now_ms.saturating_add(1);
+        let stored = now_us.saturating_add(1);
         self.inner.pinned_now.store(stored, Ordering::Relaxed);
     }
 

@@ -12,7 +12,7 @@ use super::{FirstKeyHook, RateLimitRequest, RateLimitStore};
 use crate::key::InlineKey;
 use crate::rate_limit::RateLimitError;
 use crate::rate_limit::strategy::{
-    RateLimitOp, RateLimitReply, StateUpdate, Strategy, TIME_CEILING_MS,
+    RateLimitOp, RateLimitReply, StateUpdate, Strategy, TIME_CEILING_US,
 };
 
 /// Default bound on the number of keys: one million.
@@ -38,17 +38,20 @@ struct Slot<S> {
     used_at: u32,
 }
 
-/// The epoch second of `ms`, with time standing still at the strategies' ceiling (in 2096,
+/// Microseconds per second.
+const US_PER_SEC: u64 = 1_000_000;
+
+/// The epoch second of `us`, with time standing still at the strategies' ceiling (in 2096,
 /// below `u32::MAX` seconds, so a key's expiry can always lie after now).
 #[inline]
-fn secs(ms: u64) -> u32 {
-    u32::try_from(ms.min(TIME_CEILING_MS) / 1_000).unwrap_or(u32::MAX)
+fn secs(us: u64) -> u32 {
+    u32::try_from(us.min(TIME_CEILING_US) / US_PER_SEC).unwrap_or(u32::MAX)
 }
 
-/// `ms` as an epoch second, rounded up.
+/// `us` as an epoch second, rounded up.
 #[inline]
-fn secs_up(ms: u64) -> u32 {
-    u32::try_from(ms.div_ceil(1_000)).unwrap_or(u32::MAX)
+fn secs_up(us: u64) -> u32 {
+    u32::try_from(us.div_ceil(US_PER_SEC)).unwrap_or(u32::MAX)
 }
 
 /// An in-memory [`RateLimitStore`]: a sharded hash map (one short write lock per request),
@@ -184,10 +187,10 @@ impl<S> MemoryRateLimitStore<S> {
         self.limited_evictions.load(Ordering::Relaxed)
     }
 
-    /// Drops every entry at rest at `now_ms` (expired); returns how many. Gives the map's
+    /// Drops every entry at rest at `now_us` (epoch µs, expired); returns how many. Gives the map's
     /// retained capacity back once it is mostly empty.
-    pub fn sweep(&self, now_ms: u64) -> usize {
-        let now = secs(now_ms);
+    pub fn sweep(&self, now_us: u64) -> usize {
+        let now = secs(now_us);
         let mut removed = 0;
         self.map.retain(|_, slot| {
             let live = slot.expires_at > now;
@@ -204,15 +207,15 @@ impl<S> MemoryRateLimitStore<S> {
     /// Makes room for one more key: keys at rest first, then the least recently used of those
     /// with capacity left, and limited keys only when nothing else is left.
     #[cold]
-    fn make_room(&self, now_ms: u64) {
+    fn make_room(&self, now_us: u64) {
         // One thread evicts; the others insert meanwhile (a bounded overshoot).
         let Ok(_guard) = self.evicting.try_lock() else {
             return;
         };
-        if self.len() < self.max_keys || self.sweep(now_ms) > 0 {
+        if self.len() < self.max_keys || self.sweep(now_us) > 0 {
             return;
         }
-        let now = secs(now_ms);
+        let now = secs(now_us);
         let batch = (self.max_keys / EVICT_FRACTION).max(1);
         let mut ages: Vec<u32> = self
             .map
@@ -261,23 +264,23 @@ impl<S> MemoryRateLimitStore<S> {
     }
 }
 
-/// Applies `update` to a live slot at `now_ms`.
+/// Applies `update` to a live slot at `now_us`.
 #[inline]
-fn write<S: Copy>(slot: &mut Slot<S>, now_ms: u64, update: StateUpdate<S>) {
-    let now = secs(now_ms);
+fn write<S: Copy>(slot: &mut Slot<S>, now_us: u64, update: StateUpdate<S>) {
+    let now = secs(now_us);
     if slot.used_at != now {
         slot.used_at = now;
     }
     if let StateUpdate::Set {
         state,
-        ttl_ms,
-        limited_ms,
+        ttl_us,
+        limited_us,
     } = update
     {
         *slot = Slot {
             state,
-            expires_at: secs_up(now_ms.saturating_add(ttl_ms)),
-            limited_until: secs_up(now_ms.saturating_add(limited_ms)),
+            expires_at: secs_up(now_us.saturating_add(ttl_us)),
+            limited_until: secs_up(now_us.saturating_add(limited_us)),
             used_at: now,
         };
     }
@@ -289,9 +292,9 @@ impl<S: Copy + Send + Sync + 'static> MemoryRateLimitStore<S> {
         &self,
         request: &RateLimitRequest<'_, St>,
     ) -> Result<RateLimitReply, RateLimitError> {
-        let now_ms = request.now_ms;
+        let now_us = request.now_us;
         if self.len() >= self.max_keys {
-            self.make_room(now_ms);
+            self.make_room(now_us);
         }
         let mut first = false;
         let result = match self.map.entry(InlineKey::new(request.key)) {
@@ -300,19 +303,19 @@ impl<S: Copy + Send + Sync + 'static> MemoryRateLimitStore<S> {
             Entry::Vacant(e) => {
                 let applied = request
                     .strategy
-                    .apply(None, now_ms, request.op)
+                    .apply(None, now_us, request.op)
                     .map_err(|err| err.for_key(request.key))?;
                 if let StateUpdate::Set {
                     state,
-                    ttl_ms,
-                    limited_ms,
+                    ttl_us,
+                    limited_us,
                 } = applied.update
                 {
                     e.insert(Slot {
                         state,
-                        expires_at: secs_up(now_ms.saturating_add(ttl_ms)),
-                        limited_until: secs_up(now_ms.saturating_add(limited_ms)),
-                        used_at: secs(now_ms),
+                        expires_at: secs_up(now_us.saturating_add(ttl_us)),
+                        limited_until: secs_up(now_us.saturating_add(limited_us)),
+                        used_at: secs(now_us),
                     });
                     first = self.len.fetch_add(1, Ordering::Relaxed) == 0;
                 }
@@ -333,13 +336,13 @@ fn run_on<S: Copy, St: Strategy<State = S>>(
     slot: &mut Slot<S>,
     request: &RateLimitRequest<'_, St>,
 ) -> Result<RateLimitReply, RateLimitError> {
-    let now_ms = request.now_ms;
-    let current = (slot.expires_at > secs(now_ms)).then_some(slot.state);
+    let now_us = request.now_us;
+    let current = (slot.expires_at > secs(now_us)).then_some(slot.state);
     let applied = request
         .strategy
-        .apply(current, now_ms, request.op)
+        .apply(current, now_us, request.op)
         .map_err(|err| err.for_key(request.key))?;
-    write(slot, now_ms, applied.update);
+    write(slot, now_us, applied.update);
     Ok(applied.result)
 }
 
@@ -368,8 +371,8 @@ impl<St: Strategy> RateLimitStore<St> for MemoryRateLimitStore<St::State> {
         Self::evictions(self)
     }
 
-    fn sweep(&self, now_ms: u64) -> usize {
-        Self::sweep(self, now_ms)
+    fn sweep(&self, now_us: u64) -> usize {
+        Self::sweep(self, now_us)
     }
 
     fn wake_on_first_key(&self, wake: FirstKeyHook) -> bool {
@@ -395,7 +398,7 @@ mod tests {
     ) -> Decision {
         let request = RateLimitRequest {
             key,
-            now_ms,
+            now_us: now_ms * 1_000,
             strategy: w,
             op: RateLimitOp::Check {
                 cost: NonZeroU32::MIN,
@@ -418,8 +421,8 @@ mod tests {
         assert_eq!(check(&store, &w, "a", 0).remaining, 2);
         assert_eq!(check(&store, &w, "a", 9_999).remaining, 1);
         assert_eq!(check(&store, &w, "a", 10_000).remaining, 2);
-        assert_eq!(store.sweep(19_999), 0);
-        assert_eq!(store.sweep(20_000), 1);
+        assert_eq!(store.sweep(19_999_999), 0);
+        assert_eq!(store.sweep(20_000_000), 1);
         assert!(store.is_empty());
     }
 
@@ -478,7 +481,7 @@ mod tests {
         }
         let full = store.map.capacity();
         assert!(full >= 20_000);
-        assert_eq!(store.sweep(1_000), 20_000);
+        assert_eq!(store.sweep(1_000_000), 20_000);
         assert!(store.map.capacity() < full / 4, "{}", store.map.capacity());
     }
 
@@ -503,7 +506,7 @@ mod tests {
             store
                 .apply(RateLimitRequest {
                     key: "a",
-                    now_ms: 0,
+                    now_us: 0,
                     strategy: &w,
                     op,
                 })

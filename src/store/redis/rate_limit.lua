@@ -2,7 +2,8 @@
 -- src/rate_limit/{strategy,emission,gcra,leaky,token_bucket,fixed_window,sliding_window,
 -- algebra}.rs; keep them in step (tests/redis_rate_limit.rs compares every reply).
 --
--- This file is the library: `params` reads an operation's arguments once, `decide` runs one
+-- This file is the library: `now_us` reads the time (the server's `TIME`, to the microsecond, as
+-- the Rust clocks read it), `params` reads an operation's arguments once, `decide` runs one
 -- operation on a key's state read by its caller. The store appends the entry point
 -- (src/store/redis/rate_limit.rs): one operation per call (`GET`, then `decide`), or several
 -- keys' operations in one call at one `TIME` (a batch): one `MGET` for all their states,
@@ -156,8 +157,8 @@ local function run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
       return idiv(avail, units), dceil(nxt, 1000), full_ms
     end
     if avail < units then
-      local retry = dceil(earliest(k, lim, a, b, c, v1, v2, v3, now, units), 1000) - nms
-      if retry < 0 then retry = 0 end
+      -- How long from now (earliest is never before it), rounded up to whole ms.
+      local retry = dceil(earliest(k, lim, a, b, c, v1, v2, v3, now, units) - now, 1000)
       return 0, lim, avail, full_ms, retry
     end
     return 1, lim, avail, full_ms, 0
@@ -256,9 +257,17 @@ local function fields_of(raw, kinds)
   return values
 end
 
--- The time of a call in µs (capped as the Rust strategies cap it) and in ms.
-local function clock(t_ms)
-  local now = t_ms * 1000
+-- The server's time in µs (`TIME`: seconds and microseconds, exact as a double until 2255), or
+-- the time a test pinned, in µs, when `pinned` is not empty.
+local function now_us(pinned)
+  if pinned ~= nil and pinned ~= '' then return tonumber(pinned) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- The time of a call in µs (capped as the Rust strategies cap it) and in ms (rounded down).
+local function clock(t_us)
+  local now = t_us
   if now > 4000000000000000 then now = 4000000000000000 end
   return now, idiv(now, 1000)
 end

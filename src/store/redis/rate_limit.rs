@@ -38,9 +38,9 @@
 //!
 //! # Time
 //!
-//! The script reads the server's `TIME`, so instances with skewed clocks agree; the
-//! limiter's clock (the request's `now_ms`) is not used. Tests pin the script's time with
-//! `Redis::pin_time`; while pinned, keys are kept an hour longer than their state lives,
+//! The script reads the server's `TIME` to the microsecond, as the strategies read time, so
+//! instances with skewed clocks agree; the limiter's clock (the request's `now_us`) is not
+//! used. Tests pin the script's time with `Redis::pin_time_us` (or `Redis::pin_time`, in ms); while pinned, keys are kept an hour longer than their state lives,
 //! since the server expires them on its own clock.
 //!
 //! # Failures
@@ -69,7 +69,7 @@ use crate::store::StoreError;
 const SINGLE: &str = concat!(
     include_str!("rate_limit.lua"),
     r"
-local now, nms = clock(now_ms(ARGV[1]))
+local now, nms = clock(now_us(ARGV[1]))
 local p, raw = params(2), false
 if p[1] ~= 'x' then raw = redis.call('GET', KEYS[1]) end
 local out = {}
@@ -87,7 +87,7 @@ return out
 const BATCH: &str = concat!(
     include_str!("rate_limit.lua"),
     r"
-local now, nms = clock(now_ms(ARGV[1]))
+local now, nms = clock(now_us(ARGV[1]))
 local sets, p, count = {}, 3, tonumber(ARGV[2])
 for s = 1, count do
   sets[s] = params(p + 1)
@@ -421,8 +421,8 @@ impl Draining {
                 let take = state.queue.len().min(MAX_BATCH);
                 state.queue.drain(..take).collect()
             };
-            let mut call = cached(&SCRIPT, BATCH, true).prepare_invoke();
-            call.arg(self.redis.pinned());
+            let mut call = cached(&SCRIPT, BATCH, false).prepare_invoke();
+            call.arg(self.redis.pinned_us());
             // Operations with the same arguments (one limiter's checks, usually all of them)
             // share one set: the server parses it once.
             let (sets, set_of) = argument_sets(batch.iter().map(|q| &q.operation));
@@ -465,6 +465,13 @@ impl Draining {
 }
 
 impl Redis {
+    /// The pinned time in µs as a script argument, or empty for the server's `TIME`.
+    fn pinned_us(&self) -> String {
+        self.pinned_us_at()
+            .map(|n| n.to_string())
+            .unwrap_or_default()
+    }
+
     /// Runs `request` as one script call, alone or in a batch.
     async fn rate_limit<S: ScriptedStrategy>(
         &self,
@@ -536,8 +543,8 @@ impl Redis {
     /// One call of the script for one operation.
     async fn alone(&self, operation: &Operation) -> Result<RateLimitReply, StoreError> {
         static SCRIPT: OnceLock<LuaScript> = OnceLock::new();
-        let mut call = cached(&SCRIPT, SINGLE, true).prepare_invoke();
-        call.key(&operation.key).arg(self.pinned());
+        let mut call = cached(&SCRIPT, SINGLE, false).prepare_invoke();
+        call.key(&operation.key).arg(self.pinned_us());
         operation.args.push(&mut call);
         let reply: Vec<i64> = self.invoke(&call).await?;
         reply_of(&operation.key, &reply)
@@ -637,7 +644,7 @@ mod tests {
         redis
             .apply_async(RateLimitRequest {
                 key,
-                now_ms: 0,
+                now_us: 0,
                 strategy,
                 op,
             })
@@ -727,6 +734,35 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(exists, 0);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn the_script_reads_the_server_clock_to_the_microsecond() {
+        each_server("rate_limit_server_us", async |redis: Redis| {
+            // One per hour: a first check stores an arrival time of the server's TIME plus
+            // exactly an hour. Read in whole ms, every one would end in 000 µs.
+            let g = Gcra::new(1, Duration::from_secs(3_600)).unwrap();
+            let mut sub_ms = std::collections::BTreeSet::new();
+            for i in 0..20 {
+                let key = format!("us{i}");
+                apply(&redis, &g, &key, check_one()).await.unwrap();
+                let stored: Vec<u8> = redis
+                    .query(redis::cmd("GET").arg(redis.key(&key, ":r")))
+                    .await
+                    .unwrap();
+                sub_ms.insert(decode_state(&stored, "g")[0] % 1_000);
+            }
+            assert!(sub_ms.len() > 1, "{sub_ms:?}");
+            // A pinned time is read to the microsecond too.
+            redis.pin_time_us(5_000_000_250);
+            apply(&redis, &g, "pinned", check_one()).await.unwrap();
+            let stored: Vec<u8> = redis
+                .query(redis::cmd("GET").arg(redis.key("pinned", ":r")))
+                .await
+                .unwrap();
+            assert_eq!(decode_state(&stored, "g"), [8_600_000_250, 0]);
         })
         .await;
     }
@@ -950,8 +986,8 @@ mod tests {
     #[tokio::test]
     async fn a_batch_of_several_limits_and_operations_decides_each_with_its_own() {
         each_server("rate_limit_batch_sets", async |redis: Redis| {
-            let now_ms = 1_000_000;
-            redis.pin_time(now_ms);
+            let now_us = 1_000_000_250;
+            redis.pin_time_us(now_us);
             let (g, other) = (gcra(), Gcra::new(5, Duration::from_secs(1)).unwrap());
             let window = FixedWindow::new(4, Duration::from_secs(60)).unwrap();
             let two = RateLimitOp::Check {
@@ -963,7 +999,7 @@ mod tests {
             let expect_g = |strategy: &Gcra, key: &str, op| {
                 let request = RateLimitRequest {
                     key,
-                    now_ms,
+                    now_us,
                     strategy,
                     op,
                 };
@@ -972,7 +1008,7 @@ mod tests {
             let expect_w = |key: &str, op| {
                 let request = RateLimitRequest {
                     key,
-                    now_ms,
+                    now_us,
                     strategy: &window,
                     op,
                 };
