@@ -14,7 +14,8 @@
 //!   parameters and a [`RateLimitOp`] (check, peek, forecast, reserve, reset), all plain
 //!   `Serialize` data a remote store maps to one script. [`MemoryRateLimitStore`] runs them
 //!   through [`Strategy::apply`]; it is sharded, TTL-swept and bounded (one million keys by
-//!   default), and its eviction never grants capacity. With the `redis` feature,
+//!   default), and when full it forgets first the keys whose forgetting hands back least
+//!   ([`Strategy::spent`]): keys at rest, then those with the fewest units spent. With the `redis` feature,
 //!   `store::Redis` is an [`AsyncRateLimitStore`] for every [`ScriptedStrategy`] (the
 //!   built-in strategies and [`Tiered`] combinations of them): one Lua script call per
 //!   operation on the server's clock, decisions bit for bit equal to the memory store's, so

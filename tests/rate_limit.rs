@@ -1276,6 +1276,72 @@ fn r15_a_spent_key_stays_denied_after_a_flood_of_fresh_keys_fills_the_store() {
     assert_eq!(limiter.store().limited_evictions(), 0);
 }
 
+#[test]
+fn r16_a_flood_of_new_keys_never_hands_spent_capacity_back() {
+    let store = MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(1_000).unwrap());
+    let clock = ManualClock::new(1_000_000);
+    // 10 per second: one unit back every 100 ms.
+    let limiter = Limiter::builder(Gcra::new(10, Duration::from_secs(1)).unwrap())
+        .with_store(store)
+        .with_clock(clock.clone())
+        .build();
+    let hot = |k: usize| format!("hot{k}");
+    for k in 0..20 {
+        assert_eq!(limiter.check_n(&hot(k), 10).unwrap().remaining, 0);
+    }
+    // One unit back each: not limited any more, yet each holds back 9.
+    clock.advance_ms(100);
+    for k in 0..20 {
+        assert_eq!(limiter.peek(&hot(k)).unwrap().remaining, 1);
+    }
+    // Ten times the store's size in new keys within 50 ms, each spending 1 (every tenth 5):
+    // each holds back less than a hot key.
+    for i in 0..10_000 {
+        clock.advance_us(5);
+        let cost = if i % 10 == 0 { 5 } else { 1 };
+        assert!(limiter.check_n(&format!("new{i}"), cost).unwrap().allowed);
+        assert!(limiter.store().len() <= 1_000);
+    }
+    // Every hot key still has its one unit and no more: none was forgotten.
+    for k in 0..20 {
+        let once = limiter.check(&hot(k)).unwrap();
+        assert!(once.allowed && once.remaining == 0, "{k}: {once:?}");
+        let again = limiter.check(&hot(k)).unwrap();
+        assert!(!again.allowed, "hot key {k} got capacity back: {again:?}");
+    }
+    let stats = limiter.stats();
+    assert!(stats.evictions >= 9_000, "{stats:?}");
+    assert_eq!(limiter.store().limited_evictions(), 0);
+}
+
+#[test]
+fn r16_what_forgetting_hands_back_is_what_the_strategy_holds_back() {
+    let one = nz(1);
+    // A key at rest holds nothing back; one with every unit spent holds back its limit.
+    let window = FixedWindow::new(10, Duration::from_secs(60)).unwrap();
+    assert_eq!(window.spent(None, 0), 0);
+    let StateUpdate::Set { state, .. } = window.check(None, 0, nz(7)).unwrap().update else {
+        panic!("allowed checks write");
+    };
+    assert_eq!(window.spent(Some(state), 59_999_999), 7);
+    assert_eq!(window.spent(Some(state), 60_000_000), 0);
+    // A tiered key holds back what its most spent tier does: a daily quota spent while the
+    // per-second tier is full again still counts.
+    let tiers = Tiered::new(
+        Gcra::per_second(nz(10)),
+        FixedWindow::new(100, Duration::from_secs(86_400)).unwrap(),
+    );
+    let mut state = None;
+    for _ in 0..9 {
+        if let StateUpdate::Set { state: next, .. } = tiers.check(state, 0, one).unwrap().update {
+            state = Some(next);
+        }
+    }
+    assert_eq!(tiers.spent(state, 0), 9);
+    assert_eq!(tiers.spent(state, 2_000_000), 9, "the daily tier");
+    assert_eq!(tiers.spent(state, 86_400_000_000), 0);
+}
+
 /// `calls` checks of cost 1 on one key, `spacing_us` apart on a manual clock from 1 s: how
 /// many were admitted.
 fn spaced<S: Strategy>(strategy: S, calls: u32, spacing_us: u64) -> u32 {

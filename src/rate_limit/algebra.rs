@@ -125,17 +125,12 @@ impl<A: Strategy, B: Strategy> Tiered<A, B> {
     }
 }
 
-/// The state a tier ends with after an allowed check, its remaining lifetime and how long it
-/// stays limited.
-fn settle<S: Copy>(before: Option<S>, update: StateUpdate<S>) -> (Option<S>, u64, u64) {
+/// The state a tier ends with after an allowed check, and its remaining lifetime.
+fn settle<S: Copy>(before: Option<S>, update: StateUpdate<S>) -> (Option<S>, u64) {
     match update {
-        StateUpdate::Keep => (before, 0, 0),
-        StateUpdate::Remove => (None, 0, 0),
-        StateUpdate::Set {
-            state,
-            ttl_us,
-            limited_us,
-        } => (Some(state), ttl_us, limited_us),
+        StateUpdate::Keep => (before, 0),
+        StateUpdate::Remove => (None, 0),
+        StateUpdate::Set { state, ttl_us } => (Some(state), ttl_us),
     }
 }
 
@@ -177,14 +172,13 @@ impl<A: Strategy, B: Strategy> Strategy for Tiered<A, B> {
         let ob = self.second.check(b, now_us, cost)?;
         Ok(match (oa.result.allowed, ob.result.allowed) {
             (true, true) => {
-                let (first, ttl_a, limited_a) = settle(a, oa.update);
-                let (second, ttl_b, limited_b) = settle(b, ob.update);
+                let (first, ttl_a) = settle(a, oa.update);
+                let (second, ttl_b) = settle(b, ob.update);
                 Applied {
                     result: combine(oa.result, ob.result),
                     update: StateUpdate::Set {
                         state: TieredState { first, second },
                         ttl_us: ttl_a.max(ttl_b),
-                        limited_us: limited_a.max(limited_b),
                     },
                 }
             }
@@ -211,6 +205,15 @@ impl<A: Strategy, B: Strategy> Strategy for Tiered<A, B> {
     fn peek(&self, state: Option<Self::State>, now_us: u64) -> Decision {
         let (a, b) = Self::split(state);
         combine(self.first.peek(a, now_us), self.second.peek(b, now_us))
+    }
+
+    /// The more of the tiers' (forgetting the key hands back both): a key that spent most of
+    /// its daily quota holds that back even while its per-second tier is full.
+    fn spent(&self, state: Option<Self::State>, now_us: u64) -> u64 {
+        let (a, b) = Self::split(state);
+        self.first
+            .spent(a, now_us)
+            .max(self.second.spent(b, now_us))
     }
 
     /// Spendable is the smaller of the tiers'; the next replenishment is that of the binding

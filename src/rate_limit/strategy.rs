@@ -59,9 +59,6 @@ pub enum StateUpdate<S> {
         /// Microseconds after `now` from which `state` is exactly like no state (the key is
         /// at rest, full again), so a store may forget it any time after that.
         ttl_us: u64,
-        /// Microseconds after `now` during which a cost-1 request would be denied (0 when the
-        /// key has capacity left). A bounded store evicts such limited keys last.
-        limited_us: u64,
     },
     /// Forget the key's state: it is full again.
     Remove,
@@ -222,6 +219,33 @@ pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
 
     /// How requests of `cost` units would fare from `now_us` on, without consuming anything.
     fn forecast(&self, state: Option<Self::State>, now_us: u64, cost: NonZeroU32) -> Forecast;
+
+    /// Units spent by `now_us` that have not come back yet: what forgetting the key's state
+    /// would hand back, since a key without state is full. 0 for a key at rest (its state is
+    /// like none), [`Strategy::limit`] for one with nothing left. A bounded store forgets the
+    /// keys with the fewest first, so a strategy must not report 0 for a state that still
+    /// holds anything back.
+    ///
+    /// The default is `limit() - peek(state, now_us).remaining`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::num::NonZeroU32;
+    /// use throttlebeam::rate_limit::{Gcra, StateUpdate, Strategy};
+    ///
+    /// let gcra = Gcra::new(10, std::time::Duration::from_secs(1))?; // one back every 100 ms
+    /// let spend = gcra.check(None, 0, NonZeroU32::new(9).unwrap())?;
+    /// let StateUpdate::Set { state, .. } = spend.update else { unreachable!() };
+    /// assert_eq!(gcra.spent(Some(state), 0), 9);
+    /// assert_eq!(gcra.spent(Some(state), 100_000), 8);
+    /// assert_eq!(gcra.spent(Some(state), 900_000), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn spent(&self, state: Option<Self::State>, now_us: u64) -> u64 {
+        self.limit()
+            .saturating_sub(self.peek(state, now_us).remaining)
+    }
 
     /// Reserves `cost` units at `now_us`: a check that also says how long to wait before
     /// proceeding (always 0 except for a shaper, which queues).
@@ -403,6 +427,13 @@ impl<T: Transition> Strategy for T {
         }
     }
 
+    #[inline]
+    fn spent(&self, state: Option<T::State>, now_us: u64) -> u64 {
+        let now = clamp(now_us);
+        let view = self.view(state, now);
+        Transition::limit(self).saturating_sub(self.available(&view, now))
+    }
+
     fn reserve(
         &self,
         state: Option<T::State>,
@@ -457,12 +488,6 @@ fn step<T: Transition>(
     let delay_ms = ms_up(model.delay(&view, now));
     let (state, full_at) = model.consume(view, now, units);
     let remaining = available - units;
-    let limited_us = if remaining == 0 {
-        let after = model.view(Some(state), now);
-        model.earliest(&after, now, 1).saturating_sub(now)
-    } else {
-        0
-    };
     Ok((
         Applied {
             result: Decision {
@@ -475,7 +500,6 @@ fn step<T: Transition>(
             update: StateUpdate::Set {
                 state,
                 ttl_us: full_at.saturating_sub(now),
-                limited_us,
             },
         },
         delay_ms,
