@@ -487,8 +487,8 @@ async fn raw_script(url: &str, callers: usize, total: u64) -> f64 {
     // operation.
     let body = include_str!("../src/store/redis/rate_limit.lua");
     let src = format!(
-        "{body}\nlocal now, nms = clock(now_us(ARGV[1]))\nlocal out = {{}}\n\
-         decide(KEYS[1], params(2), now, nms, redis.call('GET', KEYS[1]), out, 1)\nreturn out\n"
+        "{body}\nlocal now = clock(now_us(ARGV[1]))\nlocal out = {{}}\n\
+         decide(KEYS[1], params(2), now, redis.call('GET', KEYS[1]), out, 1)\nreturn out\n"
     );
     let client = redis::Client::open(url).expect("client");
     let conn = redis::aio::ConnectionManager::new(client)

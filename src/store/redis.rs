@@ -61,6 +61,8 @@ pub struct RedisBuilder {
     connect_timeout: Duration,
     command_timeout: Duration,
     breaker: BreakerConfig,
+    /// See `RedisBuilder::with_rate_limit_queue`.
+    rate_limit_queue: std::num::NonZeroUsize,
 }
 
 impl RedisBuilder {
@@ -72,6 +74,7 @@ impl RedisBuilder {
             connect_timeout: Duration::from_secs(1),
             command_timeout: Duration::from_millis(500),
             breaker: BreakerConfig::default(),
+            rate_limit_queue: rate_limit::DEFAULT_QUEUE,
         }
     }
 
@@ -181,7 +184,7 @@ impl RedisBuilder {
                 nodes: self.nodes,
                 waiters: notify::Waiters::default(),
                 bursts: debounce::BurstListeners::default(),
-                batches: rate_limit::Batcher::default(),
+                batches: rate_limit::Batcher::new(self.rate_limit_queue),
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
