@@ -449,8 +449,8 @@ impl<S: Strategy, St> Limiter<S, St> {
     }
 
     /// The current time by the limiter's clock, in epoch milliseconds (rounded down): the
-    /// time [`Decision`]s are reported in, e.g. for
-    /// [`HeaderOptions::headers`](super::HeaderOptions::headers) (feature `http`).
+    /// time [`Decision`]s are reported in, e.g. for `HeaderOptions::headers` (feature
+    /// `http`).
     #[must_use]
     pub fn now_ms(&self) -> u64 {
         self.inner.clock.now_ms()
