@@ -136,7 +136,7 @@ fn rate_limiter(keys: u64) -> bool {
     }
     tally.sample(base);
     let stats = limiter.stats();
-    // The memory store holds at most its cap of keys, 56 B of entry each
+    // The memory store holds at most its cap of keys, 48 B of entry each
     // plus the map's own overhead: 256 B allowed per key here.
     let bound = throttlebeam::rate_limit::DEFAULT_LIMITER_MAX_KEYS as u64 * 256 + 64 * MIB;
     println!(

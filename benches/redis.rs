@@ -464,15 +464,6 @@ async fn floor_script(url: &str, callers: usize, total: u64) -> f64 {
     script_calls(url, callers, total, FLOOR, "floor").await
 }
 
-/// The server time prelude of the store's scripts (src/store/redis.rs, `NOW`).
-const NOW: &str = r"
-local function now_ms(pinned)
-  if pinned ~= nil and pinned ~= '' then return tonumber(pinned) end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-";
-
 /// A GCRA check of 1,000 per minute as the script reads it: pinned time (none),
 /// op, cost, slack ms, kinds, then the limit, period_us, per and tolerance.
 const GCRA_ARGS: [&str; 9] = [
@@ -492,11 +483,12 @@ const GCRA_ARGS: [&str; 9] = [
 /// separates it from `ours_gcra` is our client side; what separates it from
 /// `script_returning_one` is the script's work on the server.
 async fn raw_script(url: &str, callers: usize, total: u64) -> f64 {
-    // The library, then the store's entry point for one operation.
+    // The library (its own `TIME` reader included), then the store's entry point for one
+    // operation.
     let body = include_str!("../src/store/redis/rate_limit.lua");
     let src = format!(
-        "{NOW}{body}\nlocal now, nms = clock(now_ms(ARGV[1]))\nlocal out = {{}}\n\
-         decide(KEYS[1], params(2), now, nms, redis.call('GET', KEYS[1]), out, 1)\nreturn out\n"
+        "{body}\nlocal now = clock(now_us(ARGV[1]))\nlocal out = {{}}\n\
+         decide(KEYS[1], params(2), now, redis.call('GET', KEYS[1]), out, 1)\nreturn out\n"
     );
     let client = redis::Client::open(url).expect("client");
     let conn = redis::aio::ConnectionManager::new(client)

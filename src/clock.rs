@@ -2,8 +2,11 @@
 //! clock a [`Runtime`](crate::Runtime)'s leading-edge throttle windows read
 //! ([`RuntimeClock`]). This is the one module that reads time.
 //!
-//! Rate limiting's strategies never read a clock: they are pure functions of `(state, now_ms, cost)`. All
-//! readings are epoch milliseconds and saturate at `u64::MAX` rather than wrap.
+//! A [`Clock`] reads epoch **microseconds**: rate limiting's strategies keep time in whole
+//! microseconds, so a clock of coarser grain would cap every quota at one unit per tick (a
+//! millisecond clock lets a GCRA of 10,000 per second with a burst of 1 admit only 1,000).
+//! The strategies never read a clock: they are pure functions of `(state, now_us, cost)`. All
+//! readings saturate at `u64::MAX` rather than wrap.
 //! A [`Limiter`](crate::rate_limit::Limiter) reads its [`Clock`] once per call and hands the
 //! timestamp down, so a batch such as `check_many` is decided at one instant.
 
@@ -18,31 +21,65 @@ pub use self::window::RuntimeClock;
 #[cfg(feature = "runtime")]
 pub(crate) use self::window::WindowClock;
 
-/// A source of the current time in whole milliseconds since the Unix epoch.
+/// Microseconds per millisecond.
+const US_PER_MS: u64 = 1_000;
+
+/// A source of the current time in whole microseconds since the Unix epoch.
 ///
 /// Implementations should be monotonic. If one is not, the strategies still never grant
 /// extra capacity when time goes backwards: they treat an earlier `now` as "no time passed".
+///
+/// # Examples
+///
+/// A clock of your own implements [`Clock::now_us`]; [`Clock::now_ms`] follows from it.
+///
+/// ```
+/// use throttlebeam::clock::Clock;
+///
+/// struct Fixed(u64);
+///
+/// impl Clock for Fixed {
+///     fn now_us(&self) -> u64 {
+///         self.0
+///     }
+/// }
+///
+/// assert_eq!(Fixed(1_234_567).now_ms(), 1_234);
+/// ```
 pub trait Clock: Send + Sync + 'static {
-    /// The current time in milliseconds since the Unix epoch.
-    fn now_ms(&self) -> u64;
+    /// The current time in microseconds since the Unix epoch.
+    fn now_us(&self) -> u64;
+
+    /// The current time in whole milliseconds since the Unix epoch: [`Clock::now_us`]
+    /// rounded down.
+    #[inline]
+    fn now_ms(&self) -> u64 {
+        self.now_us() / US_PER_MS
+    }
 }
 
 impl<C: Clock + ?Sized> Clock for Arc<C> {
+    #[inline]
+    fn now_us(&self) -> u64 {
+        (**self).now_us()
+    }
+
+    #[inline]
     fn now_ms(&self) -> u64 {
         (**self).now_ms()
     }
 }
 
-/// The default clock: wall-clock epoch milliseconds read once at creation, advanced by
+/// The default clock: wall-clock epoch microseconds read once at creation, advanced by
 /// tokio's monotonic clock.
 ///
 /// Created while tokio's clock is paused (a test under
 /// `#[tokio::test(start_paused = true)]`), it reads tokio's clock, so `tokio::time::advance`
-/// moves it. Otherwise it reads the same time through the CPU's timestamp counter against a
-/// base taken at creation (as a [`Runtime`](crate::Runtime)'s throttle windows do): less than half
-/// the cost of a `clock_gettime` on the hot path of every check, and no serialised read that
-/// keeps the cache misses of consecutive checks from overlapping. It never goes backwards, even
-/// if the system clock is changed after creation.
+/// moves it (to the microsecond). Otherwise it reads the same time through the CPU's timestamp
+/// counter against a base taken at creation (as a [`Runtime`](crate::Runtime)'s throttle
+/// windows do): less than half the cost of a `clock_gettime` on the hot path of every check,
+/// and no serialised read that keeps the cache misses of consecutive checks from overlapping.
+/// It never goes backwards, even if the system clock is changed after creation.
 ///
 /// # Examples
 ///
@@ -50,12 +87,12 @@ impl<C: Clock + ?Sized> Clock for Arc<C> {
 /// use throttlebeam::clock::{Clock, TokioClock};
 ///
 /// let clock = TokioClock::new();
-/// let a = clock.now_ms();
-/// assert!(clock.now_ms() >= a);
+/// let a = clock.now_us();
+/// assert!(clock.now_us() >= a);
 /// ```
 #[derive(Debug, Clone)]
 pub struct TokioClock {
-    epoch_ms: u64,
+    epoch_us: u64,
     source: TokioSource,
 }
 
@@ -71,12 +108,20 @@ impl TokioClock {
     /// Anchors a new clock at the current wall-clock time.
     #[must_use]
     pub fn new() -> Self {
-        Self::starting_at(wall_clock_ms())
+        Self::starting_at_us(wall_clock_us())
     }
 
-    /// Anchors a new clock that reads `epoch_ms` now and advances with tokio's clock.
+    /// Anchors a new clock that reads `epoch_ms` (milliseconds) now and advances with tokio's
+    /// clock.
     #[must_use]
     pub fn starting_at(epoch_ms: u64) -> Self {
+        Self::starting_at_us(epoch_ms.saturating_mul(US_PER_MS))
+    }
+
+    /// Anchors a new clock that reads `epoch_us` (microseconds) now and advances with tokio's
+    /// clock.
+    #[must_use]
+    pub fn starting_at_us(epoch_us: u64) -> Self {
         let source = if tokio_paused() {
             TokioSource::Tokio(tokio::time::Instant::now())
         } else {
@@ -86,7 +131,7 @@ impl TokioClock {
                 clock,
             }
         };
-        Self { epoch_ms, source }
+        Self { epoch_us, source }
     }
 }
 
@@ -98,16 +143,19 @@ impl Default for TokioClock {
 
 impl Clock for TokioClock {
     #[inline]
-    fn now_ms(&self) -> u64 {
-        let elapsed_ms = match &self.source {
+    fn now_us(&self) -> u64 {
+        let elapsed_us = match &self.source {
             TokioSource::Tsc { clock, anchor } => {
-                clock.delta_as_nanos(*anchor, clock.raw()) / 1_000_000
+                clock.delta_as_nanos(*anchor, clock.raw()) / NS_PER_US
             }
-            TokioSource::Tokio(anchor) => duration_ms(anchor.elapsed()),
+            TokioSource::Tokio(anchor) => duration_us(anchor.elapsed()),
         };
-        self.epoch_ms.saturating_add(elapsed_ms)
+        self.epoch_us.saturating_add(elapsed_us)
     }
 }
+
+/// Nanoseconds per microsecond.
+const NS_PER_US: u64 = 1_000;
 
 /// One calibrated timestamp-counter clock per process (calibration takes a while).
 pub(crate) fn quanta() -> quanta::Clock {
@@ -126,7 +174,7 @@ pub(crate) fn tokio_paused() -> bool {
     tokio::time::Instant::now() == before
 }
 
-/// A fast clock for hot paths: wall-clock epoch milliseconds read once at creation, advanced
+/// A fast clock for hot paths: wall-clock epoch microseconds read once at creation, advanced
 /// by the CPU's timestamp counter through [`quanta`] (the clock governor uses), falling back
 /// to the OS monotonic clock where the counter is unreliable.
 ///
@@ -147,7 +195,7 @@ pub(crate) fn tokio_paused() -> bool {
 /// ```
 #[derive(Debug, Clone)]
 pub struct QuantaClock {
-    epoch_ms: u64,
+    epoch_us: u64,
     anchor: u64,
     clock: quanta::Clock,
 }
@@ -158,7 +206,7 @@ impl QuantaClock {
     pub fn new() -> Self {
         let clock = quanta::Clock::new();
         Self {
-            epoch_ms: wall_clock_ms(),
+            epoch_us: wall_clock_us(),
             anchor: clock.raw(),
             clock,
         }
@@ -173,14 +221,17 @@ impl Default for QuantaClock {
 
 impl Clock for QuantaClock {
     #[inline]
-    fn now_ms(&self) -> u64 {
+    fn now_us(&self) -> u64 {
         // Raw counter deltas skip quanta's `Instant` and `Duration` conversions.
         let elapsed_ns = self.clock.delta_as_nanos(self.anchor, self.clock.raw());
-        self.epoch_ms.saturating_add(elapsed_ns / 1_000_000)
+        self.epoch_us.saturating_add(elapsed_ns / NS_PER_US)
     }
 }
 
-/// A clock that moves only when told to, for deterministic tests.
+/// A clock that moves only when told to, for deterministic tests. It keeps microseconds;
+/// [`ManualClock::new`], [`ManualClock::advance_ms`] and [`ManualClock::set`] speak
+/// milliseconds, their `_us` forms microseconds, and [`ManualClock::advance`] moves by a
+/// [`Duration`] to the microsecond.
 ///
 /// Clones share the same time, so a test can keep one handle and give another to a limiter.
 ///
@@ -193,61 +244,91 @@ impl Clock for QuantaClock {
 /// let clock = ManualClock::new(0);
 /// clock.advance(Duration::from_secs(5));
 /// assert_eq!(clock.now_ms(), 5_000);
+/// clock.advance(Duration::from_micros(250));
+/// assert_eq!(clock.now_us(), 5_000_250);
 /// clock.set(1_000); // going backwards is allowed, to test that nothing breaks
-/// assert_eq!(clock.now_ms(), 1_000);
+/// assert_eq!(clock.now_us(), 1_000_000);
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct ManualClock {
-    now: Arc<AtomicU64>,
+    now_us: Arc<AtomicU64>,
 }
 
 impl ManualClock {
-    /// A clock that reads `start_ms`.
+    /// A clock that reads `start_ms` milliseconds (saturating at `u64::MAX` µs).
     #[must_use]
     pub fn new(start_ms: u64) -> Self {
+        Self::new_us(start_ms.saturating_mul(US_PER_MS))
+    }
+
+    /// A clock that reads `start_us` microseconds.
+    #[must_use]
+    pub fn new_us(start_us: u64) -> Self {
         Self {
-            now: Arc::new(AtomicU64::new(start_ms)),
+            now_us: Arc::new(AtomicU64::new(start_us)),
         }
     }
 
-    /// Moves the clock forward by `by` (whole milliseconds), saturating at `u64::MAX`.
+    /// Moves the clock forward by `by` (whole microseconds), saturating at `u64::MAX` µs.
     pub fn advance(&self, by: Duration) {
-        self.advance_ms(duration_ms(by));
+        self.advance_us(duration_us(by));
     }
 
-    /// Moves the clock forward by `ms` milliseconds, saturating at `u64::MAX`: it never wraps
-    /// around to the past.
+    /// Moves the clock forward by `ms` milliseconds, saturating at `u64::MAX` µs: it never
+    /// wraps around to the past.
     pub fn advance_ms(&self, ms: u64) {
+        self.advance_us(ms.saturating_mul(US_PER_MS));
+    }
+
+    /// Moves the clock forward by `us` microseconds, saturating at `u64::MAX`: it never wraps
+    /// around to the past.
+    pub fn advance_us(&self, us: u64) {
         // The closure always returns `Some`, so the update always succeeds.
         let _ = self
-            .now
+            .now_us
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |now| {
-                Some(now.saturating_add(ms))
+                Some(now.saturating_add(us))
             });
     }
 
-    /// Sets the clock to `now_ms`, which may be in the past.
+    /// Sets the clock to `now_ms` milliseconds, which may be in the past.
     pub fn set(&self, now_ms: u64) {
-        self.now.store(now_ms, Ordering::Relaxed);
+        self.set_us(now_ms.saturating_mul(US_PER_MS));
+    }
+
+    /// Sets the clock to `now_us` microseconds, which may be in the past.
+    pub fn set_us(&self, now_us: u64) {
+        self.now_us.store(now_us, Ordering::Relaxed);
     }
 }
 
 impl Clock for ManualClock {
-    fn now_ms(&self) -> u64 {
-        self.now.load(Ordering::Relaxed)
+    #[inline]
+    fn now_us(&self) -> u64 {
+        self.now_us.load(Ordering::Relaxed)
     }
 }
 
-/// The system clock in epoch ms (0 if it is set before 1970).
-fn wall_clock_ms() -> u64 {
+/// The system clock in epoch µs (0 if it is set before 1970).
+fn wall_clock_us() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, duration_ms)
+        .map_or(0, duration_us)
 }
 
 /// Whole milliseconds in `d`, saturating at `u64::MAX`.
+#[allow(
+    dead_code,
+    reason = "the ms helper of primitives that keep windows in ms, beside `duration_ns`"
+)]
 pub(crate) fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Whole microseconds in `d`, saturating at `u64::MAX`.
+#[inline]
+pub(crate) fn duration_us(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// Nanoseconds in `d`, saturating at `u64::MAX` (584 years).
@@ -269,6 +350,9 @@ mod tests {
         assert_eq!(clock.now_ms(), 1_000, "paused: real time does not move it");
         tokio::time::advance(Duration::from_millis(250)).await;
         assert_eq!(clock.now_ms(), 1_250);
+        // To the microsecond.
+        tokio::time::advance(Duration::from_micros(100)).await;
+        assert_eq!(clock.now_us(), 1_250_100);
     }
 
     #[test]
@@ -277,38 +361,79 @@ mod tests {
         assert!(matches!(clock.source, TokioSource::Tsc { .. }));
         let start = std::time::Instant::now();
         std::thread::sleep(Duration::from_millis(30));
-        let moved = clock.now_ms() - 1_000;
-        let real = duration_ms(start.elapsed());
+        let moved = clock.now_us() - 1_000_000;
+        let real = duration_us(start.elapsed());
         // The same time as the OS clock, to a few ms of calibration.
         assert!(
-            (30..=real + 5).contains(&moved),
-            "moved {moved} ms in {real} ms"
+            (30_000..=real + 5_000).contains(&moved),
+            "moved {moved} µs in {real} µs"
         );
     }
 
     #[test]
-    fn duration_ms_truncates_and_saturates() {
+    fn a_running_clock_reads_microseconds() {
+        // A millisecond clock read over 3 ms gives readings that all agree below the
+        // millisecond; a microsecond clock does not.
+        for clock in [
+            Box::new(TokioClock::new()) as Box<dyn Clock>,
+            Box::new(QuantaClock::new()),
+        ] {
+            let start = std::time::Instant::now();
+            let mut sub_ms = std::collections::BTreeSet::new();
+            while start.elapsed() < Duration::from_millis(3) {
+                sub_ms.insert(clock.now_us() % 1_000);
+            }
+            assert!(sub_ms.len() > 1, "{sub_ms:?}");
+        }
+    }
+
+    #[test]
+    fn durations_truncate_and_saturate() {
         assert_eq!(duration_ms(Duration::from_micros(1_999)), 1);
         assert_eq!(duration_ms(Duration::MAX), u64::MAX);
+        assert_eq!(duration_us(Duration::from_nanos(1_999)), 1);
+        assert_eq!(duration_us(Duration::MAX), u64::MAX);
+    }
+
+    #[test]
+    fn manual_clock_keeps_microseconds_and_its_millisecond_api() {
+        let clock = ManualClock::new(7);
+        assert_eq!((clock.now_ms(), clock.now_us()), (7, 7_000));
+        clock.advance(Duration::from_nanos(1_999));
+        assert_eq!(clock.now_us(), 7_001);
+        clock.advance_us(999);
+        assert_eq!((clock.now_ms(), clock.now_us()), (8, 8_000));
+        clock.advance_ms(2);
+        assert_eq!(clock.now_us(), 10_000);
+        clock.set_us(123_456);
+        assert_eq!(clock.now_ms(), 123);
+        assert_eq!(ManualClock::new_us(5).now_us(), 5);
+        // Clones share the time.
+        let other = clock.clone();
+        other.set(1);
+        assert_eq!(clock.now_us(), 1_000);
     }
 
     #[test]
     fn manual_clock_saturates_instead_of_wrapping() {
-        let clock = ManualClock::new(u64::MAX - 5);
-        clock.advance_ms(10);
-        assert_eq!(clock.now_ms(), u64::MAX);
+        let clock = ManualClock::new_us(u64::MAX - 5);
+        clock.advance_us(10);
+        assert_eq!(clock.now_us(), u64::MAX);
         clock.advance(Duration::MAX);
-        assert_eq!(clock.now_ms(), u64::MAX);
+        assert_eq!(clock.now_us(), u64::MAX);
+        clock.advance_ms(u64::MAX);
+        assert_eq!(clock.now_us(), u64::MAX);
+        assert_eq!(ManualClock::new(u64::MAX).now_us(), u64::MAX);
     }
 
     #[test]
     fn quanta_clock_starts_at_the_wall_clock_and_moves_forward() {
-        let wall = wall_clock_ms();
+        let wall = wall_clock_us();
         let clock = QuantaClock::new();
-        let a = clock.now_ms();
-        assert!(a >= wall && a - wall < 1_000);
+        let a = clock.now_us();
+        assert!(a >= wall && a - wall < 1_000_000);
         std::thread::sleep(Duration::from_millis(3));
-        assert!(clock.now_ms() >= a + 3);
+        assert!(clock.now_us() >= a + 3_000);
     }
 
     #[tokio::test(start_paused = true)]
@@ -317,5 +442,8 @@ mod tests {
         assert_eq!(clock.now_ms(), 1_000);
         tokio::time::advance(Duration::from_millis(250)).await;
         assert_eq!(clock.now_ms(), 1_250);
+        let us = TokioClock::starting_at_us(1_000_001);
+        tokio::time::advance(Duration::from_micros(3)).await;
+        assert_eq!(us.now_us(), 1_000_004);
     }
 }

@@ -1,10 +1,10 @@
 //! Rate limiting: pure strategies over a store that receives plain data.
 //!
 //! - **Strategies** ([`Gcra`], [`TokenBucket`], [`FixedWindow`], [`SlidingWindow`],
-//!   [`LeakyBucket`]) are pure functions of `(state, now_ms, cost)` over a small `Copy`,
-//!   serde-serializable state. Time is integer milliseconds outside and integer microseconds
-//!   inside, so every quota up to 1,000,000 per second per key is exact and a remote store can
-//!   reproduce every decision bit for bit; all time arithmetic saturates. Each can `check`
+//!   [`LeakyBucket`]) are pure functions of `(state, now_us, cost)` over a small `Copy`,
+//!   serde-serializable state. Time is read in integer microseconds, so every quota up to
+//!   1,000,000 per second per key is exact and a remote store can reproduce every decision
+//!   bit for bit; all time arithmetic saturates. Each can `check`
 //!   (consume), `peek` and `forecast` (never consume). A cost above what a strategy can ever
 //!   admit is an error ([`InsufficientCapacity`]), never a denial.
 //! - **Values**: a [`Decision`] (a denial is an outcome, not an error) and a [`Forecast`].
@@ -14,7 +14,8 @@
 //!   parameters and a [`RateLimitOp`] (check, peek, forecast, reserve, reset), all plain
 //!   `Serialize` data a remote store maps to one script. [`MemoryRateLimitStore`] runs them
 //!   through [`Strategy::apply`]; it is sharded, TTL-swept and bounded (one million keys by
-//!   default), and its eviction never grants capacity. With the `redis` feature,
+//!   default), and when full it forgets first the keys whose forgetting hands back least
+//!   ([`Strategy::spent`]): keys at rest, then those with the fewest units spent. With the `redis` feature,
 //!   `store::Redis` is an [`AsyncRateLimitStore`] for every [`ScriptedStrategy`] (the
 //!   built-in strategies and [`Tiered`] combinations of them): one Lua script call per
 //!   operation on the server's clock, decisions bit for bit equal to the memory store's, so
@@ -31,10 +32,15 @@
 //!
 //! # Time
 //!
-//! Callers, decisions and stores speak integer epoch **milliseconds**; inside, the strategies
-//! keep time in integer **microseconds** and emission intervals as exact fractions of a
-//! microsecond, so every quota up to 1,000,000 per second is exact (a finer one is
-//! [`RateLimitError::TooFine`]). Every value stays below 2^53, so a Lua number holds it exactly
+//! Time is read in integer epoch **microseconds**: a [`Clock`](crate::clock::Clock) reads them,
+//! a [`Limiter`] hands them to its store and strategy (`now_us`), and the Redis store reads the
+//! server's `TIME` to the microsecond. The strategies keep emission intervals as exact
+//! fractions of a microsecond, so every quota up to 1,000,000 per second is exact, calls a few
+//! microseconds apart included: a GCRA of 10,000 per second with a burst of 1 admits every one
+//! of 10,000 calls 100 µs apart (a finer quota is [`RateLimitError::TooFine`]). What comes
+//! back is in whole **milliseconds**: a [`Decision`]'s reset time (epoch ms, rounded up) and
+//! retry-after (from now, rounded up, so waiting it always suffices), a [`Forecast`], a
+//! shaper's delay. Every value stays below 2^53, so a Lua number holds it exactly
 //! and a Redis script reproduces each decision bit for bit. All time arithmetic saturates:
 //! `now` is clamped to [`TIME_CEILING_US`] (in 2096), after which time stands still; a limited
 //! key stays limited and nothing is granted by an overflow.

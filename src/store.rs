@@ -58,6 +58,13 @@ pub enum StoreError {
         /// The cap.
         cap: usize,
     },
+    /// Refused here, unsent: as many operations as may wait for the store already do (e.g.
+    /// the Redis store's rate-limit queue, see `RedisBuilder::with_rate_limit_queue`).
+    #[error("store is overloaded: {queued} operations already wait for it, its cap")]
+    Overloaded {
+        /// The operations waiting, the cap.
+        queued: usize,
+    },
 }
 
 impl StoreError {

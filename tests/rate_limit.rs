@@ -1,4 +1,4 @@
-//! Behaviour of the rate-limiting area: scenarios R1–R15 with exact numbers.
+//! Behaviour of the rate-limiting area: scenarios R1–R17 with exact numbers.
 
 mod vectors;
 
@@ -28,13 +28,15 @@ fn manual<S: Strategy>(strategy: S) -> (Limiter<S>, ManualClock) {
     (limiter, clock)
 }
 
-/// Runs a vector through the pure functions, threading the state by hand.
+/// Runs a vector through the pure functions (which read µs; the vectors are in ms),
+/// threading the state by hand.
 fn run_pure<S: Strategy>(v: &Vector<S>) {
     let strategy = (v.strategy)();
     let mut state = None;
     for (i, step) in v.steps.iter().enumerate() {
+        let at = step.at * 1_000;
         let got = match step.op {
-            Op::Check(cost) => match strategy.check(state, step.at, nz(cost)) {
+            Op::Check(cost) => match strategy.check(state, at, nz(cost)) {
                 Ok(outcome) => {
                     if let StateUpdate::Set { state: next, .. } = outcome.update {
                         state = Some(next);
@@ -46,11 +48,11 @@ fn run_pure<S: Strategy>(v: &Vector<S>) {
                     Expect::Insufficient(err.capacity)
                 }
             },
-            Op::Peek => Expect::Decision(strategy.peek(state, step.at)),
-            Op::Forecast(cost) => Expect::Forecast(strategy.forecast(state, step.at, nz(cost))),
+            Op::Peek => Expect::Decision(strategy.peek(state, at)),
+            Op::Forecast(cost) => Expect::Forecast(strategy.forecast(state, at, nz(cost))),
             Op::Reset => {
                 let applied = strategy
-                    .apply(state, step.at, throttlebeam::rate_limit::RateLimitOp::Reset)
+                    .apply(state, at, throttlebeam::rate_limit::RateLimitOp::Reset)
                     .unwrap();
                 assert_eq!(applied.update, StateUpdate::Remove);
                 state = None;
@@ -241,7 +243,7 @@ fn r6_leaky_bucket_reservations() {
     let (limiter, clock) = manual(shaper);
     let mut state = None;
     for &(at, cost, expected) in vectors::leaky::R6_RESERVATIONS {
-        let outcome = shaper.reserve(state, at, nz(cost)).unwrap();
+        let outcome = shaper.reserve(state, at * 1_000, nz(cost)).unwrap();
         if let StateUpdate::Set { state: next, .. } = outcome.update {
             state = Some(next);
         }
@@ -271,7 +273,10 @@ fn r6_leaky_bucket_reservations() {
         Err(RateLimitError::InsufficientCapacity { capacity: c, .. }) if c == capacity
     ));
     assert_eq!(
-        shaper.reserve(None, at, nz(cost)).unwrap_err().capacity,
+        shaper
+            .reserve(None, at * 1_000, nz(cost))
+            .unwrap_err()
+            .capacity,
         capacity
     );
     for v in &vectors::leaky::ALL {
@@ -325,8 +330,8 @@ fn r7_peek_never_consumes() {
 struct TickingClock(AtomicU64);
 
 impl Clock for TickingClock {
-    fn now_ms(&self) -> u64 {
-        self.0.fetch_add(1, Ordering::Relaxed)
+    fn now_us(&self) -> u64 {
+        self.0.fetch_add(1_000, Ordering::Relaxed)
     }
 }
 
@@ -420,14 +425,17 @@ fn r9_same_inputs_give_bit_identical_decisions() {
     // it encoded decides the same.
     let mut state = None;
     for &(at, cost) in &script {
-        let direct = strategy.check(state, at, nz(cost)).unwrap();
+        let direct = strategy.check(state, at * 1_000, nz(cost)).unwrap();
         let decoded = state.map(|s| {
             let bytes = bincode::serde::encode_to_vec(s, bincode::config::standard()).unwrap();
             bincode::serde::decode_from_slice(&bytes, bincode::config::standard())
                 .unwrap()
                 .0
         });
-        assert_eq!(strategy.check(decoded, at, nz(cost)).unwrap(), direct);
+        assert_eq!(
+            strategy.check(decoded, at * 1_000, nz(cost)).unwrap(),
+            direct
+        );
         if let StateUpdate::Set { state: next, .. } = direct.update {
             state = Some(next);
         }
@@ -756,6 +764,26 @@ fn enforcer_reports_limits_with_headers_and_callback() {
         Some("30")
     );
     assert_eq!(*limited.lock().unwrap(), [("ip".to_owned(), 30_000)]);
+}
+
+#[test]
+fn r17_an_enforcer_decides_at_the_microsecond_and_reports_in_milliseconds() {
+    let clock = ManualClock::new(1_000);
+    let limiter = Limiter::builder(Gcra::per_second(nz(10_000)).with_burst(nz(1)))
+        .with_clock(clock.clone())
+        .build();
+    let enforcer = Enforcer::new(limiter);
+    for i in 0..1_000 {
+        assert!(enforcer.enforce("ip").allowed, "call {i}");
+        clock.advance_us(100);
+    }
+    // Headers still speak whole seconds from the current millisecond.
+    clock.advance_us(50);
+    enforcer.enforce("ip");
+    let denied = enforcer.enforce("ip");
+    assert!(!denied.allowed);
+    assert_eq!(denied.decision.map(|d| d.retry_after_ms), Some(1));
+    assert_eq!(header(&denied.headers, "retry-after").as_deref(), Some("1"));
 }
 
 fn ip(s: &str) -> IpAddr {
@@ -1249,6 +1277,144 @@ fn r15_a_spent_key_stays_denied_after_a_flood_of_fresh_keys_fills_the_store() {
 }
 
 #[test]
+fn r16_a_flood_of_new_keys_never_hands_spent_capacity_back() {
+    let store = MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(1_000).unwrap());
+    let clock = ManualClock::new(1_000_000);
+    // 10 per second: one unit back every 100 ms.
+    let limiter = Limiter::builder(Gcra::new(10, Duration::from_secs(1)).unwrap())
+        .with_store(store)
+        .with_clock(clock.clone())
+        .build();
+    let hot = |k: usize| format!("hot{k}");
+    for k in 0..20 {
+        assert_eq!(limiter.check_n(&hot(k), 10).unwrap().remaining, 0);
+    }
+    // One unit back each: not limited any more, yet each holds back 9.
+    clock.advance_ms(100);
+    for k in 0..20 {
+        assert_eq!(limiter.peek(&hot(k)).unwrap().remaining, 1);
+    }
+    // Ten times the store's size in new keys within 50 ms, each spending 1 (every tenth 5):
+    // each holds back less than a hot key.
+    for i in 0..10_000 {
+        clock.advance_us(5);
+        let cost = if i % 10 == 0 { 5 } else { 1 };
+        assert!(limiter.check_n(&format!("new{i}"), cost).unwrap().allowed);
+        assert!(limiter.store().len() <= 1_000);
+    }
+    // Every hot key still has its one unit and no more: none was forgotten.
+    for k in 0..20 {
+        let once = limiter.check(&hot(k)).unwrap();
+        assert!(once.allowed && once.remaining == 0, "{k}: {once:?}");
+        let again = limiter.check(&hot(k)).unwrap();
+        assert!(!again.allowed, "hot key {k} got capacity back: {again:?}");
+    }
+    let stats = limiter.stats();
+    assert!(stats.evictions >= 9_000, "{stats:?}");
+    assert_eq!(limiter.store().limited_evictions(), 0);
+}
+
+#[test]
+fn r16_what_forgetting_hands_back_is_what_the_strategy_holds_back() {
+    let one = nz(1);
+    // A key at rest holds nothing back; one with every unit spent holds back its limit.
+    let window = FixedWindow::new(10, Duration::from_secs(60)).unwrap();
+    assert_eq!(window.spent(None, 0), 0);
+    let StateUpdate::Set { state, .. } = window.check(None, 0, nz(7)).unwrap().update else {
+        panic!("allowed checks write");
+    };
+    assert_eq!(window.spent(Some(state), 59_999_999), 7);
+    assert_eq!(window.spent(Some(state), 60_000_000), 0);
+    // A tiered key holds back what its most spent tier does: a daily quota spent while the
+    // per-second tier is full again still counts.
+    let tiers = Tiered::new(
+        Gcra::per_second(nz(10)),
+        FixedWindow::new(100, Duration::from_secs(86_400)).unwrap(),
+    );
+    let mut state = None;
+    for _ in 0..9 {
+        if let StateUpdate::Set { state: next, .. } = tiers.check(state, 0, one).unwrap().update {
+            state = Some(next);
+        }
+    }
+    assert_eq!(tiers.spent(state, 0), 9);
+    assert_eq!(tiers.spent(state, 2_000_000), 9, "the daily tier");
+    assert_eq!(tiers.spent(state, 86_400_000_000), 0);
+}
+
+/// `calls` checks of cost 1 on one key, `spacing_us` apart on a manual clock from 1 s: how
+/// many were admitted.
+fn spaced<S: Strategy>(strategy: S, calls: u32, spacing_us: u64) -> u32 {
+    let (limiter, clock) = manual(strategy);
+    clock.set(1_000);
+    let mut admitted = 0;
+    for _ in 0..calls {
+        admitted += u32::from(limiter.check("k").unwrap().allowed);
+        clock.advance_us(spacing_us);
+    }
+    admitted
+}
+
+#[test]
+fn r17_time_is_read_in_microseconds() {
+    // One every 100 µs, one at a time: a millisecond clock admits 1,000 of these.
+    let gcra = Gcra::per_second(nz(10_000)).with_burst(nz(1));
+    assert_eq!(spaced(gcra, 10_000, 100), 10_000);
+    let bucket = TokenBucket::per_second(nz(1), nz(10_000));
+    assert_eq!(spaced(bucket, 10_000, 100), 10_000);
+    // Never early either: 99 µs apart, every other call waits for its 100 µs.
+    assert_eq!(spaced(gcra, 10_000, 99), 5_000);
+    assert_eq!(spaced(bucket, 10_000, 99), 5_000);
+    // A million per second is one per microsecond.
+    let fastest = Gcra::per_second(nz(1_000_000)).with_burst(nz(1));
+    assert_eq!(spaced(fastest, 10_000, 1), 10_000);
+
+    // A sliding window weighs the previous window by the microsecond: 10,000 per second,
+    // asked every 100 µs, is refused once per window (at its first instant, when the previous
+    // window still weighs in full), where whole milliseconds refuse the first ten.
+    let sliding = SlidingWindow::new(10_000, Duration::from_secs(1)).unwrap();
+    let (limiter, clock) = manual(sliding);
+    let mut per_window = [0u32; 3];
+    for (second, admitted) in per_window.iter_mut().enumerate() {
+        for i in 0..10_000u64 {
+            clock.set_us((second as u64 + 1) * 1_000_000 + i * 100);
+            *admitted += u32::from(limiter.check("k").unwrap().allowed);
+        }
+    }
+    assert_eq!(per_window, [10_000, 9_999, 9_999]);
+
+    // Fixed windows are whole milliseconds at least; their edges fall to the microsecond.
+    let fixed = FixedWindow::new(3, Duration::from_millis(1)).unwrap();
+    let (limiter, clock) = manual(fixed);
+    clock.set_us(1_999_999);
+    assert_eq!(limiter.check_n("k", 3).unwrap().reset_at_ms, 2_000);
+    assert!(!limiter.check("k").unwrap().allowed);
+    clock.advance_us(1);
+    assert!(limiter.check_n("k", 3).unwrap().allowed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn r17_the_default_clock_follows_paused_tokio_time_to_the_microsecond() {
+    let limiter = Limiter::new(Gcra::per_second(nz(10_000)).with_burst(nz(1)));
+    let mut admitted = 0;
+    for _ in 0..10_000 {
+        admitted += u32::from(limiter.check("k").unwrap().allowed);
+        assert!(
+            !limiter.check("k").unwrap().allowed,
+            "not before its 100 µs"
+        );
+        tokio::time::advance(Duration::from_micros(100)).await;
+    }
+    assert_eq!(admitted, 10_000);
+    // The waiting form too: a denial's retry-after is the wait from now, rounded up to whole
+    // milliseconds (tokio's timers are no finer), never more.
+    let start = tokio::time::Instant::now();
+    limiter.check("k").unwrap();
+    limiter.until_ready("k").await.unwrap();
+    assert_eq!(start.elapsed(), Duration::from_millis(1));
+}
+
+#[test]
 fn stats_count_decisions_errors_evictions_and_keys() {
     let (limiter, _clock) = manual(Gcra::new(2, Duration::from_secs(1)).unwrap());
     assert_eq!(limiter.stats(), LimiterStats::default());
@@ -1296,7 +1462,7 @@ fn requests_are_plain_data_a_remote_store_can_map_to_one_script() {
     );
     let request = RateLimitRequest {
         key: "api:user:1",
-        now_ms: 1_000,
+        now_us: 1_000_000,
         strategy: &tiers,
         op: RateLimitOp::Check { cost: nz(2) },
     };
@@ -1305,7 +1471,7 @@ fn requests_are_plain_data_a_remote_store_can_map_to_one_script() {
         serde_json::to_value(request).unwrap(),
         serde_json::json!({
             "key": "api:user:1",
-            "now_ms": 1_000,
+            "now_us": 1_000_000,
             "strategy": {
                 "first": { "period_us": 1_000_000, "per": 5_000, "tolerance": 5_000_000_000u64, "burst": 5_000 },
                 "second": { "limit": 100, "window_us": 60_000_000 },

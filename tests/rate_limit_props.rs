@@ -1,4 +1,5 @@
-//! Invariants of the rate-limiting maths, over random strategies and call sequences.
+//! Invariants of the rate-limiting maths, over random strategies and call sequences. Time is
+//! in microseconds, as the strategies and clocks read it; strategies are configured in ms.
 
 use std::num::NonZeroU32;
 use std::time::Duration;
@@ -15,20 +16,28 @@ fn nz(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).expect("non-zero")
 }
 
-/// A call sequence: (milliseconds since the previous call, cost).
-fn calls(max_dt: u64, max_cost: u32) -> impl proptest::strategy::Strategy<Value = Vec<(u64, u32)>> {
-    prop::collection::vec((0..=max_dt, 1..=max_cost), 1..120)
+/// A call sequence: (microseconds since the previous call, at most `max_dt_ms` ms, cost).
+fn calls(
+    max_dt_ms: u64,
+    max_cost: u32,
+) -> impl proptest::strategy::Strategy<Value = Vec<(u64, u32)>> {
+    prop::collection::vec((0..=max_dt_ms * 1_000, 1..=max_cost), 1..120)
 }
 
-/// Runs `calls` on one key and returns the admitted (time, cost) pairs. A cost above the
-/// capacity must be an error.
+/// Microseconds in `ms` milliseconds.
+fn us(ms: u64) -> u64 {
+    ms * 1_000
+}
+
+/// Runs `calls` on one key from `start` ms and returns the admitted (time in µs, cost) pairs.
+/// A cost above the capacity must be an error.
 fn admitted<S: Strategy>(strategy: S, start: u64, calls: &[(u64, u32)]) -> Vec<(u64, u64)> {
     let clock = ManualClock::new(start);
     let limit = strategy.limit();
     let limiter = Limiter::builder(strategy).with_clock(clock.clone()).build();
     let mut out = Vec::new();
     for &(dt, cost) in calls {
-        clock.advance_ms(dt);
+        clock.advance_us(dt);
         match limiter.check_n("k", cost) {
             Ok(d) if d.allowed => out.push((clock_now(&clock), u64::from(cost))),
             Ok(_) => {}
@@ -40,10 +49,10 @@ fn admitted<S: Strategy>(strategy: S, start: u64, calls: &[(u64, u32)]) -> Vec<(
 }
 
 fn clock_now(clock: &ManualClock) -> u64 {
-    throttlebeam::clock::Clock::now_ms(clock)
+    throttlebeam::clock::Clock::now_us(clock)
 }
 
-/// Units admitted in every span `[t_i, t_j]` stay within `bound(t_j - t_i)`.
+/// Units admitted in every span `[t_i, t_j]` (µs) stay within `bound(t_j - t_i)`.
 fn assert_span_bound(
     admitted: &[(u64, u64)],
     bound: impl Fn(u64) -> u64,
@@ -55,7 +64,7 @@ fn assert_span_bound(
             let span = t - admitted[i].0;
             prop_assert!(
                 units <= bound(span),
-                "{units} units in {span} ms (bound {})",
+                "{units} units in {span} µs (bound {})",
                 bound(span)
             );
         }
@@ -63,7 +72,7 @@ fn assert_span_bound(
     Ok(())
 }
 
-/// Units admitted in every aligned window stay within `limit`.
+/// Units admitted in every aligned window (of `window` ms) stay within `limit`.
 fn assert_window_bound(
     admitted: &[(u64, u64)],
     window: u64,
@@ -71,7 +80,7 @@ fn assert_window_bound(
 ) -> Result<(), TestCaseError> {
     let mut per_window = std::collections::BTreeMap::new();
     for &(t, cost) in admitted {
-        *per_window.entry(t / window).or_insert(0) += cost;
+        *per_window.entry(t / us(window)).or_insert(0) += cost;
     }
     for (w, units) in per_window {
         prop_assert!(units <= limit, "{units} units in window {w}");
@@ -79,15 +88,15 @@ fn assert_window_bound(
     Ok(())
 }
 
-/// The pure functions agree with each other at every step of `calls`, and waiting exactly the
-/// reported times is both necessary and sufficient.
+/// The pure functions agree with each other at every step of `calls` (from `start` ms), and
+/// waiting exactly the reported times (in whole ms) is both necessary and sufficient.
 fn assert_consistent<S: Strategy>(
     strategy: &S,
     start: u64,
     calls: &[(u64, u32)],
 ) -> Result<(), TestCaseError> {
     let mut state = None;
-    let mut now = start;
+    let mut now = us(start);
     for &(dt, cost) in calls {
         now += dt;
         let peek = strategy.peek(state, now);
@@ -110,13 +119,15 @@ fn assert_consistent<S: Strategy>(
         prop_assert!(d.remaining <= d.limit);
         // Not full: the next replenishment is the first instant with more capacity.
         if peek.remaining < peek.limit {
-            let next = forecast.next_replenish_at_ms;
+            // Reported in ms, rounded up: more at that ms, not yet a ms earlier.
+            let next = us(forecast.next_replenish_at_ms);
             prop_assert!(next > now);
             prop_assert!(strategy.peek(state, next).remaining > peek.remaining);
-            prop_assert_eq!(strategy.peek(state, next - 1).remaining, peek.remaining);
+            let before = (next - 1_000).max(now);
+            prop_assert_eq!(strategy.peek(state, before).remaining, peek.remaining);
         }
         prop_assert_eq!(
-            strategy.peek(state, forecast.full_at_ms).remaining,
+            strategy.peek(state, us(forecast.full_at_ms)).remaining,
             peek.limit
         );
         if !d.allowed {
@@ -124,12 +135,13 @@ fn assert_consistent<S: Strategy>(
                 matches!(outcome.update, StateUpdate::Keep),
                 "a denial never consumes"
             );
-            let at = now + d.retry_after_ms;
+            // In whole ms from now, rounded up.
+            let at = now + us(d.retry_after_ms);
             prop_assert!(strategy.check(state, at, nz(cost)).unwrap().result.allowed);
             if d.retry_after_ms > 0 {
                 prop_assert!(
                     !strategy
-                        .check(state, at - 1, nz(cost))
+                        .check(state, at - 1_000, nz(cost))
                         .unwrap()
                         .result
                         .allowed
@@ -143,7 +155,8 @@ fn assert_consistent<S: Strategy>(
     Ok(())
 }
 
-/// Moving the clock back from the last call never shows more capacity than at that call.
+/// Moving the clock back (`back` µs) from the last call never shows more capacity than at
+/// that call.
 fn assert_backwards_grants_nothing<S: Strategy>(
     strategy: &S,
     start: u64,
@@ -151,7 +164,7 @@ fn assert_backwards_grants_nothing<S: Strategy>(
     back: u64,
 ) -> Result<(), TestCaseError> {
     let mut state = None;
-    let mut now = start;
+    let mut now = us(start);
     for &(dt, cost) in calls {
         now += dt;
         if let Ok(outcome) = strategy.check(state, now, nz(cost))
@@ -181,8 +194,8 @@ fn assert_reads_are_pure<S: Strategy>(
         .with_clock(read_clock.clone())
         .build();
     for &(dt, cost) in calls {
-        plain_clock.advance_ms(dt);
-        read_clock.advance_ms(dt);
+        plain_clock.advance_us(dt);
+        read_clock.advance_us(dt);
         for _ in 0..cost % 3 {
             reading.peek("k").unwrap();
             let _ = reading.forecast("k", cost);
@@ -236,16 +249,16 @@ fn leaky_with_rate() -> impl proptest::strategy::Strategy<Value = (LeakyBucket, 
     })
 }
 
-/// Checks at instants near `u64::MAX` ms, where every strategy's time saturates: the units
+/// Checks at instants near `u64::MAX` µs, where every strategy's time saturates: the units
 /// admitted never exceed what one full key holds, and nothing panics (debug builds check
 /// every overflow).
 fn assert_saturates<S: Strategy>(strategy: S, calls: &[(u64, u32)]) -> Result<(), TestCaseError> {
     let limit = strategy.limit();
-    let clock = ManualClock::new(u64::MAX - 10_000_000);
+    let clock = ManualClock::new_us(u64::MAX - 10_000_000_000);
     let limiter = Limiter::builder(strategy).with_clock(clock.clone()).build();
     let mut units = 0;
     for &(dt, cost) in calls {
-        clock.advance_ms(dt * 100_000);
+        clock.advance_us(dt * 100_000);
         let now = clock_now(&clock);
         if let Ok(d) = limiter.check_n_at("k", cost, now) {
             units += if d.allowed { u64::from(cost) } else { 0 };
@@ -258,7 +271,7 @@ fn assert_saturates<S: Strategy>(strategy: S, calls: &[(u64, u32)]) -> Result<()
         units <= limit,
         "{units} units admitted near u64::MAX, limit {limit}"
     );
-    prop_assert_eq!(clock_now(&clock) >= u64::MAX - 10_000_000, true);
+    prop_assert_eq!(clock_now(&clock) >= u64::MAX - 10_000_000_000, true);
     Ok(())
 }
 
@@ -285,14 +298,14 @@ proptest! {
     #[test]
     fn gcra_never_admits_more_than_burst_plus_rate((g, limit, period) in gcra_with_rate(), start in 0..10_000u64, calls in calls(400, 6)) {
         let burst = g.limit();
-        assert_span_bound(&admitted(g, start, &calls), |span| burst + span * limit / period)?;
+        assert_span_bound(&admitted(g, start, &calls), |span| burst + span * limit / us(period))?;
     }
 
     #[test]
     fn token_bucket_never_admits_more_than_capacity_plus_refill(
         (bucket, capacity, refill, per) in token_bucket(), start in 0..10_000u64, calls in calls(400, 6),
     ) {
-        assert_span_bound(&admitted(bucket, start, &calls), |span| capacity + span * refill / per)?;
+        assert_span_bound(&admitted(bucket, start, &calls), |span| capacity + span * refill / us(per))?;
     }
 
     #[test]
@@ -307,7 +320,7 @@ proptest! {
         let admitted = admitted(w, start, &calls);
         assert_window_bound(&admitted, window, u64::from(limit))?;
         // Nor more than twice the quota across any window-length span.
-        assert_span_bound(&admitted, |span| if span < window { 2 * u64::from(limit) } else { u64::MAX })?;
+        assert_span_bound(&admitted, |span| if span < us(window) { 2 * u64::from(limit) } else { u64::MAX })?;
     }
 
     #[test]
@@ -315,7 +328,7 @@ proptest! {
         (l, queue, rate, per) in leaky_with_rate(), start in 0..10_000u64, calls in calls(400, 6),
     ) {
         // Units admitted over a span start within it plus the queue: one per interval.
-        assert_span_bound(&admitted(l, start, &calls), |span| (queue + span) * rate / per + 1)?;
+        assert_span_bound(&admitted(l, start, &calls), |span| (us(queue) + span) * rate / us(per) + 1)?;
     }
 
     #[test]
@@ -339,7 +352,7 @@ proptest! {
         let limit = g.limit();
         let limiter = Limiter::builder(g).with_clock(clock.clone()).build();
         while limiter.check("k").unwrap().allowed {}
-        clock.set(u64::MAX - (jump % 1_000));
+        clock.set_us(u64::MAX - (jump % 1_000_000));
         let mut admitted = 0;
         for _ in 0..(2 * limit + 2) {
             admitted += u64::from(limiter.check("k").unwrap().allowed);
@@ -362,7 +375,7 @@ proptest! {
     #[test]
     fn a_clock_going_backwards_grants_nothing(
         g in gcra(), (bucket, ..) in token_bucket(), (limit, window) in windows(), (l, _) in leaky(),
-        start in 0..10_000u64, calls in calls(400, 6), back in 1..5_000u64,
+        start in 0..10_000u64, calls in calls(400, 6), back in 1..5_000_000u64,
     ) {
         assert_backwards_grants_nothing(&g, start, &calls, back)?;
         assert_backwards_grants_nothing(&bucket, start, &calls, back)?;

@@ -1,7 +1,8 @@
 //! Rate limiting on real Redis servers (a single node and a 3-node cluster): decisions bit
 //! for bit equal to the memory store's (a property test and the test vectors), one store
 //! contract run on memory, a single node and a cluster, limits held across instances (R8,
-//! S11), and the fail policy while the server is down (R12, S6).
+//! S11), the fail policy while the server is down (R12, S6), and the batch queue: bounded,
+//! and never charging a caller that gave up.
 #![cfg(all(feature = "redis", feature = "http"))]
 
 mod support;
@@ -12,18 +13,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt as _;
 use proptest::prelude::*;
 use proptest::strategy::Strategy as _;
 use proptest::test_runner::{Config, FileFailurePersistence, TestRunner};
 use support::redis::{RedisCluster, RedisNode};
 use throttlebeam::clock::ManualClock;
 use throttlebeam::rate_limit::{
-    AsyncRateLimitStore, EnforceOutcome, Enforcer, FailMode, FixedWindow, Gcra, LeakyBucket,
-    Limiter, MemoryRateLimitStore, RateLimitError, RateLimitOp, RateLimitReply, RateLimitRequest,
-    RateLimitStore, ScriptedStrategy, ShaperReservation, SlidingWindow, Strategy, Tiered,
-    TokenBucket,
+    AsyncRateLimitStore, Decision, EnforceOutcome, Enforcer, FailMode, FixedWindow, Gcra,
+    LeakyBucket, Limiter, MemoryRateLimitStore, RateLimitError, RateLimitOp, RateLimitReply,
+    RateLimitRequest, RateLimitStore, ScriptedStrategy, ShaperReservation, SlidingWindow, Strategy,
+    Tiered, TokenBucket,
 };
-use throttlebeam::store::{BreakerConfig, BreakerState, Redis};
+use throttlebeam::store::{BreakerConfig, BreakerState, Redis, StoreError};
 use vectors::{Expect, Op, Vector};
 
 fn nz(n: u32) -> NonZeroU32 {
@@ -58,7 +60,7 @@ async fn cluster(cluster: &RedisCluster) -> Redis {
 // Bit for bit: the same random operations at the same times, memory against Redis.
 // ---------------------------------------------------------------------------------------------
 
-/// How the time moves before a step.
+/// How the time moves before a step, in µs.
 #[derive(Debug, Clone, Copy)]
 enum Move {
     Stay,
@@ -95,10 +97,12 @@ struct Step {
 fn moves() -> impl proptest::strategy::Strategy<Value = Move> {
     prop_oneof![
         3 => Just(Move::Stay),
-        6 => (1..=60u64).prop_map(Move::Forward),
-        3 => (1..=3_000u64).prop_map(Move::Forward),
-        1 => (1..=2_000u64).prop_map(Move::Back),
-        1 => (1..=10_000_000u64).prop_map(Move::Jump),
+        // Within a millisecond: the strategies and the script read microseconds.
+        3 => (1..=999u64).prop_map(Move::Forward),
+        4 => (1..=60_000u64).prop_map(Move::Forward),
+        3 => (1..=3_000_000u64).prop_map(Move::Forward),
+        1 => (1..=2_000_000u64).prop_map(Move::Back),
+        1 => (1..=10_000_000_000u64).prop_map(Move::Jump),
     ]
 }
 
@@ -128,13 +132,13 @@ fn steps() -> impl proptest::strategy::Strategy<Value = Vec<Step>> {
     )
 }
 
-/// Where a sequence starts: near 0, today-ish, or across the strategies' time ceiling (in
-/// 2096), where time stands still.
+/// Where a sequence starts, in µs: near 0, today-ish, or across the strategies' time ceiling
+/// (in 2096), where time stands still.
 fn starts() -> impl proptest::strategy::Strategy<Value = u64> {
     prop_oneof![
-        2 => 0..=10_000u64,
-        6 => 1_000_000_000_000..=2_000_000_000_000u64,
-        1 => 3_999_999_900_000..=4_000_000_100_000u64,
+        2 => 0..=10_000_000u64,
+        6 => 1_000_000_000_000_000..=2_000_000_000_000_000u64,
+        1 => 3_999_999_900_000_000..=4_000_000_100_000_000u64,
     ]
 }
 
@@ -261,16 +265,16 @@ where
         let key = format!("{case}:{}", step.key);
         let request = || RateLimitRequest {
             key: &key,
-            now_ms: now,
+            now_us: now,
             strategy: &strategy,
             op,
         };
         let in_memory = shown(memory.apply(request()));
-        redis.pin_time(now);
+        redis.pin_time_us(now);
         let in_redis = shown(redis.apply_async(request()).await);
         if in_memory != in_redis {
             return Err(format!(
-                "step {i} at {now} ms, {op:?} on key {}:\n memory {in_memory:?}\n redis  {in_redis:?}",
+                "step {i} at {now} µs, {op:?} on key {}:\n memory {in_memory:?}\n redis  {in_redis:?}",
                 step.key
             ));
         }
@@ -789,8 +793,10 @@ async fn fail_mode_decides_while_redis_is_down_and_recovery_is_automatic() {
     let errors = Arc::new(AtomicUsize::new(0));
     let enforcer = |fail: FailMode| {
         let errors = errors.clone();
+        // Slow enough that no unit comes back between the checks below, however loaded the
+        // machine (at 100 per second, one did after 10 ms).
         Enforcer::new(
-            Limiter::builder(Gcra::new(100, Duration::from_secs(1)).unwrap())
+            Limiter::builder(Gcra::new(100, Duration::from_secs(3_600)).unwrap())
                 .with_store(redis.clone())
                 .build(),
         )
@@ -922,4 +928,148 @@ async fn a_concurrent_burst_during_an_outage_fails_fast_and_recovers_exactly() {
         .filter(|(r, _)| r.as_ref().unwrap().allowed)
         .count();
     assert_eq!(admitted, 50);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The batch queue (single node): bounded, and a caller that gave up is never charged.
+// ---------------------------------------------------------------------------------------------
+
+/// A check in flight, polled by hand.
+type Call<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Decision, RateLimitError>> + Send + 'a>,
+>;
+
+/// `n` checks of `key`, each polled once in order: the first two take the two call slots and
+/// go alone, the others join the batch queue. None can end at its first poll: its answer
+/// needs the connection's task, which runs only once the test yields (and the server holds
+/// its answers meanwhile).
+fn start_checks<'a, St>(
+    limiter: &'a Limiter<FixedWindow, St>,
+    key: &'a str,
+    n: usize,
+) -> Vec<Call<'a>>
+where
+    St: AsyncRateLimitStore<FixedWindow>,
+{
+    (0..n)
+        .map(|i| {
+            let mut call: Call<'a> = Box::pin(limiter.check_async(key));
+            assert!(
+                (&mut call).now_or_never().is_none(),
+                "check {i} ended at once"
+            );
+            call
+        })
+        .collect()
+}
+
+/// A single node with a long command timeout (nothing here may time out) and the given queue.
+async fn batching_node(test: &str, queue: usize) -> Option<(RedisNode, Redis)> {
+    let node = RedisNode::start(test)?;
+    let redis = Redis::builder(node.url())
+        .with_command_timeout(Duration::from_secs(10))
+        .with_rate_limit_queue(std::num::NonZeroUsize::new(queue).expect("non-zero"))
+        .connect()
+        .await
+        .expect("connects");
+    // Answers held for a moment, so calls stay in flight while the test looks at them.
+    node.cli(&["CLIENT", "PAUSE", "100", "ALL"])
+        .expect("pauses clients");
+    Some((node, redis))
+}
+
+fn remaining_sorted(decisions: Vec<Result<Decision, RateLimitError>>) -> Vec<u64> {
+    let mut remaining: Vec<u64> = decisions
+        .into_iter()
+        .map(|d| {
+            let d = d.expect("decided");
+            assert!(d.allowed, "{d:?}");
+            d.remaining
+        })
+        .collect();
+    remaining.sort_unstable();
+    remaining
+}
+
+#[tokio::test]
+async fn a_caller_that_gave_up_before_its_batch_went_out_is_never_charged() {
+    let Some((_node, redis)) = batching_node("abandoned_batch_callers", 16_384).await else {
+        return;
+    };
+    let limiter = Limiter::builder(FixedWindow::new(100, Duration::from_secs(3_600)).unwrap())
+        .with_store(redis.clone())
+        .with_namespace(unique("abandoned"))
+        .build();
+    // Two go alone, ten queue; seven of those callers give up (drop their futures), three
+    // wait. Sent anyway, the seven would spend seven units nobody asked for any more.
+    let calls = start_checks(&limiter, "k", 12);
+    let kept: Vec<Call<'_>> = calls
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| *i < 2 || i % 3 == 0)
+        .map(|(_, call)| call)
+        .collect();
+    assert_eq!(kept.len(), 5);
+    let decided = futures_util::future::join_all(kept).await;
+    assert_eq!(remaining_sorted(decided), [95, 96, 97, 98, 99]);
+    assert_eq!(limiter.peek_async("k").await.unwrap().remaining, 95);
+}
+
+#[tokio::test]
+async fn a_full_batch_queue_refuses_at_once_and_drains_cleanly() {
+    let Some((node, redis)) = batching_node("full_batch_queue", 4).await else {
+        return;
+    };
+    let namespace = unique("full");
+    let limiter = Limiter::builder(FixedWindow::new(100, Duration::from_secs(3_600)).unwrap())
+        .with_store(redis.clone())
+        .with_namespace(namespace.clone())
+        .build();
+    // Two alone, four queued: the queue is full. The next is refused at its first poll,
+    // unsent, with a store error that names the key and says why.
+    let calls = start_checks(&limiter, "k", 6);
+    let refused = limiter
+        .check_async("k")
+        .now_or_never()
+        .expect("refused at once");
+    let err = refused.expect_err("the queue is full");
+    assert!(err.is_store(), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        format!(r#"store failed for key "{namespace}:k""#)
+    );
+    let source = std::error::Error::source(&err).expect("a cause");
+    assert!(
+        matches!(
+            source.downcast_ref::<StoreError>(),
+            Some(StoreError::Overloaded { queued: 4 })
+        ),
+        "{source:?}"
+    );
+    assert_eq!(
+        source.to_string(),
+        "store is overloaded: 4 operations already wait for it, its cap"
+    );
+    // Behind an enforcer, the fail mode decides, at once too.
+    for (fail, admits) in [(FailMode::Closed, false), (FailMode::Open, true)] {
+        let enforcer = Enforcer::new(limiter.clone()).with_fail_mode(fail);
+        let e = enforcer
+            .enforce_async("k", NonZeroU32::MIN)
+            .now_or_never()
+            .expect("decided at once");
+        assert_eq!((e.outcome, e.allowed), (EnforceOutcome::Error, admits));
+    }
+    // The six are decided as if nothing had been refused.
+    let decided = futures_util::future::join_all(calls).await;
+    assert_eq!(remaining_sorted(decided), [94, 95, 96, 97, 98, 99]);
+
+    // Callers that gave up make room: four queued and dropped, the next one queues.
+    node.cli(&["CLIENT", "PAUSE", "100", "ALL"])
+        .expect("pauses clients");
+    let mut calls = start_checks(&limiter, "k", 6);
+    calls.truncate(2);
+    calls.extend(start_checks(&limiter, "k", 1));
+    let decided = futures_util::future::join_all(calls).await;
+    assert_eq!(remaining_sorted(decided), [91, 92, 93]);
+    assert_eq!(limiter.peek_async("k").await.unwrap().remaining, 91);
 }

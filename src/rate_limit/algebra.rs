@@ -125,17 +125,12 @@ impl<A: Strategy, B: Strategy> Tiered<A, B> {
     }
 }
 
-/// The state a tier ends with after an allowed check, its remaining lifetime and how long it
-/// stays limited.
-fn settle<S: Copy>(before: Option<S>, update: StateUpdate<S>) -> (Option<S>, u64, u64) {
+/// The state a tier ends with after an allowed check, and its remaining lifetime.
+fn settle<S: Copy>(before: Option<S>, update: StateUpdate<S>) -> (Option<S>, u64) {
     match update {
-        StateUpdate::Keep => (before, 0, 0),
-        StateUpdate::Remove => (None, 0, 0),
-        StateUpdate::Set {
-            state,
-            ttl_ms,
-            limited_ms,
-        } => (Some(state), ttl_ms, limited_ms),
+        StateUpdate::Keep => (before, 0),
+        StateUpdate::Remove => (None, 0),
+        StateUpdate::Set { state, ttl_us } => (Some(state), ttl_us),
     }
 }
 
@@ -162,7 +157,7 @@ impl<A: Strategy, B: Strategy> Strategy for Tiered<A, B> {
     fn check(
         &self,
         state: Option<Self::State>,
-        now_ms: u64,
+        now_us: u64,
         cost: NonZeroU32,
     ) -> Result<Applied<Self::State>, InsufficientCapacity> {
         let capacity = self.limit();
@@ -173,30 +168,29 @@ impl<A: Strategy, B: Strategy> Strategy for Tiered<A, B> {
             });
         }
         let (a, b) = Self::split(state);
-        let oa = self.first.check(a, now_ms, cost)?;
-        let ob = self.second.check(b, now_ms, cost)?;
+        let oa = self.first.check(a, now_us, cost)?;
+        let ob = self.second.check(b, now_us, cost)?;
         Ok(match (oa.result.allowed, ob.result.allowed) {
             (true, true) => {
-                let (first, ttl_a, limited_a) = settle(a, oa.update);
-                let (second, ttl_b, limited_b) = settle(b, ob.update);
+                let (first, ttl_a) = settle(a, oa.update);
+                let (second, ttl_b) = settle(b, ob.update);
                 Applied {
                     result: combine(oa.result, ob.result),
                     update: StateUpdate::Set {
                         state: TieredState { first, second },
-                        ttl_ms: ttl_a.max(ttl_b),
-                        limited_ms: limited_a.max(limited_b),
+                        ttl_us: ttl_a.max(ttl_b),
                     },
                 }
             }
             (allowed_a, allowed_b) => {
                 // Report the tier that allowed as it stands, since it is not charged.
                 let da = if allowed_a {
-                    self.first.peek(a, now_ms)
+                    self.first.peek(a, now_us)
                 } else {
                     oa.result
                 };
                 let db = if allowed_b {
-                    self.second.peek(b, now_ms)
+                    self.second.peek(b, now_us)
                 } else {
                     ob.result
                 };
@@ -208,17 +202,26 @@ impl<A: Strategy, B: Strategy> Strategy for Tiered<A, B> {
         })
     }
 
-    fn peek(&self, state: Option<Self::State>, now_ms: u64) -> Decision {
+    fn peek(&self, state: Option<Self::State>, now_us: u64) -> Decision {
         let (a, b) = Self::split(state);
-        combine(self.first.peek(a, now_ms), self.second.peek(b, now_ms))
+        combine(self.first.peek(a, now_us), self.second.peek(b, now_us))
+    }
+
+    /// The more of the tiers' (forgetting the key hands back both): a key that spent most of
+    /// its daily quota holds that back even while its per-second tier is full.
+    fn spent(&self, state: Option<Self::State>, now_us: u64) -> u64 {
+        let (a, b) = Self::split(state);
+        self.first
+            .spent(a, now_us)
+            .max(self.second.spent(b, now_us))
     }
 
     /// Spendable is the smaller of the tiers'; the next replenishment is that of the binding
     /// tier (the later one if both bind); full when both are full.
-    fn forecast(&self, state: Option<Self::State>, now_ms: u64, cost: NonZeroU32) -> Forecast {
+    fn forecast(&self, state: Option<Self::State>, now_us: u64, cost: NonZeroU32) -> Forecast {
         let (a, b) = Self::split(state);
-        let fa = self.first.forecast(a, now_ms, cost);
-        let fb = self.second.forecast(b, now_ms, cost);
+        let fa = self.first.forecast(a, now_us, cost);
+        let fb = self.second.forecast(b, now_us, cost);
         let next_replenish_at_ms = match fa.spendable_now.cmp(&fb.spendable_now) {
             std::cmp::Ordering::Less => fa.next_replenish_at_ms,
             std::cmp::Ordering::Greater => fb.next_replenish_at_ms,

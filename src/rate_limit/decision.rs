@@ -29,7 +29,8 @@ pub struct Decision {
     pub remaining: u64,
     /// Epoch milliseconds at which the limiter is fully replenished.
     pub reset_at_ms: u64,
-    /// Milliseconds to wait before the same request would be allowed: 0 when allowed. (A cost
+    /// Milliseconds to wait from now before the same request would be allowed, rounded up
+    /// (waiting it always suffices): 0 when allowed. (A cost
     /// the limiter can never admit is an error,
     /// [`RateLimitError::InsufficientCapacity`](super::RateLimitError::InsufficientCapacity),
     /// never a denial.)

@@ -205,17 +205,17 @@ impl<S: Strategy, St: RateLimitStore<S>> Enforcer<S, St> {
 
     /// Spends `cost` units for `key`.
     pub fn enforce_n(&self, key: &str, cost: NonZeroU32) -> Enforcement {
-        let now_ms = self.limiter.now_ms();
-        let result = self.limiter.check_n_at(key, cost.get(), now_ms);
-        self.settle(key, now_ms, result)
+        let now_us = self.limiter.now_us();
+        let result = self.limiter.check_n_at(key, cost.get(), now_us);
+        self.settle(key, now_us / 1_000, result)
     }
 }
 
 impl<S: Strategy, St: AsyncRateLimitStore<S>> Enforcer<S, St> {
     /// Spends `cost` units for `key` through an asynchronous store.
     pub async fn enforce_async(&self, key: &str, cost: NonZeroU32) -> Enforcement {
-        let now_ms = self.limiter.now_ms();
-        let result = self.limiter.check_n_async_at(key, cost.get(), now_ms).await;
-        self.settle(key, now_ms, result)
+        let now_us = self.limiter.now_us();
+        let result = self.limiter.check_n_async_at(key, cost.get(), now_us).await;
+        self.settle(key, now_us / 1_000, result)
     }
 }

@@ -18,7 +18,8 @@ use super::strategy::{self, Transition};
 /// use throttlebeam::rate_limit::{FixedWindow, Strategy};
 ///
 /// let window = FixedWindow::new(2, Duration::from_secs(1))?;
-/// let d = window.check(None, 1_250, NonZeroU32::MIN)?.result;
+/// // At 1.25 s (times are epoch µs), in the window [1 s, 2 s).
+/// let d = window.check(None, 1_250_000, NonZeroU32::MIN)?.result;
 /// assert_eq!((d.remaining, d.reset_at_ms), (1, 2_000));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```

@@ -21,7 +21,8 @@ type Gate = Arc<tokio::sync::Mutex<()>>;
 /// A rate limiter: a [`Strategy`] applied to keys through a [`RateLimitStore`], timed by a
 /// [`Clock`]. Cheap to clone; clones share state.
 ///
-/// Every method reads the clock once; the `*_at` forms take the time instead. Denials are
+/// Every method reads the clock once, in microseconds (see [`Clock`]); the `*_at` forms take
+/// the time instead, in epoch microseconds. Denials are
 /// [`Decision`]s; errors are bad input (an empty or over-long key, a cost of zero or above
 /// the strategy's capacity) or a failing store. Keys follow the crate's one key rule: not
 /// empty, at most [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
@@ -82,7 +83,7 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> throttlebeam_supervisors::Sweep
         };
         // A store is the user's code: its panic must not take the runtime's sweeper down.
         let left = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            AsyncRateLimitStore::sweep(&inner.store, inner.clock.now_ms());
+            AsyncRateLimitStore::sweep(&inner.store, inner.clock.now_us());
             AsyncRateLimitStore::keys(&inner.store).unwrap_or(0)
         }));
         left.unwrap_or_else(|_| {
@@ -352,7 +353,7 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
             loop {
                 ticks.tick().await;
                 let Some(inner) = weak.upgrade() else { break };
-                AsyncRateLimitStore::sweep(&inner.store, inner.clock.now_ms());
+                AsyncRateLimitStore::sweep(&inner.store, inner.clock.now_us());
             }
         }))
     }
@@ -447,10 +448,20 @@ impl<S: Strategy, St> Limiter<S, St> {
             .unwrap_or_else(|| self.inner.strategy.clone())
     }
 
-    /// The current time by the limiter's clock.
+    /// The current time by the limiter's clock, in epoch milliseconds (rounded down): the
+    /// time [`Decision`]s are reported in, e.g. for `HeaderOptions::headers` (feature
+    /// `http`).
     #[must_use]
     pub fn now_ms(&self) -> u64 {
         self.inner.clock.now_ms()
+    }
+
+    /// The current time by the limiter's clock, in epoch microseconds: the time its strategy
+    /// decides at, and what the `*_at` methods take.
+    #[must_use]
+    #[inline]
+    pub fn now_us(&self) -> u64 {
+        self.inner.clock.now_us()
     }
 
     /// Applies `strategy` instead of the default to `key` (e.g. a higher quota for one
@@ -506,7 +517,7 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
     /// [`RateLimitError::Store`] if the store fails.
     #[inline]
     pub fn check(&self, key: &str) -> Result<Decision, RateLimitError> {
-        self.check_n_at(key, 1, self.now_ms())
+        self.check_n_at(key, 1, self.now_us())
     }
 
     /// Spends `cost` units for `key`.
@@ -531,20 +542,36 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
     /// # Ok::<(), RateLimitError>(())
     /// ```
     pub fn check_n(&self, key: &str, cost: u32) -> Result<Decision, RateLimitError> {
-        self.check_n_at(key, cost, self.now_ms())
+        self.check_n_at(key, cost, self.now_us())
     }
 
-    /// Spends one unit for `key` at `now_ms`.
+    /// Spends one unit for `key` at `now_us` (epoch microseconds, as [`Limiter::now_us`]).
     ///
     /// # Errors
     ///
     /// As [`Limiter::check`].
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::num::NonZeroU32;
+    /// use throttlebeam::rate_limit::{Gcra, Limiter};
+    ///
+    /// // 10,000 per second, one at a time: one every 100 µs.
+    /// let limiter = Limiter::new(Gcra::per_second(NonZeroU32::new(10_000).unwrap())
+    ///     .with_burst(NonZeroU32::MIN));
+    /// assert!(limiter.check_at("k", 1_000_000)?.allowed);
+    /// assert!(!limiter.check_at("k", 1_000_099)?.allowed);
+    /// assert!(limiter.check_at("k", 1_000_100)?.allowed);
+    /// # Ok::<(), throttlebeam::rate_limit::RateLimitError>(())
+    /// ```
     #[inline]
-    pub fn check_at(&self, key: &str, now_ms: u64) -> Result<Decision, RateLimitError> {
-        self.check_n_at(key, 1, now_ms)
+    pub fn check_at(&self, key: &str, now_us: u64) -> Result<Decision, RateLimitError> {
+        self.check_n_at(key, 1, now_us)
     }
 
-    /// Spends `cost` units for `key` at `now_ms`.
+    /// Spends `cost` units for `key` at `now_us` (epoch microseconds, as
+    /// [`Limiter::now_us`]).
     ///
     /// # Errors
     ///
@@ -554,7 +581,7 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
         &self,
         key: &str,
         cost: u32,
-        now_ms: u64,
+        now_us: u64,
     ) -> Result<Decision, RateLimitError> {
         if let Err(err) = RateLimitError::check_key(key) {
             return Err(self.failed(err));
@@ -568,7 +595,7 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
         let store_key = self.store_key(key);
         let request = RateLimitRequest {
             key: &store_key,
-            now_ms,
+            now_us,
             strategy,
             op: RateLimitOp::Check { cost },
         };
@@ -594,7 +621,7 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
             let store_key = self.store_key(key);
             self.inner.store.apply(RateLimitRequest {
                 key: &store_key,
-                now_ms: self.now_ms(),
+                now_us: self.now_us(),
                 strategy: &strategy,
                 op,
             })
@@ -615,9 +642,9 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
         keys: &[K],
         cost: u32,
     ) -> Result<Vec<Decision>, RateLimitError> {
-        let now_ms = self.now_ms();
+        let now_us = self.now_us();
         keys.iter()
-            .map(|k| self.check_n_at(k.as_ref(), cost, now_ms))
+            .map(|k| self.check_n_at(k.as_ref(), cost, now_us))
             .collect()
     }
 
@@ -694,7 +721,7 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
     /// ```
     pub async fn until_n_ready(&self, key: &str, cost: u32) -> Result<Decision, RateLimitError> {
         if !self.inner.queues.contains_key(key) {
-            let decision = self.check_n_at(key, cost, self.now_ms())?;
+            let decision = self.check_n_at(key, cost, self.now_us())?;
             if decision.allowed {
                 return Ok(decision);
             }
@@ -702,7 +729,7 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
         let ticket = Ticket::join(&self.inner.queues, key);
         let _turn = ticket.gate().lock().await;
         loop {
-            let decision = self.check_n_at(key, cost, self.now_ms())?;
+            let decision = self.check_n_at(key, cost, self.now_us())?;
             if decision.allowed {
                 return Ok(decision);
             }
@@ -767,7 +794,7 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
     ///
     /// As [`Limiter::check`].
     pub async fn check_async(&self, key: &str) -> Result<Decision, RateLimitError> {
-        self.check_n_async_at(key, 1, self.now_ms()).await
+        self.check_n_async_at(key, 1, self.now_us()).await
     }
 
     /// [`Limiter::check_n`] through an asynchronous store.
@@ -776,7 +803,7 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
     ///
     /// As [`Limiter::check_n`].
     pub async fn check_n_async(&self, key: &str, cost: u32) -> Result<Decision, RateLimitError> {
-        self.check_n_async_at(key, cost, self.now_ms()).await
+        self.check_n_async_at(key, cost, self.now_us()).await
     }
 
     /// [`Limiter::peek`] through an asynchronous store.
@@ -828,7 +855,7 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
             let store_key = self.store_key(key);
             let request = RateLimitRequest {
                 key: &store_key,
-                now_ms: self.now_ms(),
+                now_us: self.now_us(),
                 strategy: &strategy,
                 op,
             };
@@ -838,7 +865,8 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
         result.map_err(|err| self.failed(err))
     }
 
-    /// [`Limiter::check_n_at`] through an asynchronous store.
+    /// [`Limiter::check_n_at`] through an asynchronous store (`now_us` in epoch
+    /// microseconds; a store on a shared server may decide on the server's clock instead).
     ///
     /// # Errors
     ///
@@ -847,9 +875,9 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
         &self,
         key: &str,
         cost: u32,
-        now_ms: u64,
+        now_us: u64,
     ) -> Result<Decision, RateLimitError> {
-        let result = self.decide_async(key, cost, now_ms).await;
+        let result = self.decide_async(key, cost, now_us).await;
         self.inner.counters.count(&result, |d| d.allowed);
         result
     }
@@ -858,7 +886,7 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
         &self,
         key: &str,
         cost: u32,
-        now_ms: u64,
+        now_us: u64,
     ) -> Result<Decision, RateLimitError> {
         RateLimitError::check_key(key)?;
         let strategy = self.strategy_for(key);
@@ -866,7 +894,7 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
         let store_key = self.store_key(key);
         let request = RateLimitRequest {
             key: &store_key,
-            now_ms,
+            now_us,
             strategy: &strategy,
             op: RateLimitOp::Check { cost },
         };

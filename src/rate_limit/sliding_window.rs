@@ -23,7 +23,7 @@ use super::strategy::{self, Transition};
 /// let w = SlidingWindow::new(10, Duration::from_secs(1))?;
 /// // 10 spent last window; a quarter into this one, 3/4 of them still count.
 /// let state = SlidingWindowState { start_us: 1_000_000, previous: 10, current: 0 };
-/// assert_eq!(w.peek(Some(state), 1_250).remaining, 2);
+/// assert_eq!(w.peek(Some(state), 1_250_000).remaining, 2);
 /// # Ok::<(), throttlebeam::rate_limit::RateLimitError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]

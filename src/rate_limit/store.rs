@@ -36,7 +36,7 @@ pub type FirstKeyHook = Arc<dyn Fn() + Send + Sync>;
 /// let gcra = Gcra::new(10, Duration::from_secs(1))?;
 /// let request = RateLimitRequest {
 ///     key: "user:1",
-///     now_ms: 1_000,
+///     now_us: 1_000_000,
 ///     strategy: &gcra,
 ///     op: RateLimitOp::Check { cost: NonZeroU32::MIN },
 /// };
@@ -47,8 +47,8 @@ pub type FirstKeyHook = Arc<dyn Fn() + Send + Sync>;
 pub struct RateLimitRequest<'a, S> {
     /// The store key (namespace included).
     pub key: &'a str,
-    /// The limiter's time, epoch ms. A shared store may use its own clock instead.
-    pub now_ms: u64,
+    /// The limiter's time, epoch µs. A shared store may use its own clock instead.
+    pub now_us: u64,
     /// The strategy's parameters.
     pub strategy: &'a S,
     /// What to do.
@@ -116,7 +116,7 @@ impl<S: Strategy> RateLimitRequest<'_, S> {
 /// limiter.check("user:1")?;
 /// assert_eq!(
 ///     limiter.store().wire.lock().unwrap()[0],
-///     r#"{"key":"user:1","now_ms":0,"strategy":{"period_us":1000000,"per":10,"tolerance":10000000,"burst":10},"op":{"op":"check","cost":1}}"#
+///     r#"{"key":"user:1","now_us":0,"strategy":{"period_us":1000000,"per":10,"tolerance":10000000,"burst":10},"op":{"op":"check","cost":1}}"#
 /// );
 /// # Ok::<(), RateLimitError>(())
 /// ```
@@ -139,9 +139,9 @@ pub trait RateLimitStore<S: Strategy>: Send + Sync + 'static {
         0
     }
 
-    /// Drops the keys at rest at `now_ms`, if the store keeps them (the memory store does);
-    /// returns how many.
-    fn sweep(&self, _now_ms: u64) -> usize {
+    /// Drops the keys at rest at `now_us` (epoch µs), if the store keeps them (the memory
+    /// store does); returns how many.
+    fn sweep(&self, _now_us: u64) -> usize {
         0
     }
 
@@ -179,7 +179,7 @@ pub trait AsyncRateLimitStore<S: Strategy>: Send + Sync + 'static {
     }
 
     /// See [`RateLimitStore::sweep`].
-    fn sweep(&self, _now_ms: u64) -> usize {
+    fn sweep(&self, _now_us: u64) -> usize {
         0
     }
 
@@ -206,8 +206,8 @@ impl<S: Strategy, St: RateLimitStore<S>> AsyncRateLimitStore<S> for St {
         RateLimitStore::evictions(self)
     }
 
-    fn sweep(&self, now_ms: u64) -> usize {
-        RateLimitStore::sweep(self, now_ms)
+    fn sweep(&self, now_us: u64) -> usize {
+        RateLimitStore::sweep(self, now_us)
     }
 
     fn wake_on_first_key(&self, wake: FirstKeyHook) -> bool {

@@ -3,11 +3,13 @@
 //!
 //! # Time
 //!
-//! Callers and decisions speak integer epoch **milliseconds**; inside, the strategies keep time
-//! in integer **microseconds**, and emission intervals as exact fractions of a microsecond, so
-//! every quota up to 1,000,000 per second is exact. Microsecond timestamps stay below 2^53
-//! (until the year 2255), so a Lua number (a double) holds every value exactly and a Redis
-//! script reproduces every decision bit for bit.
+//! The strategies read time in integer epoch **microseconds** (`now_us`, what a
+//! [`Clock`](crate::clock::Clock) gives) and keep emission intervals as exact fractions of a
+//! microsecond, so every quota up to 1,000,000 per second is exact, calls a few microseconds
+//! apart included. What they report to callers (a [`Decision`]'s reset and retry-after, a
+//! [`Forecast`], a reservation's delay) is in whole milliseconds, rounded up. Microsecond
+//! timestamps stay below 2^53 (until the year 2255), so a Lua number (a double) holds every
+//! value exactly and a Redis script reproduces every decision bit for bit.
 //!
 //! All time arithmetic saturates: `now` is clamped to [`TIME_CEILING_US`] (4·10^9 epoch
 //! seconds, in 2096), after which time stands still for the strategies and the memory store.
@@ -33,13 +35,10 @@ pub(crate) const US_PER_MS: u64 = 1_000;
 /// A later `now` is treated as this one.
 pub const TIME_CEILING_US: u64 = 4_000_000_000 * 1_000_000;
 
-/// [`TIME_CEILING_US`] in milliseconds.
-pub(crate) const TIME_CEILING_MS: u64 = TIME_CEILING_US / US_PER_MS;
-
-/// `now_ms` in microseconds, clamped to [`TIME_CEILING_US`].
+/// `now_us` clamped to [`TIME_CEILING_US`].
 #[inline]
-pub(crate) fn us_of(now_ms: u64) -> u64 {
-    now_ms.saturating_mul(US_PER_MS).min(TIME_CEILING_US)
+pub(crate) fn clamp(now_us: u64) -> u64 {
+    now_us.min(TIME_CEILING_US)
 }
 
 /// Microseconds rounded up to whole milliseconds.
@@ -57,12 +56,9 @@ pub enum StateUpdate<S> {
     Set {
         /// The next state.
         state: S,
-        /// Milliseconds after `now` from which `state` is exactly like no state (the key is
+        /// Microseconds after `now` from which `state` is exactly like no state (the key is
         /// at rest, full again), so a store may forget it any time after that.
-        ttl_ms: u64,
-        /// Milliseconds after `now` during which a cost-1 request would be denied (0 when the
-        /// key has capacity left). A bounded store evicts such limited keys last.
-        limited_ms: u64,
+        ttl_us: u64,
     },
     /// Forget the key's state: it is full again.
     Remove,
@@ -158,15 +154,16 @@ pub enum ShaperReservation {
     },
 }
 
-/// A rate-limiting algorithm as pure functions of `(state, now_ms, cost)`.
+/// A rate-limiting algorithm as pure functions of `(state, now_us, cost)`.
 ///
 /// No method does I/O or reads a clock, so every decision is reproducible from its inputs,
 /// and a strategy is plain data (`Serialize`) that a remote store can map to a script.
 /// `None` stands for a key that has no state (never seen, expired or reset); a strategy
-/// treats it as full. Times are epoch milliseconds outside and all maths is integer (see the
+/// treats it as full. `now_us` is epoch microseconds, what a [`Clock`](crate::clock::Clock)
+/// reads; what the strategy reports is in milliseconds, and all maths is integer (see the
 /// [module docs](crate::rate_limit#time) on microseconds and saturation).
 ///
-/// When `now_ms` is earlier than a time already recorded in the state (a clock that went
+/// When `now_us` is earlier than a time already recorded in the state (a clock that went
 /// backwards), every strategy behaves as if no time had passed: it never grants extra capacity.
 ///
 /// Implemented by [`Gcra`](super::Gcra), [`TokenBucket`](super::TokenBucket),
@@ -205,7 +202,7 @@ pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
     /// The window length in milliseconds, reported as the `w` of `RateLimit-Policy`.
     fn window_ms(&self) -> u64;
 
-    /// Tries to spend `cost` units at `now_ms`: the consuming transition.
+    /// Tries to spend `cost` units at `now_us`: the consuming transition.
     ///
     /// # Errors
     ///
@@ -213,17 +210,44 @@ pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
     fn check(
         &self,
         state: Option<Self::State>,
-        now_ms: u64,
+        now_us: u64,
         cost: NonZeroU32,
     ) -> Result<Applied<Self::State>, InsufficientCapacity>;
 
-    /// The decision a cost-1 check would get at `now_ms`, without consuming anything.
-    fn peek(&self, state: Option<Self::State>, now_ms: u64) -> Decision;
+    /// The decision a cost-1 check would get at `now_us`, without consuming anything.
+    fn peek(&self, state: Option<Self::State>, now_us: u64) -> Decision;
 
-    /// How requests of `cost` units would fare from `now_ms` on, without consuming anything.
-    fn forecast(&self, state: Option<Self::State>, now_ms: u64, cost: NonZeroU32) -> Forecast;
+    /// How requests of `cost` units would fare from `now_us` on, without consuming anything.
+    fn forecast(&self, state: Option<Self::State>, now_us: u64, cost: NonZeroU32) -> Forecast;
 
-    /// Reserves `cost` units at `now_ms`: a check that also says how long to wait before
+    /// Units spent by `now_us` that have not come back yet: what forgetting the key's state
+    /// would hand back, since a key without state is full. 0 for a key at rest (its state is
+    /// like none), [`Strategy::limit`] for one with nothing left. A bounded store forgets the
+    /// keys with the fewest first, so a strategy must not report 0 for a state that still
+    /// holds anything back.
+    ///
+    /// The default is `limit() - peek(state, now_us).remaining`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::num::NonZeroU32;
+    /// use throttlebeam::rate_limit::{Gcra, StateUpdate, Strategy};
+    ///
+    /// let gcra = Gcra::new(10, std::time::Duration::from_secs(1))?; // one back every 100 ms
+    /// let spend = gcra.check(None, 0, NonZeroU32::new(9).unwrap())?;
+    /// let StateUpdate::Set { state, .. } = spend.update else { unreachable!() };
+    /// assert_eq!(gcra.spent(Some(state), 0), 9);
+    /// assert_eq!(gcra.spent(Some(state), 100_000), 8);
+    /// assert_eq!(gcra.spent(Some(state), 900_000), 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    fn spent(&self, state: Option<Self::State>, now_us: u64) -> u64 {
+        self.limit()
+            .saturating_sub(self.peek(state, now_us).remaining)
+    }
+
+    /// Reserves `cost` units at `now_us`: a check that also says how long to wait before
     /// proceeding (always 0 except for a shaper, which queues).
     ///
     /// # Errors
@@ -232,10 +256,10 @@ pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
     fn reserve(
         &self,
         state: Option<Self::State>,
-        now_ms: u64,
+        now_us: u64,
         cost: NonZeroU32,
     ) -> Result<Applied<Self::State, ShaperReservation>, InsufficientCapacity> {
-        let applied = self.check(state, now_ms, cost)?;
+        let applied = self.check(state, now_us, cost)?;
         let d = applied.result;
         let result = if d.allowed {
             ShaperReservation::Granted { delay_ms: 0 }
@@ -280,7 +304,7 @@ pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
     fn apply(
         &self,
         state: Option<Self::State>,
-        now_ms: u64,
+        now_us: u64,
         op: RateLimitOp,
     ) -> Result<Applied<Self::State, RateLimitReply>, InsufficientCapacity> {
         let read = |result| Applied {
@@ -289,22 +313,22 @@ pub trait Strategy: Clone + Debug + Send + Sync + Serialize + 'static {
         };
         Ok(match op {
             RateLimitOp::Check { cost } => {
-                let a = self.check(state, now_ms, cost)?;
+                let a = self.check(state, now_us, cost)?;
                 Applied {
                     result: RateLimitReply::Decision(a.result),
                     update: a.update,
                 }
             }
             RateLimitOp::Reserve { cost } => {
-                let a = self.reserve(state, now_ms, cost)?;
+                let a = self.reserve(state, now_us, cost)?;
                 Applied {
                     result: RateLimitReply::Reservation(a.result),
                     update: a.update,
                 }
             }
-            RateLimitOp::Peek => read(RateLimitReply::Decision(self.peek(state, now_ms))),
+            RateLimitOp::Peek => read(RateLimitReply::Decision(self.peek(state, now_us))),
             RateLimitOp::Forecast { cost } => {
-                read(RateLimitReply::Forecast(self.forecast(state, now_ms, cost)))
+                read(RateLimitReply::Forecast(self.forecast(state, now_us, cost)))
             }
             RateLimitOp::Reset => Applied {
                 result: RateLimitReply::Reset,
@@ -363,14 +387,14 @@ impl<T: Transition> Strategy for T {
     fn check(
         &self,
         state: Option<T::State>,
-        now_ms: u64,
+        now_us: u64,
         cost: NonZeroU32,
     ) -> Result<Applied<T::State>, InsufficientCapacity> {
-        step(self, state, now_ms, cost).map(|(applied, _)| applied)
+        step(self, state, now_us, cost).map(|(applied, _)| applied)
     }
 
-    fn peek(&self, state: Option<T::State>, now_ms: u64) -> Decision {
-        let now = us_of(now_ms);
+    fn peek(&self, state: Option<T::State>, now_us: u64) -> Decision {
+        let now = clamp(now_us);
         let view = self.view(state, now);
         let available = self.available(&view, now);
         if available >= 1 {
@@ -386,8 +410,8 @@ impl<T: Transition> Strategy for T {
         }
     }
 
-    fn forecast(&self, state: Option<T::State>, now_ms: u64, cost: NonZeroU32) -> Forecast {
-        let now = us_of(now_ms);
+    fn forecast(&self, state: Option<T::State>, now_us: u64, cost: NonZeroU32) -> Forecast {
+        let now = clamp(now_us);
         let view = self.view(state, now);
         let available = self.available(&view, now);
         let limit = Transition::limit(self);
@@ -403,13 +427,20 @@ impl<T: Transition> Strategy for T {
         }
     }
 
+    #[inline]
+    fn spent(&self, state: Option<T::State>, now_us: u64) -> u64 {
+        let now = clamp(now_us);
+        let view = self.view(state, now);
+        Transition::limit(self).saturating_sub(self.available(&view, now))
+    }
+
     fn reserve(
         &self,
         state: Option<T::State>,
-        now_ms: u64,
+        now_us: u64,
         cost: NonZeroU32,
     ) -> Result<Applied<T::State, ShaperReservation>, InsufficientCapacity> {
-        let (applied, delay_ms) = step(self, state, now_ms, cost)?;
+        let (applied, delay_ms) = step(self, state, now_us, cost)?;
         let d = applied.result;
         let result = if d.allowed {
             ShaperReservation::Granted { delay_ms }
@@ -430,7 +461,7 @@ impl<T: Transition> Strategy for T {
 fn step<T: Transition>(
     model: &T,
     state: Option<T::State>,
-    now_ms: u64,
+    now_us: u64,
     cost: NonZeroU32,
 ) -> Result<(Applied<T::State>, u64), InsufficientCapacity> {
     let limit = model.limit();
@@ -441,8 +472,7 @@ fn step<T: Transition>(
             capacity: limit,
         });
     }
-    let now = us_of(now_ms);
-    let now_ms = now / US_PER_MS;
+    let now = clamp(now_us);
     let view = model.view(state, now);
     let available = model.available(&view, now);
     if available < units {
@@ -458,26 +488,18 @@ fn step<T: Transition>(
     let delay_ms = ms_up(model.delay(&view, now));
     let (state, full_at) = model.consume(view, now, units);
     let remaining = available - units;
-    let limited_ms = if remaining == 0 {
-        let after = model.view(Some(state), now);
-        ms_up(model.earliest(&after, now, 1)).saturating_sub(now_ms)
-    } else {
-        0
-    };
-    let reset_at_ms = ms_up(full_at);
     Ok((
         Applied {
             result: Decision {
                 allowed: true,
                 limit,
                 remaining,
-                reset_at_ms,
+                reset_at_ms: ms_up(full_at),
                 retry_after_ms: 0,
             },
             update: StateUpdate::Set {
                 state,
-                ttl_ms: reset_at_ms.saturating_sub(now_ms),
-                limited_ms,
+                ttl_us: full_at.saturating_sub(now),
             },
         },
         delay_ms,
@@ -497,7 +519,8 @@ fn denied<T: Transition>(
         limit: model.limit(),
         remaining: available,
         reset_at_ms: ms_up(full_at(model, view, now)),
-        retry_after_ms: ms_up(model.earliest(view, now, cost)).saturating_sub(now / US_PER_MS),
+        // How long from now, rounded up: waiting it is always enough.
+        retry_after_ms: ms_up(model.earliest(view, now, cost).saturating_sub(now)),
     }
 }
 

@@ -61,6 +61,8 @@ pub struct RedisBuilder {
     connect_timeout: Duration,
     command_timeout: Duration,
     breaker: BreakerConfig,
+    /// See `RedisBuilder::with_rate_limit_queue`.
+    rate_limit_queue: std::num::NonZeroUsize,
 }
 
 impl RedisBuilder {
@@ -72,6 +74,7 @@ impl RedisBuilder {
             connect_timeout: Duration::from_secs(1),
             command_timeout: Duration::from_millis(500),
             breaker: BreakerConfig::default(),
+            rate_limit_queue: rate_limit::DEFAULT_QUEUE,
         }
     }
 
@@ -181,7 +184,7 @@ impl RedisBuilder {
                 nodes: self.nodes,
                 waiters: notify::Waiters::default(),
                 bursts: debounce::BurstListeners::default(),
-                batches: rate_limit::Batcher::default(),
+                batches: rate_limit::Batcher::new(self.rate_limit_queue),
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
@@ -715,6 +718,11 @@ impl Redis {
 
     /// The time a test pinned, in ms since the epoch.
     fn pinned_ms(&self) -> Option<u64> {
+        self.pinned_us_at().map(|us| us / 1_000)
+    }
+
+    /// The time a test pinned, in µs since the epoch (rate limiting reads it so).
+    fn pinned_us_at(&self) -> Option<u64> {
         match self.inner.pinned_now.load(Ordering::Relaxed) {
             0 => None,
             n => Some(n - 1),
@@ -725,8 +733,15 @@ impl Redis {
     /// of the server's `TIME`. For tests that need exact instants.
     #[doc(hidden)]
     pub fn pin_time(&self, now_ms: u64) {
+        self.pin_time_us(now_ms.saturating_mul(1_000));
+    }
+
+    /// [`Redis::pin_time`] to the microsecond, which rate limiting reads
+    /// (other scripts read its milliseconds).
+    #[doc(hidden)]
+    pub fn pin_time_us(&self, now_us: u64) {
         // Stored plus one, so that 0 can mean "not pinned".
-        let stored = now_ms.saturating_add(1);
+        let stored = now_us.saturating_add(1);
         self.inner.pinned_now.store(stored, Ordering::Relaxed);
     }
 

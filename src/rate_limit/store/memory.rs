@@ -1,5 +1,5 @@
-//! The in-memory store: a sharded map with TTLs and a key bound whose eviction never grants
-//! capacity.
+//! The in-memory store: a sharded map with TTLs and a key bound whose eviction forgets first
+//! the keys that forgetting hands back least.
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -12,64 +12,76 @@ use super::{FirstKeyHook, RateLimitRequest, RateLimitStore};
 use crate::key::InlineKey;
 use crate::rate_limit::RateLimitError;
 use crate::rate_limit::strategy::{
-    RateLimitOp, RateLimitReply, StateUpdate, Strategy, TIME_CEILING_MS,
+    RateLimitOp, RateLimitReply, StateUpdate, Strategy, TIME_CEILING_US,
 };
 
 /// Default bound on the number of keys: one million.
 pub const DEFAULT_LIMITER_MAX_KEYS: usize = 1_000_000;
 /// Default shard count: enough that two threads rarely meet on one shard lock.
 const DEFAULT_SHARDS: usize = 64;
-/// When full and nothing is at rest, evict this fraction of `max_keys` (at least one key).
+/// A round of eviction forgets this fraction of `max_keys` (at least one key) besides the keys
+/// at rest, so that its visit of every key is paid for by that many inserts.
 const EVICT_FRACTION: usize = 64;
 /// At most one warning about evicting limited keys per this many seconds.
 const WARN_EVERY_SECS: u32 = 60;
 
-/// A key's state with its bookkeeping in whole seconds, so a GCRA entry (key and slot) stays
-/// at 56 bytes and a read that changes nothing writes nothing.
+/// A key's state with its rest time in whole seconds, so a GCRA entry (key and slot) takes 48
+/// bytes and a request that changes nothing writes nothing. What eviction needs (how much a
+/// key holds back) is read from the state when it runs, not kept up to date on every request.
 #[derive(Debug, Clone, Copy)]
 struct Slot<S> {
     state: S,
     /// Epoch second (rounded up) from which `state` is equivalent to no state (at rest).
     /// Keeping a state up to a second longer is harmless: the strategy treats it as no state.
     expires_at: u32,
-    /// Epoch second (rounded up) until which a cost-1 request is denied: the key is limited.
-    limited_until: u32,
-    /// Epoch second of the last request, for least-recently-used eviction.
-    used_at: u32,
 }
 
-/// The epoch second of `ms`, with time standing still at the strategies' ceiling (in 2096,
+/// Microseconds per second.
+const US_PER_SEC: u64 = 1_000_000;
+
+/// The epoch second of `us`, with time standing still at the strategies' ceiling (in 2096,
 /// below `u32::MAX` seconds, so a key's expiry can always lie after now).
 #[inline]
-fn secs(ms: u64) -> u32 {
-    u32::try_from(ms.min(TIME_CEILING_MS) / 1_000).unwrap_or(u32::MAX)
+fn secs(us: u64) -> u32 {
+    u32::try_from(us.min(TIME_CEILING_US) / US_PER_SEC).unwrap_or(u32::MAX)
 }
 
-/// `ms` as an epoch second, rounded up.
+/// `us` as an epoch second, rounded up.
 #[inline]
-fn secs_up(ms: u64) -> u32 {
-    u32::try_from(ms.div_ceil(1_000)).unwrap_or(u32::MAX)
+fn secs_up(us: u64) -> u32 {
+    u32::try_from(us.div_ceil(US_PER_SEC)).unwrap_or(u32::MAX)
 }
 
 /// An in-memory [`RateLimitStore`]: a sharded hash map (one short write lock per request),
 /// bounded by `max_keys` (default [`DEFAULT_LIMITER_MAX_KEYS`], one million), whose entries
 /// expire when their strategy is full again. An entry holds its key inline up to 22 bytes
-/// (longer keys add a heap allocation) and takes 56 bytes of table space for GCRA, so the
-/// default bound is about 60–120 MB of table for GCRA keys, depending on the table's load.
+/// (longer keys add a heap allocation) and takes 48 bytes of table space for GCRA, so the
+/// default bound is about 55–110 MB of table for GCRA keys, depending on the table's load.
 ///
 /// Expired entries (keys at rest: their state is that of a fresh key) read as absent and are
 /// dropped by [`MemoryRateLimitStore::sweep`] (see `Limiter::sweep_on` and
 /// `Limiter::spawn_sweeper`), which also gives retained capacity back once most of the map is
 /// gone.
 ///
-/// **Eviction never grants capacity.** When a new key arrives and the store holds
-/// `max_keys`, it drops the keys at rest first; if there are none, it evicts the least
-/// recently used 1/64 of `max_keys` among keys that still have capacity left (forgetting
-/// them hands back at most what they had). A key that is currently limited is evicted only
-/// when every key is limited; those evictions are counted
-/// ([`MemoryRateLimitStore::limited_evictions`]) and logged at warn, at most once a minute.
-/// Concurrent inserts can overshoot the bound by the number of threads inserting at that
-/// moment.
+/// **Eviction hands back as little as it can.** Forgetting a key hands back what it has spent
+/// (its next request finds it full), so when a new key arrives and the store holds
+/// `max_keys`, it forgets keys in the order of what that would hand back at that instant,
+/// least first: keys at rest (nothing), then those with the fewest units spent and not yet
+/// back ([`Strategy::spent`]), and among those the one that comes to rest first (to the
+/// second); whether a key is limited at that instant does not matter, only what it holds
+/// back. So a key that spent 9 of 10 outlasts any number of keys that spent 1.
+///
+/// Precisely: one round of eviction reads every key once and forgets every key at rest plus
+/// up to `max(1, max_keys / 64)` others, the ones that hand back least; it never forgets a key
+/// while it keeps one whose forgetting would hand back fewer units at that instant. The batch
+/// keeps eviction amortised (about 64 keys read per insert, no scan per insert); its cost is
+/// that a round may forget a key whose units the next inserts' keys would not have needed.
+/// Units are counted by the strategy of the request that makes room: keys with a per-key
+/// override of another quota in the same store are measured by it too. Keys forgotten with
+/// nothing left are counted ([`MemoryRateLimitStore::limited_evictions`]) and logged at warn,
+/// at most once a minute: they go only when no key holds back less, i.e. the store is too
+/// small for its traffic. Concurrent inserts can overshoot the bound by the number of threads
+/// inserting at that moment.
 ///
 /// # Examples
 ///
@@ -177,17 +189,17 @@ impl<S> MemoryRateLimitStore<S> {
         self.evictions.load(Ordering::Relaxed)
     }
 
-    /// Keys evicted while they were limited, because every key was: each one could then be
-    /// admitted early. Zero unless the store is too small for its traffic.
+    /// Keys evicted with nothing left (every unit spent), because no key held back less: each
+    /// one could then be admitted early. Zero unless the store is too small for its traffic.
     #[must_use]
     pub fn limited_evictions(&self) -> u64 {
         self.limited_evictions.load(Ordering::Relaxed)
     }
 
-    /// Drops every entry at rest at `now_ms` (expired); returns how many. Gives the map's
+    /// Drops every entry at rest at `now_us` (epoch µs, expired); returns how many. Gives the map's
     /// retained capacity back once it is mostly empty.
-    pub fn sweep(&self, now_ms: u64) -> usize {
-        let now = secs(now_ms);
+    pub fn sweep(&self, now_us: u64) -> usize {
+        let now = secs(now_us);
         let mut removed = 0;
         self.map.retain(|_, slot| {
             let live = slot.expires_at > now;
@@ -201,84 +213,104 @@ impl<S> MemoryRateLimitStore<S> {
         removed
     }
 
-    /// Makes room for one more key: keys at rest first, then the least recently used of those
-    /// with capacity left, and limited keys only when nothing else is left.
+    /// Makes room for one more key: forgets every key at rest, and the keys whose forgetting
+    /// hands back least (as `strategy` counts it at `now_us`) up to a batch.
     #[cold]
-    fn make_room(&self, now_ms: u64) {
+    fn make_room<St: Strategy<State = S>>(&self, strategy: &St, now_us: u64)
+    where
+        S: Copy,
+    {
         // One thread evicts; the others insert meanwhile (a bounded overshoot).
         let Ok(_guard) = self.evicting.try_lock() else {
             return;
         };
-        if self.len() < self.max_keys || self.sweep(now_ms) > 0 {
+        if self.len() < self.max_keys {
             return;
         }
-        let now = secs(now_ms);
+        let now = secs(now_us);
+        let limit = strategy.limit();
+        // What forgetting a key hands back, as one number ordered as eviction goes: 0 at
+        // rest, else the units spent (saturated to 32 bits) and then the rest second. With
+        // the units spent, for counting keys forgotten with nothing left.
+        let rank = |slot: &Slot<S>| -> (u64, u64) {
+            if slot.expires_at <= now {
+                return (0, 0);
+            }
+            let spent = strategy.spent(Some(slot.state), now_us);
+            if spent == 0 {
+                return (0, 0);
+            }
+            let units = spent.min(u64::from(u32::MAX));
+            ((units << 32) | u64::from(slot.expires_at), spent)
+        };
+        // First pass: the batch's threshold. Keys at rest are forgotten for free; the others
+        // hand back capacity, so only as many as the batch still needs, least first.
         let batch = (self.max_keys / EVICT_FRACTION).max(1);
-        let mut ages: Vec<u32> = self
-            .map
-            .iter()
-            .filter(|e| e.limited_until <= now)
-            .map(|e| e.used_at)
-            .collect();
-        let limited = ages.is_empty();
-        if limited {
-            ages = self.map.iter().map(|e| e.used_at).collect();
-        }
-        if ages.is_empty() {
-            return;
-        }
-        let nth = batch.min(ages.len()) - 1;
-        let (_, &mut oldest, _) = ages.select_nth_unstable(nth);
-        let victim = |s: &Slot<S>| s.used_at <= oldest && (limited || s.limited_until <= now);
-        let victims: Vec<InlineKey> = self
-            .map
-            .iter()
-            .filter(|e| victim(e.value()))
-            .take(batch)
-            .map(|e| e.key().clone())
-            .collect();
-        let mut evicted = 0;
-        for key in victims {
-            if self.map.remove_if(&key, |_, s| victim(s)).is_some() {
-                evicted += 1;
+        let mut at_rest = 0;
+        let mut ranks: Vec<u64> = Vec::new();
+        for entry in &self.map {
+            match rank(entry.value()) {
+                (0, _) => at_rest += 1,
+                (r, _) => ranks.push(r),
             }
         }
-        self.len.fetch_sub(evicted, Ordering::Relaxed);
+        let need = batch.saturating_sub(at_rest).min(ranks.len());
+        let (threshold, mut ties) = if need == 0 {
+            (0, 0)
+        } else {
+            let (below, &mut threshold, _) = ranks.select_nth_unstable(need - 1);
+            let under = below.iter().filter(|&&r| r < threshold).count();
+            (threshold, need - under)
+        };
+        drop(ranks);
+        // Second pass: forget them. A key written meanwhile is ranked again, so one that now
+        // holds back more stays.
+        let (mut rested, mut evicted, mut limited) = (0usize, 0usize, 0usize);
+        self.map.retain(|_, slot| {
+            let (r, spent) = rank(slot);
+            let forget = match r {
+                0 => {
+                    rested += 1;
+                    return false;
+                }
+                r if r < threshold => true,
+                r if r == threshold && ties > 0 => {
+                    ties -= 1;
+                    true
+                }
+                _ => false,
+            };
+            if forget {
+                evicted += 1;
+                limited += usize::from(spent >= limit);
+            }
+            !forget
+        });
+        self.len.fetch_sub(rested + evicted, Ordering::Relaxed);
         self.evictions.fetch_add(evicted as u64, Ordering::Relaxed);
-        if limited {
+        if limited > 0 {
             self.limited_evictions
-                .fetch_add(evicted as u64, Ordering::Relaxed);
+                .fetch_add(limited as u64, Ordering::Relaxed);
             let last = self.warned_at.load(Ordering::Relaxed);
             if last == u64::MAX || u64::from(now) >= last + u64::from(WARN_EVERY_SECS) {
                 self.warned_at.store(u64::from(now), Ordering::Relaxed);
                 tracing::warn!(
-                    evicted,
+                    evicted = limited,
                     max_keys = self.max_keys,
-                    "rate limit store full of limited keys: evicted some, which may admit them early; raise max_keys"
+                    "rate limit store full of keys with nothing left: forgot some, which admits them early; raise max_keys"
                 );
             }
         }
     }
 }
 
-/// Applies `update` to a live slot at `now_ms`.
+/// Applies `update` to a live slot at `now_us`.
 #[inline]
-fn write<S: Copy>(slot: &mut Slot<S>, now_ms: u64, update: StateUpdate<S>) {
-    let now = secs(now_ms);
-    if slot.used_at != now {
-        slot.used_at = now;
-    }
-    if let StateUpdate::Set {
-        state,
-        ttl_ms,
-        limited_ms,
-    } = update
-    {
+fn write<S: Copy>(slot: &mut Slot<S>, now_us: u64, update: StateUpdate<S>) {
+    if let StateUpdate::Set { state, ttl_us } = update {
         *slot = Slot {
             state,
-            expires_at: secs_up(now_ms.saturating_add(ttl_ms)),
-            limited_until: secs_up(now_ms.saturating_add(limited_ms)),
-            used_at: now,
+            expires_at: secs_up(now_us.saturating_add(ttl_us)),
         };
     }
 }
@@ -289,9 +321,9 @@ impl<S: Copy + Send + Sync + 'static> MemoryRateLimitStore<S> {
         &self,
         request: &RateLimitRequest<'_, St>,
     ) -> Result<RateLimitReply, RateLimitError> {
-        let now_ms = request.now_ms;
+        let now_us = request.now_us;
         if self.len() >= self.max_keys {
-            self.make_room(now_ms);
+            self.make_room(request.strategy, now_us);
         }
         let mut first = false;
         let result = match self.map.entry(InlineKey::new(request.key)) {
@@ -300,19 +332,12 @@ impl<S: Copy + Send + Sync + 'static> MemoryRateLimitStore<S> {
             Entry::Vacant(e) => {
                 let applied = request
                     .strategy
-                    .apply(None, now_ms, request.op)
+                    .apply(None, now_us, request.op)
                     .map_err(|err| err.for_key(request.key))?;
-                if let StateUpdate::Set {
-                    state,
-                    ttl_ms,
-                    limited_ms,
-                } = applied.update
-                {
+                if let StateUpdate::Set { state, ttl_us } = applied.update {
                     e.insert(Slot {
                         state,
-                        expires_at: secs_up(now_ms.saturating_add(ttl_ms)),
-                        limited_until: secs_up(now_ms.saturating_add(limited_ms)),
-                        used_at: secs(now_ms),
+                        expires_at: secs_up(now_us.saturating_add(ttl_us)),
                     });
                     first = self.len.fetch_add(1, Ordering::Relaxed) == 0;
                 }
@@ -333,13 +358,13 @@ fn run_on<S: Copy, St: Strategy<State = S>>(
     slot: &mut Slot<S>,
     request: &RateLimitRequest<'_, St>,
 ) -> Result<RateLimitReply, RateLimitError> {
-    let now_ms = request.now_ms;
-    let current = (slot.expires_at > secs(now_ms)).then_some(slot.state);
+    let now_us = request.now_us;
+    let current = (slot.expires_at > secs(now_us)).then_some(slot.state);
     let applied = request
         .strategy
-        .apply(current, now_ms, request.op)
+        .apply(current, now_us, request.op)
         .map_err(|err| err.for_key(request.key))?;
-    write(slot, now_ms, applied.update);
+    write(slot, now_us, applied.update);
     Ok(applied.result)
 }
 
@@ -368,8 +393,8 @@ impl<St: Strategy> RateLimitStore<St> for MemoryRateLimitStore<St::State> {
         Self::evictions(self)
     }
 
-    fn sweep(&self, now_ms: u64) -> usize {
-        Self::sweep(self, now_ms)
+    fn sweep(&self, now_us: u64) -> usize {
+        Self::sweep(self, now_us)
     }
 
     fn wake_on_first_key(&self, wake: FirstKeyHook) -> bool {
@@ -395,7 +420,7 @@ mod tests {
     ) -> Decision {
         let request = RateLimitRequest {
             key,
-            now_ms,
+            now_us: now_ms * 1_000,
             strategy: w,
             op: RateLimitOp::Check {
                 cost: NonZeroU32::MIN,
@@ -418,8 +443,8 @@ mod tests {
         assert_eq!(check(&store, &w, "a", 0).remaining, 2);
         assert_eq!(check(&store, &w, "a", 9_999).remaining, 1);
         assert_eq!(check(&store, &w, "a", 10_000).remaining, 2);
-        assert_eq!(store.sweep(19_999), 0);
-        assert_eq!(store.sweep(20_000), 1);
+        assert_eq!(store.sweep(19_999_999), 0);
+        assert_eq!(store.sweep(20_000_000), 1);
         assert!(store.is_empty());
     }
 
@@ -435,21 +460,90 @@ mod tests {
         assert_eq!(check(&store, &long, "long", 10_000).remaining, 1);
     }
 
+    fn check_n(
+        store: &MemoryRateLimitStore<FixedWindowState>,
+        w: &FixedWindow,
+        key: &str,
+        now_ms: u64,
+        cost: u32,
+    ) -> Decision {
+        let request = RateLimitRequest {
+            key,
+            now_us: now_ms * 1_000,
+            strategy: w,
+            op: RateLimitOp::Check {
+                cost: NonZeroU32::new(cost).unwrap(),
+            },
+        };
+        match store.apply(request).unwrap() {
+            RateLimitReply::Decision(d) => d,
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
-    fn a_full_store_evicts_keys_with_capacity_before_limited_ones() {
+    fn a_full_store_forgets_the_key_that_hands_back_least_limited_or_not() {
         let store = MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(3).unwrap());
-        let (one, many) = (window(1, 3_600), window(10, 3_600));
-        // "spent" is the least recently used, but it is limited.
-        check(&store, &one, "spent", 0);
-        check(&store, &many, "b", 1_000);
-        check(&store, &many, "c", 2_000);
-        check(&store, &many, "d", 3_000);
+        let w = window(10, 3_600);
+        // The least recently used key spent most; the limited one spent all.
+        assert_eq!(check_n(&store, &w, "nine", 0, 9).remaining, 1);
+        assert_eq!(check_n(&store, &w, "all", 1_000, 10).remaining, 0);
+        assert_eq!(check_n(&store, &w, "two", 2_000, 2).remaining, 8);
+        check_n(&store, &w, "new", 3_000, 3);
         assert_eq!(store.len(), 3);
         assert_eq!(store.evictions(), 1);
-        assert!(!check(&store, &one, "spent", 4_000).allowed);
-        // b, the least recently used with capacity left, went instead.
-        assert_eq!(check(&store, &many, "b", 5_000).remaining, 9);
+        // "two" went: forgetting it handed back 2 units, any other more.
+        assert_eq!(check_n(&store, &w, "nine", 4_000, 1).remaining, 0);
+        assert!(!check_n(&store, &w, "all", 4_000, 1).allowed);
         assert_eq!(store.limited_evictions(), 0);
+        // Now "new" (3 spent) holds back least; "all" (10) most.
+        check_n(&store, &w, "newer", 5_000, 4);
+        assert!(!check_n(&store, &w, "all", 6_000, 1).allowed);
+        assert!(!check_n(&store, &w, "nine", 6_000, 1).allowed);
+        assert_eq!(
+            check_n(&store, &w, "new", 6_000, 1).remaining,
+            9,
+            "forgotten"
+        );
+    }
+
+    #[test]
+    fn among_equal_spends_the_key_closest_to_rest_goes_first() {
+        let store = MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(2).unwrap());
+        let (short, long) = (window(10, 10), window(10, 1_000));
+        // Both spent 5; "short" is back to full at 10 s, "long" at 1,000 s.
+        check_n(&store, &long, "long", 1_000, 5);
+        check_n(&store, &short, "short", 2_000, 5);
+        check_n(&store, &short, "new", 3_000, 1);
+        assert_eq!(store.evictions(), 1);
+        assert_eq!(check_n(&store, &long, "long", 4_000, 1).remaining, 4);
+    }
+
+    #[test]
+    fn a_round_forgets_a_batch_so_eviction_is_amortised() {
+        // 6,400 keys: a round forgets 100 (1/64), so the next 99 inserts find room.
+        let store = MemoryRateLimitStore::new().with_max_keys(NonZeroUsize::new(6_400).unwrap());
+        let w = window(10, 3_600);
+        for i in 0..6_400 {
+            check(&store, &w, &format!("k{i}"), 0);
+        }
+        assert_eq!((store.len(), store.evictions()), (6_400, 0));
+        check(&store, &w, "new0", 1_000);
+        assert_eq!((store.len(), store.evictions()), (6_301, 100));
+        for i in 1..100 {
+            check(&store, &w, &format!("new{i}"), 1_000);
+        }
+        assert_eq!((store.len(), store.evictions()), (6_400, 100));
+        check(&store, &w, "new100", 1_000);
+        assert_eq!((store.len(), store.evictions()), (6_301, 200));
+        for i in 101..200 {
+            check(&store, &w, &format!("new{i}"), 1_000);
+        }
+        assert_eq!((store.len(), store.evictions()), (6_400, 200));
+        // The keys at rest go for free, however many: no capacity handed back.
+        let later = 3_600_000;
+        check(&store, &w, "after", later);
+        assert_eq!((store.len(), store.evictions()), (1, 200));
     }
 
     #[test]
@@ -464,9 +558,9 @@ mod tests {
     }
 
     #[test]
-    fn a_gcra_entry_takes_56_bytes() {
+    fn a_gcra_entry_takes_48_bytes() {
         use crate::rate_limit::GcraState;
-        assert_eq!(size_of::<(InlineKey, Slot<GcraState>)>(), 56);
+        assert_eq!(size_of::<(InlineKey, Slot<GcraState>)>(), 48);
     }
 
     #[test]
@@ -478,7 +572,7 @@ mod tests {
         }
         let full = store.map.capacity();
         assert!(full >= 20_000);
-        assert_eq!(store.sweep(1_000), 20_000);
+        assert_eq!(store.sweep(1_000_000), 20_000);
         assert!(store.map.capacity() < full / 4, "{}", store.map.capacity());
     }
 
@@ -503,7 +597,7 @@ mod tests {
             store
                 .apply(RateLimitRequest {
                     key: "a",
-                    now_ms: 0,
+                    now_us: 0,
                     strategy: &w,
                     op,
                 })

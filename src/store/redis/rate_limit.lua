@@ -2,7 +2,8 @@
 -- src/rate_limit/{strategy,emission,gcra,leaky,token_bucket,fixed_window,sliding_window,
 -- algebra}.rs; keep them in step (tests/redis_rate_limit.rs compares every reply).
 --
--- This file is the library: `params` reads an operation's arguments once, `decide` runs one
+-- This file is the library: `now_us` reads the time (the server's `TIME`, to the microsecond, as
+-- the Rust clocks read it), `params` reads an operation's arguments once, `decide` runs one
 -- operation on a key's state read by its caller. The store appends the entry point
 -- (src/store/redis/rate_limit.rs): one operation per call (`GET`, then `decide`), or several
 -- keys' operations in one call at one `TIME` (a batch): one `MGET` for all their states,
@@ -97,7 +98,7 @@ end
 
 -- One tier: op 'f' returns a forecast (3 values); 'p' a decision (5); 'c'/'r' a decision and,
 -- when allowed, the next state, its ttl in ms and the reservation delay in ms (10).
-local function run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
+local function run(op, k, lim, a, b, c, has, s1, s2, s3, now, units)
   -- The state brought forward to now.
   local v1, v2, v3 = now, 0, 0
   if k == 'g' or k == 'l' then
@@ -156,8 +157,8 @@ local function run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
       return idiv(avail, units), dceil(nxt, 1000), full_ms
     end
     if avail < units then
-      local retry = dceil(earliest(k, lim, a, b, c, v1, v2, v3, now, units), 1000) - nms
-      if retry < 0 then retry = 0 end
+      -- How long from now (earliest is never before it), rounded up to whole ms.
+      local retry = dceil(earliest(k, lim, a, b, c, v1, v2, v3, now, units) - now, 1000)
       return 0, lim, avail, full_ms, retry
     end
     return 1, lim, avail, full_ms, 0
@@ -188,13 +189,17 @@ local function run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
     v3 = v3 + units
     full_at = v1 + 2 * a
   end
-  -- dceil(full_at, 1000), inline.
+  -- dceil(full_at, 1000) and dceil(full_at - now, 1000), inline.
   local r = full_at % 1000
   if r < 0 then r = r + 1000 end
   local reset = (full_at - r) / 1000
   if r > 0 then reset = reset + 1 end
-  local ttl = reset - nms
-  if ttl < 0 then ttl = 0 end
+  local left = full_at - now
+  if left < 0 then left = 0 end
+  r = left % 1000
+  if r < 0 then r = r + 1000 end
+  local ttl = (left - r) / 1000
+  if r > 0 then ttl = ttl + 1 end
   return 1, lim, avail - units, reset, 0, v1, v2, v3, ttl, wait
 end
 
@@ -256,17 +261,24 @@ local function fields_of(raw, kinds)
   return values
 end
 
--- The time of a call in µs (capped as the Rust strategies cap it) and in ms.
-local function clock(t_ms)
-  local now = t_ms * 1000
-  if now > 4000000000000000 then now = 4000000000000000 end
-  return now, idiv(now, 1000)
+-- The server's time in µs (`TIME`: seconds and microseconds, exact as a double until 2255), or
+-- the time a test pinned, in µs, when `pinned` is not empty.
+local function now_us(pinned)
+  if pinned ~= nil and pinned ~= '' then return tonumber(pinned) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 
--- One operation on `key`, whose state is `raw` (false when it has none), at `now` µs / `nms`
--- ms, with the parsed arguments `p` (from `params`). Writes its reply into `out` from index
--- `i` and returns the index after it.
-local function decide(key, p, now, nms, raw, out, i)
+-- The time of a call in µs, capped as the Rust strategies cap it.
+local function clock(t_us)
+  if t_us > 4000000000000000 then return 4000000000000000 end
+  return t_us
+end
+
+-- One operation on `key`, whose state is `raw` (false when it has none), at `now` µs, with the
+-- parsed arguments `p` (from `params`). Writes its reply into `out` from index `i` and returns
+-- the index after it.
+local function decide(key, p, now, raw, out, i)
   local op = p[1]
   if op == 'x' then
     redis.call('DEL', key)
@@ -297,12 +309,12 @@ local function decide(key, p, now, nms, raw, out, i)
       end
     end
     if op == 'f' then
-      local spend, nxt, full = run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
+      local spend, nxt, full = run(op, k, lim, a, b, c, has, s1, s2, s3, now, units)
       out[i], out[i + 1], out[i + 2], out[i + 3] = 2, spend, nxt, full
       return i + 4
     end
     local allowed, l, rem, reset, retry, n1, n2, n3, ttl, wait =
-      run(op, k, lim, a, b, c, has, s1, s2, s3, now, nms, units)
+      run(op, k, lim, a, b, c, has, s1, s2, s3, now, units)
     if allowed == 1 and op ~= 'p' then
       local value
       if k == 's' then
@@ -352,7 +364,7 @@ local function decide(key, p, now, nms, raw, out, i)
     local base = 4 * t
     local f = 3 * (t - 1)
     return run(tier_op, string.sub(kinds, t, t), p[base + 1], p[base + 2], p[base + 3], p[base + 4],
-      raw and true or false, fields[f + 1], fields[f + 2], fields[f + 3], now, nms, units)
+      raw and true or false, fields[f + 1], fields[f + 2], fields[f + 3], now, units)
   end
 
   if op == 'f' then

@@ -19,8 +19,12 @@
 //! global or per-tenant limit). A lone caller never waits for a batch: an
 //! operation that finds a call slot free goes at once. Each decision still takes one round
 //! trip; under load the call's fixed cost (the round trip, the script's start, the `TIME`,
-//! the read of the states) is spread over every operation in it. A cluster runs a script on
-//! one slot's keys only, so there every operation is its own call. The strategy's parameters
+//! the read of the states) is spread over every operation in it. The queue is bounded
+//! (`RedisBuilder::with_rate_limit_queue`, 16,384 by default): an operation that finds it full
+//! is refused at once with [`StoreError::Overloaded`], and an operation whose caller has gone
+//! (a dropped future, a timeout) before its batch is built is never sent, so never charged.
+//! A cluster runs a script on one slot's keys only, so there every operation is its own
+//! call. The strategy's parameters
 //! travel as plain integers (see [`ScriptedStrategy`]); the state of a key lives at
 //! `{prefix:key}:r` (all tiers in one value, so one cluster slot), in microseconds exactly as
 //! the Rust strategies keep it, and expires (`PX`) once it is at rest, when it is equal to no
@@ -38,9 +42,9 @@
 //!
 //! # Time
 //!
-//! The script reads the server's `TIME`, so instances with skewed clocks agree; the
-//! limiter's clock (the request's `now_ms`) is not used. Tests pin the script's time with
-//! `Redis::pin_time`; while pinned, keys are kept an hour longer than their state lives,
+//! The script reads the server's `TIME` to the microsecond, as the strategies read time, so
+//! instances with skewed clocks agree; the limiter's clock (the request's `now_us`) is not
+//! used. Tests pin the script's time with `Redis::pin_time_us` (or `Redis::pin_time`, in ms); while pinned, keys are kept an hour longer than their state lives,
 //! since the server expires them on its own clock.
 //!
 //! # Failures
@@ -51,13 +55,15 @@
 //! call. A cost above what the strategy can ever admit is
 //! [`RateLimitError::InsufficientCapacity`], decided before any round trip, as in memory.
 
+use std::collections::VecDeque;
 use std::future::Future;
+use std::num::NonZeroUsize;
 use std::sync::{Mutex, OnceLock, PoisonError};
 
 use tokio::sync::oneshot;
 
 use super::script::{LuaScript, ScriptCall};
-use super::{Redis, cached};
+use super::{Redis, RedisBuilder, cached};
 use crate::rate_limit::{
     AsyncRateLimitStore, Decision, FixedWindow, Forecast, Gcra, InsufficientCapacity, LeakyBucket,
     RateLimitError, RateLimitOp, RateLimitReply, RateLimitRequest, ScriptedStrategy,
@@ -69,11 +75,11 @@ use crate::store::StoreError;
 const SINGLE: &str = concat!(
     include_str!("rate_limit.lua"),
     r"
-local now, nms = clock(now_ms(ARGV[1]))
+local now = clock(now_us(ARGV[1]))
 local p, raw = params(2), false
 if p[1] ~= 'x' then raw = redis.call('GET', KEYS[1]) end
 local out = {}
-decide(KEYS[1], p, now, nms, raw, out, 1)
+decide(KEYS[1], p, now, raw, out, 1)
 return out
 "
 );
@@ -87,7 +93,7 @@ return out
 const BATCH: &str = concat!(
     include_str!("rate_limit.lua"),
     r"
-local now, nms = clock(now_ms(ARGV[1]))
+local now = clock(now_us(ARGV[1]))
 local sets, p, count = {}, 3, tonumber(ARGV[2])
 for s = 1, count do
   sets[s] = params(p + 1)
@@ -101,7 +107,7 @@ for k = 1, #KEYS do
   local raw = written[key]
   if raw == nil then raw = states[k] end
   if count > 1 then set = sets[tonumber(ARGV[p + k - 1])] end
-  local j = decide(key, set, now, nms, raw, out, i + 1)
+  local j = decide(key, set, now, raw, out, i + 1)
   out[i] = j - i - 1
   i = j
 end
@@ -297,22 +303,65 @@ const MAX_BATCH: usize = 64;
 /// neither side waits for the other.
 const IN_FLIGHT: usize = 2;
 
+/// How many rate-limit operations may wait for a batch at once by default: 16,384, a few MB of
+/// queued operations (a few hundred bytes each), what 256 batch calls carry.
+pub(super) const DEFAULT_QUEUE: NonZeroUsize = NonZeroUsize::new(16_384).unwrap();
+
+impl RedisBuilder {
+    /// How many rate-limit operations may wait at once for a batch call on a single node
+    /// (default 16,384: a few MB, what 256 batch calls carry). Operations queue while two
+    /// calls are in flight; one that finds the queue full is refused at once, unsent, with
+    /// [`RateLimitError::Store`] whose source is [`StoreError::Overloaded`], which an
+    /// `Enforcer` maps to its `FailMode` like any store failure, rather than wait behind a
+    /// backlog that could only grow. Operations whose callers gave up (a dropped future, a
+    /// timeout) are never sent, so never charged, and make room first. A cluster sends every
+    /// operation on its own call and queues nothing.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), throttlebeam::store::StoreError> {
+    /// use std::num::NonZeroUsize;
+    /// use throttlebeam::store::Redis;
+    ///
+    /// let redis = Redis::builder("redis://127.0.0.1:6379")
+    ///     .with_rate_limit_queue(NonZeroUsize::new(1_024).unwrap())
+    ///     .connect()
+    ///     .await?;
+    /// # drop(redis);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_rate_limit_queue(mut self, max: NonZeroUsize) -> Self {
+        self.rate_limit_queue = max;
+        self
+    }
+}
+
 /// Rate-limit operations of one `Redis` on a single node that go out together.
 ///
 /// An operation that finds a call slot free and nothing queued goes at once, alone, from its
 /// caller's task: a lone caller pays nothing for batching. Operations that arrive while
-/// [`IN_FLIGHT`] calls are out wait in a queue; a task sends them as one call of the batch
-/// script (one `TIME`, the operations run in arrival order, one reply each), and keeps
-/// sending what queues meanwhile until the queue is empty. Under load that spreads a call's
-/// cost (the round trip, the script's start, the `TIME`) over every operation in it.
-#[derive(Default)]
+/// [`IN_FLIGHT`] calls are out wait in a queue of at most `max_queued`; a task sends them as
+/// one call of the batch script (one `TIME`, the operations run in arrival order, one reply
+/// each), and keeps sending what queues meanwhile until the queue is empty. Under load that
+/// spreads a call's cost (the round trip, the script's start, the `TIME`) over every
+/// operation in it. An operation whose caller has gone by the time its batch is built is
+/// dropped unsent.
 pub(super) struct Batcher {
     state: Mutex<BatchState>,
+    /// The most operations waiting at once; past it, operations are refused.
+    max_queued: usize,
+}
+
+impl Default for Batcher {
+    fn default() -> Self {
+        Self::new(DEFAULT_QUEUE)
+    }
 }
 
 #[derive(Default)]
 struct BatchState {
-    queue: Vec<Queued>,
+    queue: VecDeque<Queued>,
     /// Operations sent alone, in flight.
     alone: usize,
     /// Tasks sending batches.
@@ -337,7 +386,22 @@ struct Queued {
     reply: oneshot::Sender<Result<RateLimitReply, StoreError>>,
 }
 
+impl Queued {
+    /// Its caller gave up waiting (dropped its future, or timed out): sending it would charge
+    /// a key for a request nobody made any more.
+    fn abandoned(&self) -> bool {
+        self.reply.is_closed()
+    }
+}
+
 impl Batcher {
+    pub(super) fn new(max_queued: NonZeroUsize) -> Self {
+        Self {
+            state: Mutex::default(),
+            max_queued: max_queued.get(),
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, BatchState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -411,18 +475,25 @@ impl Draining {
         loop {
             let batch: Vec<Queued> = {
                 let mut state = self.redis.inner.batches.lock();
-                if state.queue.is_empty() {
-                    // Gives the slot back under the lock that queues: an operation queued
-                    // after this sees the slot free and starts another task.
+                let mut batch = Vec::with_capacity(state.queue.len().min(MAX_BATCH));
+                while batch.len() < MAX_BATCH
+                    && let Some(queued) = state.queue.pop_front()
+                {
+                    if !queued.abandoned() {
+                        batch.push(queued);
+                    }
+                }
+                if batch.is_empty() {
+                    // The queue is empty. Gives the slot back under the lock that queues: an
+                    // operation queued after this sees the slot free and starts another task.
                     state.tasks -= 1;
                     self.done = true;
                     return;
                 }
-                let take = state.queue.len().min(MAX_BATCH);
-                state.queue.drain(..take).collect()
+                batch
             };
-            let mut call = cached(&SCRIPT, BATCH, true).prepare_invoke();
-            call.arg(self.redis.pinned());
+            let mut call = cached(&SCRIPT, BATCH, false).prepare_invoke();
+            call.arg(self.redis.pinned_us());
             // Operations with the same arguments (one limiter's checks, usually all of them)
             // share one set: the server parses it once.
             let (sets, set_of) = argument_sets(batch.iter().map(|q| &q.operation));
@@ -465,6 +536,13 @@ impl Draining {
 }
 
 impl Redis {
+    /// The pinned time in µs as a script argument, or empty for the server's `TIME`.
+    fn pinned_us(&self) -> String {
+        self.pinned_us_at()
+            .map(|n| n.to_string())
+            .unwrap_or_default()
+    }
+
     /// Runs `request` as one script call, alone or in a batch.
     async fn rate_limit<S: ScriptedStrategy>(
         &self,
@@ -536,8 +614,8 @@ impl Redis {
     /// One call of the script for one operation.
     async fn alone(&self, operation: &Operation) -> Result<RateLimitReply, StoreError> {
         static SCRIPT: OnceLock<LuaScript> = OnceLock::new();
-        let mut call = cached(&SCRIPT, SINGLE, true).prepare_invoke();
-        call.key(&operation.key).arg(self.pinned());
+        let mut call = cached(&SCRIPT, SINGLE, false).prepare_invoke();
+        call.key(&operation.key).arg(self.pinned_us());
         operation.args.push(&mut call);
         let reply: Vec<i64> = self.invoke(&call).await?;
         reply_of(&operation.key, &reply)
@@ -545,16 +623,29 @@ impl Redis {
 
     /// Sends `operation` at once if a call slot is free and nothing is queued; otherwise
     /// queues it for the next batch (starting a task to send it if a slot is free) and waits
-    /// for its reply, at most the command timeout.
+    /// for its reply, at most the command timeout. Refuses it, unsent, when the queue is full.
     async fn batched(&self, operation: Operation) -> Result<RateLimitReply, StoreError> {
+        let batches = &self.inner.batches;
         let queued = {
-            let mut state = self.inner.batches.lock();
+            let mut state = batches.lock();
             if state.queue.is_empty() && state.slot_free() {
                 state.alone += 1;
                 Err(operation)
             } else {
+                if state.queue.len() >= batches.max_queued {
+                    // Callers time out in the order they queued, so the ones that gave up
+                    // are at the front: making room costs each of them one look, once.
+                    while state.queue.front().is_some_and(Queued::abandoned) {
+                        state.queue.pop_front();
+                    }
+                    if state.queue.len() >= batches.max_queued {
+                        return Err(StoreError::Overloaded {
+                            queued: state.queue.len(),
+                        });
+                    }
+                }
                 let (reply, rx) = oneshot::channel();
-                state.queue.push(Queued { operation, reply });
+                state.queue.push_back(Queued { operation, reply });
                 Ok((rx, state.claim_task(true)))
             }
         };
@@ -637,7 +728,7 @@ mod tests {
         redis
             .apply_async(RateLimitRequest {
                 key,
-                now_ms: 0,
+                now_us: 0,
                 strategy,
                 op,
             })
@@ -727,6 +818,35 @@ mod tests {
                 .await
                 .unwrap();
             assert_eq!(exists, 0);
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn the_script_reads_the_server_clock_to_the_microsecond() {
+        each_server("rate_limit_server_us", async |redis: Redis| {
+            // One per hour: a first check stores an arrival time of the server's TIME plus
+            // exactly an hour. Read in whole ms, every one would end in 000 µs.
+            let g = Gcra::new(1, Duration::from_secs(3_600)).unwrap();
+            let mut sub_ms = std::collections::BTreeSet::new();
+            for i in 0..20 {
+                let key = format!("us{i}");
+                apply(&redis, &g, &key, check_one()).await.unwrap();
+                let stored: Vec<u8> = redis
+                    .query(redis::cmd("GET").arg(redis.key(&key, ":r")))
+                    .await
+                    .unwrap();
+                sub_ms.insert(decode_state(&stored, "g")[0] % 1_000);
+            }
+            assert!(sub_ms.len() > 1, "{sub_ms:?}");
+            // A pinned time is read to the microsecond too.
+            redis.pin_time_us(5_000_000_250);
+            apply(&redis, &g, "pinned", check_one()).await.unwrap();
+            let stored: Vec<u8> = redis
+                .query(redis::cmd("GET").arg(redis.key("pinned", ":r")))
+                .await
+                .unwrap();
+            assert_eq!(decode_state(&stored, "g"), [8_600_000_250, 0]);
         })
         .await;
     }
@@ -950,8 +1070,8 @@ mod tests {
     #[tokio::test]
     async fn a_batch_of_several_limits_and_operations_decides_each_with_its_own() {
         each_server("rate_limit_batch_sets", async |redis: Redis| {
-            let now_ms = 1_000_000;
-            redis.pin_time(now_ms);
+            let now_us = 1_000_000_250;
+            redis.pin_time_us(now_us);
             let (g, other) = (gcra(), Gcra::new(5, Duration::from_secs(1)).unwrap());
             let window = FixedWindow::new(4, Duration::from_secs(60)).unwrap();
             let two = RateLimitOp::Check {
@@ -963,7 +1083,7 @@ mod tests {
             let expect_g = |strategy: &Gcra, key: &str, op| {
                 let request = RateLimitRequest {
                     key,
-                    now_ms,
+                    now_us,
                     strategy,
                     op,
                 };
@@ -972,7 +1092,7 @@ mod tests {
             let expect_w = |key: &str, op| {
                 let request = RateLimitRequest {
                     key,
-                    now_ms,
+                    now_us,
                     strategy: &window,
                     op,
                 };
