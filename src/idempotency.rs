@@ -20,10 +20,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use throttlebeam_supervisors::{Counters, Sweeper, catch_panic_fn};
+use throttlebeam_supervisors::catch_panic_fn;
 use tokio::time::Instant;
 
 use self::claim::{Ledger, Settled, Step, Tally, Ticket};
@@ -133,48 +132,28 @@ pub struct IdempotencyStats {
 }
 
 /// The idempotency part of a runtime: its ledger of keys in flight and its
-/// results store. A restart swaps in a fresh ledger: what the old one held is
-/// forgotten, as after an expiry.
+/// results store.
+///
+/// Neither lives in the supervision tree, so a restart after a failed root
+/// keeps both: a run still going on holds its key (a retry waits for it and
+/// replays its result, never runs it a second time) and stored results are
+/// still replayed.
 pub(crate) struct State {
-    ledger: ArcSwap<Ledger>,
-    counters: Arc<Counters>,
-    cap: usize,
-    max_results: usize,
-    sweeper: Sweeper,
-    shared: Option<Arc<dyn IdempotencyStore>>,
+    ledger: Arc<Ledger>,
 }
 
 impl State {
     fn new(core: &Core) -> Self {
         let counters = Arc::clone(&core.counters);
-        let sweeper = core.tree.sweeper().clone();
-        let max_results = core.max_idempotency_results;
-        let shared = core.idempotency_store.clone();
-        let ledger = Self::ledger_for(&counters, core.cap, &sweeper, max_results, &shared);
-        Self {
-            ledger: ArcSwap::new(ledger),
+        let sweeper = core.tree.sweeper();
+        let store = ResultTable::new(Arc::clone(&counters), sweeper, core.max_idempotency_results);
+        let ledger = Arc::new(Ledger::new(
             counters,
-            cap: core.cap,
-            max_results,
-            sweeper,
-            shared,
-        }
-    }
-
-    fn ledger_for(
-        counters: &Arc<Counters>,
-        cap: usize,
-        sweeper: &Sweeper,
-        max_results: usize,
-        shared: &Option<Arc<dyn IdempotencyStore>>,
-    ) -> Arc<Ledger> {
-        let store = ResultTable::new(Arc::clone(counters), sweeper, max_results);
-        Arc::new(Ledger::new(
-            Arc::clone(counters),
-            cap,
+            core.cap,
             Box::new(store),
-            shared.clone(),
-        ))
+            core.idempotency_store.clone(),
+        ));
+        Self { ledger }
     }
 
     /// This runtime's idempotency state.
@@ -182,34 +161,23 @@ impl State {
         core.service(Self::new)
     }
 
-    /// The ledger in force.
+    /// The ledger.
     pub(crate) fn ledger(&self) -> Arc<Ledger> {
-        self.ledger.load_full()
+        Arc::clone(&self.ledger)
     }
 
-    /// This runtime's idempotency counters (since the last restart).
+    /// This runtime's idempotency counters.
     pub(crate) fn stats(&self) -> IdempotencyStats {
-        stats_of(&self.ledger.load())
+        stats_of(&self.ledger)
     }
 }
 
 impl Service for State {
     fn stopped(&self) {
-        self.ledger.load().shutdown();
+        self.ledger.shutdown();
     }
 
-    fn reset(&self) {
-        let fresh = Self::ledger_for(
-            &self.counters,
-            self.cap,
-            &self.sweeper,
-            self.max_results,
-            &self.shared,
-        );
-        let old = self.ledger.swap(fresh);
-        // Waiters on the old ledger look again and find the fresh one empty.
-        old.shutdown();
-    }
+    // No `reset`: a restart loses nothing here (see the type's docs).
 
     fn stats(&self, stats: &mut Stats) {
         stats.idempotency = State::stats(self);
@@ -352,7 +320,7 @@ impl IdempotencyHandle {
     {
         let core = &self.runtime.core;
         // A replay reads the ledger in force without taking a reference to it.
-        if let Some(value) = fast_replay(core, &self.state.ledger.load(), key, &options)? {
+        if let Some(value) = fast_replay(core, &self.state.ledger, key, &options)? {
             return Ok(IdempotencyOutcome::Replay(value));
         }
         self.run_after_miss(key, options, f).await
@@ -370,7 +338,7 @@ impl IdempotencyHandle {
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        fast_replay(&self.runtime.core, &self.state.ledger.load(), key, options)
+        fast_replay(&self.runtime.core, &self.state.ledger, key, options)
     }
 
     /// [`IdempotencyHandle::run_with`] past its replay fast path (or for a caller that has
@@ -798,6 +766,7 @@ mod tests {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::time::Duration;
+    use throttlebeam_supervisors::Counters;
     use tokio::time::Instant;
 
     use super::store::{Form, Pending, Record, ResultStore};

@@ -534,11 +534,13 @@ impl Runtime {
     /// (clones of it, [`crate::DebounceHandle`], [`crate::ThrottleHandle`],
     /// trailing throttles, ...) works again afterwards.
     ///
-    /// State held only in memory is gone, as after an expiry: pending
-    /// debounced runs are discarded (their waiters get
-    /// [`Error::Discarded`]), throttle windows and stored idempotency
-    /// results are forgotten. Functions still running finish; their callers
-    /// get their results.
+    /// State the old root's processes held is gone, as after an expiry:
+    /// pending debounced runs are discarded (their waiters get
+    /// [`Error::Discarded`]) and throttle windows are forgotten. Functions
+    /// still running finish; their callers get their results. Idempotency
+    /// loses nothing: keys in flight stay held by their runs (a retry waits
+    /// for the run and replays its result, never runs it again) and stored
+    /// results are still replayed.
     ///
     /// Returns whether a restart happened: `false` while the root is alive,
     /// and for a runtime that was shut down (it stays shut down). Meant to

@@ -52,7 +52,7 @@ pub struct Stats {
     pub debounce: DebounceStats,
     /// The leading-edge throttle.
     pub throttle: ThrottleStats,
-    /// Idempotency (counts since the last restart).
+    /// Idempotency (counts since the runtime started; a restart keeps them).
     pub idempotency: crate::IdempotencyStats,
     /// Every coalescing throttle of the runtime, added up.
     pub trailing: crate::TrailingStats,
