@@ -545,10 +545,14 @@ where
 /// holder next has to show it is alive (a retry then replays, still finds
 /// the key in flight, or takes it over), at most a second, at least 1 ms.
 fn retry_hint(lease_until: Option<Instant>, now: Instant) -> Duration {
+    hint(lease_until.map_or(Duration::ZERO, |lease| lease.saturating_duration_since(now)))
+}
+
+/// [`retry_hint`] for a holder whose lease has `left` to run (as a shared
+/// store reports it, possibly huge: never added to an instant).
+fn hint(left: Duration) -> Duration {
     const MAX_HINT: Duration = Duration::from_secs(1);
-    lease_until
-        .map_or(Duration::ZERO, |lease| lease.saturating_duration_since(now))
-        .clamp(Duration::from_millis(1), MAX_HINT)
+    left.clamp(Duration::from_millis(1), MAX_HINT)
 }
 
 /// Where a claim that found its key held waits: on the holder here, or (boxed) on the
@@ -591,7 +595,7 @@ where
                     // Dropping the ticket frees the local claim for the next look.
                     return Err(Error::InFlight {
                         key: shown(key),
-                        retry_after: retry_hint(Some(now + lease_left), now),
+                        retry_after: hint(lease_left),
                     });
                 }
                 // Boxed: this rare wait (a key in flight on another instance) would

@@ -1282,3 +1282,115 @@ fn resident_bytes() -> Option<usize> {
         .ok()?;
     Some(kib * 1024)
 }
+
+/// Issue 30 item 11: the shared memory store saturates leases and TTLs too
+/// long to add to an instant (it panicked on `Duration::MAX`): such a claim
+/// holds, renews and completes as "for about thirty years".
+#[tokio::test(start_paused = true)]
+async fn the_memory_store_saturates_a_lease_or_ttl_of_duration_max() {
+    use throttlebeam::{
+        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
+        StoredResult,
+    };
+    let store = MemoryIdempotencyStore::new();
+    let (owner, other) = (ClaimToken::new(), ClaimToken::new());
+    let forever = Duration::MAX;
+    let won = store
+        .claim("k", ClaimRequest::new(owner, None, forever, forever))
+        .await
+        .unwrap();
+    assert!(matches!(won, ClaimReply::Won { .. }), "{won:?}");
+    sleep(Duration::from_secs(365 * 24 * 3600)).await;
+    match store
+        .claim("k", ClaimRequest::new(other, None, SEC, SEC))
+        .await
+        .unwrap()
+    {
+        ClaimReply::Busy { lease_left } => {
+            assert!(lease_left > Duration::from_secs(28 * 365 * 24 * 3600));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(store.renew("k", owner, forever).await.unwrap());
+    let result = StoredResult::new(None, "u8", vec![1]);
+    assert!(store.complete("k", owner, &result, forever).await.unwrap());
+    sleep(Duration::from_secs(10 * 365 * 24 * 3600)).await;
+    assert_eq!(
+        store
+            .claim("k", ClaimRequest::new(other, None, SEC, SEC))
+            .await
+            .unwrap(),
+        ClaimReply::Completed(result)
+    );
+}
+
+/// Issue 30 item 11: a shared store that reports a held key's lease as
+/// `Duration::MAX` left gets a rejected duplicate a one-second retry hint,
+/// not a panic adding it to the clock.
+#[tokio::test(start_paused = true)]
+async fn a_huge_lease_left_from_a_shared_store_caps_the_retry_hint() {
+    use throttlebeam::store::StoreError;
+    use throttlebeam::{
+        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture,
+        StoredResult,
+    };
+
+    /// Every key is held elsewhere, for ever.
+    struct HeldForever;
+
+    impl IdempotencyStore for HeldForever {
+        fn claim<'a>(
+            &'a self,
+            _key: &'a str,
+            _request: ClaimRequest<'a>,
+        ) -> IdempotencyStoreFuture<'a, ClaimReply> {
+            Box::pin(async {
+                Ok::<_, StoreError>(ClaimReply::Busy {
+                    lease_left: Duration::MAX,
+                })
+            })
+        }
+        fn complete<'a>(
+            &'a self,
+            _key: &'a str,
+            _token: ClaimToken,
+            _result: &'a StoredResult,
+            _ttl: Duration,
+        ) -> IdempotencyStoreFuture<'a, bool> {
+            Box::pin(async { Ok(false) })
+        }
+        fn release<'a>(&'a self, _: &'a str, _: ClaimToken) -> IdempotencyStoreFuture<'a, bool> {
+            Box::pin(async { Ok(false) })
+        }
+        fn renew<'a>(
+            &'a self,
+            _: &'a str,
+            _: ClaimToken,
+            _: Duration,
+        ) -> IdempotencyStoreFuture<'a, bool> {
+            Box::pin(async { Ok(false) })
+        }
+    }
+
+    let runtime = Runtime::builder()
+        .with_idempotency_store(HeldForever)
+        .start()
+        .await
+        .unwrap();
+    let runs = runs();
+    let rejected = runtime
+        .idempotency()
+        .run_with(
+            "k",
+            IdempotencyOptions::new().with_in_flight(InFlight::Reject),
+            op(&runs, MS, 1u8),
+        )
+        .await;
+    match rejected {
+        Err(Error::InFlight { key, retry_after }) => {
+            assert_eq!((key.as_str(), retry_after), ("k", SEC));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(count(&runs), 0);
+}

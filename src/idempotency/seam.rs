@@ -309,6 +309,13 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     }
 }
 
+/// `now + d`, saturated: a lease or TTL too long to represent (up to
+/// [`Duration::MAX`]) lasts about thirty years instead of overflowing.
+fn later(now: Instant, d: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
+    now.checked_add(d.min(FAR)).unwrap_or(now)
+}
+
 /// What [`MemoryIdempotencyStore`] holds for a key.
 #[derive(Debug, Clone)]
 enum Held {
@@ -448,7 +455,7 @@ impl MemoryIdempotencyStore {
                     token: request.token,
                     fingerprint: request.fingerprint.copied(),
                 },
-                until: now + request.lease,
+                until: later(now, request.lease),
             },
         );
         Ok(ClaimReply::Won { fence })
@@ -505,7 +512,7 @@ impl IdempotencyStore for MemoryIdempotencyStore {
                     key.to_owned(),
                     Entry {
                         held: Held::Completed(result.clone(), token),
-                        until: now + ttl,
+                        until: later(now, ttl),
                     },
                 );
                 true
@@ -540,7 +547,7 @@ impl IdempotencyStore for MemoryIdempotencyStore {
         let mut keys = self.lock();
         let renewed = match keys.get_mut(key) {
             Some(entry) if Self::holds(Some(entry), token) => {
-                entry.until = now + lease;
+                entry.until = later(now, lease);
                 true
             }
             _ => false,
