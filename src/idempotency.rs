@@ -51,6 +51,15 @@ use crate::stats::Stats;
 /// first, which is an early expiry: a retry of an evicted key runs again.
 pub const DEFAULT_MAX_IDEMPOTENCY_RESULTS: usize = 100_000;
 
+/// The byte budget of the completed results a runtime keeps by default
+/// (256 MiB), see
+/// [`RuntimeBuilder::with_max_idempotency_bytes`](crate::RuntimeBuilder::with_max_idempotency_bytes).
+///
+/// The count cap alone would let 100,000 results of 1 MiB each take 100 GiB;
+/// with this budget they take at most 256 MiB (about 250 of them), the
+/// oldest evicted first.
+pub const DEFAULT_MAX_IDEMPOTENCY_BYTES: usize = 256 << 20;
+
 /// Whether an idempotent call ran its function or replayed a stored result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[must_use]
@@ -125,10 +134,14 @@ pub struct IdempotencyStats {
     pub in_flight_rejections: u64,
     /// Duplicates that gave up with [`Error::Timeout`].
     pub timeouts: u64,
-    /// Results evicted by the cap before their TTL.
+    /// Results evicted by the cap or the byte budget before their TTL.
     pub evictions: u64,
     /// Results held now, expired ones not yet swept included.
     pub stored_results: usize,
+    /// What the results held now weigh against the byte budget
+    /// ([`RuntimeBuilder::with_max_idempotency_bytes`](crate::RuntimeBuilder::with_max_idempotency_bytes)).
+    /// Zero with a shared store, which keeps results elsewhere.
+    pub stored_bytes: u64,
 }
 
 /// The idempotency part of a runtime: its ledger of keys in flight and its
@@ -146,7 +159,12 @@ impl State {
     fn new(core: &Core) -> Self {
         let counters = Arc::clone(&core.counters);
         let sweeper = core.tree.sweeper();
-        let store = ResultTable::new(Arc::clone(&counters), sweeper, core.max_idempotency_results);
+        let store = ResultTable::new(
+            Arc::clone(&counters),
+            sweeper,
+            core.max_idempotency_results,
+            core.max_idempotency_bytes,
+        );
         let ledger = Arc::new(Ledger::new(
             counters,
             core.cap,
@@ -428,6 +446,7 @@ fn stats_of(ledger: &Ledger) -> IdempotencyStats {
         timeouts: tally.timeouts.load(Ordering::Relaxed),
         evictions: counts.evictions,
         stored_results: counts.stored,
+        stored_bytes: counts.bytes,
     }
 }
 
@@ -1171,6 +1190,33 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let _ = run("c".to_owned()).await;
         assert_eq!((idem.stats().evictions, warnings()), (11, 2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn evictions_by_the_byte_budget_are_logged_with_the_bytes() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let idem = Runtime::builder()
+            .with_max_idempotency_bytes(1_000)
+            .start()
+            .await
+            .unwrap()
+            .idempotency();
+        for key in ["a", "b"] {
+            let run = idem.run(key, || async { Ok::<_, std::io::Error>(vec![0u8; 600]) });
+            assert!(run.await.unwrap().is_fresh());
+        }
+        assert_eq!(idem.stats().evictions, 1);
+        let logged = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        assert!(logged.contains("idempotency results evicted"), "{logged}");
+        assert!(logged.contains("max_bytes=1000"), "{logged}");
+        assert!(logged.contains("stored_bytes=805"), "{logged}");
     }
 
     /// Lets a test keep a handle on the store it gives the ledger.

@@ -131,11 +131,11 @@ pub use error::{BoxError, Error};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use idempotency::{
-    ClaimReply, ClaimRequest, ClaimToken, DEFAULT_MAX_IDEMPOTENCY_RESULTS,
-    DEFAULT_SHARED_MEMORY_KEYS, Idempotency, IdempotencyHandle, IdempotencyOptions,
-    IdempotencyOutcome, IdempotencyReservation, IdempotencyReserved, IdempotencyStats,
-    IdempotencyStore, IdempotencyStoreFuture, InFlight, KeyChanged, MemoryIdempotencyStore,
-    StoredResult,
+    ClaimReply, ClaimRequest, ClaimToken, DEFAULT_MAX_IDEMPOTENCY_BYTES,
+    DEFAULT_MAX_IDEMPOTENCY_RESULTS, DEFAULT_SHARED_MEMORY_KEYS, Idempotency, IdempotencyHandle,
+    IdempotencyOptions, IdempotencyOutcome, IdempotencyReservation, IdempotencyReserved,
+    IdempotencyStats, IdempotencyStore, IdempotencyStoreFuture, InFlight, KeyChanged,
+    MemoryIdempotencyStore, StoredResult,
 };
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
 #[cfg(feature = "runtime")]

@@ -65,6 +65,7 @@ pub struct RuntimeBuilder {
     partitions: Option<usize>,
     clock: RuntimeClock,
     max_idempotency_results: usize,
+    max_idempotency_bytes: usize,
     name: Arc<str>,
     idempotency_store: Option<SharedStore>,
     #[cfg(feature = "redis")]
@@ -91,6 +92,7 @@ impl Default for RuntimeBuilder {
             partitions: None,
             clock: RuntimeClock::Auto,
             max_idempotency_results: crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS,
+            max_idempotency_bytes: crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_BYTES,
             idempotency_store: None,
             #[cfg(feature = "redis")]
             redis: None,
@@ -126,9 +128,43 @@ impl RuntimeBuilder {
     /// past it the oldest are evicted first, an early expiry that is
     /// counted in [`IdempotencyStats::evictions`](crate::IdempotencyStats)
     /// and logged at warn at most once a minute. Keys in flight are capped
-    /// by [`with_max_keys`](Self::with_max_keys) instead.
+    /// by [`with_max_keys`](Self::with_max_keys) instead. The results' bytes
+    /// have a budget too ([`with_max_idempotency_bytes`](Self::with_max_idempotency_bytes)).
     pub fn with_max_idempotency_results(mut self, max_results: usize) -> Self {
         self.max_idempotency_results = max_results;
+        self
+    }
+
+    /// Caps the bytes the completed idempotency results kept may weigh
+    /// (default [`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::DEFAULT_MAX_IDEMPOTENCY_BYTES),
+    /// 256 MiB): past it the oldest are evicted first, as past
+    /// [`with_max_idempotency_results`](Self::with_max_idempotency_results)
+    /// (counted in [`IdempotencyStats::evictions`](crate::IdempotencyStats),
+    /// logged at warn at most once a minute), so large results cannot
+    /// exhaust memory however few they are. A result weighs its key, its
+    /// value's bincode-encoded size (the measure of a value's size that
+    /// works for every type) and about 200 bytes for its entry; a result
+    /// heavier than the whole budget is not kept (a retry runs again). What
+    /// the results weigh now is [`IdempotencyStats::stored_bytes`](crate::IdempotencyStats).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use throttlebeam::Runtime;
+    ///
+    /// let runtime = Runtime::builder()
+    ///     .with_max_idempotency_results(10_000)
+    ///     .with_max_idempotency_bytes(64 << 20)
+    ///     .start()
+    ///     .await?;
+    /// let idempotency = runtime.idempotency();
+    /// let _ = idempotency.run("report:1", || async { Ok::<_, std::io::Error>(vec![0u8; 1000]) }).await?;
+    /// assert!(idempotency.stats().stored_bytes > 1000);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_max_idempotency_bytes(mut self, max_bytes: usize) -> Self {
+        self.max_idempotency_bytes = max_bytes;
         self
     }
 
@@ -217,7 +253,7 @@ impl RuntimeBuilder {
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] for a zero sweep interval, a zero key cap or
-    /// a zero idempotency results cap,
+    /// a zero idempotency results cap or byte budget,
     /// [`Error::Start`] if the supervision tree fails to start.
     pub async fn start(self) -> Result<Runtime, Error> {
         self.spawn(None).await
@@ -249,6 +285,12 @@ impl RuntimeBuilder {
                 reason: "must be greater than zero",
             });
         }
+        if self.max_idempotency_bytes == 0 {
+            return Err(Error::InvalidConfig {
+                what: "max idempotency bytes",
+                reason: "must be greater than zero",
+            });
+        }
         if self.max_keys == Some(0) {
             return Err(Error::InvalidConfig {
                 what: "max keys",
@@ -277,6 +319,7 @@ impl RuntimeBuilder {
             clock: self.clock,
             name: self.name,
             max_idempotency_results: self.max_idempotency_results,
+            max_idempotency_bytes: self.max_idempotency_bytes as u64,
             idempotency_store: match self.idempotency_store {
                 Some(SharedStore(store)) => Some(store),
                 #[cfg(feature = "redis")]
@@ -313,6 +356,8 @@ pub(crate) struct Core {
     name: Arc<str>,
     /// The cap on completed idempotency results, read by that service.
     pub(crate) max_idempotency_results: usize,
+    /// The byte budget of completed idempotency results, read by that service.
+    pub(crate) max_idempotency_bytes: u64,
     /// Where idempotency claims and results are shared, if anywhere.
     pub(crate) idempotency_store: Option<Arc<dyn crate::IdempotencyStore>>,
     /// The shared store every primitive of this runtime agrees through.
@@ -613,7 +658,7 @@ impl Runtime {
     /// | `throttlebeam_debounce_{calls,runs,coalesced,cancelled,flushed,failed}_total` | counter | [`crate::DebounceStats`] |
     /// | `throttlebeam_throttle_windows`, `throttlebeam_throttle_capacity` | gauge | [`crate::ThrottleStats`] |
     /// | `throttlebeam_throttle_{executed,throttled,throttled_remotely,store_errors}_total` | counter | [`crate::ThrottleStats`] |
-    /// | `throttlebeam_idempotency_stored_results` | gauge | [`crate::IdempotencyStats`] |
+    /// | `throttlebeam_idempotency_stored_results`, `throttlebeam_idempotency_stored_bytes` | gauge | [`crate::IdempotencyStats`] |
     /// | `throttlebeam_idempotency_{fresh,replays,fingerprint_mismatches,takeovers,in_flight_rejections,timeouts,evictions}_total` | counter | [`crate::IdempotencyStats`] |
     /// | `throttlebeam_trailing_{active,pending,keys,store_keys}` | gauge | [`crate::TrailingStats`], every coalescing throttle added up |
     /// | `throttlebeam_trailing_{calls,leading_runs,trailing_runs,coalesced,store_errors,evictions}_total` | counter | [`crate::TrailingStats`] |

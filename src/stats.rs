@@ -142,6 +142,9 @@ impl Stats {
             #[allow(clippy::cast_precision_loss)]
             gauge!(metric, &label).set(value as f64);
         }
+        #[allow(clippy::cast_precision_loss)]
+        gauge!("throttlebeam_idempotency_stored_bytes", &label)
+            .set(self.idempotency.stored_bytes as f64);
         let counters: [(&'static str, u64); 24] = [
             ("throttlebeam_restarts_total", self.restarts),
             ("throttlebeam_debounce_calls_total", self.debounce.calls),

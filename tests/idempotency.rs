@@ -1153,6 +1153,93 @@ async fn i12_past_the_cap_the_oldest_results_are_evicted_first_and_counted() {
     );
 }
 
+/// Issue 30 item 9: results are bounded by bytes, not only by count. Past
+/// the byte budget the oldest are evicted first and counted; what is kept
+/// weighs exactly its keys, encoded values and entries.
+#[tokio::test(start_paused = true)]
+async fn past_the_byte_budget_the_oldest_results_are_evicted_first_and_counted() {
+    // "-b:0" (4 bytes) + 3,000 bytes in 3,003 encoded + 200 for the entry.
+    const ONE: u64 = 4 + 3_003 + 200;
+    let runtime = Runtime::builder()
+        .with_max_idempotency_bytes(10_000)
+        .start()
+        .await
+        .unwrap();
+    let idem = runtime.idempotency();
+    let runs = runs();
+    let body = |i: u8| vec![i; 3_000];
+    for i in 0..3_u8 {
+        let fresh = idem.run(&format!("b:{i}"), op(&runs, MS, body(i))).await;
+        assert!(fresh.unwrap().is_fresh());
+    }
+    let stats = idem.stats();
+    assert_eq!(
+        (stats.stored_results, stats.stored_bytes, stats.evictions),
+        (3, 3 * ONE, 0),
+        "{stats:?}"
+    );
+    // A fourth would weigh 12,828 bytes: the oldest goes.
+    assert!(
+        idem.run("b:3", op(&runs, MS, body(3)))
+            .await
+            .unwrap()
+            .is_fresh()
+    );
+    let stats = idem.stats();
+    assert_eq!(
+        (stats.stored_results, stats.stored_bytes, stats.evictions),
+        (3, 3 * ONE, 1),
+        "{stats:?}"
+    );
+    for i in 1..4_u8 {
+        let replay = idem.run(&format!("b:{i}"), op(&runs, MS, body(99))).await;
+        assert_eq!(replay.unwrap(), IdempotencyOutcome::Replay(body(i)));
+    }
+    assert_eq!(count(&runs), 4);
+    // b:0 was evicted: it runs again (and evicts b:1, now the oldest).
+    let again = idem.run("b:0", op(&runs, MS, body(10))).await.unwrap();
+    assert_eq!(again, IdempotencyOutcome::Fresh(body(10)));
+    assert_eq!(idem.stats().evictions, 2);
+    assert!(
+        idem.run("b:1", op(&runs, MS, body(11)))
+            .await
+            .unwrap()
+            .is_fresh()
+    );
+    assert_eq!(idem.stats().evictions, 3, "b:1 made room by evicting b:2");
+
+    // A result heavier than the whole budget is not kept (and evicts the rest).
+    let huge = idem.run("huge", op(&runs, MS, vec![0u8; 20_000])).await;
+    assert!(huge.unwrap().is_fresh());
+    let stats = idem.stats();
+    assert_eq!(
+        (stats.stored_results, stats.stored_bytes),
+        (0, 0),
+        "{stats:?}"
+    );
+    assert_eq!(stats.evictions, 3 + 3 + 1, "b:3, b:0, b:1, then itself");
+    assert_eq!(runtime.stats().ttl_entries, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_byte_budget_has_a_documented_default_and_rejects_zero() {
+    assert_eq!(throttlebeam::DEFAULT_MAX_IDEMPOTENCY_BYTES, 256 << 20);
+    let zero = Runtime::builder()
+        .with_max_idempotency_bytes(0)
+        .start()
+        .await;
+    assert!(
+        matches!(
+            zero,
+            Err(Error::InvalidConfig {
+                what: "max idempotency bytes",
+                ..
+            })
+        ),
+        "{zero:?}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_results_cap_has_a_documented_default_and_rejects_zero() {
     assert_eq!(throttlebeam::DEFAULT_MAX_IDEMPOTENCY_RESULTS, 100_000);
@@ -1187,6 +1274,7 @@ async fn stats_serialize_with_every_counter() {
         "timeouts",
         "evictions",
         "stored_results",
+        "stored_bytes",
     ] {
         assert!(json.get(field).is_some(), "{field} missing from {json}");
     }

@@ -700,6 +700,9 @@ async fn stats_are_exported_through_the_metrics_facade() {
         .unwrap()
         .await
         .unwrap();
+    let idempotency = rt.idempotency();
+    let idempotent = idempotency.run("i", || async { Ok::<_, Oops>(7u8) }).await;
+    assert!(idempotent.unwrap().is_fresh());
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     metrics::with_local_recorder(&recorder, || rt.export_metrics());
@@ -738,6 +741,11 @@ async fn stats_are_exported_through_the_metrics_facade() {
         &DebugValue::Gauge(1.0.into())
     );
     assert_eq!(value("throttlebeam_down"), &DebugValue::Gauge(0.0.into()));
+    // The key "-i" (unscoped), one encoded byte and the entry's 200.
+    assert_eq!(
+        value("throttlebeam_idempotency_stored_bytes"),
+        &DebugValue::Gauge(203.0.into())
+    );
 }
 
 /// A memory store whose `sweep` panics (a broken custom store).

@@ -59,8 +59,26 @@ struct Encoded {
 /// allocation.
 struct Stored<V: ?Sized> {
     fingerprint: Option<Fingerprint>,
+    /// The value's size in bytes, encoded (saturated at 4 GiB): what it
+    /// counts against a byte budget.
+    weight: u32,
     /// The typed value, or [`Encoded`] bytes.
     value: V,
+}
+
+/// `value`'s size bincode-encoded: the measure of a typed value's bytes (its
+/// heap layout is not visible to generic code); its in-memory size if it
+/// cannot be encoded.
+fn encoded_len<T: Serialize>(value: &T) -> usize {
+    let mut size = bincode::enc::write::SizeWriter::default();
+    match bincode::serde::encode_into_writer(value, &mut size, CODEC) {
+        Ok(()) => size.bytes_written,
+        Err(_) => std::mem::size_of::<T>(),
+    }
+}
+
+fn weight(bytes: usize) -> u32 {
+    u32::try_from(bytes).unwrap_or(u32::MAX)
 }
 
 /// A completed result with the digest of the fingerprint of the request
@@ -80,14 +98,20 @@ impl Record {
         T: Serialize + Send + Sync + 'static,
     {
         Ok(Self(match form {
-            Form::Typed => Arc::new(Stored { fingerprint, value }),
-            Form::Encoded => Arc::new(Stored {
+            Form::Typed => Arc::new(Stored {
                 fingerprint,
-                value: Encoded {
-                    bytes: bincode::serde::encode_to_vec(&value, CODEC)?.into_boxed_slice(),
-                    tag: std::any::type_name::<T>().into(),
-                },
+                weight: weight(encoded_len(&value)),
+                value,
             }),
+            Form::Encoded => {
+                let bytes = bincode::serde::encode_to_vec(&value, CODEC)?.into_boxed_slice();
+                let tag: Box<str> = std::any::type_name::<T>().into();
+                Arc::new(Stored {
+                    fingerprint,
+                    weight: weight(bytes.len() + tag.len()),
+                    value: Encoded { bytes, tag },
+                })
+            }
         }))
     }
 
@@ -95,6 +119,7 @@ impl Record {
     pub(crate) fn from_stored(result: StoredResult) -> Self {
         Self(Arc::new(Stored {
             fingerprint: result.fingerprint,
+            weight: weight(result.value.len() + result.type_tag.len()),
             value: Encoded {
                 bytes: result.value.into_boxed_slice(),
                 tag: result.type_tag.into_boxed_str(),
@@ -104,6 +129,11 @@ impl Record {
 
     pub(crate) fn fingerprint(&self) -> Option<&Fingerprint> {
         self.0.fingerprint.as_ref()
+    }
+
+    /// The value's size in bytes, encoded (see [`Stored::weight`]).
+    pub(crate) fn weight(&self) -> u32 {
+        self.0.weight
     }
 
     /// Bytes this record holds in its own allocation: the fingerprint
@@ -178,7 +208,9 @@ impl<T> Pending<'_, T> {
 pub(crate) struct StoreCounts {
     /// Results held, expired ones not yet swept included.
     pub(crate) stored: usize,
-    /// Results evicted by a cap before their TTL.
+    /// What they weigh in bytes (see [`ResultTable`]).
+    pub(crate) bytes: u64,
+    /// Results evicted by a cap or the byte budget before their TTL.
     pub(crate) evictions: u64,
 }
 
@@ -229,7 +261,10 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
 }
 
 /// Results in a [`TtlTable`] swept by the runtime's sweeper, capped at
-/// `max_results` entries (the oldest evicted first).
+/// `max_results` entries and `max_bytes` bytes (the oldest evicted first).
+///
+/// A result weighs its key, its value encoded (the measure of a typed
+/// value's size) and [`ENTRY_OVERHEAD`] for the entry around them.
 pub(crate) struct ResultTable {
     // Records inline in the table: a replay touches the entry and the value.
     table: Arc<TtlTable<InlineKey, Record>>,
@@ -242,11 +277,26 @@ pub(crate) struct ResultTable {
 /// Evictions are logged at warn at most this often.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
+/// What a stored result costs beside its key and value: the table entry,
+/// the record's allocation, its slot in the insertion order.
+pub(crate) const ENTRY_OVERHEAD: u64 = 200;
+
+/// A stored result's weight against the byte budget.
+fn weigh(key: &InlineKey, record: &Record) -> u64 {
+    key.as_str().len() as u64 + u64::from(record.weight()) + ENTRY_OVERHEAD
+}
+
 impl ResultTable {
-    pub(crate) fn new(counters: Arc<Counters>, sweeper: &Sweeper, max_results: usize) -> Self {
+    pub(crate) fn new(
+        counters: Arc<Counters>,
+        sweeper: &Sweeper,
+        max_results: usize,
+        max_bytes: u64,
+    ) -> Self {
         Self {
             table: TtlTable::new(counters)
                 .with_max_len(max_results)
+                .with_max_weight(max_bytes, weigh)
                 .swept_by(sweeper),
             warned_at: AtomicU64::new(u64::MAX),
             base: Instant::now(),
@@ -267,9 +317,13 @@ impl ResultTable {
             tracing::warn!(
                 evicted = n,
                 evictions = self.table.evictions(),
+                stored = self.table.len(),
+                stored_bytes = self.table.weight(),
                 max_results = self.table.max_len().unwrap_or(usize::MAX),
-                "idempotency results evicted before their ttl: the store is at its cap; \
-                 raise it with RuntimeBuilder::with_max_idempotency_results"
+                max_bytes = self.table.max_weight().unwrap_or(u64::MAX),
+                "idempotency results evicted before their ttl: the store is at its cap of \
+                 results or bytes; raise them with RuntimeBuilder::with_max_idempotency_results \
+                 and RuntimeBuilder::with_max_idempotency_bytes"
             );
         }
     }
@@ -312,6 +366,7 @@ impl ResultStore for ResultTable {
     fn counts(&self) -> StoreCounts {
         StoreCounts {
             stored: self.table.len(),
+            bytes: self.table.weight(),
             evictions: self.table.evictions(),
         }
     }
