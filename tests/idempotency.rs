@@ -1482,3 +1482,142 @@ async fn a_huge_lease_left_from_a_shared_store_caps_the_retry_hint() {
     }
     assert_eq!(count(&runs), 0);
 }
+
+/// Issue 30 item 9: a full shared memory store finds what to drop without
+/// scanning (it scanned every key under its lock on every new claim, so a
+/// flood at the cap was quadratic), and drops exactly what has expired.
+#[tokio::test(start_paused = true)]
+async fn a_full_memory_store_drops_only_what_expired_and_never_scans() {
+    use throttlebeam::store::StoreError;
+    use throttlebeam::{
+        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
+    };
+    const CAP: usize = 50_000;
+    let store = MemoryIdempotencyStore::with_max_keys(CAP);
+    let claim = |key: String, lease: Duration| {
+        let store = store.clone();
+        async move {
+            store
+                .claim(&key, ClaimRequest::new(ClaimToken::new(), None, lease, SEC))
+                .await
+        }
+    };
+    // Full: odd keys held for 10 s, even keys for an hour.
+    for i in 0..CAP {
+        let lease = if i % 2 == 1 { 10 * SEC } else { 3600 * SEC };
+        let won = claim(format!("k:{i}"), lease).await.unwrap();
+        assert!(matches!(won, ClaimReply::Won { .. }));
+    }
+    // A flood of new keys at the cap: each refused at once, none scanning
+    // the 50,000 keys held (that took minutes in a debug build).
+    let started = std::time::Instant::now();
+    for i in 0..CAP {
+        let refused = claim(format!("new:{i}"), SEC).await.unwrap_err();
+        assert!(
+            matches!(refused, StoreError::Full { cap: CAP }),
+            "{refused:?}"
+        );
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "{CAP} refusals took {took:?}"
+    );
+
+    // Once the odd keys expire, exactly they make room, in one batch.
+    sleep(10 * SEC).await;
+    let started = std::time::Instant::now();
+    for i in 0..CAP / 2 {
+        let won = claim(format!("new:{i}"), 3600 * SEC).await.unwrap();
+        assert!(matches!(won, ClaimReply::Won { .. }));
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "{} claims took {took:?}",
+        CAP / 2
+    );
+    assert_eq!(store.len(), CAP);
+    assert!(matches!(
+        claim("one more".to_owned(), SEC).await,
+        Err(StoreError::Full { .. })
+    ));
+    for i in [0, 2, 4, CAP - 2] {
+        let busy = claim(format!("k:{i}"), SEC).await.unwrap();
+        assert!(matches!(busy, ClaimReply::Busy { .. }), "k:{i}: {busy:?}");
+    }
+}
+
+/// Issue 30 item 9: the shared memory store bounds its results by bytes:
+/// past its budget the oldest completed results are evicted first and
+/// counted; keys in flight are never evicted.
+#[tokio::test(start_paused = true)]
+async fn the_memory_store_evicts_its_oldest_results_past_its_byte_budget() {
+    use throttlebeam::{
+        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
+        StoredResult,
+    };
+    // "k:0" + "v" + 1,000 bytes + 200 for the entry.
+    const ONE: usize = 3 + 1 + 1_000 + 200;
+    assert_eq!(
+        MemoryIdempotencyStore::new().max_bytes(),
+        throttlebeam::DEFAULT_MAX_IDEMPOTENCY_BYTES
+    );
+    let store = MemoryIdempotencyStore::new().with_max_bytes(3 * ONE);
+    let hour = 3600 * SEC;
+    let request = |token| ClaimRequest::new(token, None, hour, hour);
+    // One key held in flight all along.
+    let holder = ClaimToken::new();
+    assert!(matches!(
+        store.claim("held", request(holder)).await.unwrap(),
+        ClaimReply::Won { .. }
+    ));
+    let complete = |i: u8| {
+        let store = store.clone();
+        async move {
+            let key = format!("k:{i}");
+            let owner = ClaimToken::new();
+            store.claim(&key, request(owner)).await.unwrap();
+            let result = StoredResult::new(None, "v", vec![i; 1_000]);
+            assert!(store.complete(&key, owner, &result, hour).await.unwrap());
+            sleep(MS).await;
+        }
+    };
+    for i in 0..3 {
+        complete(i).await;
+    }
+    assert_eq!((store.bytes(), store.evictions()), (3 * ONE, 0));
+    complete(3).await;
+    assert_eq!(
+        (store.bytes(), store.evictions(), store.len()),
+        (3 * ONE, 1, 4)
+    );
+    let other = ClaimToken::new();
+    assert!(
+        matches!(
+            store.claim("k:0", request(other)).await.unwrap(),
+            ClaimReply::Won { .. }
+        ),
+        "the oldest was evicted"
+    );
+    for i in 1..4_u8 {
+        match store
+            .claim(&format!("k:{i}"), request(other))
+            .await
+            .unwrap()
+        {
+            ClaimReply::Completed(result) => assert_eq!(result.value, vec![i; 1_000]),
+            reply => panic!("k:{i}: {reply:?}"),
+        }
+    }
+    assert!(matches!(
+        store.claim("held", request(other)).await.unwrap(),
+        ClaimReply::Busy { .. }
+    ));
+    // An expired result makes room before a live one is evicted.
+    sleep(hour).await;
+    assert!(store.renew("held", holder, hour).await.unwrap());
+    complete(9).await;
+    assert_eq!(store.evictions(), 1, "expired results were dropped instead");
+    assert_eq!(store.bytes(), ONE);
+}
