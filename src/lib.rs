@@ -114,6 +114,8 @@ mod stats;
 pub mod store;
 #[cfg(feature = "runtime")]
 mod throttle;
+#[cfg(feature = "runtime")]
+mod wire;
 
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
@@ -149,6 +151,9 @@ pub use stats::{DebounceStats, Stats, ThrottleStats};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use throttle::{Throttle, ThrottleHandle, ThrottleOutcome};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+pub use wire::WireError;
 
 #[cfg(all(doctest, feature = "runtime", feature = "http"))]
 #[doc = include_str!("../README.md")]

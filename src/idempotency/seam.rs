@@ -104,8 +104,14 @@ fn process_seed() -> u64 {
 }
 
 /// A completed result as a shared store keeps it: the fingerprint digest of
-/// the request that produced it, the value's type tag and the value in
-/// bincode bytes.
+/// the request that produced it, the value's type tag and the value in a
+/// versioned envelope (three header bytes, `t`, `b` and the format version,
+/// then, in version 1, the value in bincode 2 `standard()`).
+///
+/// A value this build cannot read (another format version, no envelope,
+/// over 256 MiB) is refused with [`Error::StoreUnavailable`](crate::Error::StoreUnavailable),
+/// whose source is a [`WireError`](crate::WireError): fail closed, never
+/// misread.
 ///
 /// The type tag is the Rust type name of the value. A replay as another
 /// type is refused with [`Error::TypeMismatch`](crate::Error::TypeMismatch)
@@ -118,7 +124,7 @@ pub struct StoredResult {
     pub fingerprint: Option<[u8; 32]>,
     /// The value's type name.
     pub type_tag: String,
-    /// The value, bincode-encoded.
+    /// The value in its versioned envelope.
     pub value: Vec<u8>,
 }
 

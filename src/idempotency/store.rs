@@ -19,23 +19,25 @@ use tokio::time::Instant;
 
 use super::options::Fingerprint;
 use super::seam::StoredResult;
-use crate::error::BoxError;
-use crate::key::InlineKey;
+use crate::error::{BoxError, Error};
+use crate::key::{InlineKey, shown};
+use crate::wire::{self, WireError};
 
-/// `value` as a shared store keeps it: bincode bytes and the type tag.
+/// `value` as a shared store keeps it: in the versioned envelope
+/// ([`crate::wire`]), with its type tag.
 pub(crate) fn stored_result<T: Serialize>(
     fingerprint: Option<Fingerprint>,
     value: &T,
-) -> Result<StoredResult, bincode::error::EncodeError> {
+) -> Result<StoredResult, WireError> {
     Ok(StoredResult::new(
         fingerprint,
         std::any::type_name::<T>(),
-        bincode::serde::encode_to_vec(value, CODEC)?,
+        wire::seal(value)?,
     ))
 }
 
-/// bincode settings of encoded results: part of the format a shared store
-/// keeps, so changing them orphans stored results.
+/// bincode settings a typed value is measured with: those of the envelope's
+/// payload, so a value weighs the same in memory as in a shared store.
 const CODEC: bincode::config::Configuration = bincode::config::standard();
 
 /// How a store wants values handed to it.
@@ -47,9 +49,9 @@ pub(crate) enum Form {
     Encoded,
 }
 
-/// A value in bincode bytes, readable by another process, with its type
-/// tag (the Rust type name), so a value of another type is refused rather
-/// than misread.
+/// A value in its versioned envelope, readable by another process, with its
+/// type tag (the Rust type name), so a value of another type is refused
+/// rather than misread.
 struct Encoded {
     bytes: Box<[u8]>,
     tag: Box<str>,
@@ -93,7 +95,7 @@ impl Record {
         form: Form,
         fingerprint: Option<Fingerprint>,
         value: T,
-    ) -> Result<Self, bincode::error::EncodeError>
+    ) -> Result<Self, WireError>
     where
         T: Serialize + Send + Sync + 'static,
     {
@@ -104,7 +106,7 @@ impl Record {
                 value,
             }),
             Form::Encoded => {
-                let bytes = bincode::serde::encode_to_vec(&value, CODEC)?.into_boxed_slice();
+                let bytes = wire::seal(&value)?.into_boxed_slice();
                 let tag: Box<str> = std::any::type_name::<T>().into();
                 Arc::new(Stored {
                     fingerprint,
@@ -143,25 +145,43 @@ impl Record {
         std::mem::size_of_val(&*self.0)
     }
 
-    /// The value as a `T`, or `None` if it was stored as another type.
+    /// The value as a `T`, for `key`'s caller.
     ///
-    /// Encoded values are only checked to decode exactly; bincode is not
-    /// self-describing, so a type of the same shape reads back silently.
-    pub(crate) fn value<T>(&self) -> Option<T>
+    /// Fails with [`Error::TypeMismatch`] if it was stored as another type
+    /// (another type tag, or bytes that do not decode exactly as a `T`:
+    /// bincode is not self-describing, so a type of the same shape reads back
+    /// silently), and with [`Error::StoreUnavailable`] whose source is the
+    /// [`WireError`] if its envelope is unreadable here (another format
+    /// version, no envelope, too large): fail closed, neither misread nor run
+    /// again.
+    pub(crate) fn value<T>(&self, key: &str) -> Result<T, Error>
     where
         T: DeserializeOwned + Clone + 'static,
     {
+        let mismatch = || Error::TypeMismatch { key: shown(key) };
         let value: &(dyn Any + Send + Sync) = &self.0.value;
         if let Some(Encoded { bytes, tag }) = value.downcast_ref::<Encoded>() {
             if **tag != *std::any::type_name::<T>() {
-                return None;
+                return Err(mismatch());
             }
-            return match bincode::serde::decode_from_slice::<T, _>(bytes, CODEC) {
-                Ok((value, read)) if read == bytes.len() => Some(value),
-                _ => None,
+            return match wire::open::<T>(bytes) {
+                Ok(value) => Ok(value),
+                Err(WireError::Codec { .. }) => Err(mismatch()),
+                Err(unreadable) => {
+                    tracing::warn!(
+                        key = %shown(key),
+                        error = %unreadable,
+                        "idempotency result in the shared store is unreadable by this build; \
+                         failing closed"
+                    );
+                    Err(Error::StoreUnavailable {
+                        key: shown(key),
+                        source: Arc::new(unreadable),
+                    })
+                }
             };
         }
-        value.downcast_ref::<T>().cloned()
+        value.downcast_ref::<T>().cloned().ok_or_else(mismatch)
     }
 
     fn is_encoded(&self) -> bool {
@@ -394,8 +414,11 @@ mod tests {
         };
         let record = Record::new(Form::Typed, Some([7; 32]), charge.clone()).unwrap();
         assert_eq!(record.fingerprint(), Some(&[7; 32]));
-        assert_eq!(record.value::<Charge>(), Some(charge));
-        assert_eq!(record.value::<u64>(), None);
+        assert_eq!(record.value::<Charge>("k").unwrap(), charge);
+        assert!(matches!(
+            record.value::<u64>("k"),
+            Err(Error::TypeMismatch { .. })
+        ));
     }
 
     #[test]
@@ -406,8 +429,52 @@ mod tests {
         };
         let record = Record::new(Form::Encoded, None, charge.clone()).unwrap();
         assert!(record.is_encoded());
-        assert_eq!(record.value::<Charge>(), Some(charge));
-        // Trailing bytes left over mean the stored value was of another type.
-        assert_eq!(record.value::<u8>(), None);
+        assert_eq!(record.value::<Charge>("k").unwrap(), charge);
+        assert!(matches!(
+            record.value::<u8>("k"),
+            Err(Error::TypeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn a_stored_result_in_another_format_version_fails_closed_not_misread() {
+        let mut stored = stored_result(None, &7_u64).unwrap();
+        assert_eq!(&stored.value[..3], b"tb\x01", "enveloped, version 1");
+        assert_eq!(
+            Record::from_stored(stored.clone())
+                .value::<u64>("k")
+                .unwrap(),
+            7
+        );
+        stored.value[2] = 9;
+        match Record::from_stored(stored.clone()).value::<u64>("k") {
+            Err(Error::StoreUnavailable { key, source }) => {
+                assert_eq!(key, "k");
+                assert!(
+                    matches!(
+                        source.downcast_ref::<WireError>(),
+                        Some(WireError::UnknownVersion {
+                            found: 9,
+                            supported: 1
+                        })
+                    ),
+                    "{source:?}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // Without an envelope (written before envelopes, or by something else).
+        let plain = StoredResult::new(None, stored.type_tag.clone(), vec![7]);
+        assert!(matches!(
+            Record::from_stored(plain).value::<u64>("k"),
+            Err(Error::StoreUnavailable { .. })
+        ));
+        // Enveloped but truncated: it does not decode as the type.
+        let mut cut = stored_result(None, &String::from("paid")).unwrap();
+        cut.value.truncate(cut.value.len() - 1);
+        assert!(matches!(
+            Record::from_stored(cut).value::<String>("k"),
+            Err(Error::TypeMismatch { .. })
+        ));
     }
 }
