@@ -14,8 +14,12 @@ use crate::error::Error;
 use crate::key::shown;
 use crate::stats::Stats;
 
+#[cfg(feature = "redis")]
+mod redis;
 mod service;
 
+#[cfg(feature = "redis")]
+use self::redis::{Backend, BackendStore};
 use self::service::Services;
 pub(crate) use self::service::{Service, ServiceFuture};
 pub use crate::clock::RuntimeClock;
@@ -69,7 +73,17 @@ pub struct RuntimeBuilder {
     name: Arc<str>,
     idempotency_store: Option<SharedStore>,
     #[cfg(feature = "redis")]
-    redis: Option<crate::store::Redis>,
+    redis: Option<RedisChoice>,
+}
+
+/// The Redis backend a builder was given.
+#[cfg(feature = "redis")]
+#[derive(Debug, Clone)]
+enum RedisChoice {
+    /// Connected already.
+    Connected(crate::store::Redis),
+    /// To connect in the background.
+    Connecting(crate::store::RedisBuilder),
 }
 
 /// A shared idempotency store, as the builder holds it.
@@ -213,13 +227,68 @@ impl RuntimeBuilder {
     /// instance's own debounce while Redis is unreachable.
     ///
     /// The default runtime picks Redis up from the environment
-    /// ([`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV) or
-    /// [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV)).
+    /// ([`with_redis_from_env`](Self::with_redis_from_env)).
     #[cfg(feature = "redis")]
     #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     pub fn with_redis(mut self, redis: crate::store::Redis) -> Self {
-        self.redis = Some(redis);
+        self.redis = Some(RedisChoice::Connected(redis));
         self
+    }
+
+    /// Shares through Redis as [`with_redis`](Self::with_redis) does, but
+    /// connects in the background: [`start`](Self::start) neither waits for
+    /// Redis nor fails when it is unreachable, and the runtime never
+    /// silently stops sharing. Until the connection succeeds, idempotent
+    /// calls fail with [`Error::StoreUnavailable`] (fail closed) and
+    /// throttles and debounce decide per instance (fail open), exactly as
+    /// during an outage; connecting is retried (backing off up to every 2 s,
+    /// the first failure logged at warn), and once it succeeds every
+    /// primitive shares through Redis. After that, outages are the
+    /// backend's business as with [`with_redis`](Self::with_redis).
+    ///
+    /// The attempts run on the tokio runtime that starts the runtime; if it
+    /// ends first, the next call needing Redis starts them again on its own.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use std::time::Duration;
+    /// use throttlebeam::{Error, Runtime};
+    /// use throttlebeam::store::Redis;
+    ///
+    /// // Nothing listens there: the runtime starts anyway.
+    /// let runtime = Runtime::builder()
+    ///     .with_redis_connecting(Redis::builder("redis://127.0.0.1:1"))
+    ///     .start()
+    ///     .await?;
+    /// let (throttle, idempotency) = (runtime.throttle(), runtime.idempotency());
+    /// let ran = throttle.call("k", Duration::from_secs(1), || async { Ok::<_, std::io::Error>(()) });
+    /// assert!(ran.await?.is_executed(), "throttles decide per instance");
+    /// let once = idempotency.run("pay:1", || async { Ok::<_, std::io::Error>(1) });
+    /// assert!(matches!(once.await, Err(Error::StoreUnavailable { .. })), "idempotency fails closed");
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    pub fn with_redis_connecting(mut self, redis: crate::store::RedisBuilder) -> Self {
+        self.redis = Some(RedisChoice::Connecting(redis));
+        self
+    }
+
+    /// [`with_redis_connecting`](Self::with_redis_connecting) with the Redis
+    /// the environment names ([`Redis::from_env`](crate::store::Redis::from_env):
+    /// [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV) or
+    /// [`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV)); the builder unchanged
+    /// when neither is set. What the default runtime ([`Runtime::global`])
+    /// does.
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    pub fn with_redis_from_env(self) -> Self {
+        match crate::store::Redis::from_env() {
+            Some(redis) => self.with_redis_connecting(redis),
+            None => self,
+        }
     }
 
     /// What shutdown does with pending debounced work (default flush).
@@ -304,6 +373,11 @@ impl RuntimeBuilder {
         if let Some(partitions) = self.partitions {
             config = config.with_partitions(partitions);
         }
+        #[cfg(feature = "redis")]
+        let redis = self.redis.map(|choice| match choice {
+            RedisChoice::Connected(redis) => Backend::connected(redis),
+            RedisChoice::Connecting(builder) => Backend::connecting(builder),
+        });
         let counters = Arc::new(Counters::new());
         let tree = match host {
             Some(host) => Tree::start_linked(config, counters.clone(), host).await,
@@ -323,19 +397,24 @@ impl RuntimeBuilder {
             idempotency_store: match self.idempotency_store {
                 Some(SharedStore(store)) => Some(store),
                 #[cfg(feature = "redis")]
-                None => self
-                    .redis
-                    .clone()
-                    .map(|r| Arc::new(r) as Arc<dyn crate::IdempotencyStore>),
+                None => redis.as_ref().map(|backend| match backend.get() {
+                    Some(redis) => Arc::new(redis.clone()) as Arc<dyn crate::IdempotencyStore>,
+                    None => Arc::new(BackendStore(backend.clone())),
+                }),
                 #[cfg(not(feature = "redis"))]
                 None => None,
             },
             #[cfg(feature = "redis")]
-            redis: self.redis,
+            redis,
             closed: AtomicBool::new(false),
             restarts: AtomicU64::new(0),
             services: Services::default(),
         });
+        // A backend to connect starts connecting now, on this tokio runtime.
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &core.redis {
+            redis.kick();
+        }
         Ok(Runtime { core })
     }
 }
@@ -360,9 +439,10 @@ pub(crate) struct Core {
     pub(crate) max_idempotency_bytes: u64,
     /// Where idempotency claims and results are shared, if anywhere.
     pub(crate) idempotency_store: Option<Arc<dyn crate::IdempotencyStore>>,
-    /// The shared store every primitive of this runtime agrees through.
+    /// The shared store every primitive of this runtime agrees through
+    /// (see [`Core::redis`]).
     #[cfg(feature = "redis")]
-    pub(crate) redis: Option<crate::store::Redis>,
+    redis: Option<Backend>,
     closed: AtomicBool,
     restarts: AtomicU64,
     services: Services,
@@ -384,6 +464,16 @@ impl Core {
             return Err(Error::RuntimeDown { key: shown(key) });
         }
         Ok(())
+    }
+
+    /// The Redis backend every primitive of this runtime agrees through,
+    /// once connected: `None` without one, and while a backend given to
+    /// connect in the background has not connected yet (then primitives
+    /// decide as during an outage).
+    #[cfg(feature = "redis")]
+    #[inline]
+    pub(crate) fn redis(&self) -> Option<&crate::store::Redis> {
+        self.redis.as_ref().and_then(Backend::get)
     }
 
     /// This runtime's instance of service `S`, created by `make` on first use.
@@ -518,6 +608,12 @@ impl Runtime {
     /// No host supervises it, so it supervises itself: if its root goes
     /// down, calls fail with [`Error::RuntimeDown`] for about 100 ms, then
     /// it restarts (as [`Runtime::restart`]) and serves again.
+    ///
+    /// With the `redis` feature it shares through the Redis its environment
+    /// names ([`RuntimeBuilder::with_redis_from_env`]), connecting on its own
+    /// thread: the first caller never waits for Redis, and a Redis
+    /// unreachable at start is connected to once it answers (until then
+    /// idempotency fails closed and throttles decide per instance).
     ///
     /// # Errors
     ///
@@ -710,6 +806,10 @@ impl Runtime {
         for service in &services {
             service.stopped();
         }
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &self.core.redis {
+            redis.close();
+        }
         ShutdownReport { still_running }
     }
 }
@@ -731,24 +831,14 @@ fn start_global() -> Result<Runtime, Error> {
             };
             rt.block_on(async move {
                 let partitions = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
-                #[allow(unused_mut)]
-                let mut builder = Runtime::builder()
+                let builder = Runtime::builder()
                     .with_name("default")
                     .with_partitions(partitions);
+                // Redis connects in the background, on this thread: no
+                // caller waits for it, and an unreachable server is retried
+                // (never a runtime that silently stopped sharing).
                 #[cfg(feature = "redis")]
-                if let Some(redis) = crate::store::Redis::from_env() {
-                    match redis.connect().await {
-                        Ok(redis) => builder = builder.with_redis(redis),
-                        Err(error) => {
-                            // Throttles fail open: decide per instance rather than not start.
-                            let error: &(dyn std::error::Error + 'static) = &error;
-                            tracing::error!(
-                                error,
-                                "default runtime: Redis from the environment is unreachable; deciding per instance"
-                            );
-                        }
-                    }
-                }
+                let builder = builder.with_redis_from_env();
                 let started = builder.start().await;
                 let runtime = started.as_ref().ok().cloned();
                 let _ = tx.send(started);

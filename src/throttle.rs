@@ -312,7 +312,7 @@ impl ThrottleHandle {
             return Ok(ThrottleOutcome::Throttled { retry_after });
         }
         #[cfg(feature = "redis")]
-        if let Some(redis) = &core.redis
+        if let Some(redis) = core.redis()
             && let Some(retry_after) = state.open_shared(redis, key, interval).await
         {
             return Ok(ThrottleOutcome::Throttled { retry_after });

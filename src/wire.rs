@@ -122,6 +122,10 @@ pub(crate) fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, WireError
 
 /// `value` in the current version's payload format, without a header (to
 /// nest in an enveloped value).
+#[cfg_attr(
+    not(feature = "redis"),
+    allow(dead_code, reason = "debounce across instances")
+)]
 pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, WireError> {
     let bytes =
         bincode::serde::encode_to_vec(value, CODEC).map_err(|e| WireError::codec("encoded", e))?;

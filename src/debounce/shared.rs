@@ -417,7 +417,7 @@ impl BurstListener for Shared {
 impl DebounceHandle {
     /// The shared debounce of this runtime, if it has Redis.
     pub(super) fn shared(&self) -> Option<&Arc<Shared>> {
-        let redis = self.runtime.core.redis.as_ref()?;
+        let redis = self.runtime.core.redis()?;
         Some(self.state.shared.get_or_init(|| {
             let core = &self.runtime.core;
             let shared = Shared::new(
