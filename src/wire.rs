@@ -64,7 +64,7 @@ pub enum WireError {
     TooLarge {
         /// The value's size.
         len: usize,
-        /// The limit ([`MAX_DECODED`]).
+        /// The limit (256 MiB).
         limit: usize,
     },
     /// The payload could not be encoded, or does not decode exactly (it is
