@@ -20,10 +20,9 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use throttlebeam_supervisors::{Counters, Sweeper, catch_panic_fn};
+use throttlebeam_supervisors::catch_panic_fn;
 use tokio::time::Instant;
 
 use self::claim::{Ledger, Settled, Step, Tally, Ticket};
@@ -51,6 +50,15 @@ use crate::stats::Stats;
 /// service taking one new key a second for its whole default 24 h TTL. Past the cap the oldest results are evicted
 /// first, which is an early expiry: a retry of an evicted key runs again.
 pub const DEFAULT_MAX_IDEMPOTENCY_RESULTS: usize = 100_000;
+
+/// The byte budget of the completed results a runtime keeps by default
+/// (256 MiB), see
+/// [`RuntimeBuilder::with_max_idempotency_bytes`](crate::RuntimeBuilder::with_max_idempotency_bytes).
+///
+/// The count cap alone would let 100,000 results of 1 MiB each take 100 GiB;
+/// with this budget they take at most 256 MiB (about 250 of them), the
+/// oldest evicted first.
+pub const DEFAULT_MAX_IDEMPOTENCY_BYTES: usize = 256 << 20;
 
 /// Whether an idempotent call ran its function or replayed a stored result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -126,55 +134,44 @@ pub struct IdempotencyStats {
     pub in_flight_rejections: u64,
     /// Duplicates that gave up with [`Error::Timeout`].
     pub timeouts: u64,
-    /// Results evicted by the cap before their TTL.
+    /// Results evicted by the cap or the byte budget before their TTL.
     pub evictions: u64,
     /// Results held now, expired ones not yet swept included.
     pub stored_results: usize,
+    /// What the results held now weigh against the byte budget
+    /// ([`RuntimeBuilder::with_max_idempotency_bytes`](crate::RuntimeBuilder::with_max_idempotency_bytes)).
+    /// Zero with a shared store, which keeps results elsewhere.
+    pub stored_bytes: u64,
 }
 
 /// The idempotency part of a runtime: its ledger of keys in flight and its
-/// results store. A restart swaps in a fresh ledger: what the old one held is
-/// forgotten, as after an expiry.
+/// results store.
+///
+/// Neither lives in the supervision tree, so a restart after a failed root
+/// keeps both: a run still going on holds its key (a retry waits for it and
+/// replays its result, never runs it a second time) and stored results are
+/// still replayed.
 pub(crate) struct State {
-    ledger: ArcSwap<Ledger>,
-    counters: Arc<Counters>,
-    cap: usize,
-    max_results: usize,
-    sweeper: Sweeper,
-    shared: Option<Arc<dyn IdempotencyStore>>,
+    ledger: Arc<Ledger>,
 }
 
 impl State {
     fn new(core: &Core) -> Self {
         let counters = Arc::clone(&core.counters);
-        let sweeper = core.tree.sweeper().clone();
-        let max_results = core.max_idempotency_results;
-        let shared = core.idempotency_store.clone();
-        let ledger = Self::ledger_for(&counters, core.cap, &sweeper, max_results, &shared);
-        Self {
-            ledger: ArcSwap::new(ledger),
-            counters,
-            cap: core.cap,
-            max_results,
+        let sweeper = core.tree.sweeper();
+        let store = ResultTable::new(
+            Arc::clone(&counters),
             sweeper,
-            shared,
-        }
-    }
-
-    fn ledger_for(
-        counters: &Arc<Counters>,
-        cap: usize,
-        sweeper: &Sweeper,
-        max_results: usize,
-        shared: &Option<Arc<dyn IdempotencyStore>>,
-    ) -> Arc<Ledger> {
-        let store = ResultTable::new(Arc::clone(counters), sweeper, max_results);
-        Arc::new(Ledger::new(
-            Arc::clone(counters),
-            cap,
+            core.max_idempotency_results,
+            core.max_idempotency_bytes,
+        );
+        let ledger = Arc::new(Ledger::new(
+            counters,
+            core.cap,
             Box::new(store),
-            shared.clone(),
-        ))
+            core.idempotency_store.clone(),
+        ));
+        Self { ledger }
     }
 
     /// This runtime's idempotency state.
@@ -182,34 +179,23 @@ impl State {
         core.service(Self::new)
     }
 
-    /// The ledger in force.
+    /// The ledger.
     pub(crate) fn ledger(&self) -> Arc<Ledger> {
-        self.ledger.load_full()
+        Arc::clone(&self.ledger)
     }
 
-    /// This runtime's idempotency counters (since the last restart).
+    /// This runtime's idempotency counters.
     pub(crate) fn stats(&self) -> IdempotencyStats {
-        stats_of(&self.ledger.load())
+        stats_of(&self.ledger)
     }
 }
 
 impl Service for State {
     fn stopped(&self) {
-        self.ledger.load().shutdown();
+        self.ledger.shutdown();
     }
 
-    fn reset(&self) {
-        let fresh = Self::ledger_for(
-            &self.counters,
-            self.cap,
-            &self.sweeper,
-            self.max_results,
-            &self.shared,
-        );
-        let old = self.ledger.swap(fresh);
-        // Waiters on the old ledger look again and find the fresh one empty.
-        old.shutdown();
-    }
+    // No `reset`: a restart loses nothing here (see the type's docs).
 
     fn stats(&self, stats: &mut Stats) {
         stats.idempotency = State::stats(self);
@@ -352,7 +338,7 @@ impl IdempotencyHandle {
     {
         let core = &self.runtime.core;
         // A replay reads the ledger in force without taking a reference to it.
-        if let Some(value) = fast_replay(core, &self.state.ledger.load(), key, &options)? {
+        if let Some(value) = fast_replay(core, &self.state.ledger, key, &options)? {
             return Ok(IdempotencyOutcome::Replay(value));
         }
         self.run_after_miss(key, options, f).await
@@ -370,7 +356,7 @@ impl IdempotencyHandle {
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        fast_replay(&self.runtime.core, &self.state.ledger.load(), key, options)
+        fast_replay(&self.runtime.core, &self.state.ledger, key, options)
     }
 
     /// [`IdempotencyHandle::run_with`] past its replay fast path (or for a caller that has
@@ -460,6 +446,7 @@ fn stats_of(ledger: &Ledger) -> IdempotencyStats {
         timeouts: tally.timeouts.load(Ordering::Relaxed),
         evictions: counts.evictions,
         stored_results: counts.stored,
+        stored_bytes: counts.bytes,
     }
 }
 
@@ -577,10 +564,14 @@ where
 /// holder next has to show it is alive (a retry then replays, still finds
 /// the key in flight, or takes it over), at most a second, at least 1 ms.
 fn retry_hint(lease_until: Option<Instant>, now: Instant) -> Duration {
+    hint(lease_until.map_or(Duration::ZERO, |lease| lease.saturating_duration_since(now)))
+}
+
+/// [`retry_hint`] for a holder whose lease has `left` to run (as a shared
+/// store reports it, possibly huge: never added to an instant).
+fn hint(left: Duration) -> Duration {
     const MAX_HINT: Duration = Duration::from_secs(1);
-    lease_until
-        .map_or(Duration::ZERO, |lease| lease.saturating_duration_since(now))
-        .clamp(Duration::from_millis(1), MAX_HINT)
+    left.clamp(Duration::from_millis(1), MAX_HINT)
 }
 
 /// Where a claim that found its key held waits: on the holder here, or (boxed) on the
@@ -623,7 +614,7 @@ where
                     // Dropping the ticket frees the local claim for the next look.
                     return Err(Error::InFlight {
                         key: shown(key),
-                        retry_after: retry_hint(Some(now + lease_left), now),
+                        retry_after: hint(lease_left),
                     });
                 }
                 // Boxed: this rare wait (a key in flight on another instance) would
@@ -798,6 +789,7 @@ mod tests {
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::time::Duration;
+    use throttlebeam_supervisors::Counters;
     use tokio::time::Instant;
 
     use super::store::{Form, Pending, Record, ResultStore};
@@ -1198,6 +1190,33 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let _ = run("c".to_owned()).await;
         assert_eq!((idem.stats().evictions, warnings()), (11, 2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn evictions_by_the_byte_budget_are_logged_with_the_bytes() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let idem = Runtime::builder()
+            .with_max_idempotency_bytes(1_000)
+            .start()
+            .await
+            .unwrap()
+            .idempotency();
+        for key in ["a", "b"] {
+            let run = idem.run(key, || async { Ok::<_, std::io::Error>(vec![0u8; 600]) });
+            assert!(run.await.unwrap().is_fresh());
+        }
+        assert_eq!(idem.stats().evictions, 1);
+        let logged = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        assert!(logged.contains("idempotency results evicted"), "{logged}");
+        assert!(logged.contains("max_bytes=1000"), "{logged}");
+        assert!(logged.contains("stored_bytes=805"), "{logged}");
     }
 
     /// Lets a test keep a handle on the store it gives the ledger.

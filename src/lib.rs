@@ -114,6 +114,8 @@ mod stats;
 pub mod store;
 #[cfg(feature = "runtime")]
 mod throttle;
+#[cfg(feature = "runtime")]
+mod wire;
 
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
@@ -131,11 +133,11 @@ pub use error::{BoxError, Error};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use idempotency::{
-    ClaimReply, ClaimRequest, ClaimToken, DEFAULT_MAX_IDEMPOTENCY_RESULTS,
-    DEFAULT_SHARED_MEMORY_KEYS, Idempotency, IdempotencyHandle, IdempotencyOptions,
-    IdempotencyOutcome, IdempotencyReservation, IdempotencyReserved, IdempotencyStats,
-    IdempotencyStore, IdempotencyStoreFuture, InFlight, KeyChanged, MemoryIdempotencyStore,
-    StoredResult,
+    ClaimReply, ClaimRequest, ClaimToken, DEFAULT_MAX_IDEMPOTENCY_BYTES,
+    DEFAULT_MAX_IDEMPOTENCY_RESULTS, DEFAULT_SHARED_MEMORY_KEYS, Idempotency, IdempotencyHandle,
+    IdempotencyOptions, IdempotencyOutcome, IdempotencyReservation, IdempotencyReserved,
+    IdempotencyStats, IdempotencyStore, IdempotencyStoreFuture, InFlight, KeyChanged,
+    MemoryIdempotencyStore, StoredResult,
 };
 pub use key::{MAX_KEY_LEN, MAX_TIMER};
 #[cfg(feature = "runtime")]
@@ -149,6 +151,9 @@ pub use stats::{DebounceStats, Stats, ThrottleStats};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use throttle::{Throttle, ThrottleHandle, ThrottleOutcome};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+pub use wire::WireError;
 
 #[cfg(all(doctest, feature = "runtime", feature = "http"))]
 #[doc = include_str!("../README.md")]

@@ -14,8 +14,12 @@ use crate::error::Error;
 use crate::key::shown;
 use crate::stats::Stats;
 
+#[cfg(feature = "redis")]
+mod redis;
 mod service;
 
+#[cfg(feature = "redis")]
+use self::redis::{Backend, BackendStore};
 use self::service::Services;
 pub(crate) use self::service::{Service, ServiceFuture};
 pub use crate::clock::RuntimeClock;
@@ -65,10 +69,21 @@ pub struct RuntimeBuilder {
     partitions: Option<usize>,
     clock: RuntimeClock,
     max_idempotency_results: usize,
+    max_idempotency_bytes: usize,
     name: Arc<str>,
     idempotency_store: Option<SharedStore>,
     #[cfg(feature = "redis")]
-    redis: Option<crate::store::Redis>,
+    redis: Option<RedisChoice>,
+}
+
+/// The Redis backend a builder was given.
+#[cfg(feature = "redis")]
+#[derive(Debug, Clone)]
+enum RedisChoice {
+    /// Connected already.
+    Connected(crate::store::Redis),
+    /// To connect in the background.
+    Connecting(crate::store::RedisBuilder),
 }
 
 /// A shared idempotency store, as the builder holds it.
@@ -91,6 +106,7 @@ impl Default for RuntimeBuilder {
             partitions: None,
             clock: RuntimeClock::Auto,
             max_idempotency_results: crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS,
+            max_idempotency_bytes: crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_BYTES,
             idempotency_store: None,
             #[cfg(feature = "redis")]
             redis: None,
@@ -126,9 +142,43 @@ impl RuntimeBuilder {
     /// past it the oldest are evicted first, an early expiry that is
     /// counted in [`IdempotencyStats::evictions`](crate::IdempotencyStats)
     /// and logged at warn at most once a minute. Keys in flight are capped
-    /// by [`with_max_keys`](Self::with_max_keys) instead.
+    /// by [`with_max_keys`](Self::with_max_keys) instead. The results' bytes
+    /// have a budget too ([`with_max_idempotency_bytes`](Self::with_max_idempotency_bytes)).
     pub fn with_max_idempotency_results(mut self, max_results: usize) -> Self {
         self.max_idempotency_results = max_results;
+        self
+    }
+
+    /// Caps the bytes the completed idempotency results kept may weigh
+    /// (default [`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::DEFAULT_MAX_IDEMPOTENCY_BYTES),
+    /// 256 MiB): past it the oldest are evicted first, as past
+    /// [`with_max_idempotency_results`](Self::with_max_idempotency_results)
+    /// (counted in [`IdempotencyStats::evictions`](crate::IdempotencyStats),
+    /// logged at warn at most once a minute), so large results cannot
+    /// exhaust memory however few they are. A result weighs its key, its
+    /// value's bincode-encoded size (the measure of a value's size that
+    /// works for every type) and about 200 bytes for its entry; a result
+    /// heavier than the whole budget is not kept (a retry runs again). What
+    /// the results weigh now is [`IdempotencyStats::stored_bytes`](crate::IdempotencyStats).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use throttlebeam::Runtime;
+    ///
+    /// let runtime = Runtime::builder()
+    ///     .with_max_idempotency_results(10_000)
+    ///     .with_max_idempotency_bytes(64 << 20)
+    ///     .start()
+    ///     .await?;
+    /// let idempotency = runtime.idempotency();
+    /// let _ = idempotency.run("report:1", || async { Ok::<_, std::io::Error>(vec![0u8; 1000]) }).await?;
+    /// assert!(idempotency.stats().stored_bytes > 1000);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_max_idempotency_bytes(mut self, max_bytes: usize) -> Self {
+        self.max_idempotency_bytes = max_bytes;
         self
     }
 
@@ -177,13 +227,68 @@ impl RuntimeBuilder {
     /// instance's own debounce while Redis is unreachable.
     ///
     /// The default runtime picks Redis up from the environment
-    /// ([`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV) or
-    /// [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV)).
+    /// ([`with_redis_from_env`](Self::with_redis_from_env)).
     #[cfg(feature = "redis")]
     #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     pub fn with_redis(mut self, redis: crate::store::Redis) -> Self {
-        self.redis = Some(redis);
+        self.redis = Some(RedisChoice::Connected(redis));
         self
+    }
+
+    /// Shares through Redis as [`with_redis`](Self::with_redis) does, but
+    /// connects in the background: [`start`](Self::start) neither waits for
+    /// Redis nor fails when it is unreachable, and the runtime never
+    /// silently stops sharing. Until the connection succeeds, idempotent
+    /// calls fail with [`Error::StoreUnavailable`] (fail closed) and
+    /// throttles and debounce decide per instance (fail open), exactly as
+    /// during an outage; connecting is retried (backing off up to every 2 s,
+    /// the first failure logged at warn), and once it succeeds every
+    /// primitive shares through Redis. After that, outages are the
+    /// backend's business as with [`with_redis`](Self::with_redis).
+    ///
+    /// The attempts run on the tokio runtime that starts the runtime; if it
+    /// ends first, the next call needing Redis starts them again on its own.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use std::time::Duration;
+    /// use throttlebeam::{Error, Runtime};
+    /// use throttlebeam::store::Redis;
+    ///
+    /// // Nothing listens there: the runtime starts anyway.
+    /// let runtime = Runtime::builder()
+    ///     .with_redis_connecting(Redis::builder("redis://127.0.0.1:1"))
+    ///     .start()
+    ///     .await?;
+    /// let (throttle, idempotency) = (runtime.throttle(), runtime.idempotency());
+    /// let ran = throttle.call("k", Duration::from_secs(1), || async { Ok::<_, std::io::Error>(()) });
+    /// assert!(ran.await?.is_executed(), "throttles decide per instance");
+    /// let once = idempotency.run("pay:1", || async { Ok::<_, std::io::Error>(1) });
+    /// assert!(matches!(once.await, Err(Error::StoreUnavailable { .. })), "idempotency fails closed");
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    pub fn with_redis_connecting(mut self, redis: crate::store::RedisBuilder) -> Self {
+        self.redis = Some(RedisChoice::Connecting(redis));
+        self
+    }
+
+    /// [`with_redis_connecting`](Self::with_redis_connecting) with the Redis
+    /// the environment names ([`Redis::from_env`](crate::store::Redis::from_env):
+    /// [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV) or
+    /// [`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV)); the builder unchanged
+    /// when neither is set. What the default runtime ([`Runtime::global`])
+    /// does.
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    pub fn with_redis_from_env(self) -> Self {
+        match crate::store::Redis::from_env() {
+            Some(redis) => self.with_redis_connecting(redis),
+            None => self,
+        }
     }
 
     /// What shutdown does with pending debounced work (default flush).
@@ -217,7 +322,7 @@ impl RuntimeBuilder {
     /// # Errors
     ///
     /// [`Error::InvalidConfig`] for a zero sweep interval, a zero key cap or
-    /// a zero idempotency results cap,
+    /// a zero idempotency results cap or byte budget,
     /// [`Error::Start`] if the supervision tree fails to start.
     pub async fn start(self) -> Result<Runtime, Error> {
         self.spawn(None).await
@@ -249,6 +354,12 @@ impl RuntimeBuilder {
                 reason: "must be greater than zero",
             });
         }
+        if self.max_idempotency_bytes == 0 {
+            return Err(Error::InvalidConfig {
+                what: "max idempotency bytes",
+                reason: "must be greater than zero",
+            });
+        }
         if self.max_keys == Some(0) {
             return Err(Error::InvalidConfig {
                 what: "max keys",
@@ -262,6 +373,11 @@ impl RuntimeBuilder {
         if let Some(partitions) = self.partitions {
             config = config.with_partitions(partitions);
         }
+        #[cfg(feature = "redis")]
+        let redis = self.redis.map(|choice| match choice {
+            RedisChoice::Connected(redis) => Backend::connected(redis),
+            RedisChoice::Connecting(builder) => Backend::connecting(builder),
+        });
         let counters = Arc::new(Counters::new());
         let tree = match host {
             Some(host) => Tree::start_linked(config, counters.clone(), host).await,
@@ -277,22 +393,28 @@ impl RuntimeBuilder {
             clock: self.clock,
             name: self.name,
             max_idempotency_results: self.max_idempotency_results,
+            max_idempotency_bytes: self.max_idempotency_bytes as u64,
             idempotency_store: match self.idempotency_store {
                 Some(SharedStore(store)) => Some(store),
                 #[cfg(feature = "redis")]
-                None => self
-                    .redis
-                    .clone()
-                    .map(|r| Arc::new(r) as Arc<dyn crate::IdempotencyStore>),
+                None => redis.as_ref().map(|backend| match backend.get() {
+                    Some(redis) => Arc::new(redis.clone()) as Arc<dyn crate::IdempotencyStore>,
+                    None => Arc::new(BackendStore(backend.clone())),
+                }),
                 #[cfg(not(feature = "redis"))]
                 None => None,
             },
             #[cfg(feature = "redis")]
-            redis: self.redis,
+            redis,
             closed: AtomicBool::new(false),
             restarts: AtomicU64::new(0),
             services: Services::default(),
         });
+        // A backend to connect starts connecting now, on this tokio runtime.
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &core.redis {
+            redis.kick();
+        }
         Ok(Runtime { core })
     }
 }
@@ -313,11 +435,14 @@ pub(crate) struct Core {
     name: Arc<str>,
     /// The cap on completed idempotency results, read by that service.
     pub(crate) max_idempotency_results: usize,
+    /// The byte budget of completed idempotency results, read by that service.
+    pub(crate) max_idempotency_bytes: u64,
     /// Where idempotency claims and results are shared, if anywhere.
     pub(crate) idempotency_store: Option<Arc<dyn crate::IdempotencyStore>>,
-    /// The shared store every primitive of this runtime agrees through.
+    /// The shared store every primitive of this runtime agrees through
+    /// (see [`Core::redis`]).
     #[cfg(feature = "redis")]
-    pub(crate) redis: Option<crate::store::Redis>,
+    redis: Option<Backend>,
     closed: AtomicBool,
     restarts: AtomicU64,
     services: Services,
@@ -339,6 +464,16 @@ impl Core {
             return Err(Error::RuntimeDown { key: shown(key) });
         }
         Ok(())
+    }
+
+    /// The Redis backend every primitive of this runtime agrees through,
+    /// once connected: `None` without one, and while a backend given to
+    /// connect in the background has not connected yet (then primitives
+    /// decide as during an outage).
+    #[cfg(feature = "redis")]
+    #[inline]
+    pub(crate) fn redis(&self) -> Option<&crate::store::Redis> {
+        self.redis.as_ref().and_then(Backend::get)
     }
 
     /// This runtime's instance of service `S`, created by `make` on first use.
@@ -474,6 +609,12 @@ impl Runtime {
     /// down, calls fail with [`Error::RuntimeDown`] for about 100 ms, then
     /// it restarts (as [`Runtime::restart`]) and serves again.
     ///
+    /// With the `redis` feature it shares through the Redis its environment
+    /// names ([`RuntimeBuilder::with_redis_from_env`]), connecting on its own
+    /// thread: the first caller never waits for Redis, and a Redis
+    /// unreachable at start is connected to once it answers (until then
+    /// idempotency fails closed and throttles decide per instance).
+    ///
     /// # Errors
     ///
     /// [`Error::Start`] if it could not start (reported to every caller).
@@ -534,11 +675,13 @@ impl Runtime {
     /// (clones of it, [`crate::DebounceHandle`], [`crate::ThrottleHandle`],
     /// trailing throttles, ...) works again afterwards.
     ///
-    /// State held only in memory is gone, as after an expiry: pending
-    /// debounced runs are discarded (their waiters get
-    /// [`Error::Discarded`]), throttle windows and stored idempotency
-    /// results are forgotten. Functions still running finish; their callers
-    /// get their results.
+    /// State the old root's processes held is gone, as after an expiry:
+    /// pending debounced runs are discarded (their waiters get
+    /// [`Error::Discarded`]) and throttle windows are forgotten. Functions
+    /// still running finish; their callers get their results. Idempotency
+    /// loses nothing: keys in flight stay held by their runs (a retry waits
+    /// for the run and replays its result, never runs it again) and stored
+    /// results are still replayed.
     ///
     /// Returns whether a restart happened: `false` while the root is alive,
     /// and for a runtime that was shut down (it stays shut down). Meant to
@@ -611,7 +754,7 @@ impl Runtime {
     /// | `throttlebeam_debounce_{calls,runs,coalesced,cancelled,flushed,failed}_total` | counter | [`crate::DebounceStats`] |
     /// | `throttlebeam_throttle_windows`, `throttlebeam_throttle_capacity` | gauge | [`crate::ThrottleStats`] |
     /// | `throttlebeam_throttle_{executed,throttled,throttled_remotely,store_errors}_total` | counter | [`crate::ThrottleStats`] |
-    /// | `throttlebeam_idempotency_stored_results` | gauge | [`crate::IdempotencyStats`] |
+    /// | `throttlebeam_idempotency_stored_results`, `throttlebeam_idempotency_stored_bytes` | gauge | [`crate::IdempotencyStats`] |
     /// | `throttlebeam_idempotency_{fresh,replays,fingerprint_mismatches,takeovers,in_flight_rejections,timeouts,evictions}_total` | counter | [`crate::IdempotencyStats`] |
     /// | `throttlebeam_trailing_{active,pending,keys,store_keys}` | gauge | [`crate::TrailingStats`], every coalescing throttle added up |
     /// | `throttlebeam_trailing_{calls,leading_runs,trailing_runs,coalesced,store_errors,evictions}_total` | counter | [`crate::TrailingStats`] |
@@ -663,6 +806,10 @@ impl Runtime {
         for service in &services {
             service.stopped();
         }
+        #[cfg(feature = "redis")]
+        if let Some(redis) = &self.core.redis {
+            redis.close();
+        }
         ShutdownReport { still_running }
     }
 }
@@ -684,24 +831,14 @@ fn start_global() -> Result<Runtime, Error> {
             };
             rt.block_on(async move {
                 let partitions = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
-                #[allow(unused_mut)]
-                let mut builder = Runtime::builder()
+                let builder = Runtime::builder()
                     .with_name("default")
                     .with_partitions(partitions);
+                // Redis connects in the background, on this thread: no
+                // caller waits for it, and an unreachable server is retried
+                // (never a runtime that silently stopped sharing).
                 #[cfg(feature = "redis")]
-                if let Some(redis) = crate::store::Redis::from_env() {
-                    match redis.connect().await {
-                        Ok(redis) => builder = builder.with_redis(redis),
-                        Err(error) => {
-                            // Throttles fail open: decide per instance rather than not start.
-                            let error: &(dyn std::error::Error + 'static) = &error;
-                            tracing::error!(
-                                error,
-                                "default runtime: Redis from the environment is unreachable; deciding per instance"
-                            );
-                        }
-                    }
-                }
+                let builder = builder.with_redis_from_env();
                 let started = builder.start().await;
                 let runtime = started.as_ref().ok().cloned();
                 let _ = tx.send(started);

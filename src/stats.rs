@@ -52,7 +52,7 @@ pub struct Stats {
     pub debounce: DebounceStats,
     /// The leading-edge throttle.
     pub throttle: ThrottleStats,
-    /// Idempotency (counts since the last restart).
+    /// Idempotency (counts since the runtime started; a restart keeps them).
     pub idempotency: crate::IdempotencyStats,
     /// Every coalescing throttle of the runtime, added up.
     pub trailing: crate::TrailingStats,
@@ -146,6 +146,9 @@ impl Stats {
             #[allow(clippy::cast_precision_loss)]
             gauge!(metric, &label).set(value as f64);
         }
+        #[allow(clippy::cast_precision_loss)]
+        gauge!("throttlebeam_idempotency_stored_bytes", &label)
+            .set(self.idempotency.stored_bytes as f64);
         let counters: [(&'static str, u64); 26] = [
             ("throttlebeam_restarts_total", self.restarts),
             ("throttlebeam_debounce_calls_total", self.debounce.calls),

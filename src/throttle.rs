@@ -330,7 +330,7 @@ impl ThrottleHandle {
         // task to spawn and no hand-off on the way back. If this future is
         // dropped mid-run, the rest moves into a process of its own.
         #[cfg(feature = "redis")]
-        if let Some(redis) = &core.redis {
+        if let Some(redis) = core.redis() {
             // Opening the shared window and running are one unit: once the
             // window may be open cluster-wide, the function runs, even if
             // this caller leaves while the window is being opened.

@@ -1153,6 +1153,93 @@ async fn i12_past_the_cap_the_oldest_results_are_evicted_first_and_counted() {
     );
 }
 
+/// Issue 30 item 9: results are bounded by bytes, not only by count. Past
+/// the byte budget the oldest are evicted first and counted; what is kept
+/// weighs exactly its keys, encoded values and entries.
+#[tokio::test(start_paused = true)]
+async fn past_the_byte_budget_the_oldest_results_are_evicted_first_and_counted() {
+    // "-b:0" (4 bytes) + 3,000 bytes in 3,003 encoded + 200 for the entry.
+    const ONE: u64 = 4 + 3_003 + 200;
+    let runtime = Runtime::builder()
+        .with_max_idempotency_bytes(10_000)
+        .start()
+        .await
+        .unwrap();
+    let idem = runtime.idempotency();
+    let runs = runs();
+    let body = |i: u8| vec![i; 3_000];
+    for i in 0..3_u8 {
+        let fresh = idem.run(&format!("b:{i}"), op(&runs, MS, body(i))).await;
+        assert!(fresh.unwrap().is_fresh());
+    }
+    let stats = idem.stats();
+    assert_eq!(
+        (stats.stored_results, stats.stored_bytes, stats.evictions),
+        (3, 3 * ONE, 0),
+        "{stats:?}"
+    );
+    // A fourth would weigh 12,828 bytes: the oldest goes.
+    assert!(
+        idem.run("b:3", op(&runs, MS, body(3)))
+            .await
+            .unwrap()
+            .is_fresh()
+    );
+    let stats = idem.stats();
+    assert_eq!(
+        (stats.stored_results, stats.stored_bytes, stats.evictions),
+        (3, 3 * ONE, 1),
+        "{stats:?}"
+    );
+    for i in 1..4_u8 {
+        let replay = idem.run(&format!("b:{i}"), op(&runs, MS, body(99))).await;
+        assert_eq!(replay.unwrap(), IdempotencyOutcome::Replay(body(i)));
+    }
+    assert_eq!(count(&runs), 4);
+    // b:0 was evicted: it runs again (and evicts b:1, now the oldest).
+    let again = idem.run("b:0", op(&runs, MS, body(10))).await.unwrap();
+    assert_eq!(again, IdempotencyOutcome::Fresh(body(10)));
+    assert_eq!(idem.stats().evictions, 2);
+    assert!(
+        idem.run("b:1", op(&runs, MS, body(11)))
+            .await
+            .unwrap()
+            .is_fresh()
+    );
+    assert_eq!(idem.stats().evictions, 3, "b:1 made room by evicting b:2");
+
+    // A result heavier than the whole budget is not kept (and evicts the rest).
+    let huge = idem.run("huge", op(&runs, MS, vec![0u8; 20_000])).await;
+    assert!(huge.unwrap().is_fresh());
+    let stats = idem.stats();
+    assert_eq!(
+        (stats.stored_results, stats.stored_bytes),
+        (0, 0),
+        "{stats:?}"
+    );
+    assert_eq!(stats.evictions, 3 + 3 + 1, "b:3, b:0, b:1, then itself");
+    assert_eq!(runtime.stats().ttl_entries, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_byte_budget_has_a_documented_default_and_rejects_zero() {
+    assert_eq!(throttlebeam::DEFAULT_MAX_IDEMPOTENCY_BYTES, 256 << 20);
+    let zero = Runtime::builder()
+        .with_max_idempotency_bytes(0)
+        .start()
+        .await;
+    assert!(
+        matches!(
+            zero,
+            Err(Error::InvalidConfig {
+                what: "max idempotency bytes",
+                ..
+            })
+        ),
+        "{zero:?}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_results_cap_has_a_documented_default_and_rejects_zero() {
     assert_eq!(throttlebeam::DEFAULT_MAX_IDEMPOTENCY_RESULTS, 100_000);
@@ -1187,6 +1274,7 @@ async fn stats_serialize_with_every_counter() {
         "timeouts",
         "evictions",
         "stored_results",
+        "stored_bytes",
     ] {
         assert!(json.get(field).is_some(), "{field} missing from {json}");
     }
@@ -1281,4 +1369,255 @@ fn resident_bytes() -> Option<usize> {
         .parse::<usize>()
         .ok()?;
     Some(kib * 1024)
+}
+
+/// Issue 30 item 11: the shared memory store saturates leases and TTLs too
+/// long to add to an instant (it panicked on `Duration::MAX`): such a claim
+/// holds, renews and completes as "for about thirty years".
+#[tokio::test(start_paused = true)]
+async fn the_memory_store_saturates_a_lease_or_ttl_of_duration_max() {
+    use throttlebeam::{
+        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
+        StoredResult,
+    };
+    let store = MemoryIdempotencyStore::new();
+    let (owner, other) = (ClaimToken::new(), ClaimToken::new());
+    let forever = Duration::MAX;
+    let won = store
+        .claim("k", ClaimRequest::new(owner, None, forever, forever))
+        .await
+        .unwrap();
+    assert!(matches!(won, ClaimReply::Won { .. }), "{won:?}");
+    sleep(Duration::from_secs(365 * 24 * 3600)).await;
+    match store
+        .claim("k", ClaimRequest::new(other, None, SEC, SEC))
+        .await
+        .unwrap()
+    {
+        ClaimReply::Busy { lease_left } => {
+            assert!(lease_left > Duration::from_secs(28 * 365 * 24 * 3600));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(store.renew("k", owner, forever).await.unwrap());
+    let result = StoredResult::new(None, "u8", vec![1]);
+    assert!(store.complete("k", owner, &result, forever).await.unwrap());
+    sleep(Duration::from_secs(10 * 365 * 24 * 3600)).await;
+    assert_eq!(
+        store
+            .claim("k", ClaimRequest::new(other, None, SEC, SEC))
+            .await
+            .unwrap(),
+        ClaimReply::Completed(result)
+    );
+}
+
+/// Issue 30 item 11: a shared store that reports a held key's lease as
+/// `Duration::MAX` left gets a rejected duplicate a one-second retry hint,
+/// not a panic adding it to the clock.
+#[tokio::test(start_paused = true)]
+async fn a_huge_lease_left_from_a_shared_store_caps_the_retry_hint() {
+    use throttlebeam::store::StoreError;
+    use throttlebeam::{
+        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture,
+        StoredResult,
+    };
+
+    /// Every key is held elsewhere, for ever.
+    struct HeldForever;
+
+    impl IdempotencyStore for HeldForever {
+        fn claim<'a>(
+            &'a self,
+            _key: &'a str,
+            _request: ClaimRequest<'a>,
+        ) -> IdempotencyStoreFuture<'a, ClaimReply> {
+            Box::pin(async {
+                Ok::<_, StoreError>(ClaimReply::Busy {
+                    lease_left: Duration::MAX,
+                })
+            })
+        }
+        fn complete<'a>(
+            &'a self,
+            _key: &'a str,
+            _token: ClaimToken,
+            _result: &'a StoredResult,
+            _ttl: Duration,
+        ) -> IdempotencyStoreFuture<'a, bool> {
+            Box::pin(async { Ok(false) })
+        }
+        fn release<'a>(&'a self, _: &'a str, _: ClaimToken) -> IdempotencyStoreFuture<'a, bool> {
+            Box::pin(async { Ok(false) })
+        }
+        fn renew<'a>(
+            &'a self,
+            _: &'a str,
+            _: ClaimToken,
+            _: Duration,
+        ) -> IdempotencyStoreFuture<'a, bool> {
+            Box::pin(async { Ok(false) })
+        }
+    }
+
+    let runtime = Runtime::builder()
+        .with_idempotency_store(HeldForever)
+        .start()
+        .await
+        .unwrap();
+    let runs = runs();
+    let rejected = runtime
+        .idempotency()
+        .run_with(
+            "k",
+            IdempotencyOptions::new().with_in_flight(InFlight::Reject),
+            op(&runs, MS, 1u8),
+        )
+        .await;
+    match rejected {
+        Err(Error::InFlight { key, retry_after }) => {
+            assert_eq!((key.as_str(), retry_after), ("k", SEC));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(count(&runs), 0);
+}
+
+/// Issue 30 item 9: a full shared memory store finds what to drop without
+/// scanning (it scanned every key under its lock on every new claim, so a
+/// flood at the cap was quadratic), and drops exactly what has expired.
+#[tokio::test(start_paused = true)]
+async fn a_full_memory_store_drops_only_what_expired_and_never_scans() {
+    use throttlebeam::store::StoreError;
+    use throttlebeam::{
+        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
+    };
+    const CAP: usize = 50_000;
+    let store = MemoryIdempotencyStore::with_max_keys(CAP);
+    let claim = |key: String, lease: Duration| {
+        let store = store.clone();
+        async move {
+            store
+                .claim(&key, ClaimRequest::new(ClaimToken::new(), None, lease, SEC))
+                .await
+        }
+    };
+    // Full: odd keys held for 10 s, even keys for an hour.
+    for i in 0..CAP {
+        let lease = if i % 2 == 1 { 10 * SEC } else { 3600 * SEC };
+        let won = claim(format!("k:{i}"), lease).await.unwrap();
+        assert!(matches!(won, ClaimReply::Won { .. }));
+    }
+    // A flood of new keys at the cap: each refused at once, none scanning
+    // the 50,000 keys held (that took minutes in a debug build).
+    let started = std::time::Instant::now();
+    for i in 0..CAP {
+        let refused = claim(format!("new:{i}"), SEC).await.unwrap_err();
+        assert!(
+            matches!(refused, StoreError::Full { cap: CAP }),
+            "{refused:?}"
+        );
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "{CAP} refusals took {took:?}"
+    );
+
+    // Once the odd keys expire, exactly they make room, in one batch.
+    sleep(10 * SEC).await;
+    let started = std::time::Instant::now();
+    for i in 0..CAP / 2 {
+        let won = claim(format!("new:{i}"), 3600 * SEC).await.unwrap();
+        assert!(matches!(won, ClaimReply::Won { .. }));
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "{} claims took {took:?}",
+        CAP / 2
+    );
+    assert_eq!(store.len(), CAP);
+    assert!(matches!(
+        claim("one more".to_owned(), SEC).await,
+        Err(StoreError::Full { .. })
+    ));
+    for i in [0, 2, 4, CAP - 2] {
+        let busy = claim(format!("k:{i}"), SEC).await.unwrap();
+        assert!(matches!(busy, ClaimReply::Busy { .. }), "k:{i}: {busy:?}");
+    }
+}
+
+/// Issue 30 item 9: the shared memory store bounds its results by bytes:
+/// past its budget the oldest completed results are evicted first and
+/// counted; keys in flight are never evicted.
+#[tokio::test(start_paused = true)]
+async fn the_memory_store_evicts_its_oldest_results_past_its_byte_budget() {
+    use throttlebeam::{
+        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
+        StoredResult,
+    };
+    // "k:0" + "v" + 1,000 bytes + 200 for the entry.
+    const ONE: usize = 3 + 1 + 1_000 + 200;
+    assert_eq!(
+        MemoryIdempotencyStore::new().max_bytes(),
+        throttlebeam::DEFAULT_MAX_IDEMPOTENCY_BYTES
+    );
+    let store = MemoryIdempotencyStore::new().with_max_bytes(3 * ONE);
+    let hour = 3600 * SEC;
+    let request = |token| ClaimRequest::new(token, None, hour, hour);
+    // One key held in flight all along.
+    let holder = ClaimToken::new();
+    assert!(matches!(
+        store.claim("held", request(holder)).await.unwrap(),
+        ClaimReply::Won { .. }
+    ));
+    let complete = |i: u8| {
+        let store = store.clone();
+        async move {
+            let key = format!("k:{i}");
+            let owner = ClaimToken::new();
+            store.claim(&key, request(owner)).await.unwrap();
+            let result = StoredResult::new(None, "v", vec![i; 1_000]);
+            assert!(store.complete(&key, owner, &result, hour).await.unwrap());
+            sleep(MS).await;
+        }
+    };
+    for i in 0..3 {
+        complete(i).await;
+    }
+    assert_eq!((store.bytes(), store.evictions()), (3 * ONE, 0));
+    complete(3).await;
+    assert_eq!(
+        (store.bytes(), store.evictions(), store.len()),
+        (3 * ONE, 1, 4)
+    );
+    let other = ClaimToken::new();
+    assert!(
+        matches!(
+            store.claim("k:0", request(other)).await.unwrap(),
+            ClaimReply::Won { .. }
+        ),
+        "the oldest was evicted"
+    );
+    for i in 1..4_u8 {
+        match store
+            .claim(&format!("k:{i}"), request(other))
+            .await
+            .unwrap()
+        {
+            ClaimReply::Completed(result) => assert_eq!(result.value, vec![i; 1_000]),
+            reply => panic!("k:{i}: {reply:?}"),
+        }
+    }
+    assert!(matches!(
+        store.claim("held", request(other)).await.unwrap(),
+        ClaimReply::Busy { .. }
+    ));
+    // An expired result makes room before a live one is evicted.
+    sleep(hour).await;
+    assert!(store.renew("held", holder, hour).await.unwrap());
+    complete(9).await;
+    assert_eq!(store.evictions(), 1, "expired results were dropped instead");
+    assert_eq!(store.bytes(), ONE);
 }

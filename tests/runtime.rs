@@ -399,7 +399,8 @@ impl Actor for RestartingHost {
 /// Issue 7 item 3: a failed root leaves no zombie. Until the host restarts
 /// the runtime every call fails fast with a typed error; after one call to
 /// `restart` from the host's supervision handler, handles held elsewhere
-/// work again, and state held in memory is gone as after an expiry.
+/// work again, and what the old root's processes held is gone as after an
+/// expiry (idempotency keeps its results: they never lived in the tree).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_root_fails_calls_fast_until_the_host_restarts_it() {
     let (tx, mut events) = mpsc::unbounded_channel();
@@ -496,8 +497,9 @@ async fn a_failed_root_fails_calls_fast_until_the_host_restarts_it() {
             .unwrap()
             .is_executed()
     );
-    let again = idempotency.run("i", ok).await.unwrap();
-    assert!(again.is_fresh());
+    // Idempotency lost nothing with the root: the stored result replays.
+    let again = idempotency.run("i", || async { Ok::<_, Oops>(2u8) }).await;
+    assert_eq!(again.unwrap(), IdempotencyOutcome::Replay(1));
     assert_eq!(debounce.call("d", ms(1), ok).unwrap().await.unwrap(), 1);
     assert!(trailing.call("x", move |_| ok()).await.unwrap());
     // Sweeping and the root work again too.
@@ -513,6 +515,73 @@ async fn a_failed_root_fails_calls_fast_until_the_host_restarts_it() {
     host.stop(None);
     host_join.await.unwrap();
     assert!(events.try_recv().is_err(), "no restart after shutdown");
+}
+
+/// Issue 30 item 6: a restart loses no claim. A run still going on when the
+/// root fails keeps its key across `restart`: a retry made after the restart
+/// waits for it and replays its value instead of running a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_in_flight_across_a_restart_is_not_run_again() {
+    let rt = Runtime::builder().start().await.unwrap();
+    let idempotency = rt.idempotency();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (release, gate) = tokio::sync::oneshot::channel::<()>();
+    let (started, mut has_started) = mpsc::unbounded_channel::<()>();
+    let first = {
+        let (idempotency, runs) = (idempotency.clone(), Arc::clone(&runs));
+        tokio::spawn(async move {
+            idempotency
+                .run("op", move || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let _ = started.send(());
+                    let _ = gate.await;
+                    Ok::<_, Oops>(1u32)
+                })
+                .await
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(10), has_started.recv())
+        .await
+        .expect("the first run starts")
+        .unwrap();
+
+    rt.root_actor().kill();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !rt.is_down() {
+            sleep(ms(1)).await;
+        }
+    })
+    .await
+    .expect("the kill lands");
+    assert!(rt.restart().await.unwrap());
+
+    // The retry finds the key still held by the live run and waits for it.
+    let retry = {
+        let (idempotency, runs) = (idempotency.clone(), Arc::clone(&runs));
+        tokio::spawn(async move {
+            idempotency
+                .run("op", move || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, Oops>(2u32)
+                })
+                .await
+        })
+    };
+    sleep(ms(50)).await;
+    assert!(!retry.is_finished(), "the retry waits for the live run");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "not run a second time");
+
+    release.send(()).unwrap();
+    assert_eq!(first.await.unwrap().unwrap(), IdempotencyOutcome::Fresh(1));
+    assert_eq!(retry.await.unwrap().unwrap(), IdempotencyOutcome::Replay(1));
+    let later = idempotency
+        .run("op", || async { Ok::<_, Oops>(3u32) })
+        .await;
+    assert_eq!(later.unwrap(), IdempotencyOutcome::Replay(1));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let stats = idempotency.stats();
+    assert_eq!((stats.fresh, stats.replays), (1, 2), "{stats:?}");
+    rt.shutdown(Duration::from_secs(1)).await;
 }
 
 /// Opens `n` pending debounced keys with an hour's delay.
@@ -631,6 +700,9 @@ async fn stats_are_exported_through_the_metrics_facade() {
         .unwrap()
         .await
         .unwrap();
+    let idempotency = rt.idempotency();
+    let idempotent = idempotency.run("i", || async { Ok::<_, Oops>(7u8) }).await;
+    assert!(idempotent.unwrap().is_fresh());
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     metrics::with_local_recorder(&recorder, || rt.export_metrics());
@@ -669,6 +741,11 @@ async fn stats_are_exported_through_the_metrics_facade() {
         &DebugValue::Gauge(1.0.into())
     );
     assert_eq!(value("throttlebeam_down"), &DebugValue::Gauge(0.0.into()));
+    // The key "-i" (unscoped), one encoded byte and the entry's 200.
+    assert_eq!(
+        value("throttlebeam_idempotency_stored_bytes"),
+        &DebugValue::Gauge(203.0.into())
+    );
 }
 
 /// A memory store whose `sweep` panics (a broken custom store).

@@ -83,6 +83,7 @@ use crate::error::Error;
 use crate::key::{InlineKey, shown, update_slot};
 use crate::store::Redis;
 use crate::store::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
+use crate::wire;
 
 /// How long past a burst's deadline a waiter elsewhere waits for its
 /// owner before probing; a burst still open then (half a grace overdue or
@@ -95,7 +96,8 @@ pub(super) type SharedFuture =
     Pin<Box<dyn Future<Output = Result<(Value, Vec<u8>), Error>> + Send>>;
 pub(super) type SharedJob = Box<dyn FnOnce(Arc<str>) -> SharedFuture + Send>;
 
-/// An outcome as it travels between instances (bincode).
+/// An outcome as it travels between instances: in the versioned envelope
+/// ([`crate::wire`]), the value nested in the payload's format.
 #[derive(serde::Serialize, serde::Deserialize)]
 enum Wire {
     Value { tag: String, bytes: Vec<u8> },
@@ -105,39 +107,46 @@ enum Wire {
     Discarded(String),
 }
 
-fn config() -> bincode::config::Configuration {
-    bincode::config::standard()
+/// `wire` sealed; a value too large for an envelope travels as the
+/// error it is.
+fn seal(wire: &Wire) -> Vec<u8> {
+    wire::seal(wire)
+        .or_else(|e| wire::seal(&Wire::Unencodable(e.to_string())))
+        .unwrap_or_default()
 }
 
 /// The wire form of a value of `T`, tagged with its type.
 pub(super) fn encode_value<T: Serialize>(value: &T) -> Vec<u8> {
-    let wire = match bincode::serde::encode_to_vec(value, config()) {
+    let wire = match wire::encode(value) {
         Ok(bytes) => Wire::Value {
             tag: std::any::type_name::<T>().to_owned(),
             bytes,
         },
-        Err(e) => Wire::Unencodable(e.to_string()),
+        Err(e) => Wire::Unencodable(describe(&e)),
     };
-    bincode::serde::encode_to_vec(&wire, config()).unwrap_or_default()
+    seal(&wire)
+}
+
+/// An error with its causes, as one line of text.
+fn describe(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        message.push_str(": ");
+        message.push_str(&c.to_string());
+        cause = c.source();
+    }
+    message
 }
 
 fn encode_error(error: &Error) -> Vec<u8> {
     let wire = match error {
-        Error::Failed { source, .. } => {
-            let mut message = source.to_string();
-            let mut cause = source.source();
-            while let Some(c) = cause {
-                message.push_str(": ");
-                message.push_str(&c.to_string());
-                cause = c.source();
-            }
-            Wire::Failed(message)
-        }
+        Error::Failed { source, .. } => Wire::Failed(describe(&**source)),
         Error::Panicked { message, .. } => Wire::Panicked(message.clone()),
         Error::Discarded { reason, .. } => Wire::Discarded((*reason).to_owned()),
         other => Wire::Failed(other.to_string()),
     };
-    bincode::serde::encode_to_vec(&wire, config()).unwrap_or_default()
+    seal(&wire)
 }
 
 /// Decodes the values of one result type.
@@ -151,9 +160,7 @@ pub(super) struct Codec {
 impl Codec {
     pub(super) fn of<T: DeserializeOwned + Send + Sync + 'static>() -> Self {
         fn decode<T: DeserializeOwned + Send + Sync + 'static>(bytes: &[u8]) -> Option<Value> {
-            bincode::serde::decode_from_slice::<T, _>(bytes, config())
-                .ok()
-                .map(|(v, _)| Arc::new(v) as Value)
+            wire::decode::<T>(bytes).ok().map(|v| Arc::new(v) as Value)
         }
         Self {
             type_id: TypeId::of::<T>(),
@@ -162,10 +169,28 @@ impl Codec {
         }
     }
 
+    /// The outcome in `bytes` for `key`'s callers: the value, or the error
+    /// the run ended with. Bytes that do not decode are a
+    /// [`Error::TypeMismatch`]; an envelope this build cannot read (another
+    /// format version, say) is a [`Error::StoreUnavailable`] whose source is
+    /// the [`WireError`](crate::WireError): never misread.
     fn outcome(&self, key: &str, bytes: &[u8]) -> Result<Value, Error> {
         let mismatch = || Error::TypeMismatch { key: shown(key) };
-        let (wire, _) = bincode::serde::decode_from_slice::<Wire, _>(bytes, config())
-            .map_err(|_| mismatch())?;
+        let wire = match wire::open::<Wire>(bytes) {
+            Ok(wire) => wire,
+            Err(wire::WireError::Codec { .. }) => return Err(mismatch()),
+            Err(unreadable) => {
+                tracing::warn!(
+                    key = %shown(key),
+                    error = %unreadable,
+                    "debounce: an outcome from another instance is unreadable by this build"
+                );
+                return Err(Error::StoreUnavailable {
+                    key: shown(key),
+                    source: Arc::new(unreadable),
+                });
+            }
+        };
         match wire {
             Wire::Value { tag, bytes } if tag == self.tag => {
                 (self.decode)(&bytes).ok_or_else(mismatch)
@@ -392,7 +417,7 @@ impl BurstListener for Shared {
 impl DebounceHandle {
     /// The shared debounce of this runtime, if it has Redis.
     pub(super) fn shared(&self) -> Option<&Arc<Shared>> {
-        let redis = self.runtime.core.redis.as_ref()?;
+        let redis = self.runtime.core.redis()?;
         Some(self.state.shared.get_or_init(|| {
             let core = &self.runtime.core;
             let shared = Shared::new(
@@ -1097,8 +1122,43 @@ mod tests {
             codec.outcome("k", &encode_value(&7_u32)),
             Err(Error::TypeMismatch { .. })
         ));
+        // Bytes of no envelope, or of another format version, are refused
+        // with a typed error naming why, never misread.
         assert!(matches!(
             codec.outcome("k", b"not bincode"),
+            Err(Error::StoreUnavailable { .. })
+        ));
+        let mut other_version = encode_value(&value);
+        assert_eq!(&other_version[..3], b"tb\x01");
+        other_version[2] = 2;
+        match codec.outcome("k", &other_version) {
+            Err(Error::StoreUnavailable { key, source }) => {
+                assert_eq!(key, "k");
+                assert!(
+                    matches!(
+                        source.downcast_ref::<wire::WireError>(),
+                        Some(wire::WireError::UnknownVersion { found: 2, .. })
+                    ),
+                    "{source}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // Truncated, or with bytes left over: the value is not misread.
+        let whole = encode_value(&value);
+        for cut in 3..whole.len() {
+            assert!(
+                matches!(
+                    codec.outcome("k", &whole[..cut]),
+                    Err(Error::TypeMismatch { .. })
+                ),
+                "{cut}"
+            );
+        }
+        let mut padded = whole.clone();
+        padded.push(0);
+        assert!(matches!(
+            codec.outcome("k", &padded),
             Err(Error::TypeMismatch { .. })
         ));
         let failed = Error::failed("k", std::io::Error::other("disk full"));

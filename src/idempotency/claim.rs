@@ -433,9 +433,7 @@ impl Ledger {
             Tally::bump(&self.tally.fingerprint_mismatches);
             return Err(Error::FingerprintMismatch { key: shown(key) });
         }
-        let value = record
-            .value()
-            .ok_or_else(|| Error::TypeMismatch { key: shown(key) })?;
+        let value = record.value(key)?;
         Tally::bump(&self.tally.replays);
         Ok(value)
     }

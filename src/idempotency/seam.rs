@@ -9,10 +9,11 @@
 //! shares it. Callers on one instance still join one local claim, so a key
 //! costs one claim round trip per instance, not per caller.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -103,8 +104,14 @@ fn process_seed() -> u64 {
 }
 
 /// A completed result as a shared store keeps it: the fingerprint digest of
-/// the request that produced it, the value's type tag and the value in
-/// bincode bytes.
+/// the request that produced it, the value's type tag and the value in a
+/// versioned envelope (three header bytes, `t`, `b` and the format version,
+/// then, in version 1, the value in bincode 2 `standard()`).
+///
+/// A value this build cannot read (another format version, no envelope,
+/// over 256 MiB) is refused with [`Error::StoreUnavailable`](crate::Error::StoreUnavailable),
+/// whose source is a [`WireError`](crate::WireError): fail closed, never
+/// misread.
 ///
 /// The type tag is the Rust type name of the value. A replay as another
 /// type is refused with [`Error::TypeMismatch`](crate::Error::TypeMismatch)
@@ -117,7 +124,7 @@ pub struct StoredResult {
     pub fingerprint: Option<[u8; 32]>,
     /// The value's type name.
     pub type_tag: String,
-    /// The value, bincode-encoded.
+    /// The value in its versioned envelope.
     pub value: Vec<u8>,
 }
 
@@ -309,6 +316,13 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     }
 }
 
+/// `now + d`, saturated: a lease or TTL too long to represent (up to
+/// [`Duration::MAX`]) lasts about thirty years instead of overflowing.
+fn later(now: Instant, d: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
+    now.checked_add(d.min(FAR)).unwrap_or(now)
+}
+
 /// What [`MemoryIdempotencyStore`] holds for a key.
 #[derive(Debug, Clone)]
 enum Held {
@@ -325,10 +339,20 @@ enum Held {
 struct Entry {
     held: Held,
     until: Instant,
+    /// Which write made this entry: tells it from the queue slots of the
+    /// entries it replaced.
+    seq: u64,
 }
 
 /// Default cap on the keys a [`MemoryIdempotencyStore`] holds.
 pub const DEFAULT_SHARED_MEMORY_KEYS: usize = 1_000_000;
+
+/// What a completed result held by a [`MemoryIdempotencyStore`] weighs
+/// against its byte budget beside its key, type tag and value.
+const ENTRY_OVERHEAD: usize = 200;
+
+/// Evictions are logged at warn at most this often.
+const WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// An in-process [`IdempotencyStore`]: several runtimes in one process
 /// given the same store (a clone) deduplicate together.
@@ -337,17 +361,169 @@ pub const DEFAULT_SHARED_MEMORY_KEYS: usize = 1_000_000;
 /// table (typed values, no encoding); this store is for sharing, and for
 /// testing a store of your own against the same contract. It holds at most
 /// [`DEFAULT_SHARED_MEMORY_KEYS`] keys (expired ones are dropped first);
-/// past the cap a claim fails with [`StoreError::Full`].
+/// past the cap a claim fails with [`StoreError::Full`]. Its completed
+/// results may weigh at most
+/// [`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::DEFAULT_MAX_IDEMPOTENCY_BYTES)
+/// together ([`MemoryIdempotencyStore::with_max_bytes`]): past that the
+/// oldest are evicted first, an early expiry, counted
+/// ([`MemoryIdempotencyStore::evictions`]) and logged at warn at most once
+/// a minute. Keys in flight are never evicted.
+///
+/// Every call costs O(log n) at most, at the cap too: expiries and
+/// completions are kept in order beside the keys, so finding what to drop
+/// never scans the store.
 #[derive(Clone)]
 pub struct MemoryIdempotencyStore {
     inner: Arc<MemoryInner>,
 }
 
 struct MemoryInner {
-    keys: Mutex<HashMap<String, Entry>>,
+    keys: Mutex<Keys>,
     fences: AtomicU64,
     changed: Arc<Notify>,
     cap: usize,
+    max_bytes: AtomicUsize,
+}
+
+/// The keys and the two orders kept beside them.
+#[derive(Default)]
+struct Keys {
+    map: HashMap<Arc<str>, Entry>,
+    /// Every entry's expiry, soonest first; a slot is stale once its entry
+    /// was renewed, replaced or removed (its `seq` or `until` differs).
+    expiries: BinaryHeap<Reverse<(Instant, u64, Arc<str>)>>,
+    /// Completed results in the order they were stored, for the byte
+    /// budget; a slot is stale once its entry was replaced or removed.
+    completed: VecDeque<(Arc<str>, u64)>,
+    /// What the completed results held weigh together.
+    bytes: usize,
+    seq: u64,
+    evictions: u64,
+    /// When evictions were last logged.
+    warned_at: Option<Instant>,
+}
+
+impl Keys {
+    /// What a completed entry of `key` weighs; 0 for a key in flight.
+    fn weight(key: &str, entry: &Entry) -> usize {
+        match &entry.held {
+            Held::InFlight { .. } => 0,
+            Held::Completed(result, _) => {
+                key.len() + result.type_tag.len() + result.value.len() + ENTRY_OVERHEAD
+            }
+        }
+    }
+
+    /// Writes `entry` for `key` (replacing what was there) and files it in
+    /// the orders.
+    fn put(&mut self, key: &str, held: Held, until: Instant) {
+        self.seq += 1;
+        let seq = self.seq;
+        let key: Arc<str> = match self.map.get_key_value(key) {
+            Some((stored, _)) => Arc::clone(stored),
+            None => Arc::from(key),
+        };
+        let completed = matches!(held, Held::Completed(..));
+        let entry = Entry { held, until, seq };
+        self.bytes += Self::weight(&key, &entry);
+        if let Some(old) = self.map.insert(Arc::clone(&key), entry) {
+            self.bytes -= Self::weight(&key, &old);
+        }
+        if completed {
+            self.completed.push_back((Arc::clone(&key), seq));
+        }
+        self.expiries.push(Reverse((until, seq, key)));
+        self.compact();
+    }
+
+    /// Pushes `key`'s expiry out to `until`.
+    fn extend(&mut self, key: &str, until: Instant) {
+        let Some((stored, entry)) = self.map.get_key_value(key) else {
+            return;
+        };
+        let slot = (until, entry.seq, Arc::clone(stored));
+        if let Some(entry) = self.map.get_mut(key) {
+            entry.until = until;
+        }
+        self.expiries.push(Reverse(slot));
+        self.compact();
+    }
+
+    fn remove(&mut self, key: &str) -> Option<Entry> {
+        let entry = self.map.remove(key)?;
+        self.bytes -= Self::weight(key, &entry);
+        Some(entry)
+    }
+
+    /// Drops the entries expired by `now`, soonest first: only what has
+    /// expired (and stale slots) is looked at.
+    fn expire(&mut self, now: Instant) -> usize {
+        let mut removed = 0;
+        while let Some(Reverse((until, seq, key))) = self.expiries.peek() {
+            if *until > now {
+                break;
+            }
+            let live = self
+                .map
+                .get(&**key)
+                .is_some_and(|e| e.seq == *seq && e.until == *until);
+            if live {
+                let key = Arc::clone(key);
+                self.remove(&key);
+                removed += 1;
+            }
+            self.expiries.pop();
+        }
+        removed
+    }
+
+    /// Evicts the oldest completed results until they fit `max_bytes`;
+    /// returns how many went.
+    fn fit(&mut self, max_bytes: usize) -> usize {
+        let mut evicted = 0;
+        while self.bytes > max_bytes {
+            let Some((key, seq)) = self.completed.pop_front() else {
+                break;
+            };
+            let live = self
+                .map
+                .get(&*key)
+                .is_some_and(|e| e.seq == seq && matches!(e.held, Held::Completed(..)));
+            if live {
+                self.remove(&key);
+                evicted += 1;
+            }
+        }
+        self.evictions += evicted as u64;
+        evicted
+    }
+
+    /// Rebuilds an order once stale slots make up most of it: each rebuild
+    /// costs as much as the writes that made it stale, so writes stay
+    /// amortised O(log n).
+    fn compact(&mut self) {
+        let live = self.map.len();
+        if self.expiries.len() > 2 * live + 64 {
+            self.expiries = self
+                .map
+                .iter()
+                .map(|(key, e)| Reverse((e.until, e.seq, Arc::clone(key))))
+                .collect();
+        }
+        if self.completed.len() > 2 * live + 64 {
+            let map = &self.map;
+            self.completed.retain(|(key, seq)| {
+                map.get(&**key)
+                    .is_some_and(|e| e.seq == *seq && matches!(e.held, Held::Completed(..)))
+            });
+        }
+    }
+
+    fn shrink_to_fit(&mut self) {
+        self.map.shrink_to_fit();
+        self.expiries.shrink_to_fit();
+        self.completed.shrink_to_fit();
+    }
 }
 
 impl Default for MemoryIdempotencyStore {
@@ -358,9 +534,12 @@ impl Default for MemoryIdempotencyStore {
 
 impl std::fmt::Debug for MemoryIdempotencyStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let keys = self.lock();
         f.debug_struct("MemoryIdempotencyStore")
-            .field("keys", &self.len())
+            .field("keys", &keys.map.len())
+            .field("bytes", &keys.bytes)
             .field("cap", &self.inner.cap)
+            .field("max_bytes", &self.max_bytes())
             .finish()
     }
 }
@@ -377,18 +556,55 @@ impl MemoryIdempotencyStore {
     pub fn with_max_keys(cap: usize) -> Self {
         Self {
             inner: Arc::new(MemoryInner {
-                keys: Mutex::new(HashMap::new()),
+                keys: Mutex::new(Keys::default()),
                 fences: AtomicU64::new(0),
                 changed: Arc::new(Notify::new()),
                 cap: cap.max(1),
+                max_bytes: AtomicUsize::new(crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_BYTES),
             }),
         }
+    }
+
+    /// Caps the bytes this store's completed results may weigh together
+    /// (default [`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::DEFAULT_MAX_IDEMPOTENCY_BYTES),
+    /// 256 MiB), for it and every clone of it: past the budget the oldest
+    /// results are evicted first. A result weighs its key, type tag and
+    /// encoded value, plus about 200 bytes for its entry.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use throttlebeam::{ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore, StoredResult};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::store::StoreError> {
+    /// let store = MemoryIdempotencyStore::new().with_max_bytes(1_000);
+    /// let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(3600));
+    /// for key in ["a", "b"] {
+    ///     let owner = ClaimToken::new();
+    ///     store.claim(key, ClaimRequest::new(owner, None, lease, ttl)).await?;
+    ///     let result = StoredResult::new(None, "bytes", vec![0; 600]);
+    ///     assert!(store.complete(key, owner, &result, ttl).await?);
+    /// }
+    /// assert_eq!((store.len(), store.evictions()), (1, 1), "a was evicted");
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_max_bytes(self, max_bytes: usize) -> Self {
+        self.inner.max_bytes.store(max_bytes, Ordering::Relaxed);
+        self
+    }
+
+    /// The byte budget of completed results.
+    #[must_use]
+    pub fn max_bytes(&self) -> usize {
+        self.inner.max_bytes.load(Ordering::Relaxed)
     }
 
     /// Keys held, expired ones not yet swept included.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().map.len()
     }
 
     /// Whether the store holds no key.
@@ -397,17 +613,30 @@ impl MemoryIdempotencyStore {
         self.len() == 0
     }
 
-    /// Drops expired keys; returns how many are left.
-    pub fn sweep(&self) -> usize {
-        let now = Instant::now();
-        let mut keys = self.lock();
-        keys.retain(|_, e| e.until > now);
-        keys.shrink_to_fit();
-        keys.len()
+    /// What the completed results held weigh together, in bytes.
+    #[must_use]
+    pub fn bytes(&self) -> usize {
+        self.lock().bytes
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
-        // A panic cannot leave the map half-updated: every update is one insert or remove.
+    /// Completed results evicted by the byte budget before their TTL.
+    #[must_use]
+    pub fn evictions(&self) -> u64 {
+        self.lock().evictions
+    }
+
+    /// Drops expired keys; returns how many are left.
+    pub fn sweep(&self) -> usize {
+        let mut keys = self.lock();
+        keys.expire(Instant::now());
+        keys.compact();
+        keys.shrink_to_fit();
+        keys.map.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Keys> {
+        // A panic cannot leave the keys half-updated: nothing user-supplied
+        // runs under the lock, and every update completes its bookkeeping.
         self.inner
             .keys
             .lock()
@@ -417,7 +646,7 @@ impl MemoryIdempotencyStore {
     fn claim_now(&self, key: &str, request: ClaimRequest<'_>) -> Result<ClaimReply, StoreError> {
         let now = Instant::now();
         let mut keys = self.lock();
-        if let Some(entry) = keys.get(key).filter(|e| e.until > now) {
+        if let Some(entry) = keys.map.get(key).filter(|e| e.until > now) {
             let fingerprint = match &entry.held {
                 Held::InFlight { fingerprint, .. } => fingerprint.as_ref(),
                 Held::Completed(result, _) => result.fingerprint.as_ref(),
@@ -432,24 +661,22 @@ impl MemoryIdempotencyStore {
                 Held::Completed(result, _) => ClaimReply::Completed(result.clone()),
             });
         }
-        if !keys.contains_key(key) && keys.len() >= self.inner.cap {
-            keys.retain(|_, e| e.until > now);
-            if keys.len() >= self.inner.cap {
+        if !keys.map.contains_key(key) && keys.map.len() >= self.inner.cap {
+            keys.expire(now);
+            if keys.map.len() >= self.inner.cap {
                 return Err(StoreError::Full {
                     cap: self.inner.cap,
                 });
             }
         }
         let fence = self.inner.fences.fetch_add(1, Ordering::Relaxed) + 1;
-        keys.insert(
-            key.to_owned(),
-            Entry {
-                held: Held::InFlight {
-                    token: request.token,
-                    fingerprint: request.fingerprint.copied(),
-                },
-                until: now + request.lease,
+        keys.put(
+            key,
+            Held::InFlight {
+                token: request.token,
+                fingerprint: request.fingerprint.copied(),
             },
+            later(now, request.lease),
         );
         Ok(ClaimReply::Won { fence })
     }
@@ -468,8 +695,28 @@ impl MemoryIdempotencyStore {
         result: &StoredResult,
         now: Instant,
     ) -> bool {
-        matches!(entry, Some(Entry { held: Held::Completed(stored, t), until })
+        matches!(entry, Some(Entry { held: Held::Completed(stored, t), until, .. })
             if *t == token && stored == result && *until > now)
+    }
+
+    /// Logs evictions at warn, at most once per [`WARN_EVERY`].
+    fn evicted(&self, keys: &mut Keys, n: usize, now: Instant) {
+        if keys
+            .warned_at
+            .is_some_and(|at| now.saturating_duration_since(at) < WARN_EVERY)
+        {
+            return;
+        }
+        keys.warned_at = Some(now);
+        tracing::warn!(
+            evicted = n,
+            evictions = keys.evictions,
+            bytes = keys.bytes,
+            max_bytes = self.max_bytes(),
+            "idempotency results evicted from a MemoryIdempotencyStore before their ttl: \
+             its results reached their byte budget; raise it with \
+             MemoryIdempotencyStore::with_max_bytes"
+        );
     }
 }
 
@@ -492,7 +739,7 @@ impl IdempotencyStore for MemoryIdempotencyStore {
         let now = Instant::now();
         let stored = {
             let mut keys = self.lock();
-            let entry = keys.get(key);
+            let entry = keys.map.get(key);
             if Self::completed_by(entry, token, result, now) {
                 // A retry whose first completion landed: already stored.
                 return Box::pin(std::future::ready(Ok(true)));
@@ -501,13 +748,17 @@ impl IdempotencyStore for MemoryIdempotencyStore {
             // owner's result is still the only one.
             let free = entry.is_none_or(|e| e.until <= now);
             if Self::holds(entry, token) || free {
-                keys.insert(
-                    key.to_owned(),
-                    Entry {
-                        held: Held::Completed(result.clone(), token),
-                        until: now + ttl,
-                    },
-                );
+                keys.put(key, Held::Completed(result.clone(), token), later(now, ttl));
+                let max_bytes = self.max_bytes();
+                if keys.bytes > max_bytes {
+                    // Expired results go first: evicting a live one while
+                    // they still count would be an early expiry for nothing.
+                    keys.expire(now);
+                }
+                let evicted = keys.fit(max_bytes);
+                if evicted > 0 {
+                    self.evicted(&mut keys, evicted, now);
+                }
                 true
             } else {
                 false
@@ -522,7 +773,7 @@ impl IdempotencyStore for MemoryIdempotencyStore {
     fn release<'a>(&'a self, key: &'a str, token: ClaimToken) -> IdempotencyStoreFuture<'a, bool> {
         let released = {
             let mut keys = self.lock();
-            Self::holds(keys.get(key), token) && keys.remove(key).is_some()
+            Self::holds(keys.map.get(key), token) && keys.remove(key).is_some()
         };
         if released {
             self.inner.changed.notify_waiters();
@@ -538,13 +789,10 @@ impl IdempotencyStore for MemoryIdempotencyStore {
     ) -> IdempotencyStoreFuture<'a, bool> {
         let now = Instant::now();
         let mut keys = self.lock();
-        let renewed = match keys.get_mut(key) {
-            Some(entry) if Self::holds(Some(entry), token) => {
-                entry.until = now + lease;
-                true
-            }
-            _ => false,
-        };
+        let renewed = Self::holds(keys.map.get(key), token);
+        if renewed {
+            keys.extend(key, later(now, lease));
+        }
         Box::pin(std::future::ready(Ok(renewed)))
     }
 

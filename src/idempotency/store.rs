@@ -19,23 +19,25 @@ use tokio::time::Instant;
 
 use super::options::Fingerprint;
 use super::seam::StoredResult;
-use crate::error::BoxError;
-use crate::key::InlineKey;
+use crate::error::{BoxError, Error};
+use crate::key::{InlineKey, shown};
+use crate::wire::{self, WireError};
 
-/// `value` as a shared store keeps it: bincode bytes and the type tag.
+/// `value` as a shared store keeps it: in the versioned envelope
+/// ([`crate::wire`]), with its type tag.
 pub(crate) fn stored_result<T: Serialize>(
     fingerprint: Option<Fingerprint>,
     value: &T,
-) -> Result<StoredResult, bincode::error::EncodeError> {
+) -> Result<StoredResult, WireError> {
     Ok(StoredResult::new(
         fingerprint,
         std::any::type_name::<T>(),
-        bincode::serde::encode_to_vec(value, CODEC)?,
+        wire::seal(value)?,
     ))
 }
 
-/// bincode settings of encoded results: part of the format a shared store
-/// keeps, so changing them orphans stored results.
+/// bincode settings a typed value is measured with: those of the envelope's
+/// payload, so a value weighs the same in memory as in a shared store.
 const CODEC: bincode::config::Configuration = bincode::config::standard();
 
 /// How a store wants values handed to it.
@@ -47,9 +49,9 @@ pub(crate) enum Form {
     Encoded,
 }
 
-/// A value in bincode bytes, readable by another process, with its type
-/// tag (the Rust type name), so a value of another type is refused rather
-/// than misread.
+/// A value in its versioned envelope, readable by another process, with its
+/// type tag (the Rust type name), so a value of another type is refused
+/// rather than misread.
 struct Encoded {
     bytes: Box<[u8]>,
     tag: Box<str>,
@@ -59,8 +61,26 @@ struct Encoded {
 /// allocation.
 struct Stored<V: ?Sized> {
     fingerprint: Option<Fingerprint>,
+    /// The value's size in bytes, encoded (saturated at 4 GiB): what it
+    /// counts against a byte budget.
+    weight: u32,
     /// The typed value, or [`Encoded`] bytes.
     value: V,
+}
+
+/// `value`'s size bincode-encoded: the measure of a typed value's bytes (its
+/// heap layout is not visible to generic code); its in-memory size if it
+/// cannot be encoded.
+fn encoded_len<T: Serialize>(value: &T) -> usize {
+    let mut size = bincode::enc::write::SizeWriter::default();
+    match bincode::serde::encode_into_writer(value, &mut size, CODEC) {
+        Ok(()) => size.bytes_written,
+        Err(_) => std::mem::size_of::<T>(),
+    }
+}
+
+fn weight(bytes: usize) -> u32 {
+    u32::try_from(bytes).unwrap_or(u32::MAX)
 }
 
 /// A completed result with the digest of the fingerprint of the request
@@ -75,19 +95,25 @@ impl Record {
         form: Form,
         fingerprint: Option<Fingerprint>,
         value: T,
-    ) -> Result<Self, bincode::error::EncodeError>
+    ) -> Result<Self, WireError>
     where
         T: Serialize + Send + Sync + 'static,
     {
         Ok(Self(match form {
-            Form::Typed => Arc::new(Stored { fingerprint, value }),
-            Form::Encoded => Arc::new(Stored {
+            Form::Typed => Arc::new(Stored {
                 fingerprint,
-                value: Encoded {
-                    bytes: bincode::serde::encode_to_vec(&value, CODEC)?.into_boxed_slice(),
-                    tag: std::any::type_name::<T>().into(),
-                },
+                weight: weight(encoded_len(&value)),
+                value,
             }),
+            Form::Encoded => {
+                let bytes = wire::seal(&value)?.into_boxed_slice();
+                let tag: Box<str> = std::any::type_name::<T>().into();
+                Arc::new(Stored {
+                    fingerprint,
+                    weight: weight(bytes.len() + tag.len()),
+                    value: Encoded { bytes, tag },
+                })
+            }
         }))
     }
 
@@ -95,6 +121,7 @@ impl Record {
     pub(crate) fn from_stored(result: StoredResult) -> Self {
         Self(Arc::new(Stored {
             fingerprint: result.fingerprint,
+            weight: weight(result.value.len() + result.type_tag.len()),
             value: Encoded {
                 bytes: result.value.into_boxed_slice(),
                 tag: result.type_tag.into_boxed_str(),
@@ -106,6 +133,11 @@ impl Record {
         self.0.fingerprint.as_ref()
     }
 
+    /// The value's size in bytes, encoded (see [`Stored::weight`]).
+    pub(crate) fn weight(&self) -> u32 {
+        self.0.weight
+    }
+
     /// Bytes this record holds in its own allocation: the fingerprint
     /// digest and the value (not what the value points to).
     #[cfg(test)]
@@ -113,25 +145,43 @@ impl Record {
         std::mem::size_of_val(&*self.0)
     }
 
-    /// The value as a `T`, or `None` if it was stored as another type.
+    /// The value as a `T`, for `key`'s caller.
     ///
-    /// Encoded values are only checked to decode exactly; bincode is not
-    /// self-describing, so a type of the same shape reads back silently.
-    pub(crate) fn value<T>(&self) -> Option<T>
+    /// Fails with [`Error::TypeMismatch`] if it was stored as another type
+    /// (another type tag, or bytes that do not decode exactly as a `T`:
+    /// bincode is not self-describing, so a type of the same shape reads back
+    /// silently), and with [`Error::StoreUnavailable`] whose source is the
+    /// [`WireError`] if its envelope is unreadable here (another format
+    /// version, no envelope, too large): fail closed, neither misread nor run
+    /// again.
+    pub(crate) fn value<T>(&self, key: &str) -> Result<T, Error>
     where
         T: DeserializeOwned + Clone + 'static,
     {
+        let mismatch = || Error::TypeMismatch { key: shown(key) };
         let value: &(dyn Any + Send + Sync) = &self.0.value;
         if let Some(Encoded { bytes, tag }) = value.downcast_ref::<Encoded>() {
             if **tag != *std::any::type_name::<T>() {
-                return None;
+                return Err(mismatch());
             }
-            return match bincode::serde::decode_from_slice::<T, _>(bytes, CODEC) {
-                Ok((value, read)) if read == bytes.len() => Some(value),
-                _ => None,
+            return match wire::open::<T>(bytes) {
+                Ok(value) => Ok(value),
+                Err(WireError::Codec { .. }) => Err(mismatch()),
+                Err(unreadable) => {
+                    tracing::warn!(
+                        key = %shown(key),
+                        error = %unreadable,
+                        "idempotency result in the shared store is unreadable by this build; \
+                         failing closed"
+                    );
+                    Err(Error::StoreUnavailable {
+                        key: shown(key),
+                        source: Arc::new(unreadable),
+                    })
+                }
             };
         }
-        value.downcast_ref::<T>().cloned()
+        value.downcast_ref::<T>().cloned().ok_or_else(mismatch)
     }
 
     fn is_encoded(&self) -> bool {
@@ -178,7 +228,9 @@ impl<T> Pending<'_, T> {
 pub(crate) struct StoreCounts {
     /// Results held, expired ones not yet swept included.
     pub(crate) stored: usize,
-    /// Results evicted by a cap before their TTL.
+    /// What they weigh in bytes (see [`ResultTable`]).
+    pub(crate) bytes: u64,
+    /// Results evicted by a cap or the byte budget before their TTL.
     pub(crate) evictions: u64,
 }
 
@@ -229,7 +281,10 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
 }
 
 /// Results in a [`TtlTable`] swept by the runtime's sweeper, capped at
-/// `max_results` entries (the oldest evicted first).
+/// `max_results` entries and `max_bytes` bytes (the oldest evicted first).
+///
+/// A result weighs its key, its value encoded (the measure of a typed
+/// value's size) and [`ENTRY_OVERHEAD`] for the entry around them.
 pub(crate) struct ResultTable {
     // Records inline in the table: a replay touches the entry and the value.
     table: Arc<TtlTable<InlineKey, Record>>,
@@ -242,11 +297,26 @@ pub(crate) struct ResultTable {
 /// Evictions are logged at warn at most this often.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
+/// What a stored result costs beside its key and value: the table entry,
+/// the record's allocation, its slot in the insertion order.
+pub(crate) const ENTRY_OVERHEAD: u64 = 200;
+
+/// A stored result's weight against the byte budget.
+fn weigh(key: &InlineKey, record: &Record) -> u64 {
+    key.as_str().len() as u64 + u64::from(record.weight()) + ENTRY_OVERHEAD
+}
+
 impl ResultTable {
-    pub(crate) fn new(counters: Arc<Counters>, sweeper: &Sweeper, max_results: usize) -> Self {
+    pub(crate) fn new(
+        counters: Arc<Counters>,
+        sweeper: &Sweeper,
+        max_results: usize,
+        max_bytes: u64,
+    ) -> Self {
         Self {
             table: TtlTable::new(counters)
                 .with_max_len(max_results)
+                .with_max_weight(max_bytes, weigh)
                 .swept_by(sweeper),
             warned_at: AtomicU64::new(u64::MAX),
             base: Instant::now(),
@@ -267,9 +337,13 @@ impl ResultTable {
             tracing::warn!(
                 evicted = n,
                 evictions = self.table.evictions(),
+                stored = self.table.len(),
+                stored_bytes = self.table.weight(),
                 max_results = self.table.max_len().unwrap_or(usize::MAX),
-                "idempotency results evicted before their ttl: the store is at its cap; \
-                 raise it with RuntimeBuilder::with_max_idempotency_results"
+                max_bytes = self.table.max_weight().unwrap_or(u64::MAX),
+                "idempotency results evicted before their ttl: the store is at its cap of \
+                 results or bytes; raise them with RuntimeBuilder::with_max_idempotency_results \
+                 and RuntimeBuilder::with_max_idempotency_bytes"
             );
         }
     }
@@ -312,6 +386,7 @@ impl ResultStore for ResultTable {
     fn counts(&self) -> StoreCounts {
         StoreCounts {
             stored: self.table.len(),
+            bytes: self.table.weight(),
             evictions: self.table.evictions(),
         }
     }
@@ -339,8 +414,11 @@ mod tests {
         };
         let record = Record::new(Form::Typed, Some([7; 32]), charge.clone()).unwrap();
         assert_eq!(record.fingerprint(), Some(&[7; 32]));
-        assert_eq!(record.value::<Charge>(), Some(charge));
-        assert_eq!(record.value::<u64>(), None);
+        assert_eq!(record.value::<Charge>("k").unwrap(), charge);
+        assert!(matches!(
+            record.value::<u64>("k"),
+            Err(Error::TypeMismatch { .. })
+        ));
     }
 
     #[test]
@@ -351,8 +429,52 @@ mod tests {
         };
         let record = Record::new(Form::Encoded, None, charge.clone()).unwrap();
         assert!(record.is_encoded());
-        assert_eq!(record.value::<Charge>(), Some(charge));
-        // Trailing bytes left over mean the stored value was of another type.
-        assert_eq!(record.value::<u8>(), None);
+        assert_eq!(record.value::<Charge>("k").unwrap(), charge);
+        assert!(matches!(
+            record.value::<u8>("k"),
+            Err(Error::TypeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn a_stored_result_in_another_format_version_fails_closed_not_misread() {
+        let mut stored = stored_result(None, &7_u64).unwrap();
+        assert_eq!(&stored.value[..3], b"tb\x01", "enveloped, version 1");
+        assert_eq!(
+            Record::from_stored(stored.clone())
+                .value::<u64>("k")
+                .unwrap(),
+            7
+        );
+        stored.value[2] = 9;
+        match Record::from_stored(stored.clone()).value::<u64>("k") {
+            Err(Error::StoreUnavailable { key, source }) => {
+                assert_eq!(key, "k");
+                assert!(
+                    matches!(
+                        source.downcast_ref::<WireError>(),
+                        Some(WireError::UnknownVersion {
+                            found: 9,
+                            supported: 1
+                        })
+                    ),
+                    "{source:?}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // Without an envelope (written before envelopes, or by something else).
+        let plain = StoredResult::new(None, stored.type_tag.clone(), vec![7]);
+        assert!(matches!(
+            Record::from_stored(plain).value::<u64>("k"),
+            Err(Error::StoreUnavailable { .. })
+        ));
+        // Enveloped but truncated: it does not decode as the type.
+        let mut cut = stored_result(None, &String::from("paid")).unwrap();
+        cut.value.truncate(cut.value.len() - 1);
+        assert!(matches!(
+            Record::from_stored(cut).value::<String>("k"),
+            Err(Error::TypeMismatch { .. })
+        ));
     }
 }

@@ -32,8 +32,9 @@ struct TtlEntry<V> {
 /// (see [`TtlTable::with_sweeper`]) to have expired entries removed
 /// periodically; the sweeper runs only while the table holds entries.
 ///
-/// A table may be capped ([`TtlTable::with_max_len`]): an insert past the
-/// cap evicts the oldest inserted entries first, which has the effect of
+/// A table may be capped ([`TtlTable::with_max_len`]) and given a weight
+/// budget ([`TtlTable::with_max_weight`], bytes, say): an insert past
+/// either evicts the oldest inserted entries first, which has the effect of
 /// an early expiry, and counts them ([`TtlTable::evictions`]).
 ///
 /// # Examples
@@ -59,6 +60,11 @@ pub struct TtlTable<K, V> {
     /// The cap, with the keys in insertion order (and their insertion
     /// number, which tells a live entry from a replaced or removed one).
     bound: Option<Bound<K>>,
+    /// The weight budget, if any: how to weigh an entry, and the most the
+    /// entries may weigh together.
+    budget: Option<Budget<K, V>>,
+    /// What the entries weigh together (0 without a budget).
+    weight: AtomicU64,
     evictions: AtomicU64,
     inserts: AtomicU64,
 }
@@ -67,6 +73,11 @@ pub struct TtlTable<K, V> {
 struct Bound<K> {
     max_len: usize,
     order: Mutex<VecDeque<(K, u64)>>,
+}
+
+struct Budget<K, V> {
+    max_weight: u64,
+    weigh: fn(&K, &V) -> u64,
 }
 
 impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'static>
@@ -85,6 +96,8 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
             base: Instant::now(),
             sweeper: None,
             bound: None,
+            budget: None,
+            weight: AtomicU64::new(0),
             evictions: AtomicU64::new(0),
             inserts: AtomicU64::new(0),
         }
@@ -118,6 +131,39 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
         self
     }
 
+    /// Gives the table a weight budget: `weigh` tells what an entry weighs
+    /// (its bytes, say; it must answer the same for the same entry every
+    /// time), and an insert that brings the total past `max_weight` evicts
+    /// the oldest inserted entries first, as the length cap does (an entry
+    /// heavier than the whole budget is evicted at once). Keeps any length
+    /// cap set before or after; without one the table is capped by weight
+    /// only.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_time().start_paused(true).build().unwrap().block_on(async {
+    /// use std::{sync::Arc, time::Duration};
+    /// use throttlebeam_supervisors::{Counters, TtlTable};
+    ///
+    /// let table: TtlTable<u32, Vec<u8>> = TtlTable::new(Arc::new(Counters::new()))
+    ///     .with_max_weight(100, |_, v| v.len() as u64);
+    /// table.insert(1, vec![0; 60], Duration::from_secs(10));
+    /// table.insert(2, vec![0; 30], Duration::from_secs(10));
+    /// assert_eq!(table.weight(), 90);
+    /// assert_eq!(table.insert(3, vec![0; 20], Duration::from_secs(10)), 1, "1 evicted");
+    /// assert_eq!((table.get(&1), table.weight(), table.evictions()), (None, 50, 1));
+    /// # });
+    /// ```
+    #[must_use]
+    pub fn with_max_weight(mut self, max_weight: u64, weigh: fn(&K, &V) -> u64) -> Self {
+        if self.bound.is_none() {
+            self = self.with_max_len(usize::MAX);
+        }
+        self.budget = Some(Budget { max_weight, weigh });
+        self
+    }
+
     /// Creates an empty table registered with `sweeper`.
     #[must_use]
     pub fn with_sweeper(counters: Arc<Counters>, sweeper: &Sweeper) -> Arc<Self> {
@@ -139,7 +185,18 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
         self.bound.as_ref().map(|bound| bound.max_len)
     }
 
-    /// Entries evicted by the cap since the table was created.
+    /// The weight budget set with [`TtlTable::with_max_weight`], if any.
+    pub fn max_weight(&self) -> Option<u64> {
+        self.budget.as_ref().map(|budget| budget.max_weight)
+    }
+
+    /// What the entries held weigh together, expired ones not yet swept
+    /// included (0 without a weight budget).
+    pub fn weight(&self) -> u64 {
+        self.weight.load(Ordering::Acquire)
+    }
+
+    /// Entries evicted by the cap or the weight budget since the table was created.
     pub fn evictions(&self) -> u64 {
         self.evictions.load(Ordering::Relaxed)
     }
@@ -187,11 +244,11 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
                 return Some(f(&entry.value));
             }
         }
-        if self
+        if let Some((key, entry)) = self
             .map
             .remove_if(key, |_, e| e.expires_at <= self.tick(now))
-            .is_some()
         {
+            self.unweigh(&key, &entry.value);
             self.forget(1);
         }
         None
@@ -208,6 +265,9 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
             Some(_) => self.inserts.fetch_add(1, Ordering::Relaxed),
             None => 0,
         };
+        // Weighed before it becomes visible, so a concurrent removal of it
+        // never takes off weight not yet added.
+        self.weigh(&key, &value);
         let entry = TtlEntry {
             value,
             expires_at,
@@ -223,7 +283,11 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
         // Count a new entry before it becomes visible, under its shard lock,
         // so a concurrent remove never decrements below zero.
         let (replaced, first) = match self.map.entry(key) {
-            Entry::Occupied(mut occupied) => (Some(occupied.insert(entry)), false),
+            Entry::Occupied(mut occupied) => {
+                let replaced = occupied.insert(entry);
+                self.unweigh(occupied.key(), &replaced.value);
+                (Some(replaced), false)
+            }
             Entry::Vacant(vacant) => {
                 self.counters.ttl_added();
                 let first = self.len.fetch_add(1, Ordering::AcqRel) == 0;
@@ -243,15 +307,18 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
         evicted
     }
 
-    /// Evicts the oldest entries until at most `max_len` remain; drops
-    /// queue slots of replaced or removed entries on the way.
+    /// Evicts the oldest entries until at most `max_len` remain and they
+    /// weigh no more than the budget; drops queue slots of replaced or
+    /// removed entries on the way.
     fn evict(&self, max_len: usize, order: &mut VecDeque<(K, u64)>) -> usize {
+        let max_weight = self.max_weight().unwrap_or(u64::MAX);
         let mut evicted = 0;
-        while self.len() > max_len {
+        while self.len() > max_len || self.weight() > max_weight {
             let Some((key, seq)) = order.pop_front() else {
                 break;
             };
-            if self.map.remove_if(&key, |_, e| e.seq == seq).is_some() {
+            if let Some((key, entry)) = self.map.remove_if(&key, |_, e| e.seq == seq) {
+                self.unweigh(&key, &entry.value);
                 self.forget(1);
                 evicted += 1;
             }
@@ -322,11 +389,13 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
                 let written = write.is_some();
                 if let Some((value, ttl)) = write {
                     let expires_at = self.tick(expiry(now, ttl));
-                    drop(occupied.insert(TtlEntry {
+                    self.weigh(occupied.key(), &value);
+                    let replaced = occupied.insert(TtlEntry {
                         value,
                         expires_at,
                         seq,
-                    }));
+                    });
+                    self.unweigh(occupied.key(), &replaced.value);
                 }
                 (out, false, written)
             }
@@ -336,6 +405,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
                 let written = write.is_some();
                 if let Some((value, ttl)) = write {
                     let expires_at = self.tick(expiry(now, ttl));
+                    self.weigh(vacant.key(), &value);
                     self.counters.ttl_added();
                     first = self.len.fetch_add(1, Ordering::AcqRel) == 0;
                     vacant.insert(TtlEntry {
@@ -377,8 +447,11 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
         let threshold = *threshold;
         drop(ends);
         let mut removed = 0;
-        self.map.retain(|_, e| {
+        self.map.retain(|k, e| {
             let evict = removed < n && e.expires_at <= threshold;
+            if evict {
+                self.unweigh(k, &e.value);
+            }
             removed += usize::from(evict);
             !evict
         });
@@ -397,7 +470,8 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        let (_, entry) = self.map.remove(key)?;
+        let (key, entry) = self.map.remove(key)?;
+        self.unweigh(&key, &entry.value);
         self.forget(1);
         (entry.expires_at > self.tick(Instant::now())).then_some(entry.value)
     }
@@ -409,7 +483,8 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
             .as_ref()
             .map(|bound| bound.order.lock().unwrap_or_else(PoisonError::into_inner));
         let mut removed = 0;
-        self.map.retain(|_, _| {
+        self.map.retain(|k, e| {
+            self.unweigh(k, &e.value);
             removed += 1;
             false
         });
@@ -439,6 +514,22 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static, V: Clone + Send + Sync + 'sta
         if n > 0 {
             self.len.fetch_sub(n, Ordering::AcqRel);
             self.counters.ttl_removed(n);
+        }
+    }
+
+    /// Adds an entry's weight (with a budget).
+    fn weigh(&self, key: &K, value: &V) {
+        if let Some(budget) = &self.budget {
+            self.weight
+                .fetch_add((budget.weigh)(key, value), Ordering::AcqRel);
+        }
+    }
+
+    /// Takes a removed entry's weight off (with a budget).
+    fn unweigh(&self, key: &K, value: &V) {
+        if let Some(budget) = &self.budget {
+            self.weight
+                .fetch_sub((budget.weigh)(key, value), Ordering::AcqRel);
         }
     }
 }
@@ -477,8 +568,11 @@ where
     fn sweep(&self, now: Instant) -> usize {
         let mut removed = 0;
         let now = self.tick(now);
-        self.map.retain(|_, e| {
+        self.map.retain(|k, e| {
             let keep = e.expires_at > now;
+            if !keep {
+                self.unweigh(k, &e.value);
+            }
             removed += usize::from(!keep);
             keep
         });
@@ -535,6 +629,49 @@ mod tests {
         );
         assert_eq!((table.len(), table.evictions()), (3, 2));
         assert_eq!(counters.ttl_entries(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn past_the_weight_budget_the_oldest_go_first_and_weight_is_exact() {
+        let table: TtlTable<u32, Vec<u8>> = TtlTable::new(Arc::new(Counters::new()))
+            .with_max_len(100)
+            .with_max_weight(100, |k, v| u64::from(*k % 2) + v.len() as u64);
+        assert_eq!(
+            (table.max_len(), table.max_weight()),
+            (Some(100), Some(100))
+        );
+        table.insert(0, vec![0; 40], 10 * SEC);
+        table.insert(2, vec![0; 40], 20 * SEC);
+        assert_eq!(table.weight(), 80);
+        // Replacing an entry swaps its weight.
+        table.insert(0, vec![0; 10], 10 * SEC);
+        assert_eq!(table.weight(), 50);
+        // Past the budget the oldest (key 2: key 0 was replaced after it) go first.
+        assert_eq!(table.insert(4, vec![0; 60], 30 * SEC), 1);
+        assert_eq!(table.get(&2), None);
+        assert_eq!((table.weight(), table.evictions()), (70, 1));
+        // Odd keys weigh one more: the weigher sees the key.
+        table.insert(5, vec![0; 19], 30 * SEC);
+        assert_eq!(table.weight(), 90);
+        // Every way out takes the entry's weight off.
+        assert!(table.remove(&5).is_some());
+        assert_eq!(table.weight(), 70);
+        tokio::time::advance(10 * SEC).await;
+        assert_eq!(table.get(&0), None, "expired on read");
+        assert_eq!(table.weight(), 60);
+        table.insert(6, vec![0; 30], SEC);
+        tokio::time::advance(SEC).await;
+        assert_eq!(table.sweep(Instant::now()), 1);
+        assert_eq!(table.weight(), 60);
+        let nx = |live: Option<&Vec<u8>>| (live.is_none().then(|| (vec![0; 5], SEC)), ());
+        table.upsert_at(8, Instant::now(), nx);
+        assert_eq!(table.weight(), 65);
+        // An entry heavier than the whole budget evicts everything, itself last.
+        assert_eq!(table.insert(10, vec![0; 101], SEC), 3);
+        assert_eq!((table.len(), table.weight(), table.evictions()), (0, 0, 4));
+        table.insert(12, vec![0; 7], SEC);
+        table.clear();
+        assert_eq!(table.weight(), 0);
     }
 
     #[tokio::test(start_paused = true)]

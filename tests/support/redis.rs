@@ -315,3 +315,31 @@ impl RedisCluster {
         false
     }
 }
+
+impl RedisNode {
+    /// Starts a single node on `port` (which must be free), or skips: for
+    /// a test that points something at a port before a server listens there.
+    #[allow(dead_code, reason = "only tests of connecting late use it")]
+    pub fn start_on(test: &str, port: u16) -> Option<Self> {
+        let Some(bin) = server_binary() else {
+            return unavailable(test, "redis-server was not found on PATH");
+        };
+        let dir =
+            std::env::temp_dir().join(format!("throttlebeam-redis-{}-{port}", std::process::id()));
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            return unavailable(test, &format!("cannot create {dir:?}: {e}"));
+        }
+        let mut node = Self {
+            port,
+            bin,
+            dir,
+            cluster: false,
+            durable: false,
+            child: None,
+        };
+        match node.launch() {
+            Ok(()) => Some(node),
+            Err(e) => unavailable(test, &e),
+        }
+    }
+}

@@ -139,8 +139,8 @@ impl Redis {
             .key(self.key(key, ":in"))
             .arg(&request.token.to_bytes()[..])
             .arg(fingerprint_arg(request.fingerprint))
-            .arg(ms(request.lease))
-            .arg(ms(request.ttl.max(request.lease)));
+            .arg(px(request.lease))
+            .arg(px(request.ttl.max(request.lease)));
         let reply: Vec<Value> = self.invoke(&call).await?;
         let kind = bytes(reply.first());
         match kind.as_slice() {
@@ -177,7 +177,7 @@ impl Redis {
             .arg(fingerprint_arg(result.fingerprint.as_ref()))
             .arg(&result.value[..])
             .arg(&result.type_tag)
-            .arg(ms(ttl))
+            .arg(px(ttl))
             .arg(self.claims_channel())
             .arg(key);
         Ok(self.invoke::<i64>(&call).await? == 1)
@@ -207,7 +207,7 @@ impl Redis {
         let mut call = cached(&SCRIPT, RENEW, false).prepare_invoke();
         call.key(self.key(key, ":i"))
             .arg(&token.to_bytes()[..])
-            .arg(ms(lease));
+            .arg(px(lease));
         Ok(self.invoke::<i64>(&call).await? == 1)
     }
 
@@ -234,6 +234,13 @@ impl Redis {
             ))),
         }
     }
+}
+
+/// A lease or TTL as a `PEXPIRE` argument, saturated at 2^53 ms (about
+/// 285,000 years): `Duration::MAX` holds "for ever" instead of being refused
+/// by the server as out of range.
+fn px(d: Duration) -> u64 {
+    ms(d).min(1 << 53)
 }
 
 /// The fingerprint digest as stored: empty for none.
@@ -346,6 +353,24 @@ mod tests {
                     }
                 );
             }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_lease_or_ttl_of_duration_max_holds_rather_than_erring() {
+        each_server("claims_duration_max", async |r: Redis| {
+            let key = "forever:1";
+            let max = Duration::MAX;
+            let won = r.claim(key, ClaimRequest::new(token(1), None, max, max));
+            assert_eq!(won.await.unwrap(), ClaimReply::Won { fence: 1 });
+            assert!(r.renew(key, token(1), max).await.unwrap());
+            let result = StoredResult::new(None, "u8", vec![1]);
+            assert!(r.complete(key, token(1), &result, max).await.unwrap());
+            assert_eq!(
+                r.claim(key, request(2, None, LEASE)).await.unwrap(),
+                ClaimReply::Completed(result)
+            );
         })
         .await;
     }
