@@ -3,9 +3,10 @@
 //!
 //! The in-memory stores live beside the seam they implement
 //! ([`crate::MemoryWindowStore`], the rate limiter's memory store, the
-//! idempotency result table). A remote store is guarded by a [`Breaker`]:
-//! after a run of consecutive failures it stops sending commands for a
-//! cooldown, then lets one probe decide whether the store is back.
+//! idempotency result table). A remote store is guarded by a circuit
+//! breaker ([`BreakerConfig`]): after a run of consecutive failures it stops
+//! sending commands for a cooldown, then lets one probe decide whether the
+//! store is back.
 
 mod breaker;
 #[cfg(feature = "redis")]
@@ -14,7 +15,9 @@ mod redis;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use self::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats};
+#[cfg(feature = "redis")]
+pub(crate) use self::breaker::Breaker;
+pub use self::breaker::{BreakerConfig, BreakerState, BreakerStats};
 #[cfg(feature = "redis")]
 pub(crate) use self::redis::WindowOpen;
 #[cfg(feature = "redis")]

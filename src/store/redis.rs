@@ -423,6 +423,8 @@ impl Redis {
     where
         Fut: Future<Output = redis::RedisResult<T>>,
     {
+        // Dropped with this future (its caller went away mid-command), the
+        // permit is no event: a cancelled probe never wedges the breaker.
         let permit = self
             .inner
             .breaker
@@ -430,9 +432,7 @@ impl Redis {
             .map_err(|retry_in| StoreError::BreakerOpen { retry_in })?;
         self.inner.commands.incr();
         let result = self.bounded(call(self.inner.conn.clone())).await;
-        self.inner
-            .breaker
-            .record(permit, !matches!(&result, Err(e) if e.is_store_fault()));
+        permit.record(!matches!(&result, Err(e) if e.is_store_fault()));
         result
     }
 
