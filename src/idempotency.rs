@@ -610,7 +610,7 @@ where
         core.check_open(key)?;
         // The step is taken apart in a statement of its own, and the waits come after it:
         // a step kept across a wait would size every run's future.
-        let look = match ledger.attempt(key, options, now).await? {
+        let look = match ledger.attempt(key, options, now, deadline).await? {
             Step::Replay(value) => return Ok(Acquired::Replay(value)),
             Step::Owner(ticket) => {
                 Tally::bump(&ledger.tally.fresh);

@@ -26,12 +26,14 @@ use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry};
 use tokio::time::Instant;
 
 use super::options::{Fingerprint, IdempotencyOptions};
-use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, StoredResult};
+use super::seam::{
+    ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, KeyChanged, StoredResult,
+};
 use super::store::{Form, Pending, Record, ResultStore, stored_result};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
 use crate::key::{InlineKey, shown, update_slot};
-use crate::store::StoreError;
+use crate::store::{Fault, StoreError, guard, store_call};
 
 /// How a claim ended, as its waiters see it.
 #[derive(Debug, Clone)]
@@ -153,11 +155,14 @@ impl Ledger {
     }
 
     /// One look at the key: replay it, claim it, or wait for its holder.
+    /// A shared store's claim is bounded by the caller's `deadline` (and the
+    /// lease): a hanging store never holds a caller past its wait.
     pub(crate) async fn attempt<T>(
         self: &Arc<Self>,
         key: &str,
         options: &IdempotencyOptions,
         now: Instant,
+        deadline: Instant,
     ) -> Result<Step<T>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
@@ -170,7 +175,8 @@ impl Ledger {
                 other => return Ok(other),
             };
             // Boxed: this path's future would otherwise size every run's future.
-            return Box::pin(self.claim_shared(shared.as_ref(), ticket, key)).await;
+            let bound = store_bound(ticket.lease, now, deadline);
+            return Box::pin(self.claim_shared(shared.as_ref(), ticket, key, bound)).await;
         }
         // A store that answers at once was read by the replay fast path every run takes
         // first (and a caller back from waiting has the look after the claim below): look
@@ -211,12 +217,14 @@ impl Ledger {
     }
 
     /// Claims the key this caller holds locally in the shared store: one
-    /// round trip that wins it, finds its result, or finds it held elsewhere.
+    /// round trip that wins it, finds its result, or finds it held elsewhere,
+    /// through the store guard (no longer than `bound`; a panic is an error).
     async fn claim_shared<T>(
         &self,
         shared: &dyn IdempotencyStore,
         mut ticket: Ticket,
         key: &str,
+        bound: Duration,
     ) -> Result<Step<T>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
@@ -227,8 +235,8 @@ impl Ledger {
             ticket.lease,
             ticket.ttl,
         );
-        let reply = shared
-            .claim(ticket.full.as_str(), request)
+        let full = ticket.full.as_str();
+        let reply = store_call(bound, || shared.claim(full, request))
             .await
             .map_err(|e| unavailable(key, Arc::new(e)))?;
         // An early return drops the ticket, which releases the local claim.
@@ -288,7 +296,13 @@ impl Ledger {
                 let wait = (lease_left + Duration::from_millis(1))
                     .min(MAX_POLL)
                     .min(renew_period(ticket.lease));
-                let _ = tokio::time::timeout_at((now + wait).min(deadline), changed).await;
+                // Fired or timed out: look again. A wake-up that panicked
+                // says nothing: wait out the poll instead.
+                let until = (now + wait).min(deadline);
+                if let Err(Fault::Panicked(panic)) = guard(until - now, || changed).await {
+                    tracing::warn!(key, %panic, "idempotency store wake-up panicked; polling");
+                    tokio::time::sleep_until(until).await;
+                }
             }
             if self.is_closed() {
                 return Err(Error::ShutDown { key: shown(key) });
@@ -306,8 +320,9 @@ impl Ledger {
                 });
             }
             // Registered before the claim, so a change right after it wakes us.
-            changed = Some(shared.watch(ticket.full.as_str()));
-            match self.claim_shared(shared, ticket, key).await? {
+            changed = Some(watch(shared, ticket.full.as_str()));
+            let bound = store_bound(ticket.lease, Instant::now(), deadline);
+            match self.claim_shared(shared, ticket, key, bound).await? {
                 Step::Remote {
                     ticket: again,
                     lease_left: left,
@@ -512,10 +527,10 @@ impl Renewer {
         let Some(shared) = self.ledger.shared.as_deref().filter(|_| self.shared) else {
             return true;
         };
-        match shared
-            .renew(self.full.as_str(), self.token, self.lease)
-            .await
-        {
+        // No longer than a period: a renewal that slow is late; the next
+        // one goes out instead.
+        let full = self.full.as_str();
+        match store_call(self.period(), || shared.renew(full, self.token, self.lease)).await {
             Ok(true) => true,
             Ok(false) => {
                 tracing::warn!(
@@ -736,11 +751,12 @@ impl Ticket {
     ) -> Result<bool, StoreError> {
         let give_up = Instant::now() + complete_budget(self.lease);
         let mut pause = Duration::from_millis(20);
+        let full = self.full.as_str();
         loop {
-            match shared
-                .complete(self.full.as_str(), self.token, stored, self.ttl)
-                .await
-            {
+            // Each try may take what is left of the budget, and no longer.
+            let bound = store_bound(self.lease, Instant::now(), give_up);
+            let complete = || shared.complete(full, self.token, stored, self.ttl);
+            match store_call(bound, complete).await {
                 Ok(stored) => return Ok(stored),
                 Err(e) if Instant::now() + pause >= give_up => {
                     tracing::error!(
@@ -808,8 +824,10 @@ impl Ticket {
             return;
         };
         let (full, key, token) = (self.full.clone(), self.key.clone(), self.token);
+        let bound = self.lease;
         runtime.spawn(async move {
-            if let Err(e) = shared.release(full.as_str(), token).await {
+            let release = || shared.release(full.as_str(), token);
+            if let Err(e) = store_call(bound, release).await {
                 tracing::debug!(key = %key, error = %e, "releasing an idempotency claim failed; its lease will lapse");
             }
         });
@@ -830,6 +848,27 @@ impl std::fmt::Debug for Ticket {
             .field("held", &self.held)
             .finish_non_exhaustive()
     }
+}
+
+/// How long one shared-store call of a caller may take: no longer than the
+/// caller waits (until `deadline`), nor than the lease it is about; at
+/// least 1 ms.
+fn store_bound(lease: Duration, now: Instant, deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(now)
+        .min(lease)
+        .max(Duration::from_millis(1))
+}
+
+/// The store's wake-up for `key`; a store that panics making one gives
+/// none (the caller polls).
+fn watch(shared: &dyn IdempotencyStore, key: &str) -> KeyChanged {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.watch(key))).unwrap_or_else(
+        |_| {
+            tracing::warn!(key, "idempotency store panicked in watch; polling instead");
+            KeyChanged::never()
+        },
+    )
 }
 
 fn unavailable(key: &str, source: BoxError) -> Error {
