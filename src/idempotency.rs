@@ -1054,7 +1054,7 @@ mod tests {
         // A holder that claimed the key, then stopped renewing without
         // releasing it: what a cut-off instance of a shared store looks like.
         let Step::Owner(gone) = ledger
-            .attempt::<Charge>("k", &options, Instant::now())
+            .attempt::<Charge>("k", &options, Instant::now(), Instant::now())
             .await
             .unwrap()
         else {

@@ -338,6 +338,132 @@ async fn i_a_panicking_wake_up_only_costs_a_waiter_a_poll() {
     }
 }
 
+/// S14 with a store of your own: a completion the store fails for 2 s of a
+/// 5 s lease is retried until stored; the key ran once and replays.
+#[tokio::test(start_paused = true)]
+async fn i_an_outage_shorter_than_the_lease_never_loses_a_result_that_ran() {
+    let store = Faulty::default().with("complete", Fault::Fail);
+    let (a, b) = (runtime_on(&store).await, runtime_on(&store).await);
+    let options = IdempotencyOptions::new().with_lease(Duration::from_secs(5));
+    let runs = Runs::default();
+    let back = tokio::spawn({
+        let store = store.clone();
+        async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            store.set("complete", Fault::Pass);
+        }
+    });
+    let started = Instant::now();
+    let outcome = a
+        .idempotency()
+        .run_with("pay:1", options.clone(), counted(&runs, 1))
+        .await;
+    assert_eq!(outcome.unwrap(), IdempotencyOutcome::Fresh(1));
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "stored once the store was back"
+    );
+    assert!(store.calls("complete") > 2, "retried");
+    back.await.unwrap();
+    let replay = b
+        .idempotency()
+        .run_with("pay:1", options, counted(&runs, 2))
+        .await
+        .unwrap();
+    assert_eq!(replay, IdempotencyOutcome::Replay(1));
+    assert_eq!(runs.get(), 1);
+    assert_eq!(store.calls("release"), 0);
+}
+
+/// The owner gives its result up only once its claim has certainly lapsed
+/// in the store (claim + lease), and then does not release the key there:
+/// the function ran, nothing may free the key before its lease says so.
+#[tokio::test(start_paused = true)]
+async fn i_an_owner_gives_up_storing_only_when_its_claim_has_certainly_lapsed() {
+    for fault in [Fault::Fail, Fault::Hang] {
+        let store = Faulty::default().with("complete", fault);
+        let rt = runtime_on(&store).await;
+        let lease = Duration::from_secs(1);
+        let options = IdempotencyOptions::new().with_lease(lease);
+        let runs = Runs::default();
+        let started = Instant::now();
+        let outcome = rt
+            .idempotency()
+            .run_with("pay:1", options.clone(), counted(&runs, 1))
+            .await;
+        let err = outcome.expect_err("never stored");
+        assert!(
+            matches!(
+                store_error(&err),
+                StoreError::Unavailable(_) | StoreError::Timeout { .. }
+            ),
+            "{fault:?}: {err:?}"
+        );
+        assert_eq!(
+            started.elapsed(),
+            lease,
+            "{fault:?}: until the claim lapsed, no longer"
+        );
+        assert_eq!(
+            store.calls("release"),
+            0,
+            "{fault:?}: not released in the store"
+        );
+        // The documented lease-lapse case: the lapsed key runs again.
+        store.set("complete", Fault::Pass);
+        let again = rt
+            .idempotency()
+            .run_with("pay:1", options, counted(&runs, 2))
+            .await
+            .unwrap();
+        assert_eq!(again, IdempotencyOutcome::Fresh(2), "{fault:?}");
+    }
+}
+
+/// A renewal the store failed is tried again sooner than the next period,
+/// so a store back from an outage hears from the live owner before its
+/// lease lapses; a duplicate elsewhere never takes the key over.
+#[tokio::test(start_paused = true)]
+async fn i_a_failed_renewal_is_retried_before_the_next_period() {
+    let store = Faulty::default().with("renew", Fault::Fail);
+    let (a, b) = (runtime_on(&store).await, runtime_on(&store).await);
+    // Renewals every second.
+    let options = IdempotencyOptions::new()
+        .with_lease(Duration::from_secs(3))
+        .with_wait_timeout(Duration::from_secs(10));
+    let runs = Runs::default();
+    let owner = tokio::spawn({
+        let (a, runs, options) = (a.clone(), runs.clone(), options.clone());
+        async move {
+            let slow = move || async move {
+                runs.hit();
+                tokio::time::sleep(Duration::from_secs(4)).await;
+                Ok::<_, std::io::Error>(1u32)
+            };
+            a.idempotency().run_with("job:1", options, slow).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    // The period's two renewals (at 1 s and 2 s) and the retries between.
+    assert!(
+        store.calls("renew") >= 5,
+        "{} renewals",
+        store.calls("renew")
+    );
+    store.set("renew", Fault::Pass);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // At 3.2 s, past the claim's first lease (3 s): only the retried
+    // renewal at 2.55 s kept it.
+    let outcome = b
+        .idempotency()
+        .run_with("job:1", options, counted(&runs, 2))
+        .await
+        .unwrap();
+    assert_eq!(outcome, IdempotencyOutcome::Replay(1));
+    assert_eq!(owner.await.unwrap().unwrap(), IdempotencyOutcome::Fresh(1));
+    assert_eq!(runs.get(), 1);
+}
+
 /// A GCRA store of your own that misbehaves on demand.
 struct FaultyLimits {
     inner: MemoryRateLimitStore<GcraState>,

@@ -14,6 +14,13 @@
 //! - renew: push the lease out if the claim is still ours. The holder renews
 //!   every third of its lease while it is alive, so only a gone holder's
 //!   lease lapses, and only then may another caller take the key over.
+//!
+//! With a shared store, an owner whose function ran never gives its result
+//! up to a store outage shorter than its lease (SCENARIOS S14): it renews
+//! (sooner after a failure) while the function runs and retries the
+//! completion until it is stored or the claim has certainly lapsed in the
+//! store ([`Lapse`]). Those calls are never refused by an open circuit
+//! breaker: they are probes themselves.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -243,6 +250,8 @@ impl Ledger {
         match reply {
             ClaimReply::Won { fence } => {
                 ticket.fence = Some(fence);
+                // The store started the lease no later than its reply.
+                ticket.lapse = Some(Lapse::new(Instant::now() + ticket.lease));
                 Ok(Step::Owner(ticket))
             }
             ClaimReply::Busy { lease_left } => Ok(Step::Remote { ticket, lease_left }),
@@ -409,12 +418,14 @@ impl Ledger {
             cell,
             held: true,
             fence: None,
+            lapse: None,
         }))
     }
 
     /// Pushes the lease of the claim `(generation, token)` on `full` out to
     /// `lease` from now. `false` once the claim is no longer that holder's
-    /// (completed, released or taken over): renewing can stop.
+    /// to renew (completing, completed, released or taken over): renewing
+    /// can stop.
     fn renew(
         &self,
         full: &str,
@@ -428,7 +439,8 @@ impl Ledger {
                 if ours && !slot.state.completing {
                     slot.state.lease_until = Instant::now() + lease;
                 }
-                ours
+                // A completing claim needs no renewal: its completion decides.
+                ours && !slot.state.completing
             })
             .unwrap_or(false)
     }
@@ -495,6 +507,62 @@ pub(crate) struct Ticket {
     held: bool,
     /// The fencing counter of the claim won in the shared store, if any.
     fence: Option<u64>,
+    /// When that claim has certainly lapsed in the shared store.
+    lapse: Option<Arc<Lapse>>,
+}
+
+/// When a claim in the shared store has certainly lapsed, as its holder can
+/// know it: every claim or renewal that may have reached the store pushes it
+/// to the instant that call ended plus the lease (the store started the
+/// lease no later than that). Measured after the call, not before it was
+/// sent: this bound decides when the holder may stop trying, so it must not
+/// be early. (A command the network or a frozen server holds past its
+/// timeout can still extend the lease later; no client can know that.)
+#[derive(Debug)]
+pub(crate) struct Lapse(std::sync::Mutex<Instant>);
+
+impl Lapse {
+    fn new(at: Instant) -> Arc<Self> {
+        Arc::new(Self(std::sync::Mutex::new(at)))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Instant> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The claim holds until `at` at least.
+    fn push(&self, at: Instant) {
+        let mut lapse = self.lock();
+        *lapse = (*lapse).max(at);
+    }
+
+    /// When the claim has certainly lapsed.
+    fn at(&self) -> Instant {
+        *self.lock()
+    }
+}
+
+/// Whether a failed call may still have reached the store (and done its
+/// work there): anything but a refusal made before sending it.
+fn may_have_landed(error: &StoreError) -> bool {
+    !matches!(
+        error,
+        StoreError::BreakerOpen { .. } | StoreError::Config(_) | StoreError::Full { .. }
+    )
+}
+
+/// What one renewal came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Renewal {
+    /// Renewed (here, and in the shared store if the claim is there).
+    Renewed,
+    /// The shared store did not answer; the claim may still be this holder's.
+    Failed,
+    /// The claim is no longer this holder's (completing, completed,
+    /// released or taken over): renewing is over.
+    Over,
 }
 
 /// Renews one claim's lease from wherever its holder lives.
@@ -505,8 +573,15 @@ pub(crate) struct Renewer {
     generation: Generation,
     token: ClaimToken,
     lease: Duration,
-    shared: bool,
+    /// When the lease started (the claim was made).
+    start: Instant,
+    /// The claim's lapse in the shared store, if it is held there.
+    lapse: Option<Arc<Lapse>>,
 }
+
+/// The first pause before a renewal that failed is tried again; it doubles
+/// up to the renewal period.
+const RENEW_RETRY: Duration = Duration::from_millis(50);
 
 impl Renewer {
     /// How often the holder renews.
@@ -514,35 +589,71 @@ impl Renewer {
         renew_period(self.lease)
     }
 
-    /// Renews the lease, here and in the shared store; `false` once the
-    /// claim is no longer this holder's. A store that cannot be reached is
-    /// tried again at the next period (the lease outlives two misses).
-    pub(crate) async fn renew(&self) -> bool {
+    /// Renews the lease, here and in the shared store.
+    ///
+    /// A renewal of the shared claim is never refused by an open breaker (the
+    /// owner is alive; the store must hear it as soon as it is back), takes
+    /// no longer than a period (a slower one is late: the next one goes out
+    /// instead), and pushes the claim's [`Lapse`] whenever it may have
+    /// reached the store.
+    pub(crate) async fn renew(&self) -> Renewal {
         if !self
             .ledger
             .renew(self.full.as_str(), self.generation, self.token, self.lease)
         {
-            return false;
+            return Renewal::Over;
         }
-        let Some(shared) = self.ledger.shared.as_deref().filter(|_| self.shared) else {
-            return true;
+        let (Some(shared), Some(lapse)) = (self.ledger.shared.as_deref(), self.lapse.as_deref())
+        else {
+            return Renewal::Renewed;
         };
-        // No longer than a period: a renewal that slow is late; the next
-        // one goes out instead.
         let full = self.full.as_str();
-        match store_call(self.period(), || shared.renew(full, self.token, self.lease)).await {
-            Ok(true) => true,
+        let renewed =
+            store_call(self.period(), || shared.renew(full, self.token, self.lease)).await;
+        let ended = Instant::now();
+        match renewed {
+            Ok(true) => {
+                lapse.push(ended + self.lease);
+                Renewal::Renewed
+            }
             Ok(false) => {
                 tracing::warn!(
                     key = %self.key,
                     "idempotency claim lost in the shared store while its function runs \
                      (its lease lapsed there); its result will be refused"
                 );
-                false
+                Renewal::Over
             }
             Err(e) => {
-                tracing::debug!(key = %self.key, error = %e, "idempotency lease renewal failed");
-                true
+                if may_have_landed(&e) {
+                    lapse.push(ended + self.lease);
+                }
+                tracing::debug!(key = %self.key, error = %e, "idempotency lease renewal failed; trying again soon");
+                Renewal::Failed
+            }
+        }
+    }
+
+    /// Renews one period after the claim, then a period after each renewal,
+    /// until the claim is no longer this holder's. A renewal that failed is
+    /// tried again sooner (from 50 ms, doubling up to the period), so a store
+    /// back from an outage hears from a live owner before its lease lapses.
+    pub(crate) async fn keep_renewing(&self) {
+        let period = self.period();
+        let first_retry = RENEW_RETRY.min(period);
+        let (mut due, mut retry) = (self.start + period, first_retry);
+        loop {
+            tokio::time::sleep_until(due).await;
+            match self.renew().await {
+                Renewal::Renewed => {
+                    due = Instant::now() + period;
+                    retry = first_retry;
+                }
+                Renewal::Failed => {
+                    due = Instant::now() + retry;
+                    retry = (retry * 2).min(period);
+                }
+                Renewal::Over => return,
             }
         }
     }
@@ -552,13 +663,19 @@ impl Renewer {
 /// looks when no change notice arrives.
 const MAX_POLL: Duration = Duration::from_millis(500);
 
-/// How long an owner keeps trying to store its result while the shared
-/// store is unreachable: its lease, and at least 5 s. Trying past the lease
-/// is safe: the store refuses the result if another owner took the key
-/// over, and stores it if nobody did, which spares a second execution.
-fn complete_budget(lease: Duration) -> Duration {
-    lease.max(Duration::from_secs(5))
+/// How storing a result in the shared store ended.
+enum Completion {
+    Stored,
+    /// Another owner holds the key there.
+    Lost,
+    /// The store answered with an error of its own: it will not take it.
+    Refused(StoreError),
+    /// The store did not answer before the claim certainly lapsed there.
+    Lapsed(StoreError),
 }
+
+/// The longest pause between two tries of a completion.
+const COMPLETE_RETRY_MAX: Duration = Duration::from_millis(500);
 
 /// How often a holder renews a `lease`: every third of it (at least 1 ms),
 /// so two renewals can be late before the lease lapses.
@@ -581,8 +698,6 @@ impl Ticket {
         &self,
         mut work: std::pin::Pin<&mut F>,
     ) -> F::Output {
-        // Renewals run from the claim, whose lease started then.
-        let start = self.claimed_at;
         // Renewing runs beside the work, never between its polls. It is
         // built and polled only once the work is pending, so work that ends
         // at its first poll (most does) costs no renewer, arms no timer and
@@ -594,25 +709,17 @@ impl Ticket {
             if let std::task::Poll::Ready(output) = work.as_mut().poll(cx) {
                 return std::task::Poll::Ready(output);
             }
-            let renewing = renewing.get_or_insert_with(|| Box::pin(self.renew_from(start)));
+            let renewing = renewing.get_or_insert_with(|| Box::pin(self.renew_from()));
             let _ = renewing.as_mut().poll(cx);
             std::task::Poll::Pending
         })
         .await
     }
 
-    /// Renews the lease one period after `start`, then every period after
-    /// each renewal, until a renewal fails; then never ends.
-    async fn renew_from(&self, start: tokio::time::Instant) {
-        let renewer = self.renewer();
-        let mut due = start + renewer.period();
-        loop {
-            tokio::time::sleep_until(due).await;
-            if !renewer.renew().await {
-                break;
-            }
-            due = tokio::time::Instant::now() + renewer.period();
-        }
+    /// Renews the lease (see [`Renewer::keep_renewing`]) until the claim is
+    /// no longer this holder's; then never ends.
+    async fn renew_from(&self) {
+        self.renewer().keep_renewing().await;
         std::future::pending::<()>().await;
     }
 
@@ -625,7 +732,8 @@ impl Ticket {
             generation: self.generation,
             token: self.token,
             lease: self.lease,
-            shared: self.fence.is_some(),
+            start: self.claimed_at,
+            lapse: self.lapse.clone(),
         }
     }
 
@@ -634,7 +742,9 @@ impl Ticket {
     /// Fails with [`Error::LeaseLost`] if another caller took the key over
     /// (nothing is stored), [`Error::ShutDown`] after the runtime shut down
     /// (nothing is stored, the key is released), and
-    /// [`Error::StoreUnavailable`] if the store refused it (released too).
+    /// [`Error::StoreUnavailable`] if the store refused it (released too) or
+    /// did not answer before the claim certainly lapsed there (not released:
+    /// see [`Ticket::complete_shared`]).
     ///
     /// A plain function around an `async move` block, not an `async fn`, which would keep
     /// the ticket and the value twice in its future.
@@ -673,9 +783,8 @@ impl Ticket {
                     key: self.key.to_string(),
                 });
             }
-            let record = if let Some(shared) =
-                ledger.shared.as_deref().filter(|_| self.fence.is_some())
-            {
+            let shared_claim = ledger.shared.as_deref().zip(self.lapse.clone());
+            let record = if let Some((shared, lapse)) = shared_claim {
                 let stored = match stored_result(self.fingerprint, &value) {
                     Ok(stored) => stored,
                     Err(e) => {
@@ -684,9 +793,9 @@ impl Ticket {
                     }
                 };
                 // Boxed: this path's future would otherwise size every run's future.
-                match Box::pin(self.complete_shared(shared, &stored)).await {
-                    Ok(true) => {}
-                    Ok(false) => {
+                match Box::pin(self.complete_shared(shared, &lapse, &stored)).await {
+                    Completion::Stored => {}
+                    Completion::Lost => {
                         // Taken over in the shared store: the key is another owner's.
                         self.drop_local();
                         tracing::debug!(key = %self.key, "idempotency completion refused: lease lost");
@@ -694,8 +803,16 @@ impl Ticket {
                             key: self.key.to_string(),
                         });
                     }
-                    Err(e) => {
+                    Completion::Refused(e) => {
+                        // The store answered and will not take it: free the key.
                         self.release_now();
+                        return Err(unavailable(&self.key, Arc::new(e)));
+                    }
+                    Completion::Lapsed(e) => {
+                        // Not released in the store (the function ran: nothing
+                        // may free the key early); the claim lapsed there.
+                        self.drop_local();
+                        self.cell.set(Ok(Settled::Released));
                         return Err(unavailable(&self.key, Arc::new(e)));
                     }
                 }
@@ -742,37 +859,49 @@ impl Ticket {
     }
 
     /// Stores `stored` in the shared store, trying again while the store
-    /// is unreachable ([`complete_budget`]): a result that ran must not be
-    /// lost to a blip, or a retry would run the operation again.
+    /// does not answer, until it is stored or the claim has certainly lapsed
+    /// there (`lapse`): a result that ran must not be lost to an outage
+    /// shorter than the lease, or a retry would run the operation again.
+    /// Each try is a must-try call (never refused by an open breaker) and may
+    /// take what is left until the lapse (at least a renewal period).
+    /// Trying up to the lapse and once past it is safe: the store refuses the
+    /// result if another owner took the key over, and stores it if nobody did.
     async fn complete_shared(
         &self,
         shared: &dyn IdempotencyStore,
+        lapse: &Lapse,
         stored: &StoredResult,
-    ) -> Result<bool, StoreError> {
-        let give_up = Instant::now() + complete_budget(self.lease);
+    ) -> Completion {
         let mut pause = Duration::from_millis(20);
         let full = self.full.as_str();
         loop {
-            // Each try may take what is left of the budget, and no longer.
-            let bound = store_bound(self.lease, Instant::now(), give_up);
+            let bound = lapse
+                .at()
+                .saturating_duration_since(Instant::now())
+                .clamp(renew_period(self.lease), self.lease);
             let complete = || shared.complete(full, self.token, stored, self.ttl);
-            match store_call(bound, complete).await {
-                Ok(stored) => return Ok(stored),
-                Err(e) if Instant::now() + pause >= give_up => {
-                    tracing::error!(
-                        key = %self.key,
-                        error = %e,
-                        "idempotency result could not be stored: the shared store stayed \
-                         unreachable; a retry after the lease lapses will run again"
-                    );
-                    return Err(e);
+            let error = match store_call(bound, complete).await {
+                Ok(true) => return Completion::Stored,
+                Ok(false) => return Completion::Lost,
+                Err(e) if !(e.is_store_fault() || matches!(e, StoreError::BreakerOpen { .. })) => {
+                    return Completion::Refused(e);
                 }
-                Err(e) => {
-                    tracing::debug!(key = %self.key, error = %e, "storing idempotency result failed; retrying");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_millis(500));
-                }
+                Err(e) => e,
+            };
+            let (now, give_up) = (Instant::now(), lapse.at());
+            if now >= give_up {
+                tracing::error!(
+                    key = %self.key,
+                    error = %error,
+                    "idempotency result could not be stored: the shared store did not answer \
+                     before the claim lapsed there; a retry may run the operation again"
+                );
+                return Completion::Lapsed(error);
             }
+            tracing::debug!(key = %self.key, %error, "storing idempotency result failed; retrying");
+            // The last try goes out when the claim lapses, not a pause past it.
+            tokio::time::sleep_until((now + pause).min(give_up)).await;
+            pause = (pause * 2).min(COMPLETE_RETRY_MAX);
         }
     }
 
@@ -795,6 +924,7 @@ impl Ticket {
                 claim.token == token
             });
         self.fence = None;
+        self.lapse = None;
     }
 
     /// Gives the key up so the next caller (or a waiting one) runs.

@@ -129,7 +129,7 @@ mod tests {
     async fn a_ready_call_answers_without_a_timer() {
         assert_eq!(guard(BOUND, || async { 7 }).await, Ok(7));
         // No runtime needed either.
-        let out = futures_lite_block_on(guard(BOUND, || std::future::ready(8)));
+        let out = block_on_without_runtime(guard(BOUND, || std::future::ready(8)));
         assert_eq!(out, Ok(8));
     }
 
@@ -190,7 +190,11 @@ mod tests {
     }
 
     /// Polls a future on this thread with no runtime in scope.
-    fn futures_lite_block_on<F: Future>(fut: F) -> F::Output {
+    fn block_on_without_runtime<F>(fut: F) -> F::Output
+    where
+        F: Future + Send,
+        F::Output: Send,
+    {
         std::thread::scope(|s| {
             s.spawn(|| {
                 let mut fut = pin!(fut);
