@@ -126,6 +126,10 @@ pub struct IdempotencyStats {
     pub in_flight_rejections: u64,
     /// Duplicates that gave up with [`Error::Timeout`].
     pub timeouts: u64,
+    /// Runs that ended in an error (their function failed or panicked, or
+    /// their result could not be stored) after their caller had left, so
+    /// that nobody received it; each is also logged at warn.
+    pub failures_after_caller_left: u64,
     /// Results evicted by the cap before their TTL.
     pub evictions: u64,
     /// Results held now, expired ones not yet swept included.
@@ -458,6 +462,7 @@ fn stats_of(ledger: &Ledger) -> IdempotencyStats {
         takeovers: tally.takeovers.load(Ordering::Relaxed),
         in_flight_rejections: tally.in_flight_rejections.load(Ordering::Relaxed),
         timeouts: tally.timeouts.load(Ordering::Relaxed),
+        failures_after_caller_left: tally.failures_after_caller_left.load(Ordering::Relaxed),
         evictions: counts.evictions,
         stored_results: counts.stored,
     }
@@ -757,11 +762,15 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     async move {
+        // The run moves into a task of its own when its caller leaves: a
+        // task other than this one at the end means nobody sees the outcome.
+        let started_in = tokio::task::try_id();
+        let ledger = ticket.ledger();
         let caught = {
             let work = std::pin::pin!(catch_panic_fn(f));
             ticket.hold(work).await
         };
-        match Error::from_run(ticket.key(), caught) {
+        let outcome = match Error::from_run(ticket.key(), caught) {
             Ok(value) => match ticket.complete(value.clone()).await {
                 Ok(()) | Err(Error::ShutDown { .. }) => Ok(value),
                 Err(e) => Err(e),
@@ -770,7 +779,16 @@ where
                 ticket.release();
                 Err(e)
             }
+        };
+        if let Err(error) = &outcome
+            && tokio::task::try_id() != started_in
+        {
+            Tally::bump(&ledger.tally.failures_after_caller_left);
+            let key = error.key().unwrap_or_default();
+            let error = claim::with_causes(error);
+            tracing::warn!(key, %error, "idempotency run failed after its caller left");
         }
+        outcome
     }
 }
 

@@ -2,7 +2,9 @@
 //! one: each call goes through the store guard (a timeout, a panic
 //! boundary, cancellation safety), so a caller gets a typed error within its
 //! bound, never a hang or an unwind (issue 30 item 5; SCENARIOS S7, S15).
-#![cfg(feature = "runtime")]
+//! An owner keeps its result through an outage shorter than its lease (S14,
+//! item 1), and no failure goes unlogged (item 14).
+#![cfg(all(feature = "runtime", feature = "http"))]
 
 mod support;
 
@@ -462,6 +464,99 @@ async fn i_a_failed_renewal_is_retried_before_the_next_period() {
     assert_eq!(outcome, IdempotencyOutcome::Replay(1));
     assert_eq!(owner.await.unwrap().unwrap(), IdempotencyOutcome::Fresh(1));
     assert_eq!(runs.get(), 1);
+}
+
+/// Warn-level log lines, captured.
+#[derive(Clone, Default)]
+struct Warnings(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Warnings {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Warnings {
+    /// Captures warnings on this thread until the guard drops.
+    fn capture(&self) -> tracing::subscriber::DefaultGuard {
+        let sink = self.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || sink.clone())
+            .finish();
+        tracing::subscriber::set_default(subscriber)
+    }
+
+    fn lines(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// Issue 30 item 14: a store failure that makes idempotency fail closed is
+/// logged at warn with its cause.
+#[tokio::test(start_paused = true)]
+async fn i_a_store_failure_answered_store_unavailable_is_logged_with_its_cause() {
+    let warnings = Warnings::default();
+    let _capture = warnings.capture();
+    let store = Faulty::default().with("claim", Fault::Fail);
+    let rt = runtime_on(&store).await;
+    let err = rt
+        .idempotency()
+        .run("pay:logged", counted(&Runs::default(), 1))
+        .await
+        .expect_err("the store failed");
+    assert!(matches!(err, Error::StoreUnavailable { .. }), "{err:?}");
+    let lines = warnings.lines();
+    assert!(lines.contains("WARN"), "{lines}");
+    assert!(lines.contains("pay:logged"), "{lines}");
+    assert!(lines.contains("connection refused"), "the cause: {lines}");
+}
+
+/// Issue 30 item 14: a run that fails after its caller left is logged at
+/// warn and counted; one whose caller sees the error is not.
+#[tokio::test(start_paused = true)]
+async fn i_a_run_that_fails_after_its_caller_left_is_logged_and_counted() {
+    let warnings = Warnings::default();
+    let _capture = warnings.capture();
+    let rt = support::runtime().await;
+    let idem = rt.idempotency();
+    let failing = |note: &'static str| {
+        move || async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            Err::<u32, _>(support::Oops(note))
+        }
+    };
+    let left =
+        tokio::time::timeout(ms(100), idem.run("job:left", failing("nobody saw this"))).await;
+    assert!(left.is_err(), "the caller left mid-run");
+    assert_eq!(idem.stats().failures_after_caller_left, 0, "still running");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(idem.stats().failures_after_caller_left, 1);
+    let seen = idem.run("job:seen", failing("seen")).await;
+    assert!(matches!(seen, Err(Error::Failed { .. })), "{seen:?}");
+    // A run whose caller left and that succeeds is no failure.
+    let fine = tokio::time::timeout(
+        ms(100),
+        idem.run("job:fine", || async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            Ok::<_, std::io::Error>(1u32)
+        }),
+    )
+    .await;
+    assert!(fine.is_err());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(idem.stats().failures_after_caller_left, 1);
+    let lines = warnings.lines();
+    assert!(lines.contains("failed after its caller left"), "{lines}");
+    assert!(lines.contains("job:left"), "{lines}");
+    assert!(lines.contains("nobody saw this"), "the cause: {lines}");
+    assert!(!lines.contains("job:seen"), "{lines}");
+    assert!(!lines.contains("job:fine"), "{lines}");
 }
 
 /// A GCRA store of your own that misbehaves on demand.

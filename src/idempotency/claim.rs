@@ -101,6 +101,7 @@ pub(crate) struct Tally {
     pub(crate) takeovers: AtomicU64,
     pub(crate) in_flight_rejections: AtomicU64,
     pub(crate) timeouts: AtomicU64,
+    pub(crate) failures_after_caller_left: AtomicU64,
 }
 
 impl Tally {
@@ -689,6 +690,11 @@ impl Ticket {
         &self.key
     }
 
+    /// The ledger that holds this ticket's claim.
+    pub(crate) fn ledger(&self) -> Arc<Ledger> {
+        Arc::clone(&self.ledger)
+    }
+
     /// Runs `work`, renewing the lease every third of it until `work` ends:
     /// a holder that is alive is never taken over, however long it takes.
     ///
@@ -1001,7 +1007,25 @@ fn watch(shared: &dyn IdempotencyStore, key: &str) -> KeyChanged {
     )
 }
 
+/// `error` and its sources, `: `-separated, for a log line.
+pub(crate) fn with_causes(error: &(dyn std::error::Error + '_)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(inner) = cause {
+        text.push_str(": ");
+        text.push_str(&inner.to_string());
+        cause = inner.source();
+    }
+    text
+}
+
+/// The error of a store that failed `key`'s caller (idempotency fails
+/// closed), logged at warn with its causes.
 fn unavailable(key: &str, source: BoxError) -> Error {
+    if tracing::enabled!(tracing::Level::WARN) {
+        let error = with_causes(&*source);
+        tracing::warn!(key = %shown(key), %error, "idempotency store unavailable; failing closed");
+    }
     Error::StoreUnavailable {
         key: shown(key),
         source,
