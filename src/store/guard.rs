@@ -152,17 +152,14 @@ mod tests {
         let built = guard(BOUND, || -> std::future::Ready<u8> { panic!("built") }).await;
         assert_eq!(built, Err(Fault::Panicked("built".to_owned())));
         let first = guard(BOUND, || async { panic!("first poll {}", 1) }).await;
-        assert_eq!(
-            first.map(|()| ()),
-            Err(Fault::Panicked("first poll 1".into()))
-        );
+        assert_eq!(first, Err(Fault::Panicked("first poll 1".into())));
         let later = guard(BOUND, || async {
             tokio::time::sleep(BOUND / 4).await;
             std::panic::panic_any(5_u8)
         })
         .await;
         assert_eq!(
-            later.map(|()| ()),
+            later,
             Err(Fault::Panicked("a panic with a non-string payload".into()))
         );
         let error = StoreError::from(Fault::Panicked("boom".into()));

@@ -98,6 +98,8 @@ impl RedisBuilder {
     }
 
     /// The circuit breaker (default: 5 consecutive failures open it for 10 s).
+    /// A caller that goes away mid-command is no event for it (a cancelled
+    /// probe frees the breaker for the next one).
     pub fn with_breaker(mut self, breaker: BreakerConfig) -> Self {
         self.breaker = breaker;
         self
@@ -224,7 +226,11 @@ struct Inner {
 /// or one script call (`EVALSHA`; when the server does not know the script
 /// yet, the same call goes again as `EVAL` with the script's text, which
 /// leaves it in the server's cache); every call is bounded by the command
-/// timeout and guarded by a circuit breaker.
+/// timeout and guarded by a circuit breaker. While the breaker is open,
+/// calls are refused locally, except an idempotency owner's lease renewals
+/// and completions: a function that ran must not lose its result to an
+/// outage shorter than its lease, so those always go out, as probes (one
+/// that succeeds closes the breaker).
 ///
 /// # Rate limiting
 ///
