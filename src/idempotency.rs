@@ -134,6 +134,10 @@ pub struct IdempotencyStats {
     pub in_flight_rejections: u64,
     /// Duplicates that gave up with [`Error::Timeout`].
     pub timeouts: u64,
+    /// Runs that ended in an error (their function failed or panicked, or
+    /// their result could not be stored) after their caller had left, so
+    /// that nobody received it; each is also logged at warn.
+    pub failures_after_caller_left: u64,
     /// Results evicted by the cap or the byte budget before their TTL.
     pub evictions: u64,
     /// Results held now, expired ones not yet swept included.
@@ -444,6 +448,7 @@ fn stats_of(ledger: &Ledger) -> IdempotencyStats {
         takeovers: tally.takeovers.load(Ordering::Relaxed),
         in_flight_rejections: tally.in_flight_rejections.load(Ordering::Relaxed),
         timeouts: tally.timeouts.load(Ordering::Relaxed),
+        failures_after_caller_left: tally.failures_after_caller_left.load(Ordering::Relaxed),
         evictions: counts.evictions,
         stored_results: counts.stored,
         stored_bytes: counts.bytes,
@@ -601,7 +606,7 @@ where
         core.check_open(key)?;
         // The step is taken apart in a statement of its own, and the waits come after it:
         // a step kept across a wait would size every run's future.
-        let look = match ledger.attempt(key, options, now).await? {
+        let look = match ledger.attempt(key, options, now, deadline).await? {
             Step::Replay(value) => return Ok(Acquired::Replay(value)),
             Step::Owner(ticket) => {
                 Tally::bump(&ledger.tally.fresh);
@@ -748,11 +753,15 @@ where
     E: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     async move {
+        // The run moves into a task of its own when its caller leaves: a
+        // task other than this one at the end means nobody sees the outcome.
+        let started_in = tokio::task::try_id();
+        let ledger = ticket.ledger();
         let caught = {
             let work = std::pin::pin!(catch_panic_fn(f));
             ticket.hold(work).await
         };
-        match Error::from_run(ticket.key(), caught) {
+        let outcome = match Error::from_run(ticket.key(), caught) {
             Ok(value) => match ticket.complete(value.clone()).await {
                 Ok(()) | Err(Error::ShutDown { .. }) => Ok(value),
                 Err(e) => Err(e),
@@ -761,7 +770,16 @@ where
                 ticket.release();
                 Err(e)
             }
+        };
+        if let Err(error) = &outcome
+            && tokio::task::try_id() != started_in
+        {
+            Tally::bump(&ledger.tally.failures_after_caller_left);
+            let key = error.key().unwrap_or_default();
+            let error = claim::with_causes(error);
+            tracing::warn!(key, %error, "idempotency run failed after its caller left");
         }
+        outcome
     }
 }
 
@@ -1046,7 +1064,7 @@ mod tests {
         // A holder that claimed the key, then stopped renewing without
         // releasing it: what a cut-off instance of a shared store looks like.
         let Step::Owner(gone) = ledger
-            .attempt::<Charge>("k", &options, Instant::now())
+            .attempt::<Charge>("k", &options, Instant::now(), Instant::now())
             .await
             .unwrap()
         else {

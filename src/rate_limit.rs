@@ -103,8 +103,8 @@ pub use script::ScriptedStrategy;
 pub use script::TierParams;
 pub use sliding_window::{SlidingWindow, SlidingWindowState};
 pub use store::{
-    AsyncRateLimitStore, DEFAULT_LIMITER_MAX_KEYS, FirstKeyHook, MemoryRateLimitStore,
-    RateLimitRequest, RateLimitStore,
+    AsyncRateLimitStore, DEFAULT_LIMITER_MAX_KEYS, DEFAULT_STORE_CALL_TIMEOUT, FirstKeyHook,
+    MemoryRateLimitStore, RateLimitRequest, RateLimitStore,
 };
 pub use strategy::{
     Applied, InsufficientCapacity, RateLimitOp, RateLimitReply, ShaperReservation, StateUpdate,

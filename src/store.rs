@@ -3,18 +3,25 @@
 //!
 //! The in-memory stores live beside the seam they implement
 //! ([`crate::MemoryWindowStore`], the rate limiter's memory store, the
-//! idempotency result table). A remote store is guarded by a [`Breaker`]:
-//! after a run of consecutive failures it stops sending commands for a
-//! cooldown, then lets one probe decide whether the store is back.
+//! idempotency result table). A remote store is guarded by a circuit
+//! breaker ([`BreakerConfig`]): after a run of consecutive failures it stops
+//! sending commands for a cooldown, then lets one probe decide whether the
+//! store is back.
 
 mod breaker;
+mod guard;
 #[cfg(feature = "redis")]
 mod redis;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-pub use self::breaker::{Breaker, BreakerConfig, BreakerState, BreakerStats};
+#[cfg(feature = "redis")]
+pub(crate) use self::breaker::Breaker;
+pub use self::breaker::{BreakerConfig, BreakerState, BreakerStats};
+#[cfg(feature = "runtime")]
+pub(crate) use self::guard::store_call;
+pub(crate) use self::guard::{Fault, guard};
 #[cfg(feature = "redis")]
 pub(crate) use self::redis::WindowOpen;
 #[cfg(feature = "redis")]
@@ -49,6 +56,13 @@ pub enum StoreError {
     /// The store answered with something this library did not expect.
     #[error("unexpected store reply: {0}")]
     Protocol(String),
+    /// The store panicked while answering (a store of your own): the panic
+    /// was caught at the store's boundary and never reaches the caller.
+    #[error("store panicked: {message}")]
+    Panicked {
+        /// The panic's message.
+        message: String,
+    },
     /// The store's configuration is invalid.
     #[error("invalid store configuration: {0}")]
     Config(String),
@@ -80,6 +94,9 @@ impl StoreError {
     /// misbehaved), as opposed to a refusal made locally.
     #[must_use]
     pub fn is_store_fault(&self) -> bool {
-        matches!(self, Self::Timeout { .. } | Self::Unavailable(_))
+        matches!(
+            self,
+            Self::Timeout { .. } | Self::Unavailable(_) | Self::Panicked { .. }
+        )
     }
 }

@@ -111,3 +111,44 @@ async fn a_dead_node_opens_the_breaker_and_recovery_is_automatic() {
     }
     assert_eq!(redis.stats().breaker.state, BreakerState::Closed);
 }
+
+/// S15: a probe whose caller is dropped while its command hangs decides
+/// nothing, and the next command probes: the breaker is never left half open.
+#[tokio::test]
+async fn s15_a_probe_dropped_mid_command_never_leaves_the_breaker_half_open() {
+    let Some(node) = RedisNode::start("s15_a_probe_dropped_mid_command") else {
+        return;
+    };
+    let redis = Redis::builder(node.url())
+        .with_command_timeout(Duration::from_millis(300))
+        .with_breaker(
+            BreakerConfig::default()
+                .with_failures(1)
+                .with_cooldown(Duration::from_millis(100)),
+        )
+        .connect()
+        .await
+        .expect("connects");
+    redis.ping().await.expect("ping");
+    node.freeze();
+    let err = redis.ping().await.expect_err("a frozen node times out");
+    assert!(matches!(err, StoreError::Timeout { .. }), "{err:?}");
+    assert_eq!(redis.stats().breaker.state, BreakerState::Open);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The probe: its caller gives up while the command hangs.
+    let dropped = tokio::time::timeout(Duration::from_millis(50), redis.ping()).await;
+    assert!(
+        dropped.is_err(),
+        "the probe hung and was dropped: {dropped:?}"
+    );
+    let breaker = redis.stats().breaker;
+    assert_eq!(breaker.state, BreakerState::HalfOpen);
+    assert_eq!(breaker.failures, 1, "a dropped probe is not a failure");
+    node.thaw();
+    // The next command is the new probe; it finds the store back.
+    redis
+        .ping()
+        .await
+        .expect("a new probe goes through, not BreakerOpen");
+    assert_eq!(redis.stats().breaker.state, BreakerState::Closed);
+}

@@ -285,6 +285,144 @@ async fn s7_redis_killed_for_two_seconds_never_runs_a_key_twice_and_every_key_co
     }
 }
 
+/// S14 (issue 30 item 1): with the default breaker (5 failures open it for
+/// 10 s) and a 5 s lease, a durable Redis killed for 2 s in the middle of a
+/// flood from four instances (each its own tokio runtime on its own thread)
+/// makes no key run twice: owners whose function ran keep renewing and
+/// retrying their completion through the open breaker until stored.
+#[test]
+fn s14_a_durable_redis_killed_for_two_seconds_runs_no_key_twice_with_the_default_breaker() {
+    const KEYS: usize = 2_000;
+    const DUPS: usize = 4;
+    const INSTANCES: usize = 4;
+    let Some(mut node) = RedisNode::start_durable(
+        "s14_a_durable_redis_killed_for_two_seconds_runs_no_key_twice_with_the_default_breaker",
+    ) else {
+        return;
+    };
+    let url = node.url();
+    let runs: Arc<Vec<AtomicU32>> = Arc::new((0..KEYS).map(|_| AtomicU32::new(0)).collect());
+    let unavailable = Arc::new(AtomicU32::new(0));
+    let unexpected = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let ready = Arc::new(std::sync::Barrier::new(INSTANCES + 1));
+    let give_up = std::time::Instant::now() + Duration::from_secs(120);
+    let instances: Vec<_> = (0..INSTANCES)
+        .map(|i| {
+            let (url, runs, ready) = (url.clone(), Arc::clone(&runs), Arc::clone(&ready));
+            let (unavailable, unexpected) = (Arc::clone(&unavailable), Arc::clone(&unexpected));
+            std::thread::spawn(move || {
+                let tokio_rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                tokio_rt.block_on(async move {
+                    // Every setting of the backend at its default.
+                    let redis = Redis::builder(url).connect().await.expect("connects");
+                    let rt = instance(redis.clone()).await;
+                    ready.wait();
+                    let options = IdempotencyOptions::new()
+                        .with_lease(Duration::from_secs(5))
+                        .with_wait_timeout(Duration::from_secs(10));
+                    let gate = Arc::new(Semaphore::new(64));
+                    let mut calls = tokio::task::JoinSet::new();
+                    for k in 0..KEYS {
+                        for _ in 0..DUPS {
+                            let permit = Arc::clone(&gate).acquire_owned().await.unwrap();
+                            let (rt, options, runs) =
+                                (rt.clone(), options.clone(), Arc::clone(&runs));
+                            let (unavailable, unexpected) =
+                                (Arc::clone(&unavailable), Arc::clone(&unexpected));
+                            calls.spawn(async move {
+                                let _permit = permit;
+                                loop {
+                                    let runs = Arc::clone(&runs);
+                                    let run = move || async move {
+                                        runs[k].fetch_add(1, Ordering::SeqCst);
+                                        tokio::time::sleep(Duration::from_millis(20)).await;
+                                        Ok::<_, std::io::Error>(k as u64)
+                                    };
+                                    let outcome = rt
+                                        .idempotency()
+                                        .run_with(&format!("pay:{k}"), options.clone(), run)
+                                        .await;
+                                    match outcome {
+                                        Ok(outcome) => return (k, *outcome.value()),
+                                        Err(
+                                            Error::StoreUnavailable { .. } | Error::Timeout { .. },
+                                        ) => {
+                                            unavailable.fetch_add(1, Ordering::Relaxed);
+                                        }
+                                        Err(e) => {
+                                            unexpected.lock().unwrap().push(format!("key {k}: {e}"))
+                                        }
+                                    }
+                                    assert!(
+                                        std::time::Instant::now() < give_up,
+                                        "key {k} never completed"
+                                    );
+                                    tokio::time::sleep(Duration::from_millis(100)).await;
+                                }
+                            });
+                        }
+                    }
+                    while let Some(done) = calls.join_next().await {
+                        let (k, value) = done.expect("no call panics");
+                        assert_eq!(
+                            value, k as u64,
+                            "instance {i}, key {k}: the key's own value"
+                        );
+                    }
+                    redis.stats().breaker
+                })
+            })
+        })
+        .collect();
+    ready.wait();
+    // Mid-flood: once a quarter of the keys ran.
+    let ran = || runs.iter().filter(|r| r.load(Ordering::SeqCst) > 0).count();
+    while ran() < KEYS / 4 {
+        assert!(
+            std::time::Instant::now() < give_up,
+            "the flood did not start"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    node.kill();
+    let killed_at = ran();
+    std::thread::sleep(Duration::from_secs(2));
+    node.restart();
+    let breakers: Vec<_> = instances
+        .into_iter()
+        .map(|t| t.join().expect("an instance panicked"))
+        .collect();
+    let twice: Vec<_> = (0..KEYS)
+        .filter(|&k| runs[k].load(Ordering::SeqCst) != 1)
+        .map(|k| (k, runs[k].load(Ordering::SeqCst)))
+        .collect();
+    println!(
+        "killed after {killed_at} keys ran; {} calls saw the outage; breakers: {breakers:?}",
+        unavailable.load(Ordering::Relaxed)
+    );
+    assert!(
+        twice.is_empty(),
+        "keys not run exactly once (key, runs): {twice:?}"
+    );
+    assert!(
+        unexpected.lock().unwrap().is_empty(),
+        "{:?}",
+        unexpected.lock().unwrap()
+    );
+    assert!(killed_at < KEYS, "killed mid-flood");
+    assert!(
+        unavailable.load(Ordering::Relaxed) > 0,
+        "the outage was seen"
+    );
+    assert!(
+        breakers.iter().any(|b| b.opened > 0),
+        "the default breaker opened: {breakers:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn i6_an_owner_instance_that_dies_is_taken_over_once_after_its_lease_and_its_late_completion_is_refused()
  {

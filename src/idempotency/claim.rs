@@ -14,6 +14,13 @@
 //! - renew: push the lease out if the claim is still ours. The holder renews
 //!   every third of its lease while it is alive, so only a gone holder's
 //!   lease lapses, and only then may another caller take the key over.
+//!
+//! With a shared store, an owner whose function ran never gives its result
+//! up to a store outage shorter than its lease (SCENARIOS S14): it renews
+//! (sooner after a failure) while the function runs and retries the
+//! completion until it is stored or the claim has certainly lapsed in the
+//! store ([`Lapse`]). Those calls are never refused by an open circuit
+//! breaker: they are probes themselves.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -26,12 +33,14 @@ use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry};
 use tokio::time::Instant;
 
 use super::options::{Fingerprint, IdempotencyOptions};
-use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, StoredResult};
+use super::seam::{
+    ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, KeyChanged, StoredResult,
+};
 use super::store::{Form, Pending, Record, ResultStore, stored_result};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
 use crate::key::{InlineKey, shown, update_slot};
-use crate::store::StoreError;
+use crate::store::{Fault, StoreError, guard, store_call};
 
 /// How a claim ended, as its waiters see it.
 #[derive(Debug, Clone)]
@@ -92,6 +101,7 @@ pub(crate) struct Tally {
     pub(crate) takeovers: AtomicU64,
     pub(crate) in_flight_rejections: AtomicU64,
     pub(crate) timeouts: AtomicU64,
+    pub(crate) failures_after_caller_left: AtomicU64,
 }
 
 impl Tally {
@@ -153,11 +163,14 @@ impl Ledger {
     }
 
     /// One look at the key: replay it, claim it, or wait for its holder.
+    /// A shared store's claim is bounded by the caller's `deadline` (and the
+    /// lease): a hanging store never holds a caller past its wait.
     pub(crate) async fn attempt<T>(
         self: &Arc<Self>,
         key: &str,
         options: &IdempotencyOptions,
         now: Instant,
+        deadline: Instant,
     ) -> Result<Step<T>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
@@ -170,7 +183,8 @@ impl Ledger {
                 other => return Ok(other),
             };
             // Boxed: this path's future would otherwise size every run's future.
-            return Box::pin(self.claim_shared(shared.as_ref(), ticket, key)).await;
+            let bound = store_bound(ticket.lease, now, deadline);
+            return Box::pin(self.claim_shared(shared.as_ref(), ticket, key, bound)).await;
         }
         // A store that answers at once was read by the replay fast path every run takes
         // first (and a caller back from waiting has the look after the claim below): look
@@ -211,12 +225,14 @@ impl Ledger {
     }
 
     /// Claims the key this caller holds locally in the shared store: one
-    /// round trip that wins it, finds its result, or finds it held elsewhere.
+    /// round trip that wins it, finds its result, or finds it held elsewhere,
+    /// through the store guard (no longer than `bound`; a panic is an error).
     async fn claim_shared<T>(
         &self,
         shared: &dyn IdempotencyStore,
         mut ticket: Ticket,
         key: &str,
+        bound: Duration,
     ) -> Result<Step<T>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
@@ -227,14 +243,16 @@ impl Ledger {
             ticket.lease,
             ticket.ttl,
         );
-        let reply = shared
-            .claim(ticket.full.as_str(), request)
+        let full = ticket.full.as_str();
+        let reply = store_call(bound, || shared.claim(full, request))
             .await
             .map_err(|e| unavailable(key, Arc::new(e)))?;
         // An early return drops the ticket, which releases the local claim.
         match reply {
             ClaimReply::Won { fence } => {
                 ticket.fence = Some(fence);
+                // The store started the lease no later than its reply.
+                ticket.lapse = Some(Lapse::new(Instant::now() + ticket.lease));
                 Ok(Step::Owner(ticket))
             }
             ClaimReply::Busy { lease_left } => Ok(Step::Remote { ticket, lease_left }),
@@ -288,7 +306,13 @@ impl Ledger {
                 let wait = (lease_left + Duration::from_millis(1))
                     .min(MAX_POLL)
                     .min(renew_period(ticket.lease));
-                let _ = tokio::time::timeout_at((now + wait).min(deadline), changed).await;
+                // Fired or timed out: look again. A wake-up that panicked
+                // says nothing: wait out the poll instead.
+                let until = (now + wait).min(deadline);
+                if let Err(Fault::Panicked(panic)) = guard(until - now, || changed).await {
+                    tracing::warn!(key, %panic, "idempotency store wake-up panicked; polling");
+                    tokio::time::sleep_until(until).await;
+                }
             }
             if self.is_closed() {
                 return Err(Error::ShutDown { key: shown(key) });
@@ -306,8 +330,9 @@ impl Ledger {
                 });
             }
             // Registered before the claim, so a change right after it wakes us.
-            changed = Some(shared.watch(ticket.full.as_str()));
-            match self.claim_shared(shared, ticket, key).await? {
+            changed = Some(watch(shared, ticket.full.as_str()));
+            let bound = store_bound(ticket.lease, Instant::now(), deadline);
+            match self.claim_shared(shared, ticket, key, bound).await? {
                 Step::Remote {
                     ticket: again,
                     lease_left: left,
@@ -394,12 +419,14 @@ impl Ledger {
             cell,
             held: true,
             fence: None,
+            lapse: None,
         }))
     }
 
     /// Pushes the lease of the claim `(generation, token)` on `full` out to
     /// `lease` from now. `false` once the claim is no longer that holder's
-    /// (completed, released or taken over): renewing can stop.
+    /// to renew (completing, completed, released or taken over): renewing
+    /// can stop.
     fn renew(
         &self,
         full: &str,
@@ -413,7 +440,8 @@ impl Ledger {
                 if ours && !slot.state.completing {
                     slot.state.lease_until = Instant::now() + lease;
                 }
-                ours
+                // A completing claim needs no renewal: its completion decides.
+                ours && !slot.state.completing
             })
             .unwrap_or(false)
     }
@@ -478,6 +506,62 @@ pub(crate) struct Ticket {
     held: bool,
     /// The fencing counter of the claim won in the shared store, if any.
     fence: Option<u64>,
+    /// When that claim has certainly lapsed in the shared store.
+    lapse: Option<Arc<Lapse>>,
+}
+
+/// When a claim in the shared store has certainly lapsed, as its holder can
+/// know it: every claim or renewal that may have reached the store pushes it
+/// to the instant that call ended plus the lease (the store started the
+/// lease no later than that). Measured after the call, not before it was
+/// sent: this bound decides when the holder may stop trying, so it must not
+/// be early. (A command the network or a frozen server holds past its
+/// timeout can still extend the lease later; no client can know that.)
+#[derive(Debug)]
+pub(crate) struct Lapse(std::sync::Mutex<Instant>);
+
+impl Lapse {
+    fn new(at: Instant) -> Arc<Self> {
+        Arc::new(Self(std::sync::Mutex::new(at)))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Instant> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The claim holds until `at` at least.
+    fn push(&self, at: Instant) {
+        let mut lapse = self.lock();
+        *lapse = (*lapse).max(at);
+    }
+
+    /// When the claim has certainly lapsed.
+    fn at(&self) -> Instant {
+        *self.lock()
+    }
+}
+
+/// Whether a failed call may still have reached the store (and done its
+/// work there): anything but a refusal made before sending it.
+fn may_have_landed(error: &StoreError) -> bool {
+    !matches!(
+        error,
+        StoreError::BreakerOpen { .. } | StoreError::Config(_) | StoreError::Full { .. }
+    )
+}
+
+/// What one renewal came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Renewal {
+    /// Renewed (here, and in the shared store if the claim is there).
+    Renewed,
+    /// The shared store did not answer; the claim may still be this holder's.
+    Failed,
+    /// The claim is no longer this holder's (completing, completed,
+    /// released or taken over): renewing is over.
+    Over,
 }
 
 /// Renews one claim's lease from wherever its holder lives.
@@ -488,8 +572,15 @@ pub(crate) struct Renewer {
     generation: Generation,
     token: ClaimToken,
     lease: Duration,
-    shared: bool,
+    /// When the lease started (the claim was made).
+    start: Instant,
+    /// The claim's lapse in the shared store, if it is held there.
+    lapse: Option<Arc<Lapse>>,
 }
+
+/// The first pause before a renewal that failed is tried again; it doubles
+/// up to the renewal period.
+const RENEW_RETRY: Duration = Duration::from_millis(50);
 
 impl Renewer {
     /// How often the holder renews.
@@ -497,35 +588,71 @@ impl Renewer {
         renew_period(self.lease)
     }
 
-    /// Renews the lease, here and in the shared store; `false` once the
-    /// claim is no longer this holder's. A store that cannot be reached is
-    /// tried again at the next period (the lease outlives two misses).
-    pub(crate) async fn renew(&self) -> bool {
+    /// Renews the lease, here and in the shared store.
+    ///
+    /// A renewal of the shared claim is never refused by an open breaker (the
+    /// owner is alive; the store must hear it as soon as it is back), takes
+    /// no longer than a period (a slower one is late: the next one goes out
+    /// instead), and pushes the claim's [`Lapse`] whenever it may have
+    /// reached the store.
+    pub(crate) async fn renew(&self) -> Renewal {
         if !self
             .ledger
             .renew(self.full.as_str(), self.generation, self.token, self.lease)
         {
-            return false;
+            return Renewal::Over;
         }
-        let Some(shared) = self.ledger.shared.as_deref().filter(|_| self.shared) else {
-            return true;
+        let (Some(shared), Some(lapse)) = (self.ledger.shared.as_deref(), self.lapse.as_deref())
+        else {
+            return Renewal::Renewed;
         };
-        match shared
-            .renew(self.full.as_str(), self.token, self.lease)
-            .await
-        {
-            Ok(true) => true,
+        let full = self.full.as_str();
+        let renewed =
+            store_call(self.period(), || shared.renew(full, self.token, self.lease)).await;
+        let ended = Instant::now();
+        match renewed {
+            Ok(true) => {
+                lapse.push(ended + self.lease);
+                Renewal::Renewed
+            }
             Ok(false) => {
                 tracing::warn!(
                     key = %self.key,
                     "idempotency claim lost in the shared store while its function runs \
                      (its lease lapsed there); its result will be refused"
                 );
-                false
+                Renewal::Over
             }
             Err(e) => {
-                tracing::debug!(key = %self.key, error = %e, "idempotency lease renewal failed");
-                true
+                if may_have_landed(&e) {
+                    lapse.push(ended + self.lease);
+                }
+                tracing::debug!(key = %self.key, error = %e, "idempotency lease renewal failed; trying again soon");
+                Renewal::Failed
+            }
+        }
+    }
+
+    /// Renews one period after the claim, then a period after each renewal,
+    /// until the claim is no longer this holder's. A renewal that failed is
+    /// tried again sooner (from 50 ms, doubling up to the period), so a store
+    /// back from an outage hears from a live owner before its lease lapses.
+    pub(crate) async fn keep_renewing(&self) {
+        let period = self.period();
+        let first_retry = RENEW_RETRY.min(period);
+        let (mut due, mut retry) = (self.start + period, first_retry);
+        loop {
+            tokio::time::sleep_until(due).await;
+            match self.renew().await {
+                Renewal::Renewed => {
+                    due = Instant::now() + period;
+                    retry = first_retry;
+                }
+                Renewal::Failed => {
+                    due = Instant::now() + retry;
+                    retry = (retry * 2).min(period);
+                }
+                Renewal::Over => return,
             }
         }
     }
@@ -535,13 +662,19 @@ impl Renewer {
 /// looks when no change notice arrives.
 const MAX_POLL: Duration = Duration::from_millis(500);
 
-/// How long an owner keeps trying to store its result while the shared
-/// store is unreachable: its lease, and at least 5 s. Trying past the lease
-/// is safe: the store refuses the result if another owner took the key
-/// over, and stores it if nobody did, which spares a second execution.
-fn complete_budget(lease: Duration) -> Duration {
-    lease.max(Duration::from_secs(5))
+/// How storing a result in the shared store ended.
+enum Completion {
+    Stored,
+    /// Another owner holds the key there.
+    Lost,
+    /// The store answered with an error of its own: it will not take it.
+    Refused(StoreError),
+    /// The store did not answer before the claim certainly lapsed there.
+    Lapsed(StoreError),
 }
+
+/// The longest pause between two tries of a completion.
+const COMPLETE_RETRY_MAX: Duration = Duration::from_millis(500);
 
 /// How often a holder renews a `lease`: every third of it (at least 1 ms),
 /// so two renewals can be late before the lease lapses.
@@ -555,6 +688,11 @@ impl Ticket {
         &self.key
     }
 
+    /// The ledger that holds this ticket's claim.
+    pub(crate) fn ledger(&self) -> Arc<Ledger> {
+        Arc::clone(&self.ledger)
+    }
+
     /// Runs `work`, renewing the lease every third of it until `work` ends:
     /// a holder that is alive is never taken over, however long it takes.
     ///
@@ -564,8 +702,6 @@ impl Ticket {
         &self,
         mut work: std::pin::Pin<&mut F>,
     ) -> F::Output {
-        // Renewals run from the claim, whose lease started then.
-        let start = self.claimed_at;
         // Renewing runs beside the work, never between its polls. It is
         // built and polled only once the work is pending, so work that ends
         // at its first poll (most does) costs no renewer, arms no timer and
@@ -577,25 +713,17 @@ impl Ticket {
             if let std::task::Poll::Ready(output) = work.as_mut().poll(cx) {
                 return std::task::Poll::Ready(output);
             }
-            let renewing = renewing.get_or_insert_with(|| Box::pin(self.renew_from(start)));
+            let renewing = renewing.get_or_insert_with(|| Box::pin(self.renew_from()));
             let _ = renewing.as_mut().poll(cx);
             std::task::Poll::Pending
         })
         .await
     }
 
-    /// Renews the lease one period after `start`, then every period after
-    /// each renewal, until a renewal fails; then never ends.
-    async fn renew_from(&self, start: tokio::time::Instant) {
-        let renewer = self.renewer();
-        let mut due = start + renewer.period();
-        loop {
-            tokio::time::sleep_until(due).await;
-            if !renewer.renew().await {
-                break;
-            }
-            due = tokio::time::Instant::now() + renewer.period();
-        }
+    /// Renews the lease (see [`Renewer::keep_renewing`]) until the claim is
+    /// no longer this holder's; then never ends.
+    async fn renew_from(&self) {
+        self.renewer().keep_renewing().await;
         std::future::pending::<()>().await;
     }
 
@@ -608,7 +736,8 @@ impl Ticket {
             generation: self.generation,
             token: self.token,
             lease: self.lease,
-            shared: self.fence.is_some(),
+            start: self.claimed_at,
+            lapse: self.lapse.clone(),
         }
     }
 
@@ -617,7 +746,9 @@ impl Ticket {
     /// Fails with [`Error::LeaseLost`] if another caller took the key over
     /// (nothing is stored), [`Error::ShutDown`] after the runtime shut down
     /// (nothing is stored, the key is released), and
-    /// [`Error::StoreUnavailable`] if the store refused it (released too).
+    /// [`Error::StoreUnavailable`] if the store refused it (released too) or
+    /// did not answer before the claim certainly lapsed there (not released:
+    /// see [`Ticket::complete_shared`]).
     ///
     /// A plain function around an `async move` block, not an `async fn`, which would keep
     /// the ticket and the value twice in its future.
@@ -656,9 +787,8 @@ impl Ticket {
                     key: self.key.to_string(),
                 });
             }
-            let record = if let Some(shared) =
-                ledger.shared.as_deref().filter(|_| self.fence.is_some())
-            {
+            let shared_claim = ledger.shared.as_deref().zip(self.lapse.clone());
+            let record = if let Some((shared, lapse)) = shared_claim {
                 let stored = match stored_result(self.fingerprint, &value) {
                     Ok(stored) => stored,
                     Err(e) => {
@@ -667,9 +797,9 @@ impl Ticket {
                     }
                 };
                 // Boxed: this path's future would otherwise size every run's future.
-                match Box::pin(self.complete_shared(shared, &stored)).await {
-                    Ok(true) => {}
-                    Ok(false) => {
+                match Box::pin(self.complete_shared(shared, &lapse, &stored)).await {
+                    Completion::Stored => {}
+                    Completion::Lost => {
                         // Taken over in the shared store: the key is another owner's.
                         self.drop_local();
                         tracing::debug!(key = %self.key, "idempotency completion refused: lease lost");
@@ -677,8 +807,16 @@ impl Ticket {
                             key: self.key.to_string(),
                         });
                     }
-                    Err(e) => {
+                    Completion::Refused(e) => {
+                        // The store answered and will not take it: free the key.
                         self.release_now();
+                        return Err(unavailable(&self.key, Arc::new(e)));
+                    }
+                    Completion::Lapsed(e) => {
+                        // Not released in the store (the function ran: nothing
+                        // may free the key early); the claim lapsed there.
+                        self.drop_local();
+                        self.cell.set(Ok(Settled::Released));
                         return Err(unavailable(&self.key, Arc::new(e)));
                     }
                 }
@@ -725,36 +863,49 @@ impl Ticket {
     }
 
     /// Stores `stored` in the shared store, trying again while the store
-    /// is unreachable ([`complete_budget`]): a result that ran must not be
-    /// lost to a blip, or a retry would run the operation again.
+    /// does not answer, until it is stored or the claim has certainly lapsed
+    /// there (`lapse`): a result that ran must not be lost to an outage
+    /// shorter than the lease, or a retry would run the operation again.
+    /// Each try is a must-try call (never refused by an open breaker) and may
+    /// take what is left until the lapse (at least a renewal period).
+    /// Trying up to the lapse and once past it is safe: the store refuses the
+    /// result if another owner took the key over, and stores it if nobody did.
     async fn complete_shared(
         &self,
         shared: &dyn IdempotencyStore,
+        lapse: &Lapse,
         stored: &StoredResult,
-    ) -> Result<bool, StoreError> {
-        let give_up = Instant::now() + complete_budget(self.lease);
+    ) -> Completion {
         let mut pause = Duration::from_millis(20);
+        let full = self.full.as_str();
         loop {
-            match shared
-                .complete(self.full.as_str(), self.token, stored, self.ttl)
-                .await
-            {
-                Ok(stored) => return Ok(stored),
-                Err(e) if Instant::now() + pause >= give_up => {
-                    tracing::error!(
-                        key = %self.key,
-                        error = %e,
-                        "idempotency result could not be stored: the shared store stayed \
-                         unreachable; a retry after the lease lapses will run again"
-                    );
-                    return Err(e);
+            let bound = lapse
+                .at()
+                .saturating_duration_since(Instant::now())
+                .clamp(renew_period(self.lease), self.lease);
+            let complete = || shared.complete(full, self.token, stored, self.ttl);
+            let error = match store_call(bound, complete).await {
+                Ok(true) => return Completion::Stored,
+                Ok(false) => return Completion::Lost,
+                Err(e) if !(e.is_store_fault() || matches!(e, StoreError::BreakerOpen { .. })) => {
+                    return Completion::Refused(e);
                 }
-                Err(e) => {
-                    tracing::debug!(key = %self.key, error = %e, "storing idempotency result failed; retrying");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_millis(500));
-                }
+                Err(e) => e,
+            };
+            let (now, give_up) = (Instant::now(), lapse.at());
+            if now >= give_up {
+                tracing::error!(
+                    key = %self.key,
+                    error = %error,
+                    "idempotency result could not be stored: the shared store did not answer \
+                     before the claim lapsed there; a retry may run the operation again"
+                );
+                return Completion::Lapsed(error);
             }
+            tracing::debug!(key = %self.key, %error, "storing idempotency result failed; retrying");
+            // The last try goes out when the claim lapses, not a pause past it.
+            tokio::time::sleep_until((now + pause).min(give_up)).await;
+            pause = (pause * 2).min(COMPLETE_RETRY_MAX);
         }
     }
 
@@ -777,6 +928,7 @@ impl Ticket {
                 claim.token == token
             });
         self.fence = None;
+        self.lapse = None;
     }
 
     /// Gives the key up so the next caller (or a waiting one) runs.
@@ -806,8 +958,10 @@ impl Ticket {
             return;
         };
         let (full, key, token) = (self.full.clone(), self.key.clone(), self.token);
+        let bound = self.lease;
         runtime.spawn(async move {
-            if let Err(e) = shared.release(full.as_str(), token).await {
+            let release = || shared.release(full.as_str(), token);
+            if let Err(e) = store_call(bound, release).await {
                 tracing::debug!(key = %key, error = %e, "releasing an idempotency claim failed; its lease will lapse");
             }
         });
@@ -830,7 +984,46 @@ impl std::fmt::Debug for Ticket {
     }
 }
 
+/// How long one shared-store call of a caller may take: no longer than the
+/// caller waits (until `deadline`), nor than the lease it is about; at
+/// least 1 ms.
+fn store_bound(lease: Duration, now: Instant, deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(now)
+        .min(lease)
+        .max(Duration::from_millis(1))
+}
+
+/// The store's wake-up for `key`; a store that panics making one gives
+/// none (the caller polls).
+fn watch(shared: &dyn IdempotencyStore, key: &str) -> KeyChanged {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.watch(key))).unwrap_or_else(
+        |_| {
+            tracing::warn!(key, "idempotency store panicked in watch; polling instead");
+            KeyChanged::never()
+        },
+    )
+}
+
+/// `error` and its sources, `: `-separated, for a log line.
+pub(crate) fn with_causes(error: &(dyn std::error::Error + '_)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(inner) = cause {
+        text.push_str(": ");
+        text.push_str(&inner.to_string());
+        cause = inner.source();
+    }
+    text
+}
+
+/// The error of a store that failed `key`'s caller (idempotency fails
+/// closed), logged at warn with its causes.
 fn unavailable(key: &str, source: BoxError) -> Error {
+    if tracing::enabled!(tracing::Level::WARN) {
+        let error = with_causes(&*source);
+        tracing::warn!(key = %shown(key), %error, "idempotency store unavailable; failing closed");
+    }
     Error::StoreUnavailable {
         key: shown(key),
         source,

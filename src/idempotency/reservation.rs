@@ -105,14 +105,12 @@ where
     }
 }
 
-/// Renews every period until `stopped` fires or is dropped, or the claim
-/// is no longer the renewer's.
-async fn renew_until(renewer: Renewer, mut stopped: oneshot::Receiver<()>) {
-    let period = renewer.period();
-    loop {
-        if tokio::time::timeout(period, &mut stopped).await.is_ok() || !renewer.renew().await {
-            return;
-        }
+/// Renews (see [`Renewer::keep_renewing`]) until `stopped` fires or is
+/// dropped, or the claim is no longer the renewer's.
+async fn renew_until(renewer: Renewer, stopped: oneshot::Receiver<()>) {
+    tokio::select! {
+        _ = stopped => {}
+        () = renewer.keep_renewing() => {}
     }
 }
 

@@ -247,6 +247,16 @@ impl std::fmt::Debug for KeyChanged {
 ///   same completion repeated by its owner (a retry of a lost reply);
 /// - a completed result lives for its TTL, an in-flight claim for its lease.
 ///
+/// The runtime calls a store through a guard, so a store that hangs, fails
+/// or panics costs its callers a typed error, never a hang or an unwind: a
+/// panic (while building or polling a call) is [`StoreError::Panicked`]; a
+/// claim takes no longer than its caller's wait timeout or its lease, a
+/// renewal no longer than a third of the lease (the next one goes out
+/// instead), and a completion is retried until it is stored or the claim has
+/// certainly lapsed (the last claim or renewal that may have reached the
+/// store, plus the lease). A dropped call is simply dropped: a store must
+/// not rely on its futures being polled to the end.
+///
 /// # Examples
 ///
 /// ```

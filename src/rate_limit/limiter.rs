@@ -859,7 +859,7 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
                 strategy: &strategy,
                 op,
             };
-            self.inner.store.apply_async(request).await
+            self.apply_guarded(request).await
         }
         .await;
         result.map_err(|err| self.failed(err))
@@ -898,9 +898,32 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
             strategy: &strategy,
             op: RateLimitOp::Check { cost },
         };
-        match self.inner.store.apply_async(request).await? {
+        match self.apply_guarded(request).await? {
             RateLimitReply::Decision(d) => Ok(d),
             other => Err(wrong_reply(key, other)),
+        }
+    }
+
+    /// One call of the store through the store guard: bounded by the store's
+    /// [`call_timeout`](AsyncRateLimitStore::call_timeout), a panic caught; either is a
+    /// [`RateLimitError::Store`], never a hang or an unwind in the caller.
+    async fn apply_guarded(
+        &self,
+        request: RateLimitRequest<'_, S>,
+    ) -> Result<RateLimitReply, RateLimitError> {
+        let store = &self.inner.store;
+        let key = request.key;
+        match crate::store::guard(store.call_timeout(), || store.apply_async(request)).await {
+            Ok(reply) => reply,
+            Err(fault) => {
+                if matches!(fault, crate::store::Fault::Panicked(_)) {
+                    tracing::warn!(key, %fault, "rate limit store panicked; a store failure");
+                }
+                Err(RateLimitError::store(
+                    key,
+                    crate::store::StoreError::from(fault),
+                ))
+            }
         }
     }
 }

@@ -6,6 +6,7 @@ mod memory;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -155,8 +156,18 @@ pub trait RateLimitStore<S: Strategy>: Send + Sync + 'static {
     }
 }
 
+/// How long a [`Limiter`](super::Limiter) waits for one call of an [`AsyncRateLimitStore`]
+/// by default (see [`AsyncRateLimitStore::call_timeout`]): 1 s.
+pub const DEFAULT_STORE_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// The asynchronous form of [`RateLimitStore`], for backends behind a network. Every
 /// [`RateLimitStore`] is an `AsyncRateLimitStore` whose futures are ready at once.
+///
+/// A [`Limiter`](super::Limiter) calls it through the crate's store guard: a call slower
+/// than [`call_timeout`](Self::call_timeout) is dropped and a panic while building or
+/// polling it is caught; either is a [`RateLimitError::Store`], which an
+/// [`Enforcer`](super::Enforcer) turns into its [`FailMode`](super::FailMode), like any
+/// store failure. Nothing of a hanging or panicking store reaches the caller.
 pub trait AsyncRateLimitStore<S: Strategy>: Send + Sync + 'static {
     /// Like [`RateLimitStore::apply`], awaited.
     ///
@@ -187,6 +198,15 @@ pub trait AsyncRateLimitStore<S: Strategy>: Send + Sync + 'static {
     fn wake_on_first_key(&self, wake: FirstKeyHook) -> bool {
         let _ = wake;
         false
+    }
+
+    /// The longest a [`Limiter`](super::Limiter) waits for one [`apply_async`](Self::apply_async)
+    /// before giving up on it with a [`RateLimitError::Store`] (default
+    /// [`DEFAULT_STORE_CALL_TIMEOUT`], 1 s). `None` for a store that bounds every call
+    /// itself (Redis: its command timeout), so the limiter arms no timer of its own. A call
+    /// that answers at its first poll never arms one.
+    fn call_timeout(&self) -> Option<Duration> {
+        Some(DEFAULT_STORE_CALL_TIMEOUT)
     }
 }
 

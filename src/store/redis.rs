@@ -101,6 +101,8 @@ impl RedisBuilder {
     }
 
     /// The circuit breaker (default: 5 consecutive failures open it for 10 s).
+    /// A caller that goes away mid-command is no event for it (a cancelled
+    /// probe frees the breaker for the next one).
     pub fn with_breaker(mut self, breaker: BreakerConfig) -> Self {
         self.breaker = breaker;
         self
@@ -226,7 +228,11 @@ struct Inner {
 /// or one script call (`EVALSHA`; when the server does not know the script
 /// yet, the same call goes again as `EVAL` with the script's text, which
 /// leaves it in the server's cache); every call is bounded by the command
-/// timeout and guarded by a circuit breaker.
+/// timeout and guarded by a circuit breaker. While the breaker is open,
+/// calls are refused locally, except an idempotency owner's lease renewals
+/// and completions: a function that ran must not lose its result to an
+/// outage shorter than its lease, so those always go out, as probes (one
+/// that succeeds closes the breaker).
 ///
 /// # Rate limiting
 ///
@@ -390,7 +396,7 @@ impl Redis {
 
     /// Sends one command, under the timeout and the breaker.
     pub(crate) async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
-        self.guarded(|conn| async move {
+        self.guarded(Class::Refusable, |conn| async move {
             match conn {
                 Conn::Single(mut c) => cmd.query_async(&mut c).await,
                 Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
@@ -405,7 +411,7 @@ impl Redis {
         &self,
         pipe: &redis::Pipeline,
     ) -> Result<T, StoreError> {
-        self.guarded(|conn| async move {
+        self.guarded(Class::Refusable, |conn| async move {
             match conn {
                 Conn::Single(mut c) => pipe.query_async(&mut c).await,
                 Conn::Cluster(mut c) => pipe.query_async(&mut c).await,
@@ -420,7 +426,25 @@ impl Redis {
         &self,
         call: &ScriptCall<'_>,
     ) -> Result<T, StoreError> {
-        self.guarded(|conn| async move {
+        self.invoke_as(Class::Refusable, call).await
+    }
+
+    /// [`Redis::invoke`] for a call that must be tried even while the
+    /// breaker is open (see [`Class::MustTry`]): an owner renewing its claim
+    /// or storing the result of a run.
+    pub(crate) async fn invoke_must_try<T: FromRedisValue>(
+        &self,
+        call: &ScriptCall<'_>,
+    ) -> Result<T, StoreError> {
+        self.invoke_as(Class::MustTry, call).await
+    }
+
+    async fn invoke_as<T: FromRedisValue>(
+        &self,
+        class: Class,
+        call: &ScriptCall<'_>,
+    ) -> Result<T, StoreError> {
+        self.guarded(class, |conn| async move {
             match conn {
                 Conn::Single(mut c) => evaluate(call, &mut c).await,
                 Conn::Cluster(mut c) => evaluate(call, &mut c).await,
@@ -429,22 +453,29 @@ impl Redis {
         .await
     }
 
-    /// Runs one call on the connection: refused at once while the breaker
-    /// is open, bounded by the command timeout, its outcome recorded.
-    async fn guarded<T, Fut>(&self, call: impl FnOnce(Conn) -> Fut) -> Result<T, StoreError>
+    /// Runs one call on the connection through the store guard (bounded by
+    /// the command timeout, a panic caught), refused at once while the
+    /// breaker is open unless it must be tried; its outcome recorded.
+    async fn guarded<T, Fut>(
+        &self,
+        class: Class,
+        call: impl FnOnce(Conn) -> Fut,
+    ) -> Result<T, StoreError>
     where
         Fut: Future<Output = redis::RedisResult<T>>,
     {
-        let permit = self
-            .inner
-            .breaker
-            .admit()
-            .map_err(|retry_in| StoreError::BreakerOpen { retry_in })?;
+        let breaker = &self.inner.breaker;
+        // Dropped with this future (its caller went away mid-command), the
+        // permit is no event: a cancelled probe never wedges the breaker.
+        let permit = match class {
+            Class::Refusable => breaker
+                .admit()
+                .map_err(|retry_in| StoreError::BreakerOpen { retry_in })?,
+            Class::MustTry => breaker.admit_anyway(),
+        };
         self.inner.commands.incr();
         let result = self.bounded(call(self.inner.conn.clone())).await;
-        self.inner
-            .breaker
-            .record(permit, !matches!(&result, Err(e) if e.is_store_fault()));
+        permit.record(!matches!(&result, Err(e) if e.is_store_fault()));
         result
     }
 
@@ -453,14 +484,26 @@ impl Redis {
         fut: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
         let after = self.inner.command_timeout;
-        match tokio::time::timeout(after, fut).await {
-            Err(_) => Err(StoreError::Timeout { after }),
+        match crate::store::guard(after, || fut).await {
+            Err(fault) => Err(fault.into()),
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout { after }),
             Ok(Err(e)) if is_reply_error(&e) => Err(StoreError::Protocol(e.to_string())),
             Ok(Err(e)) => Err(StoreError::unavailable(e)),
         }
     }
+}
+
+/// Whether an open breaker may refuse a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Class {
+    /// Refused at once while the breaker is open: the caller has a policy
+    /// for an outage (fail open, fail closed) and nothing is lost.
+    Refusable,
+    /// Always sent, its outcome still recorded (a success closes the
+    /// breaker): work already done would be lost if it were refused. An
+    /// owner's renewals and completions are such probes.
+    MustTry,
 }
 
 /// A reply the server made on purpose (a script error, a type error): the

@@ -219,6 +219,29 @@ impl RedisNode {
         }
     }
 
+    /// Stops the server process (SIGSTOP) without closing its sockets: every
+    /// command sent to it hangs until [`RedisNode::thaw`].
+    #[allow(dead_code, reason = "not every test binary freezes a node")]
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a frozen server run again (SIGCONT).
+    #[allow(dead_code, reason = "not every test binary freezes a node")]
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("the server is running");
+        let sent = Command::new("kill")
+            .arg(signal)
+            .arg(child.id().to_string())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(sent, "kill {signal} {} failed", child.id());
+    }
+
     /// Runs a command through `redis-cli` and returns its trimmed output.
     pub fn cli(&self, args: &[&str]) -> Option<String> {
         cli(self.port, args)

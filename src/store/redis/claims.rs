@@ -180,7 +180,8 @@ impl Redis {
             .arg(px(ttl))
             .arg(self.claims_channel())
             .arg(key);
-        Ok(self.invoke::<i64>(&call).await? == 1)
+        // The owner's run happened: never refused by an open breaker.
+        Ok(self.invoke_must_try::<i64>(&call).await? == 1)
     }
 
     pub(crate) async fn release_key(
@@ -208,7 +209,8 @@ impl Redis {
         call.key(self.key(key, ":i"))
             .arg(&token.to_bytes()[..])
             .arg(px(lease));
-        Ok(self.invoke::<i64>(&call).await? == 1)
+        // A live owner showing it is alive: never refused by an open breaker.
+        Ok(self.invoke_must_try::<i64>(&call).await? == 1)
     }
 
     #[cfg_attr(not(test), allow(dead_code))]

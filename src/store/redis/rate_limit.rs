@@ -688,6 +688,11 @@ macro_rules! scripted_store {
             ) -> impl Future<Output = Result<RateLimitReply, RateLimitError>> + Send {
                 self.rate_limit(request)
             }
+
+            /// `None`: every call is bounded by the command timeout already.
+            fn call_timeout(&self) -> Option<std::time::Duration> {
+                None
+            }
         }
     )+};
 }
@@ -701,6 +706,11 @@ impl<A: ScriptedStrategy, B: ScriptedStrategy> AsyncRateLimitStore<Tiered<A, B>>
         request: RateLimitRequest<'_, Tiered<A, B>>,
     ) -> impl Future<Output = Result<RateLimitReply, RateLimitError>> + Send {
         self.rate_limit(request)
+    }
+
+    /// `None`: every call is bounded by the command timeout already.
+    fn call_timeout(&self) -> Option<std::time::Duration> {
+        None
     }
 }
 
