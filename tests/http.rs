@@ -19,12 +19,12 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use http::{HeaderName, Method, Request, StatusCode};
 use http_body_util::BodyExt;
-use support::{Chunks, Reply, Server, problem, serve};
+use support::{Chunks, Reply, Server, problem, serve, serve_without_connect_info};
 use throttlebeam::clock::ManualClock;
 use throttlebeam::http::{IdempotencyLayer, RateLimitDenial, RateLimitKey, RateLimitLayer};
 use throttlebeam::rate_limit::{
-    ClientIp, Enforcer, FailMode, Gcra, HeaderOptions, Limiter, PolicyName, RateLimitError,
-    RateLimitReply, RateLimitRequest, RateLimitStore,
+    ClientIp, Enforcer, FailMode, Gcra, HeaderOptions, Limiter, PolicyName, ProxyHeader,
+    RateLimitError, RateLimitReply, RateLimitRequest, RateLimitStore,
 };
 use throttlebeam::{IdempotencyOptions, Runtime};
 use tokio::sync::watch;
@@ -718,61 +718,215 @@ fn forwarded_for(
     async move { server.send(Method::GET, "/", &[(header, client)], "").await }
 }
 
+/// A layer keyed by client IP, read from `header` when the peer is in `trusted`.
+fn behind(clock: &ManualClock, header: ProxyHeader, trusted: &str) -> RateLimitLayer {
+    let client = ClientIp::new()
+        .with_proxy_header(header)
+        .with_trusted_proxies([trusted])
+        .unwrap();
+    RateLimitLayer::new(Enforcer::new(gcra(clock))).with_key(RateLimitKey::client_ip(client))
+}
+
+/// Sends three requests, each with the headers `nth` gives it, and returns their statuses.
+async fn three(server: &Server, nth: impl Fn(usize) -> Vec<(&'static str, String)>) -> Vec<u16> {
+    let mut statuses = Vec::new();
+    for i in 0..3 {
+        let headers = nth(i);
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        let reply = server.send(Method::GET, "/", &headers, "").await;
+        statuses.push(reply.status.as_u16());
+    }
+    statuses
+}
+
+/// What a client that rotates a forged address per request would like: a fresh bucket each.
+const ONE_BUCKET: [u16; 3] = [200, 200, 429];
+
+// H11
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn behind_a_trusted_proxy_each_forwarded_client_has_its_own_limit() {
-    let clock = ManualClock::new(0);
-    let key = RateLimitKey::client_ip(ClientIp::new().with_trusted_proxies(["127.0.0.1"]).unwrap());
-    let server =
-        rate_limited_server(RateLimitLayer::new(Enforcer::new(gcra(&clock))).with_key(key)).await;
-
-    for header in ["x-forwarded-for", "forwarded"] {
-        let (a, b) = if header == "forwarded" {
-            ("for=203.0.113.1", "for=\"[2001:db8::1]:4711\"")
-        } else {
-            ("198.51.100.1", "198.51.100.2")
-        };
+    for (header, name, a, b) in [
+        (
+            ProxyHeader::XForwardedFor,
+            "x-forwarded-for",
+            "198.51.100.1",
+            "198.51.100.2",
+        ),
+        (
+            ProxyHeader::Forwarded,
+            "forwarded",
+            "for=203.0.113.1",
+            "for=\"[2001:db8::1]:4711\"",
+        ),
+        (ProxyHeader::XRealIp, "x-real-ip", "192.0.2.1", "192.0.2.2"),
+    ] {
+        let clock = ManualClock::new(0);
+        let server = rate_limited_server(behind(&clock, header, "127.0.0.1")).await;
         for _ in 0..2 {
-            assert_eq!(
-                forwarded_for(&server, header, a).await.status,
-                StatusCode::OK
-            );
+            assert_eq!(forwarded_for(&server, name, a).await.status, StatusCode::OK);
         }
         assert_eq!(
-            forwarded_for(&server, header, a).await.status,
+            forwarded_for(&server, name, a).await.status,
             StatusCode::TOO_MANY_REQUESTS
         );
         // Another client behind the same proxy is independent.
-        let other = forwarded_for(&server, header, b).await;
-        assert_eq!(other.status, StatusCode::OK);
+        let other = forwarded_for(&server, name, b).await;
+        assert_eq!(other.status, StatusCode::OK, "{name}");
         assert_eq!(other.header("ratelimit-remaining"), Some("1"));
     }
 }
 
+// H11: from an untrusted peer, no forwarding header buys a new bucket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn behind_an_untrusted_proxy_the_socket_peer_is_the_key() {
+async fn a_client_rotating_forwarding_headers_from_an_untrusted_peer_stays_in_one_bucket() {
+    for header in [
+        ProxyHeader::Forwarded,
+        ProxyHeader::XForwardedFor,
+        ProxyHeader::XRealIp,
+    ] {
+        let clock = ManualClock::new(0);
+        // The proxies are in 10.0.0.0/8; the test client (127.0.0.1) is not one.
+        let server = rate_limited_server(behind(&clock, header, "10.0.0.0/8")).await;
+        let rotating = three(&server, |i| {
+            vec![
+                ("forwarded", format!("for=198.51.100.{i}")),
+                ("x-forwarded-for", format!("198.51.100.{i}")),
+                ("x-real-ip", format!("198.51.100.{i}")),
+            ]
+        })
+        .await;
+        assert_eq!(rotating, ONE_BUCKET, "{header:?}");
+    }
+}
+
+// H11: the header the proxy does not write is the client's own, and is ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_proxy_that_writes_one_header_a_client_rotating_the_other_stays_in_one_bucket() {
     let clock = ManualClock::new(0);
-    let key = RateLimitKey::client_ip(
-        ClientIp::new()
-            .with_trusted_proxies(["10.0.0.0/8"])
-            .unwrap(),
-    );
-    let server =
-        rate_limited_server(RateLimitLayer::new(Enforcer::new(gcra(&clock))).with_key(key)).await;
-    assert_eq!(
-        forwarded_for(&server, "x-forwarded-for", "198.51.100.1")
-            .await
-            .status,
-        StatusCode::OK
-    );
-    assert_eq!(
-        forwarded_for(&server, "forwarded", "for=198.51.100.2")
-            .await
-            .status,
-        StatusCode::OK
-    );
-    // Forged forwarding headers do not buy a new bucket: all three are 127.0.0.1.
-    let third = forwarded_for(&server, "x-forwarded-for", "198.51.100.3").await;
-    assert_eq!(third.status, StatusCode::TOO_MANY_REQUESTS);
+    // A proxy (the test client, 127.0.0.1) that writes `Forwarded` and passes
+    // `X-Forwarded-For` through as the client sent it.
+    let server = rate_limited_server(behind(&clock, ProxyHeader::Forwarded, "127.0.0.1")).await;
+    let rotating = three(&server, |i| {
+        vec![
+            ("x-forwarded-for", format!("198.51.100.{i}")),
+            ("forwarded", "for=203.0.113.5;proto=http".to_owned()),
+        ]
+    })
+    .await;
+    assert_eq!(rotating, ONE_BUCKET);
+
+    // A proxy that appends `X-Forwarded-For` and passes `Forwarded` through.
+    let clock = ManualClock::new(0);
+    let server = rate_limited_server(behind(&clock, ProxyHeader::XForwardedFor, "127.0.0.1")).await;
+    let rotating = three(&server, |i| {
+        vec![
+            ("forwarded", format!("for=198.51.100.{i}")),
+            ("x-forwarded-for", "203.0.113.5".to_owned()),
+        ]
+    })
+    .await;
+    assert_eq!(rotating, ONE_BUCKET);
+}
+
+// H11: what a client writes left of the proxy's entry is never read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_forging_entries_left_of_the_proxys_stays_in_one_bucket() {
+    let clock = ManualClock::new(0);
+    let server = rate_limited_server(behind(&clock, ProxyHeader::XForwardedFor, "127.0.0.1")).await;
+    let rotating = three(&server, |i| {
+        // The client sent `X-Forwarded-For: 198.51.100.<i>`; the proxy appended its peer.
+        vec![("x-forwarded-for", format!("198.51.100.{i}, 203.0.113.5"))]
+    })
+    .await;
+    assert_eq!(rotating, ONE_BUCKET);
+
+    let clock = ManualClock::new(0);
+    let server = rate_limited_server(behind(&clock, ProxyHeader::Forwarded, "127.0.0.1")).await;
+    let rotating = three(&server, |i| {
+        // A proxy that hides its client (`for=_hidden`): keyed by the proxy, not by the
+        // client's forged element.
+        vec![("forwarded", format!("for=198.51.100.{i}, for=_hidden"))]
+    })
+    .await;
+    assert_eq!(rotating, ONE_BUCKET);
+}
+
+// H11: one derivation: the layer's key is `ClientIp::key_from_headers`.
+#[test]
+fn the_layer_and_client_ip_derive_the_same_address() {
+    let peer: std::net::SocketAddr = "10.0.0.5:41000".parse().unwrap();
+    let requests = [
+        vec![("x-forwarded-for", "198.51.100.1, 10.0.0.9")],
+        vec![("forwarded", "for=198.51.100.2")],
+        vec![("x-real-ip", "198.51.100.3")],
+        vec![
+            ("forwarded", "for=198.51.100.4"),
+            ("x-forwarded-for", "198.51.100.5"),
+            ("x-real-ip", "198.51.100.6"),
+        ],
+        vec![("x-forwarded-for", "2001:db8:1:2::9")],
+        vec![],
+    ];
+    for header in [
+        ProxyHeader::XForwardedFor,
+        ProxyHeader::Forwarded,
+        ProxyHeader::XRealIp,
+    ] {
+        for trusted in ["10.0.0.0/8", "192.0.2.0/24"] {
+            let client = ClientIp::new()
+                .with_proxy_header(header)
+                .with_trusted_proxies([trusted])
+                .unwrap();
+            let key = RateLimitKey::client_ip(client.clone());
+            for headers in &requests {
+                let mut request = Request::get("/");
+                for (name, value) in headers {
+                    request = request.header(*name, *value);
+                }
+                let mut request = request.body(()).unwrap();
+                request.extensions_mut().insert(peer);
+                let (parts, ()) = request.into_parts();
+                assert_eq!(
+                    key.key(&parts),
+                    Some(client.key_from_headers(peer.ip(), &parts.headers)),
+                    "{header:?} {trusted} {headers:?}"
+                );
+            }
+        }
+    }
+}
+
+// H12
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_peer_address_the_client_ip_layer_answers_500_naming_the_fix() {
+    let clock = ManualClock::new(0);
+    let app = || Router::new().route("/", get(hello));
+    let layer = RateLimitLayer::new(Enforcer::new(gcra(&clock)));
+    let server = serve_without_connect_info(app().layer(layer)).await;
+    for _ in 0..3 {
+        let refused = server.send(Method::GET, "/", &[], "").await;
+        assert_eq!(refused.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            refused.header("content-type"),
+            Some("application/problem+json")
+        );
+        let doc = refused.json();
+        assert_eq!(
+            doc["type"],
+            "tag:throttlebeam,2026:client-address-unavailable"
+        );
+        let detail = doc["detail"].as_str().unwrap();
+        assert!(
+            detail.contains("into_make_service_with_connect_info::<SocketAddr>()"),
+            "{detail}"
+        );
+    }
+
+    // Asked for, one bucket for every client without an address.
+    let clock = ManualClock::new(0);
+    let layer = RateLimitLayer::new(Enforcer::new(gcra(&clock))).with_shared_bucket_without_peer();
+    let server = serve_without_connect_info(app().layer(layer)).await;
+    assert_eq!(three(&server, |_| Vec::new()).await, ONE_BUCKET);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

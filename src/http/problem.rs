@@ -53,6 +53,9 @@ pub enum ProblemType {
     RateLimitUnavailable,
     /// 400: the rate-limit key taken from the request is invalid (empty, or over 1024 bytes).
     RateLimitKeyInvalid,
+    /// 500: the rate limit is keyed by client IP and the request has no peer address (the
+    /// server does not record it: serve with connect info).
+    ClientAddressUnavailable,
 }
 
 impl ProblemType {
@@ -72,6 +75,7 @@ impl ProblemType {
             Self::RateLimited => "tag:throttlebeam,2026:rate-limited",
             Self::RateLimitUnavailable => "tag:throttlebeam,2026:rate-limit-unavailable",
             Self::RateLimitKeyInvalid => "tag:throttlebeam,2026:rate-limit-key-invalid",
+            Self::ClientAddressUnavailable => "tag:throttlebeam,2026:client-address-unavailable",
         }
     }
 
@@ -86,9 +90,9 @@ impl ProblemType {
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::KeyInFlight => StatusCode::CONFLICT,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::HandlerPanicked | Self::IdempotencyMisconfigured => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Self::HandlerPanicked
+            | Self::IdempotencyMisconfigured
+            | Self::ClientAddressUnavailable => StatusCode::INTERNAL_SERVER_ERROR,
             Self::IdempotencyUnavailable | Self::RateLimitUnavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -112,6 +116,7 @@ impl ProblemType {
             Self::RateLimited => "Too many requests",
             Self::RateLimitUnavailable => "Rate limiter unavailable",
             Self::RateLimitKeyInvalid => "Invalid rate-limit key",
+            Self::ClientAddressUnavailable => "Client address unavailable",
         }
     }
 }
@@ -187,6 +192,8 @@ mod tests {
             ProblemType::IdempotencyMisconfigured,
             ProblemType::RateLimited,
             ProblemType::RateLimitUnavailable,
+            ProblemType::RateLimitKeyInvalid,
+            ProblemType::ClientAddressUnavailable,
         ];
         let uris: std::collections::HashSet<_> = all.iter().map(|k| k.uri()).collect();
         assert_eq!(uris.len(), all.len());

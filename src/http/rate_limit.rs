@@ -9,6 +9,7 @@ use std::future::Future;
 use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -17,6 +18,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 pub use self::future::RateLimitFuture;
+use self::key::KeyText;
 pub use self::key::RateLimitKey;
 use super::body::ResponseBody;
 use super::problem::{ProblemType, problem_bytes};
@@ -77,9 +79,13 @@ where
 /// | over the limit | 429 with `Retry-After` (whole seconds), the headers, and an `application/problem+json` body |
 /// | store failed, [`FailMode::Open`](crate::rate_limit::FailMode::Open) | passes, without rate-limit headers (nothing is known) |
 /// | store failed, [`FailMode::Closed`](crate::rate_limit::FailMode::Closed) | 503, `application/problem+json` |
+/// | keyed by client IP and the request has no peer address | 500 naming the fix (logged once at error), or one shared bucket with [`with_shared_bucket_without_peer`](Self::with_shared_bucket_without_peer) |
 ///
 /// Requests are keyed by [`RateLimitKey`]: the client IP by default (the socket peer; see
-/// [`RateLimitKey::client_ip`] for trusted proxies), a header, or a function.
+/// [`RateLimitKey::client_ip`] for trusted proxies), a header, or a function. The client
+/// IP needs the peer address: with axum, serve with
+/// `into_make_service_with_connect_info::<SocketAddr>()`; with hyper, insert the peer's
+/// `SocketAddr` into each request's extensions.
 ///
 /// # Examples
 ///
@@ -111,14 +117,24 @@ where
 #[derive(Clone)]
 #[must_use]
 pub struct RateLimitLayer {
+    config: Arc<Config>,
+}
+
+#[derive(Clone)]
+struct Config {
     enforcer: Arc<dyn Enforce>,
     key: RateLimitKey,
+    /// Whether requests without a peer address share one bucket (instead of a 500).
+    shared_without_peer: bool,
+    /// Whether the missing peer address was logged (once per layer).
+    warned: Arc<AtomicBool>,
 }
 
 impl fmt::Debug for RateLimitLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
-            .field("key", &self.key)
+            .field("key", &self.config.key)
+            .field("shared_without_peer", &self.config.shared_without_peer)
             .finish_non_exhaustive()
     }
 }
@@ -131,10 +147,7 @@ impl RateLimitLayer {
         G: Strategy + Send + Sync + 'static,
         St: RateLimitStore<G>,
     {
-        Self {
-            enforcer: Arc::new(Immediate(enforcer)),
-            key: RateLimitKey::default(),
-        }
+        Self::with_enforcer(Arc::new(Immediate(enforcer)))
     }
 
     /// Enforces `enforcer`, whose store is asynchronous (behind a network), keyed by the
@@ -144,15 +157,40 @@ impl RateLimitLayer {
         G: Strategy + Send + Sync + 'static,
         St: AsyncRateLimitStore<G>,
     {
+        Self::with_enforcer(Arc::new(Remote(enforcer)))
+    }
+
+    fn with_enforcer(enforcer: Arc<dyn Enforce>) -> Self {
         Self {
-            enforcer: Arc::new(Remote(enforcer)),
-            key: RateLimitKey::default(),
+            config: Arc::new(Config {
+                enforcer,
+                key: RateLimitKey::default(),
+                shared_without_peer: false,
+                warned: Arc::default(),
+            }),
+        }
+    }
+
+    fn map(self, f: impl FnOnce(&mut Config)) -> Self {
+        let mut config = Arc::unwrap_or_clone(self.config);
+        f(&mut config);
+        Self {
+            config: Arc::new(config),
         }
     }
 
     /// Keys requests with `key`.
     pub fn with_key(self, key: RateLimitKey) -> Self {
-        Self { key, ..self }
+        self.map(|c| c.key = key)
+    }
+
+    /// Counts requests that have no peer address in one bucket shared by all of them,
+    /// instead of refusing them with 500. Only for a service that cannot learn its peers
+    /// and accepts that one busy client then limits every other: by default such requests
+    /// get a 500 `application/problem+json` that names the fix (serve with
+    /// `into_make_service_with_connect_info::<SocketAddr>()`), logged once at error.
+    pub fn with_shared_bucket_without_peer(self) -> Self {
+        self.map(|c| c.shared_without_peer = true)
     }
 }
 
@@ -162,8 +200,7 @@ impl<S> Layer<S> for RateLimitLayer {
     fn layer(&self, inner: S) -> Self::Service {
         RateLimit {
             inner,
-            enforcer: Arc::clone(&self.enforcer),
-            key: self.key.clone(),
+            config: Arc::clone(&self.config),
         }
     }
 }
@@ -172,15 +209,14 @@ impl<S> Layer<S> for RateLimitLayer {
 #[derive(Clone)]
 pub struct RateLimit<S> {
     inner: S,
-    enforcer: Arc<dyn Enforce>,
-    key: RateLimitKey,
+    config: Arc<Config>,
 }
 
 impl<S: fmt::Debug> fmt::Debug for RateLimit<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("key", &self.key)
+            .field("key", &self.config.key)
             .finish_non_exhaustive()
     }
 }
@@ -199,8 +235,14 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        let (key, req) = self.key.key_of(req);
-        match self.enforcer.enforce_now(key.as_str()) {
+        let config = &*self.config;
+        let (key, req) = config.key.key_of(req);
+        let key = match key {
+            Some(key) => key,
+            None if config.shared_without_peer => KeyText::Unknown,
+            None => return RateLimitFuture::refused(no_peer(config)),
+        };
+        match config.enforcer.enforce_now(key.as_str()) {
             Some(enforcement) => match RateLimitDenial::check(enforcement) {
                 Ok(enforcement) => {
                     RateLimitFuture::calling(self.inner.call(req), enforcement.headers)
@@ -208,13 +250,33 @@ where
                 Err(denial) => RateLimitFuture::denied(denial),
             },
             None => {
-                let pending = Arc::clone(&self.enforcer).enforce_later(key.into_string());
+                let pending = Arc::clone(&config.enforcer).enforce_later(key.into_string());
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 RateLimitFuture::checking(pending, inner, req)
             }
         }
     }
+}
+
+/// The answer to a request keyed by client IP that has no peer address, logged once per
+/// layer.
+fn no_peer(config: &Config) -> Response<Bytes> {
+    if !config.warned.swap(true, Ordering::Relaxed) {
+        tracing::error!(
+            "rate limit: a request has no peer address, so its client IP is unknown; serve \
+             with `into_make_service_with_connect_info::<SocketAddr>()` (axum) or insert the \
+             peer's `SocketAddr` into each request's extensions (hyper), or call \
+             `RateLimitLayer::with_shared_bucket_without_peer`; answering 500 until then \
+             (logged once)"
+        );
+    }
+    problem_bytes(
+        ProblemType::ClientAddressUnavailable,
+        "the client address is unavailable: the server must be served with \
+         `into_make_service_with_connect_info::<SocketAddr>()` (axum) or record the peer's \
+         `SocketAddr` in each request's extensions (hyper)",
+    )
 }
 
 /// A request the rate limit turned away: over the limit (429), or the store failed and the
@@ -318,5 +380,63 @@ impl std::error::Error for RateLimitDenial {}
 impl axum::response::IntoResponse for RateLimitDenial {
     fn into_response(self) -> axum::response::Response {
         RateLimitDenial::into_response(self).map(axum::body::Body::from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::io::Write;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use http_body_util::Full;
+    use tower::{ServiceExt, service_fn};
+
+    use super::*;
+    use crate::rate_limit::{Gcra, Limiter};
+
+    /// Log lines written while a test runs.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_peer_address_is_logged_once_at_error() {
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+
+        let limiter = Limiter::new(Gcra::new(10, Duration::from_secs(1)).unwrap());
+        let service = RateLimitLayer::new(Enforcer::new(limiter)).layer(service_fn(
+            |_req: Request<Full<Bytes>>| async {
+                Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+            },
+        ));
+        for _ in 0..3 {
+            let response = service
+                .clone()
+                .oneshot(Request::new(Full::new(Bytes::new())))
+                .await
+                .unwrap();
+            assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        }
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(text.matches("has no peer address").count(), 1, "{text}");
+        assert!(text.contains("ERROR"), "{text}");
     }
 }

@@ -69,6 +69,23 @@ pub async fn serve(app: Router) -> Server {
     Server { addr, client }
 }
 
+/// Serves `app` without connect info: requests carry no peer address.
+pub async fn serve_without_connect_info(app: Router) -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    tokio::spawn(async move {
+        axum::serve(listener, app.into_make_service())
+            .await
+            .expect("serve");
+    });
+    let client = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(128)
+        .build_http();
+    Server { addr, client }
+}
+
 impl Server {
     /// Sends `method path` with `headers` and `body`, and reads the whole reply.
     pub async fn send(
