@@ -44,10 +44,11 @@ async fn charge(State(payments): State<Payments>, Json(order): Json<Value>) -> i
 }
 
 fn app(runtime: &Runtime) -> Result<Router, Box<dyn std::error::Error>> {
-    let idempotency = IdempotencyLayer::new(runtime)
+    let idempotency = IdempotencyLayer::builder(runtime)
         .with_required_key(true)
         .with_kept_headers([HeaderName::from_static("location")])
-        .with_options(IdempotencyOptions::new().with_wait_timeout(Duration::from_secs(10)));
+        .with_options(IdempotencyOptions::new().with_wait_timeout(Duration::from_secs(10)))
+        .build()?;
     let limiter = Limiter::new(Gcra::new(5, Duration::from_secs(10))?);
     // Keys at rest are dropped by the runtime's sweeper, with the runtime's own maps.
     limiter.sweep_on(runtime);

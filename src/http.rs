@@ -39,12 +39,16 @@
 //! ```
 
 mod body;
+mod error;
 mod idempotency;
 mod problem;
 mod rate_limit;
 
 pub use self::body::{BodyError, RequestBody, ResponseBody};
-pub use self::idempotency::{IDEMPOTENT_REPLAYED, IdempotencyLayer, Idempotent, IdempotentFuture};
+pub use self::error::ConfigError;
+pub use self::idempotency::{
+    IDEMPOTENT_REPLAYED, IdempotencyLayer, IdempotencyLayerBuilder, Idempotent, IdempotentFuture,
+};
 pub use self::problem::{PROBLEM_JSON, ProblemType};
 pub use self::rate_limit::{
     RateLimit, RateLimitDenial, RateLimitFuture, RateLimitKey, RateLimitLayer,

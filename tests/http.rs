@@ -19,9 +19,11 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use http::{HeaderName, Method, Request, StatusCode};
 use http_body_util::BodyExt;
-use support::{Chunks, Reply, Server, problem, serve, serve_without_connect_info};
+use support::{Chunks, Reply, Server, WithTrailers, problem, serve, serve_without_connect_info};
 use throttlebeam::clock::ManualClock;
-use throttlebeam::http::{IdempotencyLayer, RateLimitDenial, RateLimitKey, RateLimitLayer};
+use throttlebeam::http::{
+    IdempotencyLayer, IdempotencyLayerBuilder, RateLimitDenial, RateLimitKey, RateLimitLayer,
+};
 use throttlebeam::rate_limit::{
     ClientIp, Enforcer, FailMode, Gcra, HeaderOptions, Limiter, PolicyName, ProxyHeader,
     RateLimitError, RateLimitReply, RateLimitRequest, RateLimitStore,
@@ -118,6 +120,82 @@ async fn lookup(State(shop): State<Shop>) -> String {
     format!("looked up {n}")
 }
 
+/// Who the authentication layer says the caller is.
+#[derive(Clone)]
+struct Account {
+    tenant: &'static str,
+}
+
+/// Stands for an authentication layer: checks the bearer token and inserts the caller's
+/// account (alice and bob work for acme, carol for globex).
+fn authenticate(mut req: Request<axum::body::Body>) -> Request<axum::body::Body> {
+    let tenant = match req.headers().get("authorization").map(|v| v.as_bytes()) {
+        Some(b"Bearer alice" | b"Bearer bob") => Some("acme"),
+        Some(b"Bearer carol") => Some("globex"),
+        _ => None,
+    };
+    if let Some(tenant) = tenant {
+        req.extensions_mut().insert(Account { tenant });
+    }
+    req
+}
+
+/// Answers the status in the path, counting runs.
+async fn status(
+    State(shop): State<Shop>,
+    axum::extract::Path(code): axum::extract::Path<u16>,
+) -> impl IntoResponse {
+    let n = shop.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let status = StatusCode::from_u16(code).unwrap();
+    let mut response = (status, format!("run {n}")).into_response();
+    if status == StatusCode::TOO_MANY_REQUESTS {
+        response
+            .headers_mut()
+            .insert("retry-after", http::HeaderValue::from(n));
+    }
+    response
+}
+
+fn checksum(n: usize) -> http::HeaderMap {
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("x-checksum", http::HeaderValue::from(n));
+    trailers
+}
+
+/// A body, then trailers.
+async fn trailers(State(shop): State<Shop>) -> axum::response::Response {
+    let n = shop.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let mut response = axum::response::Response::new(axum::body::Body::new(WithTrailers::new(
+        "body",
+        checksum(n),
+    )));
+    response
+        .headers_mut()
+        .insert("trailer", http::HeaderValue::from_static("x-checksum"));
+    response
+}
+
+/// What a gRPC server answers: 200, `application/grpc`, the status in trailers.
+async fn grpc(State(shop): State<Shop>) -> axum::response::Response {
+    let n = shop.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    let mut trailers = checksum(n);
+    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+    let mut response = axum::response::Response::new(axum::body::Body::new(WithTrailers::new(
+        "\0\0\0\0\0",
+        trailers,
+    )));
+    let headers = response.headers_mut();
+    headers.insert(
+        "content-type",
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    headers.insert(
+        "trailer",
+        http::HeaderValue::from_static("grpc-status, x-checksum"),
+    );
+    response
+}
+
 fn app(layer: IdempotencyLayer, shop: &Shop) -> Router {
     let arrived = Arc::clone(&shop.arrived);
     Router::new()
@@ -126,8 +204,12 @@ fn app(layer: IdempotencyLayer, shop: &Shop) -> Router {
         .route("/big", post(big))
         .route("/boom", post(boom))
         .route("/lookup", get(lookup).post(lookup))
+        .route("/status/{code}", post(status))
+        .route("/trailers", post(trailers))
+        .route("/grpc", post(grpc))
         .with_state(shop.clone())
         .layer(layer)
+        .layer(tower::util::MapRequestLayer::new(authenticate))
         .layer(tower::util::MapRequestLayer::new(
             move |req: Request<axum::body::Body>| {
                 arrived.fetch_add(1, Ordering::SeqCst);
@@ -137,17 +219,19 @@ fn app(layer: IdempotencyLayer, shop: &Shop) -> Router {
 }
 
 async fn idempotent_server(
-    configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+    configure: impl FnOnce(IdempotencyLayerBuilder) -> IdempotencyLayerBuilder,
 ) -> (Server, Shop) {
     idempotent_server_with(Shop::new(), configure).await
 }
 
 async fn idempotent_server_with(
     shop: Shop,
-    configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer,
+    configure: impl FnOnce(IdempotencyLayerBuilder) -> IdempotencyLayerBuilder,
 ) -> (Server, Shop) {
     let runtime = Runtime::start().await.expect("runtime starts");
-    let layer = configure(IdempotencyLayer::new(&runtime));
+    let layer = configure(IdempotencyLayer::builder(&runtime))
+        .build()
+        .expect("valid layer");
     (serve(app(layer, &shop)).await, shop)
 }
 
@@ -399,14 +483,14 @@ async fn a_handler_that_panics_gets_500_and_the_retry_runs_again() {
     assert_eq!(shop.runs(), 2);
 }
 
-// H6
+// H6, H13
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_key_under_two_tenants_runs_twice() {
     let (server, shop) = idempotent_server(|l| {
-        l.with_scope(|parts| Some(parts.headers.get("x-tenant")?.to_str().ok()?.to_owned()))
+        l.with_scope_from_extension(|account: &Account| account.tenant.to_owned())
     })
     .await;
-    let send = |tenant: &'static str, auth: &'static str| {
+    let send = |claimed: &'static str, auth: &'static str| {
         let server = server.clone();
         async move {
             server
@@ -415,7 +499,8 @@ async fn the_same_key_under_two_tenants_runs_twice() {
                     "/pay",
                     &[
                         ("idempotency-key", "k-6"),
-                        ("x-tenant", tenant),
+                        // What the client says: never the scope.
+                        ("x-tenant", claimed),
                         ("authorization", auth),
                     ],
                     "1",
@@ -424,17 +509,197 @@ async fn the_same_key_under_two_tenants_runs_twice() {
         }
     };
     let acme = send("acme", "Bearer alice").await;
-    let globex = send("globex", "Bearer alice").await;
+    let globex = send("globex", "Bearer carol").await;
     assert_eq!(acme.text(), charge(1, "1"));
     assert_eq!(globex.text(), charge(2, "1"));
     // The tenant is the scope: another user of the same tenant replays.
     let acme_again = send("acme", "Bearer bob").await;
     assert_eq!(acme_again.text(), charge(1, "1"));
     assert_eq!(acme_again.header("idempotent-replayed"), Some("true"));
+    // Claiming another tenant in a header does not reach its stored response.
+    let claims_acme = send("acme", "Bearer carol").await;
+    assert_eq!(claims_acme.text(), charge(2, "1"));
     assert_eq!(shop.runs(), 2);
 }
 
-// H9
+// H13: a header scope is an explicit choice that trusts the header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trusted_header_scope_is_read_from_the_header() {
+    let (server, shop) =
+        idempotent_server(|l| l.with_trusted_header_scope(HeaderName::from_static("x-tenant")))
+            .await;
+    let send = |tenant: &'static str| {
+        let server = server.clone();
+        async move {
+            server
+                .send(
+                    Method::POST,
+                    "/pay",
+                    &[("idempotency-key", "k-h"), ("x-tenant", tenant)],
+                    "1",
+                )
+                .await
+        }
+    };
+    assert_eq!(send("acme").await.text(), charge(1, "1"));
+    assert_eq!(send("globex").await.text(), charge(2, "1"));
+    assert_eq!(
+        send("acme").await.header("idempotent-replayed"),
+        Some("true")
+    );
+    assert_eq!(shop.runs(), 2);
+}
+
+// H13
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scope_over_the_key_limit_is_400_and_the_handler_does_not_run() {
+    let (server, shop) =
+        idempotent_server(|l| l.with_trusted_header_scope(HeaderName::from_static("x-tenant")))
+            .await;
+    let long = "t".repeat(1013);
+    let reply = server
+        .send(
+            Method::POST,
+            "/pay",
+            &[("idempotency-key", "k-long"), ("x-tenant", &long)],
+            "1",
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        reply.json(),
+        problem(
+            "idempotency-scope-invalid",
+            "Idempotency scope too long",
+            400,
+            "the scope named for this request is 1013 bytes, over the 1012-byte limit"
+        )
+    );
+    assert_eq!(shop.runs(), 0);
+    // At the limit it runs.
+    let ok = server
+        .send(
+            Method::POST,
+            "/pay",
+            &[("idempotency-key", "k-long"), ("x-tenant", &long[1..])],
+            "1",
+        )
+        .await;
+    assert_eq!(ok.status, StatusCode::CREATED);
+}
+
+// H10
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_what_a_retry_should_get_back_is_stored() {
+    let (server, shop) = idempotent_server(|l| l).await;
+    let mut expected_runs = 0;
+    for code in [
+        400u16, 401, 403, 408, 409, 413, 415, 422, 425, 429, 406, 412, 500, 502, 503,
+    ] {
+        let path = format!("/status/{code}");
+        let key = format!("k-{code}");
+        let first = server.post(&path, &key, "x").await;
+        let retry = server.post(&path, &key, "x").await;
+        expected_runs += 2;
+        assert_eq!(first.status.as_u16(), code);
+        assert_eq!(retry.status.as_u16(), code);
+        assert_eq!(retry.header("idempotent-replayed"), None, "{code}");
+        assert_eq!(shop.runs(), expected_runs, "{code} was stored");
+    }
+    // An inner rate limiter's 429 is never replayed without its own Retry-After.
+    let limited = server.post("/status/429", "k-429", "x").await;
+    assert!(limited.header("retry-after").is_some());
+    expected_runs += 1;
+    for code in [200u16, 201, 202, 204, 301, 303, 402, 404, 405, 410, 451] {
+        let path = format!("/status/{code}");
+        let key = format!("k-{code}");
+        let first = server.post(&path, &key, "x").await;
+        let retry = server.post(&path, &key, "x").await;
+        expected_runs += 1;
+        assert_eq!(first.status.as_u16(), code);
+        assert_eq!(retry.status.as_u16(), code);
+        assert_eq!(retry.header("idempotent-replayed"), Some("true"), "{code}");
+        assert_eq!(retry.body, first.body);
+        assert_eq!(shop.runs(), expected_runs, "{code} was not stored");
+    }
+}
+
+// H10: the rule is the operator's to choose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_rule_can_be_chosen() {
+    let (server, shop) =
+        idempotent_server(|l| l.with_store_when(|status| !status.is_server_error())).await;
+    let first = server.post("/status/415", "k-415", "x").await;
+    let retry = server.post("/status/415", "k-415", "x").await;
+    assert_eq!(retry.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(shop.runs(), 1);
+    let (server, shop) = idempotent_server(|l| l.with_store_when(|_| false)).await;
+    server.post("/status/201", "k-201", "x").await;
+    let again = server.post("/status/201", "k-201", "x").await;
+    assert_eq!(again.header("idempotent-replayed"), None);
+    assert_eq!(shop.runs(), 2);
+}
+
+// Trailers: a response whose trailers the envelope cannot keep passes whole, unstored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_with_trailers_passes_with_them_unstored() {
+    let (server, shop) = idempotent_server(|l| l).await;
+    for (path, n) in [
+        ("/trailers", 1),
+        ("/trailers", 2),
+        ("/grpc", 3),
+        ("/grpc", 4),
+    ] {
+        let reply = server
+            .send(
+                Method::POST,
+                path,
+                &[("idempotency-key", path), ("te", "trailers")],
+                "x",
+            )
+            .await;
+        assert_eq!(reply.status, StatusCode::OK, "{path}");
+        assert_eq!(reply.header("idempotent-replayed"), None, "{path}");
+        let trailers = reply.trailers.expect("trailers");
+        assert_eq!(trailers["x-checksum"], n.to_string().as_str(), "{path}");
+        assert_eq!(shop.runs(), n);
+    }
+}
+
+// H6/H9/H10 configuration errors surface when the layer is built.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_settings_are_refused_when_the_layer_is_built() {
+    let runtime = Runtime::start().await.unwrap();
+    let err = IdempotencyLayer::builder(&runtime)
+        .with_options(IdempotencyOptions::new().with_wait_timeout(Duration::ZERO))
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid idempotency layer setting `wait timeout`: must be greater than zero"
+    );
+    let err = IdempotencyLayer::builder(&runtime)
+        .with_options(IdempotencyOptions::new().with_ttl(Duration::from_micros(10)))
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        (err.setting(), err.reason()),
+        ("ttl", "must be at least 1 ms")
+    );
+    let err = IdempotencyLayer::builder(&runtime)
+        .with_kept_headers([HeaderName::from_static("set-cookie")])
+        .build()
+        .unwrap_err();
+    assert_eq!(err.setting(), "kept headers");
+    let err = IdempotencyLayer::builder(&runtime)
+        .with_methods([])
+        .build()
+        .unwrap_err();
+    assert_eq!(err.setting(), "methods");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_scope_two_users_with_the_same_key_and_body_run_twice() {
     let (server, shop) = idempotent_server(|l| l).await;
@@ -510,7 +775,12 @@ async fn a_body_over_the_limit_is_413_and_the_handler_does_not_run() {
     // Without a declared length the limit holds while reading.
     let runtime = Runtime::start().await.unwrap();
     let service = tower::ServiceBuilder::new()
-        .layer(IdempotencyLayer::new(&runtime).with_max_body(16))
+        .layer(
+            IdempotencyLayer::builder(&runtime)
+                .with_max_body(16)
+                .build()
+                .unwrap(),
+        )
         .service_fn(|_req| async {
             Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Full::new(
                 Bytes::new(),

@@ -53,6 +53,8 @@ pub enum ProblemType {
     RateLimitUnavailable,
     /// 400: the rate-limit key taken from the request is invalid (empty, or over 1024 bytes).
     RateLimitKeyInvalid,
+    /// 400: the idempotency scope named for the request is over the key limit.
+    ScopeInvalid,
     /// 500: the rate limit is keyed by client IP and the request has no peer address (the
     /// server does not record it: serve with connect info).
     ClientAddressUnavailable,
@@ -76,6 +78,7 @@ impl ProblemType {
             Self::RateLimitUnavailable => "tag:throttlebeam,2026:rate-limit-unavailable",
             Self::RateLimitKeyInvalid => "tag:throttlebeam,2026:rate-limit-key-invalid",
             Self::ClientAddressUnavailable => "tag:throttlebeam,2026:client-address-unavailable",
+            Self::ScopeInvalid => "tag:throttlebeam,2026:idempotency-scope-invalid",
         }
     }
 
@@ -86,7 +89,8 @@ impl ProblemType {
             Self::KeyInvalid
             | Self::KeyMissing
             | Self::BodyUnreadable
-            | Self::RateLimitKeyInvalid => StatusCode::BAD_REQUEST,
+            | Self::RateLimitKeyInvalid
+            | Self::ScopeInvalid => StatusCode::BAD_REQUEST,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::KeyInFlight => StatusCode::CONFLICT,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -117,6 +121,7 @@ impl ProblemType {
             Self::RateLimitUnavailable => "Rate limiter unavailable",
             Self::RateLimitKeyInvalid => "Invalid rate-limit key",
             Self::ClientAddressUnavailable => "Client address unavailable",
+            Self::ScopeInvalid => "Idempotency scope too long",
         }
     }
 }
@@ -194,6 +199,7 @@ mod tests {
             ProblemType::RateLimitUnavailable,
             ProblemType::RateLimitKeyInvalid,
             ProblemType::ClientAddressUnavailable,
+            ProblemType::ScopeInvalid,
         ];
         let uris: std::collections::HashSet<_> = all.iter().map(|k| k.uri()).collect();
         assert_eq!(uris.len(), all.len());

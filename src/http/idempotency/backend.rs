@@ -145,9 +145,42 @@ pub(super) fn refusal(err: &Error, fail_fast: bool) -> Refusal {
         | Error::NoTokio
         | Error::Start(_)
         | Error::Discarded { .. }
-        | Error::LeaseLost { .. } => Refusal::Unavailable,
-        _ => Refusal::Misconfigured,
+        | Error::LeaseLost { .. } => {
+            tracing::warn!(
+                error = %chain(err),
+                "idempotency layer answers 503: the idempotency store or runtime cannot take the request"
+            );
+            Refusal::Unavailable
+        }
+        Error::InvalidArgument { what, reason, .. } => {
+            tracing::error!(
+                setting = what,
+                reason,
+                error = %chain(err),
+                "idempotency layer answers 500: a setting is out of range"
+            );
+            Refusal::Misconfigured
+        }
+        _ => {
+            tracing::error!(
+                error = %chain(err),
+                "idempotency layer answers 500: the runtime refused the request"
+            );
+            Refusal::Misconfigured
+        }
     }
+}
+
+/// `err` and its sources, `: `-separated.
+pub(super) fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 #[cfg(test)]

@@ -106,11 +106,14 @@ where
                     let outcome = loop {
                         match ready!(body.as_mut().poll_frame(cx)) {
                             // Trailers are not part of the fingerprint.
-                            Some(Ok(frame)) => {
-                                if let Ok(data) = frame.into_data() {
-                                    read.push(data);
+                            Some(Ok(frame)) => match frame.into_data() {
+                                Ok(data) => read.push(data),
+                                Err(frame) => {
+                                    if let Ok(trailers) = frame.into_trailers() {
+                                        read.trailers(trailers);
+                                    }
                                 }
-                            }
+                            },
                             Some(Err(err)) => break Err(err),
                             None => break Ok(read.finish()),
                         }
