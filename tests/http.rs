@@ -1323,6 +1323,34 @@ async fn a_denial_is_an_axum_response() {
     assert_eq!(denied.json()["type"], "tag:throttlebeam,2026:rate-limited");
 }
 
+// A cost no quota can admit is the server's configuration: 500, not the client's 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cost_above_the_capacity_is_500_not_400() {
+    let clock = ManualClock::new(0);
+    let enforcer = Arc::new(Enforcer::new(gcra(&clock)));
+    let handler = move || {
+        let enforcer = Arc::clone(&enforcer);
+        async move {
+            RateLimitDenial::check(
+                enforcer.enforce_n("bulk", std::num::NonZeroU32::new(3).unwrap()),
+            )?;
+            Ok::<_, RateLimitDenial>("done")
+        }
+    };
+    let server = serve(Router::new().route("/", get(handler))).await;
+    let refused = server.send(Method::GET, "/", &[], "").await;
+    assert_eq!(refused.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        refused.json(),
+        problem(
+            "rate-limit-misconfigured",
+            "Rate limit misconfigured",
+            500,
+            "the rate limit configured for this request can never admit it"
+        )
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_does_not_cancel_the_handler_and_its_retry_replays() {
     let runtime = Runtime::start().await.unwrap();

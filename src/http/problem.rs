@@ -53,6 +53,9 @@ pub enum ProblemType {
     RateLimitUnavailable,
     /// 400: the rate-limit key taken from the request is invalid (empty, or over 1024 bytes).
     RateLimitKeyInvalid,
+    /// 500: the rate limit can never admit the request (a cost above the strategy's
+    /// capacity): the server's configuration.
+    RateLimitMisconfigured,
     /// 400: the idempotency scope named for the request is over the key limit.
     ScopeInvalid,
     /// 500: the rate limit is keyed by client IP and the request has no peer address (the
@@ -79,6 +82,7 @@ impl ProblemType {
             Self::RateLimitKeyInvalid => "tag:throttlebeam,2026:rate-limit-key-invalid",
             Self::ClientAddressUnavailable => "tag:throttlebeam,2026:client-address-unavailable",
             Self::ScopeInvalid => "tag:throttlebeam,2026:idempotency-scope-invalid",
+            Self::RateLimitMisconfigured => "tag:throttlebeam,2026:rate-limit-misconfigured",
         }
     }
 
@@ -96,7 +100,8 @@ impl ProblemType {
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::HandlerPanicked
             | Self::IdempotencyMisconfigured
-            | Self::ClientAddressUnavailable => StatusCode::INTERNAL_SERVER_ERROR,
+            | Self::ClientAddressUnavailable
+            | Self::RateLimitMisconfigured => StatusCode::INTERNAL_SERVER_ERROR,
             Self::IdempotencyUnavailable | Self::RateLimitUnavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -122,6 +127,7 @@ impl ProblemType {
             Self::RateLimitKeyInvalid => "Invalid rate-limit key",
             Self::ClientAddressUnavailable => "Client address unavailable",
             Self::ScopeInvalid => "Idempotency scope too long",
+            Self::RateLimitMisconfigured => "Rate limit misconfigured",
         }
     }
 }
@@ -200,6 +206,7 @@ mod tests {
             ProblemType::RateLimitKeyInvalid,
             ProblemType::ClientAddressUnavailable,
             ProblemType::ScopeInvalid,
+            ProblemType::RateLimitMisconfigured,
         ];
         let uris: std::collections::HashSet<_> = all.iter().map(|k| k.uri()).collect();
         assert_eq!(uris.len(), all.len());

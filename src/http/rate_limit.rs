@@ -321,7 +321,8 @@ impl RateLimitDenial {
         }
     }
 
-    /// 429 when over the limit, 503 when the store failed.
+    /// 429 when over the limit, 503 when the store failed, 400 for a bad key, 500 when the
+    /// limit can never admit the request (the server's configuration).
     #[must_use]
     pub fn status(&self) -> StatusCode {
         self.kind().status()
@@ -337,6 +338,7 @@ impl RateLimitDenial {
         match self.enforcement.outcome {
             EnforceOutcome::Error => ProblemType::RateLimitUnavailable,
             EnforceOutcome::Invalid => ProblemType::RateLimitKeyInvalid,
+            EnforceOutcome::Misconfigured => ProblemType::RateLimitMisconfigured,
             _ => ProblemType::RateLimited,
         }
     }
@@ -355,6 +357,9 @@ impl RateLimitDenial {
                 "the rate-limit key taken from this request is empty or over 1024 bytes".to_owned()
             }
             (ProblemType::RateLimited, None) => "rate limit exceeded".to_owned(),
+            (ProblemType::RateLimitMisconfigured, _) => {
+                "the rate limit configured for this request can never admit it".to_owned()
+            }
             _ => "the rate limiter cannot decide now".to_owned(),
         };
         let mut response = problem_bytes(kind, &detail);

@@ -30,9 +30,12 @@ pub enum EnforceOutcome {
     Limited,
     /// The store failed; the fail policy decided.
     Error,
-    /// The request itself was bad (an empty or over-long key, a cost above the capacity): it
-    /// is refused whatever the fail policy.
+    /// The request itself was bad (an empty or over-long key): it is refused whatever the
+    /// fail policy.
     Invalid,
+    /// The limit cannot admit the request however long it waits (a cost above the
+    /// strategy's capacity): the server's configuration, refused and logged at error.
+    Misconfigured,
 }
 
 /// The result of [`Enforcer::enforce`]: whether to proceed, why, and the headers to send.
@@ -172,6 +175,19 @@ impl<S: Strategy, St> Enforcer<S, St> {
                     headers: self.headers.headers(&decision, now_ms),
                 }
             }
+            Err(err @ RateLimitError::InsufficientCapacity { .. }) => {
+                tracing::error!(
+                    key,
+                    error = %err,
+                    "rate limit misconfigured: the quota can never admit this cost; refusing"
+                );
+                Enforcement {
+                    allowed: false,
+                    outcome: EnforceOutcome::Misconfigured,
+                    decision: None,
+                    headers: HeaderMap::new(),
+                }
+            }
             Err(err) if !err.is_store() => {
                 tracing::debug!(key, error = %err, "rate limit request refused");
                 Enforcement {
@@ -182,7 +198,21 @@ impl<S: Strategy, St> Enforcer<S, St> {
                 }
             }
             Err(err) => {
-                tracing::warn!(key, error = %err, fail = ?self.fail, "rate limit store failed");
+                let error: &(dyn std::error::Error + 'static) = &err;
+                match self.fail {
+                    FailMode::Open => tracing::warn!(
+                        key,
+                        error,
+                        "rate limit store failed; failing open: the request passes unlimited \
+                         (FailMode::Open), so this limit is not enforced while the store is down"
+                    ),
+                    FailMode::Closed => tracing::warn!(
+                        key,
+                        error,
+                        "rate limit store failed; failing closed: the request is refused with \
+                         503 (FailMode::Closed)"
+                    ),
+                }
                 if let Some(f) = &self.on_error {
                     f(key, &err);
                 }
