@@ -186,6 +186,28 @@ impl RuntimeBuilder {
         self
     }
 
+    /// [`with_redis`](Self::with_redis) on the Redis the environment names, as the default
+    /// runtime does: [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV) (seed nodes) if
+    /// set, else [`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV); unchanged (in memory) when
+    /// neither is set. A service then moves between one instance in memory and several
+    /// sharing Redis by its environment alone; [`Runtime::redis`] hands the connection to
+    /// what runs beside the runtime (a rate limiter).
+    ///
+    /// # Errors
+    ///
+    /// The [`StoreError`](crate::store::StoreError) of
+    /// [`RedisBuilder::connect`](crate::store::RedisBuilder::connect) when a variable is set
+    /// and Redis cannot be reached or the setting is bad: an explicit runtime never falls
+    /// back to deciding per instance without saying so.
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    pub async fn with_redis_from_env(self) -> Result<Self, crate::store::StoreError> {
+        match crate::store::Redis::from_env() {
+            Some(redis) => Ok(self.with_redis(redis.connect().await?)),
+            None => Ok(self),
+        }
+    }
+
     /// What shutdown does with pending debounced work (default flush).
     pub fn with_shutdown_policy(mut self, policy: ShutdownPolicy) -> Self {
         self.policy = policy;
@@ -499,6 +521,16 @@ impl Runtime {
             service.stats(&mut stats);
         }
         stats
+    }
+
+    /// The Redis this runtime shares through ([`RuntimeBuilder::with_redis`],
+    /// [`RuntimeBuilder::with_redis_from_env`]), if any: a cheap clone of the connection,
+    /// for a rate limiter's store (`Limiter::builder(..).with_store(redis)`).
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    #[must_use]
+    pub fn redis(&self) -> Option<crate::store::Redis> {
+        self.core.redis.clone()
     }
 
     /// The cap on tracked keys ([`RuntimeBuilder::with_max_keys`]).

@@ -1277,7 +1277,7 @@ async fn a_store_failure_passes_when_failing_open_and_is_503_when_failing_closed
 
     // The asynchronous path applies the same policy.
     let closed = Enforcer::new(limiter()).with_fail_mode(FailMode::Closed);
-    let server = rate_limited_server(RateLimitLayer::new_async(closed)).await;
+    let server = rate_limited_server(RateLimitLayer::new(closed)).await;
     assert_eq!(
         server.send(Method::GET, "/", &[], "").await.status,
         StatusCode::SERVICE_UNAVAILABLE
@@ -1287,7 +1287,7 @@ async fn a_store_failure_passes_when_failing_open_and_is_503_when_failing_closed
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_asynchronous_store_limits_the_same_way() {
     let clock = ManualClock::new(0);
-    let server = rate_limited_server(RateLimitLayer::new_async(Enforcer::new(gcra(&clock)))).await;
+    let server = rate_limited_server(RateLimitLayer::new(Enforcer::new(gcra(&clock)))).await;
     let first = server.send(Method::GET, "/", &[], "").await;
     assert_eq!(first.header("ratelimit-remaining"), Some("1"));
     assert_eq!(
@@ -1422,4 +1422,61 @@ async fn two_instances_sharing_redis_answer_a_retry_with_the_stored_response() {
         .await
         .expect("connects");
     two_instances_share_one_response(redis).await;
+}
+
+// One constructor for every store: several instances share one limit through the runtime's
+// Redis.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_sharing_the_runtimes_redis_share_one_rate_limit() {
+    let Some(node) = support_redis::RedisNode::start(
+        "instances_sharing_the_runtimes_redis_share_one_rate_limit",
+    ) else {
+        return;
+    };
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let redis = throttlebeam::store::Redis::builder(node.url())
+            .connect()
+            .await
+            .expect("connects");
+        let runtime = Runtime::builder()
+            .with_redis(redis)
+            .start()
+            .await
+            .expect("runtime starts");
+        let redis = runtime.redis().expect("the runtime's redis");
+        let limiter = Limiter::builder(Gcra::new(2, Duration::from_secs(60)).unwrap())
+            .with_store(redis)
+            .build();
+        servers.push(rate_limited_server(RateLimitLayer::new(Enforcer::new(limiter))).await);
+    }
+    let statuses = [
+        servers[0].send(Method::GET, "/", &[], "").await.status,
+        servers[1].send(Method::GET, "/", &[], "").await.status,
+        servers[0].send(Method::GET, "/", &[], "").await.status,
+        servers[1].send(Method::GET, "/", &[], "").await.status,
+    ];
+    assert_eq!(
+        statuses.map(|s| s.as_u16()),
+        [200, 200, 429, 429],
+        "one limit across both instances"
+    );
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_redis_in_the_environment_a_runtime_stays_in_memory() {
+    let named = |name| std::env::var(name).is_ok_and(|v| !v.trim().is_empty());
+    if named(throttlebeam::store::REDIS_URL_ENV) || named(throttlebeam::store::REDIS_CLUSTER_ENV) {
+        return;
+    }
+    let runtime = Runtime::builder()
+        .with_redis_from_env()
+        .await
+        .expect("nothing to connect to")
+        .start()
+        .await
+        .expect("runtime starts");
+    assert!(runtime.redis().is_none());
 }

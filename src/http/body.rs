@@ -159,6 +159,7 @@ impl<B> ResponseBody<B> {
     }
 
     /// `prefix`, then `error`.
+    #[cfg_attr(not(feature = "runtime"), allow(dead_code))]
     pub(crate) fn failed(prefix: Bytes, error: BodyError) -> Self {
         Self {
             kind: ResponseKind::Failed {

@@ -142,6 +142,7 @@ struct Document<'a> {
 }
 
 /// The problem document of `kind` with `detail`, as a response.
+#[cfg_attr(not(feature = "runtime"), allow(dead_code))]
 pub(crate) fn problem<B>(kind: ProblemType, detail: &str) -> Response<ResponseBody<B>> {
     problem_bytes(kind, detail).map(ResponseBody::full)
 }

@@ -4,6 +4,7 @@
 mod future;
 mod key;
 
+use std::any::Any;
 use std::fmt;
 use std::future::Future;
 use std::num::NonZeroU32;
@@ -23,7 +24,7 @@ pub use self::key::RateLimitKey;
 use super::body::ResponseBody;
 use super::problem::{ProblemType, problem_bytes};
 use crate::rate_limit::{
-    AsyncRateLimitStore, EnforceOutcome, Enforcement, Enforcer, RateLimitStore, Strategy,
+    AsyncRateLimitStore, EnforceOutcome, Enforcement, Enforcer, MemoryRateLimitStore, Strategy,
     retry_after_secs,
 };
 
@@ -38,31 +39,20 @@ trait Enforce: Send + Sync + 'static {
     fn enforce_later(self: Arc<Self>, key: String) -> PendingEnforcement;
 }
 
-struct Immediate<G: Strategy, St>(Enforcer<G, St>);
+/// An [`Enforcer`] over any store.
+struct Layered<G: Strategy, St>(Enforcer<G, St>);
 
-impl<G, St> Enforce for Immediate<G, St>
-where
-    G: Strategy + Send + Sync + 'static,
-    St: RateLimitStore<G>,
-{
-    fn enforce_now(&self, key: &str) -> Option<Enforcement> {
-        Some(self.0.enforce(key))
-    }
-
-    fn enforce_later(self: Arc<Self>, key: String) -> PendingEnforcement {
-        Box::pin(std::future::ready(self.0.enforce(&key)))
-    }
-}
-
-struct Remote<G: Strategy, St>(Enforcer<G, St>);
-
-impl<G, St> Enforce for Remote<G, St>
+impl<G, St> Enforce for Layered<G, St>
 where
     G: Strategy + Send + Sync + 'static,
     St: AsyncRateLimitStore<G>,
 {
-    fn enforce_now(&self, _key: &str) -> Option<Enforcement> {
-        None
+    fn enforce_now(&self, key: &str) -> Option<Enforcement> {
+        // The memory store answers in the call: no future to build or box. (The type test is
+        // a constant once monomorphized.)
+        let any: &dyn Any = &self.0;
+        any.downcast_ref::<Enforcer<G, MemoryRateLimitStore<G::State>>>()
+            .map(|memory| memory.enforce(key))
     }
 
     fn enforce_later(self: Arc<Self>, key: String) -> PendingEnforcement {
@@ -140,24 +130,52 @@ impl fmt::Debug for RateLimitLayer {
 }
 
 impl RateLimitLayer {
-    /// Enforces `enforcer`, whose store answers at once (the in-memory store), keyed by the
-    /// client IP of the socket peer.
+    /// Enforces `enforcer`, over any store: in memory, behind a network (`store::Redis`,
+    /// feature `redis`) or your own, keyed by the client IP of the socket peer.
+    ///
+    /// The in-memory store is asked in the request's own call, with no future built; any
+    /// other store is awaited before the inner service is called.
+    ///
+    /// # Examples
+    ///
+    /// One limit shared by every instance through the runtime's Redis when the environment
+    /// names one (`THROTTLEBEAM_REDIS_URL`), each instance's own in memory otherwise:
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "redis")]
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use throttlebeam::Runtime;
+    /// use throttlebeam::http::RateLimitLayer;
+    /// use throttlebeam::rate_limit::{Enforcer, Gcra, Limiter};
+    ///
+    /// let runtime = Runtime::builder().with_redis_from_env().await?.start().await?;
+    /// let gcra = Gcra::new(100, Duration::from_secs(60))?;
+    /// let layer = match runtime.redis() {
+    ///     Some(redis) => RateLimitLayer::new(Enforcer::new(
+    ///         Limiter::builder(gcra).with_store(redis).build(),
+    ///     )),
+    ///     None => RateLimitLayer::new(Enforcer::new(Limiter::new(gcra))),
+    /// };
+    /// # let _ = layer;
+    /// # Ok(()) }
+    /// ```
     pub fn new<G, St>(enforcer: Enforcer<G, St>) -> Self
     where
         G: Strategy + Send + Sync + 'static,
-        St: RateLimitStore<G>,
+        St: AsyncRateLimitStore<G>,
     {
-        Self::with_enforcer(Arc::new(Immediate(enforcer)))
+        Self::with_enforcer(Arc::new(Layered(enforcer)))
     }
 
-    /// Enforces `enforcer`, whose store is asynchronous (behind a network), keyed by the
-    /// client IP of the socket peer.
+    /// [`RateLimitLayer::new`], which now takes any store.
+    #[deprecated(since = "0.2.0", note = "`RateLimitLayer::new` takes any store")]
     pub fn new_async<G, St>(enforcer: Enforcer<G, St>) -> Self
     where
         G: Strategy + Send + Sync + 'static,
         St: AsyncRateLimitStore<G>,
     {
-        Self::with_enforcer(Arc::new(Remote(enforcer)))
+        Self::new(enforcer)
     }
 
     fn with_enforcer(enforcer: Arc<dyn Enforce>) -> Self {
