@@ -53,6 +53,7 @@ mod error;
 mod idempotency;
 mod problem;
 mod rate_limit;
+mod stats;
 
 pub use self::body::{BodyError, RequestBody, ResponseBody};
 #[cfg(feature = "runtime")]
@@ -67,3 +68,4 @@ pub use self::problem::{PROBLEM_JSON, ProblemType};
 pub use self::rate_limit::{
     RateLimit, RateLimitDenial, RateLimitFuture, RateLimitKey, RateLimitLayer,
 };
+pub use self::stats::HttpStats;

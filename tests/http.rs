@@ -228,11 +228,19 @@ async fn idempotent_server_with(
     shop: Shop,
     configure: impl FnOnce(IdempotencyLayerBuilder) -> IdempotencyLayerBuilder,
 ) -> (Server, Shop) {
+    let (server, shop, _runtime) = idempotent_runtime_server(shop, configure).await;
+    (server, shop)
+}
+
+async fn idempotent_runtime_server(
+    shop: Shop,
+    configure: impl FnOnce(IdempotencyLayerBuilder) -> IdempotencyLayerBuilder,
+) -> (Server, Shop, Runtime) {
     let runtime = Runtime::start().await.expect("runtime starts");
     let layer = configure(IdempotencyLayer::builder(&runtime))
         .build()
         .expect("valid layer");
-    (serve(app(layer, &shop)).await, shop)
+    (serve(app(layer, &shop)).await, shop, runtime)
 }
 
 fn charge(n: usize, body: &str) -> String {
@@ -1479,4 +1487,132 @@ async fn without_redis_in_the_environment_a_runtime_stays_in_memory() {
         .await
         .expect("runtime starts");
     assert!(runtime.redis().is_none());
+}
+
+// Observability: what the layers answered is in the runtime's stats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_idempotency_layer_counts_what_it_answered_in_the_runtimes_stats() {
+    let (server, shop, runtime) =
+        idempotent_runtime_server(Shop::new(), |l| l.with_fail_fast(true).with_max_body(16)).await;
+    assert_eq!(
+        server.post("/pay", "k-1", "1").await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        server
+            .post("/pay", "k-1", "1")
+            .await
+            .header("idempotent-replayed"),
+        Some("true")
+    );
+    assert_eq!(
+        server.post("/pay", "k-1", "2").await.status,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    assert_eq!(
+        server.post("/pay", "k-big", &"x".repeat(17)).await.status,
+        StatusCode::PAYLOAD_TOO_LARGE
+    );
+    assert_eq!(
+        server.post("/pay", "", "1").await.status,
+        StatusCode::BAD_REQUEST
+    );
+    assert_eq!(
+        server.post("/status/409", "k-409", "1").await.status,
+        StatusCode::CONFLICT
+    );
+    shop.close();
+    let first = tokio::spawn({
+        let server = server.clone();
+        async move { server.post("/pay", "k-2", "1").await }
+    });
+    while shop.runs() < 3 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        server.post("/pay", "k-2", "1").await.status,
+        StatusCode::CONFLICT
+    );
+    shop.open();
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    runtime.shutdown(Duration::from_secs(1)).await;
+    assert_eq!(
+        server.post("/pay", "k-3", "1").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+
+    let http = runtime.stats().http;
+    assert_eq!(http.fresh, 3, "k-1, the handler's own 409, k-2");
+    assert_eq!(http.replays, 1);
+    assert_eq!(http.reused, 1);
+    assert_eq!(http.too_large, 1);
+    assert_eq!(http.invalid, 1);
+    assert_eq!(
+        http.in_flight, 1,
+        "the handler's own 409 is not the layer's"
+    );
+    assert_eq!(http.store_failures, 1);
+    assert_eq!(http.rate_limited, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_limit_layer_counts_its_429s_and_store_failures() {
+    let clock = ManualClock::new(0);
+    let layer = RateLimitLayer::new(Enforcer::new(gcra(&clock)));
+    let server = rate_limited_server(layer.clone()).await;
+    for _ in 0..3 {
+        server.send(Method::GET, "/", &[], "").await;
+    }
+    assert_eq!(layer.stats().rate_limited, 1);
+    assert_eq!(layer.stats().store_failures, 0);
+
+    let runtime = Runtime::start().await.unwrap();
+    let down = Limiter::builder(Gcra::new(2, Duration::from_secs(60)).unwrap())
+        .with_store(DownStore)
+        .build();
+    let open = RateLimitLayer::new(Enforcer::new(down)).with_stats_in(&runtime);
+    let server = rate_limited_server(open).await;
+    assert_eq!(
+        server.send(Method::GET, "/", &[], "").await.status,
+        StatusCode::OK
+    );
+    let without_peer = serve_without_connect_info(
+        Router::new()
+            .route("/", get(hello))
+            .layer(RateLimitLayer::new(Enforcer::new(gcra(&clock))).with_stats_in(&runtime)),
+    )
+    .await;
+    without_peer.send(Method::GET, "/", &[], "").await;
+    let http = runtime.stats().http;
+    assert_eq!((http.store_failures, http.no_peer), (1, 1));
+}
+
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layers_counters_are_exported_through_the_metrics_facade() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let (server, _shop, runtime) = idempotent_runtime_server(Shop::new(), |l| l).await;
+    server.post("/pay", "k-1", "1").await;
+    server.post("/pay", "k-1", "1").await;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || runtime.export_metrics());
+    let seen: std::collections::HashMap<String, DebugValue> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(key, _, _, value)| (key.key().name().to_owned(), value))
+        .collect();
+    assert_eq!(
+        seen.get("throttlebeam_http_replays_total"),
+        Some(&DebugValue::Counter(1))
+    );
+    assert_eq!(
+        seen.get("throttlebeam_http_fresh_total"),
+        Some(&DebugValue::Counter(1))
+    );
+    assert_eq!(
+        seen.get("throttlebeam_http_rate_limited_total"),
+        Some(&DebugValue::Counter(0))
+    );
 }

@@ -27,6 +27,7 @@ pub use self::future::IdempotentFuture;
 use super::body::{BodyError, RequestBody, ResponseBody};
 use super::error::ConfigError;
 use super::problem::{ProblemType, problem};
+use super::stats::{self, HttpCounters, bump};
 use crate::idempotency::{IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome};
 use crate::key::{MAX_KEY_LEN, duration_problem, shown};
 use crate::runtime::Runtime;
@@ -60,6 +61,8 @@ struct Config {
     options: IdempotencyOptions,
     fail_fast: bool,
     store_when: Arc<StoreWhen>,
+    /// The runtime's HTTP counters.
+    counters: Arc<HttpCounters>,
     /// `options` as every request starts from (derived from `options` and `fail_fast`).
     base: IdempotencyOptions,
     /// `base` scoped to clients without credentials, built once.
@@ -344,6 +347,7 @@ impl IdempotencyLayerBuilder {
             options: IdempotencyOptions::new(),
             fail_fast: false,
             store_when: Arc::new(IdempotencyLayer::stores_by_default),
+            counters: stats::counters_of(runtime),
             base: IdempotencyOptions::new(),
             anonymous: IdempotencyOptions::new(),
         }
@@ -580,16 +584,19 @@ where
                 );
             }
             Ok(None) => {
+                bump(&config.counters.invalid);
                 return IdempotentFuture::ready(problem(
                     ProblemType::KeyMissing,
                     "this request needs an Idempotency-Key header",
                 ));
             }
             Err(detail) => {
+                bump(&config.counters.invalid);
                 return IdempotentFuture::ready(problem(ProblemType::KeyInvalid, &detail));
             }
         };
         if declared_length(&req).is_some_and(|len| len > config.max_body as u64) {
+            bump(&config.counters.too_large);
             return IdempotentFuture::ready(too_large(config.max_body));
         }
         // The clone takes the place of the service that was polled ready, which goes with
@@ -669,9 +676,11 @@ impl<S> Pending<S> {
         let (bytes, trailers) = match read {
             Ok(read) => read,
             Err(err) if err.is::<LengthLimitError>() => {
+                bump(&config.counters.too_large);
                 return Decided::Answer(too_large(config.max_body));
             }
             Err(err) => {
+                bump(&config.counters.invalid);
                 return Decided::Answer(problem(
                     ProblemType::BodyUnreadable,
                     &format!("the request body could not be read: {err}"),
@@ -681,6 +690,7 @@ impl<S> Pending<S> {
         let options = match config.options(&parts) {
             Ok(options) => options.with_fingerprint_digest(request::fingerprint(&parts, &bytes)),
             Err(ScopeTooLong(len)) => {
+                bump(&config.counters.invalid);
                 return Decided::Answer(problem(
                     ProblemType::ScopeInvalid,
                     &format!(
@@ -691,10 +701,14 @@ impl<S> Pending<S> {
             }
         };
         match backend::try_replay(&config.idempotency, &key, &options) {
-            Ok(Some(stored)) => return Decided::Answer(replay(&stored)),
+            Ok(Some(stored)) => {
+                bump(&config.counters.replays);
+                return Decided::Answer(replay(&stored));
+            }
             Ok(None) => {}
             Err(err) => {
-                return Decided::Answer(refuse(&backend::refusal(&err, config.fail_fast), &key));
+                let refusal = backend::refusal(&err, config.fail_fast);
+                return Decided::Answer(refuse(&refusal, &key, &config.counters));
             }
         }
         let request =
@@ -763,13 +777,19 @@ where
         let result = backend::run(&config.idempotency, &key, options, handler).await;
         // The handler ran for this request: answer with its response, stored or not.
         if let Ok(handed) = rx.try_recv() {
+            bump(&config.counters.fresh);
             return handed;
         }
         Ok(match result {
             Ok(IdempotencyOutcome::Replay(stored) | IdempotencyOutcome::Fresh(stored)) => {
+                bump(&config.counters.replays);
                 replay(&stored)
             }
-            Err(err) => refuse(&backend::refusal(&err, config.fail_fast), &key),
+            Err(err) => refuse(
+                &backend::refusal(&err, config.fail_fast),
+                &key,
+                &config.counters,
+            ),
         })
     }
 }
@@ -891,8 +911,19 @@ fn replay<B>(stored: &StoredResponse) -> Response<ResponseBody<B>> {
     response
 }
 
-fn refuse<B>(refusal: &Refusal, key: &str) -> Response<ResponseBody<B>> {
+fn refuse<B>(refusal: &Refusal, key: &str, counters: &HttpCounters) -> Response<ResponseBody<B>> {
     let key = shown(key);
+    bump(match refusal {
+        Refusal::Reused => &counters.reused,
+        Refusal::InFlight { .. } => &counters.in_flight,
+        Refusal::Unavailable => &counters.store_failures,
+        // Counted by the runtime's own stats (panics) or logged (settings).
+        Refusal::Panicked | Refusal::Misconfigured => return refusal_response(refusal, &key),
+    });
+    refusal_response(refusal, &key)
+}
+
+fn refusal_response<B>(refusal: &Refusal, key: &str) -> Response<ResponseBody<B>> {
     match refusal {
         Refusal::Reused => problem(
             ProblemType::KeyReused,

@@ -23,6 +23,7 @@ use self::key::KeyText;
 pub use self::key::RateLimitKey;
 use super::body::ResponseBody;
 use super::problem::{ProblemType, problem_bytes};
+use super::stats::{HttpCounters, HttpStats, bump};
 use crate::rate_limit::{
     AsyncRateLimitStore, EnforceOutcome, Enforcement, Enforcer, MemoryRateLimitStore, Strategy,
     retry_after_secs,
@@ -35,8 +36,12 @@ trait Enforce: Send + Sync + 'static {
     /// The enforcement, when the store answers at once.
     fn enforce_now(&self, key: &str) -> Option<Enforcement>;
 
-    /// The enforcement, from a store behind a network.
-    fn enforce_later(self: Arc<Self>, key: String) -> PendingEnforcement;
+    /// The enforcement, from a store behind a network, counted in `counters`.
+    fn enforce_later(
+        self: Arc<Self>,
+        key: String,
+        counters: Arc<HttpCounters>,
+    ) -> PendingEnforcement;
 }
 
 /// An [`Enforcer`] over any store.
@@ -55,8 +60,16 @@ where
             .map(|memory| memory.enforce(key))
     }
 
-    fn enforce_later(self: Arc<Self>, key: String) -> PendingEnforcement {
-        Box::pin(async move { self.0.enforce_async(&key, NonZeroU32::MIN).await })
+    fn enforce_later(
+        self: Arc<Self>,
+        key: String,
+        counters: Arc<HttpCounters>,
+    ) -> PendingEnforcement {
+        Box::pin(async move {
+            let enforcement = self.0.enforce_async(&key, NonZeroU32::MIN).await;
+            count(&counters, &enforcement);
+            enforcement
+        })
     }
 }
 
@@ -118,6 +131,19 @@ struct Config {
     shared_without_peer: bool,
     /// Whether the missing peer address was logged (once per layer).
     warned: Arc<AtomicBool>,
+    counters: Arc<HttpCounters>,
+}
+
+/// Counts what `enforcement` says of the request.
+fn count(counters: &HttpCounters, enforcement: &Enforcement) {
+    match enforcement.outcome {
+        EnforceOutcome::Ok => {}
+        EnforceOutcome::Limited => bump(&counters.rate_limited),
+        EnforceOutcome::Invalid => bump(&counters.invalid),
+        // Counted whether the request passed (failing open) or not.
+        EnforceOutcome::Error => bump(&counters.store_failures),
+        _ => {}
+    }
 }
 
 impl fmt::Debug for RateLimitLayer {
@@ -185,6 +211,7 @@ impl RateLimitLayer {
                 key: RateLimitKey::default(),
                 shared_without_peer: false,
                 warned: Arc::default(),
+                counters: Arc::default(),
             }),
         }
     }
@@ -209,6 +236,22 @@ impl RateLimitLayer {
     /// `into_make_service_with_connect_info::<SocketAddr>()`), logged once at error.
     pub fn with_shared_bucket_without_peer(self) -> Self {
         self.map(|c| c.shared_without_peer = true)
+    }
+
+    /// Counts into `runtime`'s stats (`runtime.stats().http`, and its `metrics` export)
+    /// instead of this layer's own.
+    #[cfg(feature = "runtime")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+    pub fn with_stats_in(self, runtime: &crate::Runtime) -> Self {
+        let counters = super::stats::counters_of(runtime);
+        self.map(|c| c.counters = counters)
+    }
+
+    /// What this layer answered so far: 429s, store failures, bad keys and missing peer
+    /// addresses (the runtime's figures, with [`with_stats_in`](Self::with_stats_in)).
+    #[must_use]
+    pub fn stats(&self) -> HttpStats {
+        self.config.counters.snapshot()
     }
 }
 
@@ -258,17 +301,24 @@ where
         let key = match key {
             Some(key) => key,
             None if config.shared_without_peer => KeyText::Unknown,
-            None => return RateLimitFuture::refused(no_peer(config)),
+            None => {
+                bump(&config.counters.no_peer);
+                return RateLimitFuture::refused(no_peer(config));
+            }
         };
         match config.enforcer.enforce_now(key.as_str()) {
-            Some(enforcement) => match RateLimitDenial::check(enforcement) {
+            Some(enforcement) => match RateLimitDenial::check({
+                count(&config.counters, &enforcement);
+                enforcement
+            }) {
                 Ok(enforcement) => {
                     RateLimitFuture::calling(self.inner.call(req), enforcement.headers)
                 }
                 Err(denial) => RateLimitFuture::denied(denial),
             },
             None => {
-                let pending = Arc::clone(&config.enforcer).enforce_later(key.into_string());
+                let pending = Arc::clone(&config.enforcer)
+                    .enforce_later(key.into_string(), Arc::clone(&config.counters));
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
                 RateLimitFuture::checking(pending, inner, req)

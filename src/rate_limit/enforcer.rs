@@ -249,3 +249,71 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Enforcer<S, St> {
         self.settle(key, now_ms, result)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::rate_limit::{Gcra, RateLimitReply, RateLimitRequest};
+
+    struct Down;
+
+    impl RateLimitStore<Gcra> for Down {
+        fn apply(
+            &self,
+            request: RateLimitRequest<'_, Gcra>,
+        ) -> Result<RateLimitReply, RateLimitError> {
+            Err(RateLimitError::store(request.key, "connection refused"))
+        }
+    }
+
+    struct Capture(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Capture {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn logged(f: impl FnOnce()) -> String {
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let writer = Arc::clone(&lines);
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || Capture(Arc::clone(&writer)))
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        String::from_utf8(lines.lock().unwrap().clone()).unwrap()
+    }
+
+    #[test]
+    fn the_fail_open_warning_says_the_limit_is_not_enforced() {
+        let gcra = || Gcra::new(1, Duration::from_secs(1)).unwrap();
+        let open = Enforcer::new(Limiter::builder(gcra()).with_store(Down).build());
+        let text = logged(|| assert!(open.enforce("k").allowed));
+        assert!(text.contains("WARN"), "{text}");
+        assert!(text.contains("failing open"), "{text}");
+        assert!(text.contains("not enforced"), "{text}");
+        let closed = Enforcer::new(Limiter::builder(gcra()).with_store(Down).build())
+            .with_fail_mode(FailMode::Closed);
+        let text = logged(|| assert!(!closed.enforce("k").allowed));
+        assert!(text.contains("failing closed"), "{text}");
+    }
+
+    #[test]
+    fn a_cost_above_the_capacity_is_logged_at_error() {
+        let enforcer = Enforcer::new(Limiter::new(Gcra::new(1, Duration::from_secs(1)).unwrap()));
+        let text = logged(|| {
+            let e = enforcer.enforce_n("k", NonZeroU32::new(2).unwrap());
+            assert_eq!(e.outcome, EnforceOutcome::Misconfigured);
+        });
+        assert!(text.contains("ERROR"), "{text}");
+        assert!(text.contains("exceeds the capacity"), "{text}");
+    }
+}

@@ -223,6 +223,44 @@ mod tests {
     }
 
     #[test]
+    fn an_unavailable_store_is_logged_with_its_cause() {
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let writer = std::sync::Arc::clone(&lines);
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || Capture(std::sync::Arc::clone(&writer)))
+            .with_ansi(false)
+            .finish();
+        let refusal = tracing::subscriber::with_default(subscriber, || {
+            let down = Error::StoreUnavailable {
+                key: "k".to_owned(),
+                source: std::sync::Arc::new(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    "connection refused (os error 111)",
+                )),
+            };
+            refusal(&down, false)
+        });
+        assert_eq!(refusal, Refusal::Unavailable);
+        let text = String::from_utf8(lines.lock().unwrap().clone()).unwrap();
+        assert!(text.contains("WARN"), "{text}");
+        assert!(text.contains("answers 503"), "{text}");
+        assert!(text.contains("connection refused (os error 111)"), "{text}");
+    }
+
+    struct Capture(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Capture {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
     fn errors_map_to_refusals() {
         let key = "k".to_owned();
         assert_eq!(
