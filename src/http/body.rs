@@ -27,7 +27,8 @@ pin_project! {
     #[project = RequestProj]
     #[derive(Debug)]
     enum RequestKind<B> {
-        Buffered { data: Option<Bytes>, trailers: Option<HeaderMap> },
+        // Trailers are rare: boxed, so they cost a pointer.
+        Buffered { data: Option<Bytes>, trailers: Option<Box<HeaderMap>> },
         Streaming { #[pin] body: B },
     }
 }
@@ -43,7 +44,7 @@ impl<B> RequestBody<B> {
         Self {
             kind: RequestKind::Buffered {
                 data: Some(data).filter(|d| !d.is_empty()),
-                trailers,
+                trailers: trailers.map(Box::new),
             },
         }
     }
@@ -72,7 +73,7 @@ where
             RequestProj::Buffered { data, trailers } => Poll::Ready(
                 data.take()
                     .map(Frame::data)
-                    .or_else(|| trailers.take().map(Frame::trailers))
+                    .or_else(|| trailers.take().map(|t| Frame::trailers(*t)))
                     .map(Ok),
             ),
             RequestProj::Streaming { body } => body.poll_frame(cx).map_err(Into::into),
@@ -110,7 +111,7 @@ pin_project! {
     enum ResponseKind<B> {
         Full { data: Option<Bytes> },
         // What was read before the layer gave up buffering, then the rest as it comes.
-        Streaming { prefix: Option<Bytes>, trailers: Option<HeaderMap>, #[pin] body: B },
+        Streaming { prefix: Option<Bytes>, trailers: Option<Box<HeaderMap>>, #[pin] body: B },
         // What was read before the inner body failed, then its error.
         Failed { prefix: Option<Bytes>, error: Option<BodyError> },
     }
@@ -152,7 +153,7 @@ impl<B> ResponseBody<B> {
         Self {
             kind: ResponseKind::Streaming {
                 prefix: Some(prefix).filter(|p| !p.is_empty()),
-                trailers,
+                trailers: trailers.map(Box::new),
                 body,
             },
         }
@@ -192,7 +193,7 @@ where
                 if let Some(prefix) = prefix.take() {
                     Poll::Ready(Some(Ok(Frame::data(prefix))))
                 } else if let Some(trailers) = trailers.take() {
-                    Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+                    Poll::Ready(Some(Ok(Frame::trailers(*trailers))))
                 } else {
                     body.poll_frame(cx).map_err(Into::into)
                 }
