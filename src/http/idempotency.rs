@@ -717,15 +717,24 @@ impl<S> Pending<S> {
     }
 }
 
+/// What the handler's run takes: the service, the request and where to hand its response.
+/// Boxed, so the futures that carry it to the run stay small.
+struct Job<S, ReqB, ResB, E> {
+    inner: S,
+    request: Request<RequestBody<ReqB>>,
+    tx: oneshot::Sender<Handed<ResB, E>>,
+}
+
 /// A guarded request that found no stored response: run the handler once for its key (or
 /// wait for the run in flight and replay it).
 ///
 /// A plain function around an `async move` block, not an `async fn`, which would keep its
-/// arguments (the whole request among them) twice in its future.
+/// arguments twice in its future; the request and the service travel boxed in one [`Job`],
+/// so the future (itself boxed) is small and moved cheaply.
 #[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
 fn exchange<S, ReqB, ResB>(
     config: Arc<Config>,
-    mut inner: S,
+    inner: S,
     request: Request<RequestBody<ReqB>>,
     key: String,
     options: IdempotencyOptions,
@@ -739,12 +748,17 @@ where
     ResB: Body<Data = Bytes> + Send + Unpin + 'static,
     ResB::Error: Into<BodyError>,
 {
+    let (tx, rx) = oneshot::channel::<Handed<ResB, S::Error>>();
+    let job = Box::new(Job { inner, request, tx });
     async move {
-        let (tx, mut rx) = oneshot::channel::<Handed<ResB, S::Error>>();
-        let max_stored = config.max_stored;
-        let keep = Arc::clone(&config.keep);
-        let store_when = Arc::clone(&config.store_when);
+        let mut rx = rx;
+        let run_config = Arc::clone(&config);
         let handler = move || async move {
+            let Job {
+                mut inner,
+                request,
+                tx,
+            } = *job;
             let response = match inner.call(request).await {
                 Ok(response) => response,
                 Err(err) => {
@@ -754,17 +768,21 @@ where
             };
             let (head, body) = response.into_parts();
             // gRPC answers in trailers and may stream: it passes as it comes.
-            if !store_when(head.status) || is_grpc(&head.headers) {
+            if !(run_config.store_when)(head.status) || is_grpc(&head.headers) {
                 let _ = tx.send(Ok(Response::from_parts(
                     head,
                     ResponseBody::streaming(body),
                 )));
                 return Err(NotStored);
             }
-            match buffer(body, max_stored).await {
+            match buffer(body, run_config.max_stored).await {
                 Buffered::Whole(bytes) => {
-                    let stored =
-                        StoredResponse::new(head.status, &head.headers, &keep, bytes.clone());
+                    let stored = StoredResponse::new(
+                        head.status,
+                        &head.headers,
+                        &run_config.keep,
+                        bytes.clone(),
+                    );
                     let _ = tx.send(Ok(Response::from_parts(head, ResponseBody::full(bytes))));
                     Ok(stored)
                 }
@@ -866,7 +884,10 @@ where
     if body.size_hint().lower() > limit as u64 {
         return Buffered::Partial(ResponseBody::streaming(body));
     }
-    let mut read = BytesMut::new();
+    // The whole body in one allocation when its size is known (`Content-Length`, a full
+    // body), instead of growing into it.
+    let hint = body.size_hint();
+    let mut read = BytesMut::with_capacity(hint.exact().unwrap_or(hint.lower()) as usize);
     loop {
         match body.frame().await {
             None => return Buffered::Whole(read.freeze()),
@@ -903,7 +924,7 @@ fn is_grpc(headers: &HeaderMap) -> bool {
 }
 
 fn replay<B>(stored: &StoredResponse) -> Response<ResponseBody<B>> {
-    let (status, mut headers) = stored.head();
+    let (status, mut headers) = stored.head(1);
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     let mut response = Response::new(ResponseBody::full(stored.body.clone()));
     *response.status_mut() = status;
