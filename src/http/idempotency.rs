@@ -818,7 +818,8 @@ where
 pub(super) struct BodyRead {
     first: Bytes,
     rest: BytesMut,
-    trailers: Option<HeaderMap>,
+    /// Rare: boxed, so the future that reads the body stays small.
+    trailers: Option<Box<HeaderMap>>,
 }
 
 impl BodyRead {
@@ -826,7 +827,7 @@ impl BodyRead {
     pub(super) fn trailers(&mut self, trailers: HeaderMap) {
         match &mut self.trailers {
             Some(kept) => kept.extend(trailers),
-            None => self.trailers = Some(trailers),
+            None => self.trailers = Some(Box::new(trailers)),
         }
     }
 
@@ -848,7 +849,7 @@ impl BodyRead {
         } else {
             std::mem::take(&mut self.rest).freeze()
         };
-        (bytes, self.trailers.take())
+        (bytes, self.trailers.take().map(|t| *t))
     }
 }
 

@@ -40,7 +40,8 @@ pin_project! {
     {
         Passthrough { #[pin] future: S::Future },
         Ready { response: Option<Response<ResponseBody<ResB>>> },
-        Reading { #[pin] body: Limited<ReqB>, read: BodyRead, pending: Option<Pending<S>> },
+        // The request head waits boxed: every move of this future is then a few words.
+        Reading { #[pin] body: Limited<ReqB>, read: BodyRead, pending: Option<Box<Pending<S>>> },
         Guarded { exchange: Exchange<ResB, S::Error> },
     }
 }
@@ -68,7 +69,7 @@ where
             kind: Kind::Reading {
                 body,
                 read: BodyRead::default(),
-                pending: Some(pending),
+                pending: Some(Box::new(pending)),
             },
         }
     }
@@ -119,7 +120,7 @@ where
                         }
                     };
                     let pending = pending.take().expect("polled after completion");
-                    match pending.decide(outcome) {
+                    match (*pending).decide(outcome) {
                         Decided::Answer(response) => Kind::Ready {
                             response: Some(response),
                         },
