@@ -70,14 +70,19 @@
 //!
 //! Events go through `tracing`; nothing is logged above debug level except a
 //! per-key process crashing outside user code, a debounced run that failed
-//! while nobody awaited it (warn), and a failed trailing run (error).
+//! while nobody awaited it (warn), a failed trailing run (error), and, from the
+//! HTTP layers and the rate-limit enforcer: a store failure (warn, with its
+//! cause and what the fail policy does about it), a setting that cannot work
+//! (error, naming it), and a rate limit keyed by client IP served without peer
+//! addresses (error, once per layer).
 //!
 //! # Observability
 //!
 //! [`Runtime::stats`] returns a [`Stats`] (`serde::Serialize`) with one
-//! struct per primitive ([`DebounceStats`], [`ThrottleStats`]); with the
-//! `metrics` feature, `Runtime::export_metrics` publishes them through the
-//! `metrics` facade. ractor logs a span per actor
+//! struct per primitive ([`DebounceStats`], [`ThrottleStats`]), and what the
+//! HTTP layers answered (`http::HttpStats`: replays, fresh runs, 409, 422, 413,
+//! 400, 429, store failures); with the `metrics` feature,
+//! `Runtime::export_metrics` publishes them through the `metrics` facade. ractor logs a span per actor
 //! at INFO: hosts usually filter with `ractor=warn`.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
