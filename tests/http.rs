@@ -1292,10 +1292,32 @@ async fn a_store_failure_passes_when_failing_open_and_is_503_when_failing_closed
     );
 }
 
+/// A store behind a network, as far as the layer can tell: it answers through a future that
+/// is pending once.
+struct Remote(throttlebeam::rate_limit::MemoryRateLimitStore<throttlebeam::rate_limit::GcraState>);
+
+impl throttlebeam::rate_limit::AsyncRateLimitStore<Gcra> for Remote {
+    fn apply_async(
+        &self,
+        request: RateLimitRequest<'_, Gcra>,
+    ) -> impl Future<Output = Result<RateLimitReply, RateLimitError>> + Send {
+        let reply = self.0.apply(request);
+        async move {
+            tokio::task::yield_now().await;
+            reply
+        }
+    }
+}
+
+// One constructor: a store that answers through a future limits the same way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_asynchronous_store_limits_the_same_way() {
     let clock = ManualClock::new(0);
-    let server = rate_limited_server(RateLimitLayer::new(Enforcer::new(gcra(&clock)))).await;
+    let limiter = Limiter::builder(Gcra::new(2, Duration::from_secs(60)).unwrap())
+        .with_clock(clock.clone())
+        .with_store(Remote(Default::default()))
+        .build();
+    let server = rate_limited_server(RateLimitLayer::new(Enforcer::new(limiter))).await;
     let first = server.send(Method::GET, "/", &[], "").await;
     assert_eq!(first.header("ratelimit-remaining"), Some("1"));
     assert_eq!(
