@@ -172,8 +172,10 @@ fn fixture() -> Fixture {
             boxed(GovernorLayer::new(config).layer(handler()))
         }
     };
-    let idempotent = IdempotencyLayer::new(&runtime)
-        .with_options(IdempotencyOptions::new().with_ttl(Duration::from_secs(1)));
+    let idempotent = IdempotencyLayer::builder(&runtime)
+        .with_options(IdempotencyOptions::new().with_ttl(Duration::from_secs(1)))
+        .build()
+        .expect("layer");
     let fixture = Fixture {
         peers,
         payload: Bytes::from(vec![b'p'; KIB]),

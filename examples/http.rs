@@ -24,7 +24,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use serde_json::{Value, json};
 use throttlebeam::http::{IdempotencyLayer, RateLimitKey, RateLimitLayer};
-use throttlebeam::rate_limit::{ClientIp, Enforcer, Gcra, HeaderOptions, Limiter};
+use throttlebeam::rate_limit::{ClientIp, Enforcer, Gcra, HeaderOptions, Limiter, ProxyHeader};
 use throttlebeam::{IdempotencyOptions, Runtime};
 
 /// The payment provider, as far as this example goes: numbers charges.
@@ -44,16 +44,20 @@ async fn charge(State(payments): State<Payments>, Json(order): Json<Value>) -> i
 }
 
 fn app(runtime: &Runtime) -> Result<Router, Box<dyn std::error::Error>> {
-    let idempotency = IdempotencyLayer::new(runtime)
+    let idempotency = IdempotencyLayer::builder(runtime)
         .with_required_key(true)
         .with_kept_headers([HeaderName::from_static("location")])
-        .with_options(IdempotencyOptions::new().with_wait_timeout(Duration::from_secs(10)));
+        .with_options(IdempotencyOptions::new().with_wait_timeout(Duration::from_secs(10)))
+        .build()?;
     let limiter = Limiter::new(Gcra::new(5, Duration::from_secs(10))?);
     // Keys at rest are dropped by the runtime's sweeper, with the runtime's own maps.
     limiter.sweep_on(runtime);
     let enforcer = Enforcer::new(limiter).with_headers(HeaderOptions::new().with_structured(true));
-    // Trust the local reverse proxy (if any) to say who the client is.
-    let client = ClientIp::new().with_trusted_proxies(["127.0.0.1", "::1"])?;
+    // Trust the local reverse proxy (if any), which appends `X-Forwarded-For`, to say who the
+    // client is; every other forwarding header is ignored.
+    let client = ClientIp::new()
+        .with_proxy_header(ProxyHeader::XForwardedFor)
+        .with_trusted_proxies(["127.0.0.1", "::1"])?;
     let rate_limit = RateLimitLayer::new(enforcer).with_key(RateLimitKey::client_ip(client));
     Ok(Router::new()
         .route("/payments", post(charge))

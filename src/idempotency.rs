@@ -26,7 +26,7 @@ use throttlebeam_supervisors::catch_panic_fn;
 use tokio::time::Instant;
 
 use self::claim::{Ledger, Settled, Step, Tally, Ticket};
-#[cfg(feature = "tower")]
+#[cfg(feature = "http")]
 pub(crate) use self::options::Fingerprint;
 pub use self::options::{IdempotencyOptions, InFlight};
 pub use self::reservation::{IdempotencyReservation, IdempotencyReserved};
@@ -351,7 +351,7 @@ impl IdempotencyHandle {
     /// The completed result of `key`, read at once without building a future
     /// (the replay fast path of [`IdempotencyHandle::run_with`]); `None` when the key has
     /// no result yet or the store cannot answer at once.
-    #[cfg(feature = "tower")]
+    #[cfg(feature = "http")]
     pub(crate) fn try_replay<T>(
         &self,
         key: &str,

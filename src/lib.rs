@@ -28,7 +28,7 @@
 //! | [`TrailingThrottle`] | leading + trailing throttle: calls in a window coalesce into one trailing run whose value every covered caller can await |
 //! | [`Idempotency`] / [`IdempotencyHandle`] | run at most once per key; duplicates in flight wait and share the result (or fail fast with a retry hint); a live run is never taken over; results replayed for a TTL, capped |
 //! | [`rate_limit`] | pure strategies (GCRA, token bucket, fixed and sliding window, leaky-bucket shaper), decisions, forecasts, the decision algebra, headers, an enforcer, client-IP and HMAC keys |
-//! | `http` (feature `tower`) | tower layers: `IdempotencyLayer` (`Idempotency-Key`) and `RateLimitLayer` |
+//! | `http` (feature `http`) | tower layers: `RateLimitLayer`, and `IdempotencyLayer` (`Idempotency-Key`; needs `runtime` too) |
 //! | [`Runtime`] | the runtime: a default one that starts itself, or explicit instances a host can supervise |
 //!
 //! # Cargo features
@@ -36,15 +36,17 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `runtime` | yes | the actor-per-key runtime and its primitives (ractor, bincode) |
-//! | `http` | yes | rate-limit headers, the [`Enforcer`](rate_limit::Enforcer), client-IP and HMAC keys |
-//! | `tower` | no | the `http` module's tower layers: `IdempotencyLayer`, `RateLimitLayer` (implies `runtime`, `http`) |
-//! | `axum` | no | `IntoResponse` for a rate-limit denial and axum's `ConnectInfo` as the client address (implies `tower`) |
+//! | `http` | yes | rate-limit headers, the [`Enforcer`](rate_limit::Enforcer), client-IP and HMAC keys, and the `http` module: `RateLimitLayer` (on the tower crates only: no runtime, no ractor) and, with `runtime`, `IdempotencyLayer` |
+//! | `tower` | no | the same as `http` (the layers' feature before 0.2) |
+//! | `axum` | no | `IntoResponse` for a rate-limit denial and axum's `ConnectInfo` as the client address (implies `http`) |
 //! | `redis` | no | `store::Redis`: Redis or Redis Cluster as the shared engine, so throttles, debounce (`call_shared`), idempotency and rate limits agree across instances (implies `runtime`) |
 //! | `metrics` | no | `Runtime::export_metrics` through the `metrics` facade (implies `runtime`) |
 //! | `test-util` | no | tokio's `test-util`, for tests of code that uses throttlebeam |
 //! | `async-trait`, `cluster` | no | forward ractor's modes (imply `runtime`) |
 //!
-//! Rate limiting alone ([`rate_limit`], [`clock`]) builds with `default-features = false`.
+//! Rate limiting alone ([`rate_limit`], [`clock`]) builds with `default-features = false`;
+//! `default-features = false, features = ["http"]` adds its HTTP helpers and `RateLimitLayer`,
+//! still without ractor and bincode.
 //!
 //! # How it works
 //!
@@ -68,26 +70,26 @@
 //!
 //! Events go through `tracing`; nothing is logged above debug level except a
 //! per-key process crashing outside user code, a debounced run that failed
-//! while nobody awaited it (warn), and a failed trailing run (error).
+//! while nobody awaited it (warn), a failed trailing run (error), and, from the
+//! HTTP layers and the rate-limit enforcer: a store failure (warn, with its
+//! cause and what the fail policy does about it), a setting that cannot work
+//! (error, naming it), and a rate limit keyed by client IP served without peer
+//! addresses (error, once per layer).
 //!
 //! # Observability
 //!
 //! [`Runtime::stats`] returns a [`Stats`] (`serde::Serialize`) with one
-//! struct per primitive ([`DebounceStats`], [`ThrottleStats`]); with the
-//! `metrics` feature, `Runtime::export_metrics` publishes them through the
-//! `metrics` facade. ractor logs a span per actor
+//! struct per primitive ([`DebounceStats`], [`ThrottleStats`]), and what the
+//! HTTP layers answered (`http::HttpStats`: replays, fresh runs, 409, 422, 413,
+//! 400, 429, store failures); with the `metrics` feature,
+//! `Runtime::export_metrics` publishes them through the `metrics` facade. ractor logs a span per actor
 //! at INFO: hosts usually filter with `ractor=warn`.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 // The crate's docs are written for the full build (as docs.rs builds them); in a build
 // without some features, links to items those features add have nothing to point at.
 #![cfg_attr(
-    not(all(
-        feature = "runtime",
-        feature = "http",
-        feature = "tower",
-        feature = "redis"
-    )),
+    not(all(feature = "runtime", feature = "http", feature = "redis")),
     allow(rustdoc::broken_intra_doc_links)
 )]
 
@@ -100,8 +102,8 @@ mod coalesce;
 mod debounce;
 #[cfg(feature = "runtime")]
 mod error;
-#[cfg(feature = "tower")]
-#[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http;
 #[cfg(feature = "runtime")]
 mod idempotency;

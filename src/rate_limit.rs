@@ -95,7 +95,7 @@ pub use headers::{
 };
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
-pub use keys::{ClientIp, KeyHasher, TrustProxy};
+pub use keys::{ClientIp, KeyHasher, ProxyHeader, TrustProxy};
 pub use leaky::{LeakyBucket, LeakyState};
 pub use limiter::{Limiter, LimiterBuilder, LimiterStats};
 pub use script::ScriptedStrategy;

@@ -642,6 +642,18 @@ impl Runtime {
         stats
     }
 
+    /// The Redis this runtime shares through ([`RuntimeBuilder::with_redis`],
+    /// [`RuntimeBuilder::with_redis_from_env`]), if any: a cheap clone of the connection,
+    /// for a rate limiter's store (`Limiter::builder(..).with_store(redis)`). `None` while a
+    /// connection made in the background ([`RuntimeBuilder::with_redis_connecting`]) is not
+    /// up yet.
+    #[cfg(feature = "redis")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+    #[must_use]
+    pub fn redis(&self) -> Option<crate::store::Redis> {
+        self.core.redis().cloned()
+    }
+
     /// The cap on tracked keys ([`RuntimeBuilder::with_max_keys`]).
     #[must_use]
     pub fn max_keys(&self) -> usize {
@@ -758,6 +770,7 @@ impl Runtime {
     /// | `throttlebeam_idempotency_{fresh,replays,fingerprint_mismatches,takeovers,in_flight_rejections,timeouts,evictions}_total` | counter | [`crate::IdempotencyStats`] |
     /// | `throttlebeam_trailing_{active,pending,keys,store_keys}` | gauge | [`crate::TrailingStats`], every coalescing throttle added up |
     /// | `throttlebeam_trailing_{calls,leading_runs,trailing_runs,coalesced,store_errors,evictions}_total` | counter | [`crate::TrailingStats`] |
+    /// | `throttlebeam_http_{replays,fresh,in_flight,reused,too_large,invalid,rate_limited,store_failures,no_peer}_total` | counter | `http::HttpStats` (feature `http`): the HTTP layers counting in this runtime |
     ///
     /// # Examples
     ///

@@ -56,6 +56,10 @@ pub struct Stats {
     pub idempotency: crate::IdempotencyStats,
     /// Every coalescing throttle of the runtime, added up.
     pub trailing: crate::TrailingStats,
+    /// The HTTP layers that count in this runtime (feature `http`).
+    #[cfg(feature = "http")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+    pub http: crate::http::HttpStats,
 }
 
 /// Counters of the debounce primitive of one runtime.
@@ -239,6 +243,27 @@ impl Stats {
         ];
         for (metric, value) in counters {
             counter!(metric, &label).absolute(value);
+        }
+        #[cfg(feature = "http")]
+        {
+            let http = &self.http;
+            let counters: [(&'static str, u64); 9] = [
+                ("throttlebeam_http_replays_total", http.replays),
+                ("throttlebeam_http_fresh_total", http.fresh),
+                ("throttlebeam_http_in_flight_total", http.in_flight),
+                ("throttlebeam_http_reused_total", http.reused),
+                ("throttlebeam_http_too_large_total", http.too_large),
+                ("throttlebeam_http_invalid_total", http.invalid),
+                ("throttlebeam_http_rate_limited_total", http.rate_limited),
+                (
+                    "throttlebeam_http_store_failures_total",
+                    http.store_failures,
+                ),
+                ("throttlebeam_http_no_peer_total", http.no_peer),
+            ];
+            for (metric, value) in counters {
+                counter!(metric, &label).absolute(value);
+            }
         }
     }
 }

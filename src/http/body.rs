@@ -5,6 +5,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
@@ -26,7 +27,8 @@ pin_project! {
     #[project = RequestProj]
     #[derive(Debug)]
     enum RequestKind<B> {
-        Buffered { data: Option<Bytes> },
+        // Trailers are rare: boxed, so they cost a pointer.
+        Buffered { data: Option<Bytes>, trailers: Option<Box<HeaderMap>> },
         Streaming { #[pin] body: B },
     }
 }
@@ -34,9 +36,15 @@ pin_project! {
 impl<B> RequestBody<B> {
     /// A body of `data`, already read.
     pub fn buffered(data: Bytes) -> Self {
+        Self::buffered_with_trailers(data, None)
+    }
+
+    /// A body of `data`, then `trailers`, already read.
+    pub(crate) fn buffered_with_trailers(data: Bytes, trailers: Option<HeaderMap>) -> Self {
         Self {
             kind: RequestKind::Buffered {
                 data: Some(data).filter(|d| !d.is_empty()),
+                trailers: trailers.map(Box::new),
             },
         }
     }
@@ -62,21 +70,26 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         match self.project().kind.project() {
-            RequestProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            RequestProj::Buffered { data, trailers } => Poll::Ready(
+                data.take()
+                    .map(Frame::data)
+                    .or_else(|| trailers.take().map(|t| Frame::trailers(*t)))
+                    .map(Ok),
+            ),
             RequestProj::Streaming { body } => body.poll_frame(cx).map_err(Into::into),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            RequestKind::Buffered { data } => data.is_none(),
+            RequestKind::Buffered { data, trailers } => data.is_none() && trailers.is_none(),
             RequestKind::Streaming { body } => body.is_end_stream(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            RequestKind::Buffered { data } => exact(data.as_ref()),
+            RequestKind::Buffered { data, .. } => exact(data.as_ref()),
             RequestKind::Streaming { body } => body.size_hint(),
         }
     }
@@ -98,7 +111,7 @@ pin_project! {
     enum ResponseKind<B> {
         Full { data: Option<Bytes> },
         // What was read before the layer gave up buffering, then the rest as it comes.
-        Streaming { prefix: Option<Bytes>, #[pin] body: B },
+        Streaming { prefix: Option<Bytes>, trailers: Option<Box<HeaderMap>>, #[pin] body: B },
         // What was read before the inner body failed, then its error.
         Failed { prefix: Option<Bytes>, error: Option<BodyError> },
     }
@@ -128,15 +141,26 @@ impl<B> ResponseBody<B> {
 
     /// `prefix` (already read from `body`), then the rest of `body`.
     pub(crate) fn resume(prefix: Bytes, body: B) -> Self {
+        Self::resume_with_trailers(prefix, None, body)
+    }
+
+    /// `prefix` and `trailers` (already read from `body`), then the rest of `body`.
+    pub(crate) fn resume_with_trailers(
+        prefix: Bytes,
+        trailers: Option<HeaderMap>,
+        body: B,
+    ) -> Self {
         Self {
             kind: ResponseKind::Streaming {
                 prefix: Some(prefix).filter(|p| !p.is_empty()),
+                trailers: trailers.map(Box::new),
                 body,
             },
         }
     }
 
     /// `prefix`, then `error`.
+    #[cfg_attr(not(feature = "runtime"), allow(dead_code))]
     pub(crate) fn failed(prefix: Bytes, error: BodyError) -> Self {
         Self {
             kind: ResponseKind::Failed {
@@ -161,10 +185,19 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         match self.project().kind.project() {
             ResponseProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
-            ResponseProj::Streaming { prefix, body } => match prefix.take() {
-                Some(prefix) => Poll::Ready(Some(Ok(Frame::data(prefix)))),
-                None => body.poll_frame(cx).map_err(Into::into),
-            },
+            ResponseProj::Streaming {
+                prefix,
+                trailers,
+                body,
+            } => {
+                if let Some(prefix) = prefix.take() {
+                    Poll::Ready(Some(Ok(Frame::data(prefix))))
+                } else if let Some(trailers) = trailers.take() {
+                    Poll::Ready(Some(Ok(Frame::trailers(*trailers))))
+                } else {
+                    body.poll_frame(cx).map_err(Into::into)
+                }
+            }
             ResponseProj::Failed { prefix, error } => match prefix.take() {
                 Some(prefix) => Poll::Ready(Some(Ok(Frame::data(prefix)))),
                 None => Poll::Ready(error.take().map(Err)),
@@ -175,7 +208,11 @@ where
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             ResponseKind::Full { data } => data.is_none(),
-            ResponseKind::Streaming { prefix, body } => prefix.is_none() && body.is_end_stream(),
+            ResponseKind::Streaming {
+                prefix,
+                trailers,
+                body,
+            } => prefix.is_none() && trailers.is_none() && body.is_end_stream(),
             ResponseKind::Failed { prefix, error } => prefix.is_none() && error.is_none(),
         }
     }
@@ -183,7 +220,7 @@ where
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             ResponseKind::Full { data } => exact(data.as_ref()),
-            ResponseKind::Streaming { prefix, body } => {
+            ResponseKind::Streaming { prefix, body, .. } => {
                 let extra = prefix.as_ref().map_or(0, |p| p.len() as u64);
                 let inner = body.size_hint();
                 let mut hint = SizeHint::new();

@@ -9,9 +9,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use http::header::{CONTENT_LENGTH, RETRY_AFTER};
+use http::header::{
+    CONNECTION, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER, SET_COOKIE, TRAILER, TRANSFER_ENCODING,
+    UPGRADE,
+};
 use http::request::Parts;
-use http::{HeaderName, HeaderValue, Method, Request, Response};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::sync::oneshot;
@@ -22,15 +25,18 @@ use self::backend::{NotStored, Refusal, StoredResponse};
 use self::future::Exchange;
 pub use self::future::IdempotentFuture;
 use super::body::{BodyError, RequestBody, ResponseBody};
+use super::error::ConfigError;
 use super::problem::{ProblemType, problem};
+use super::stats::{self, HttpCounters, bump};
 use crate::idempotency::{IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome};
-use crate::key::shown;
+use crate::key::{MAX_KEY_LEN, duration_problem, shown};
 use crate::runtime::Runtime;
 
 /// `idempotent-replayed`: set to `true` on every replayed response.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type StoreWhen = dyn Fn(StatusCode) -> bool + Send + Sync;
 
 #[derive(Clone)]
 enum Scope {
@@ -54,11 +60,17 @@ struct Config {
     keep: Arc<[HeaderName]>,
     options: IdempotencyOptions,
     fail_fast: bool,
+    store_when: Arc<StoreWhen>,
+    /// The runtime's HTTP counters.
+    counters: Arc<HttpCounters>,
     /// `options` as every request starts from (derived from `options` and `fail_fast`).
     base: IdempotencyOptions,
     /// `base` scoped to clients without credentials, built once.
     anonymous: IdempotencyOptions,
 }
+
+/// A request's scope that the runtime cannot take: the detail of the 400.
+struct ScopeTooLong(usize);
 
 impl Config {
     /// Derives the per-request starting points from `options` and `fail_fast`.
@@ -69,7 +81,7 @@ impl Config {
     }
 
     /// The options of a request whose head is `parts`, scoped, without its fingerprint.
-    fn options(&self, parts: &Parts) -> IdempotencyOptions {
+    fn options(&self, parts: &Parts) -> Result<IdempotencyOptions, ScopeTooLong> {
         let credentials = || {
             if request::has_credentials(&parts.headers) {
                 self.base
@@ -79,14 +91,20 @@ impl Config {
                 self.anonymous.clone()
             }
         };
-        match &self.scope {
+        Ok(match &self.scope {
             Scope::Credentials => credentials(),
             Scope::Shared => self.base.clone(),
             Scope::Tenant(f) => match f(parts) {
-                Some(tenant) => self.base.clone().with_scope(request::tenant_scope(&tenant)),
+                Some(tenant) => {
+                    let scope = request::tenant_scope(&tenant);
+                    if scope.len() > MAX_KEY_LEN {
+                        return Err(ScopeTooLong(tenant.len()));
+                    }
+                    self.base.clone().with_scope(scope)
+                }
                 None => credentials(),
             },
-        }
+        })
     }
 }
 
@@ -99,36 +117,57 @@ impl Config {
 ///
 /// | situation | answer |
 /// |---|---|
-/// | first request with the key | the handler runs; a non-5xx response is stored for the TTL |
-/// | a repeat (same method, path, query and body) | the stored status, body, `Content-Type` and [kept headers](Self::with_kept_headers), plus `idempotent-replayed: true`; the handler does not run |
+/// | first request with the key | the handler runs; its response is stored for the TTL if [the store rule](IdempotencyLayerBuilder::with_store_when) says so (table below) |
+/// | a repeat (same method, path, query and body) of a stored response | the stored status, body, `Content-Type` and [kept headers](IdempotencyLayerBuilder::with_kept_headers), plus `idempotent-replayed: true`; the handler does not run |
 /// | a repeat while the first is still running | waits for it (up to the wait timeout) and gets its response, replayed |
 /// | the key reused with a different method, path, query or body | 422 |
-/// | a repeat that waited past the wait timeout, or found the key in flight when [failing fast](Self::with_fail_fast) | 409 |
+/// | a repeat that waited past the wait timeout, or found the key in flight when [failing fast](IdempotencyLayerBuilder::with_fail_fast) | 409 |
 /// | key empty, over 255 bytes, not text, or several `Idempotency-Key` headers | 400 |
-/// | no key | passes through, or 400 when [keys are required](Self::with_required_key) |
-/// | the handler answers 5xx or panics | nothing stored, the key is free: the retry runs again |
-/// | request body over [the buffering limit](Self::with_max_body) | 413, the handler does not run |
-/// | response body over [the storage limit](Self::with_max_stored_response) | passed through unstored; the key is free |
-/// | the store or runtime is unavailable | 503 |
+/// | the [scope](IdempotencyLayerBuilder::with_scope) named for the request is over 1024 bytes | 400 |
+/// | no key | passes through, or 400 when [keys are required](IdempotencyLayerBuilder::with_required_key) |
+/// | the handler answers a status the store rule does not store (5xx, 400, 409, 429, …) or panics | nothing stored, the key is free: the retry runs again |
+/// | the response has trailers, or is gRPC (`application/grpc…`) | passed through as it comes, unstored; the key is free |
+/// | request body over [the buffering limit](IdempotencyLayerBuilder::with_max_body) | 413, the handler does not run |
+/// | response body over [the storage limit](IdempotencyLayerBuilder::with_max_stored_response) | passed through unstored; the key is free |
+/// | the store or runtime is unavailable | 503 (logged with its cause) |
 ///
 /// Every answer the layer makes itself is an `application/problem+json` document (RFC 9457)
 /// whose `type` is one of [`ProblemType`](super::ProblemType).
 ///
+/// **What is stored** ([`IdempotencyLayer::stores_by_default`]): only what a retry should
+/// get back. A retry of anything else runs the handler again, as Stripe does for requests
+/// that failed validation.
+///
+/// | status | stored | why |
+/// |---|---|---|
+/// | 2xx, 3xx | yes | the outcome of the operation |
+/// | 402, 404, 405, 410, 451 | yes | they describe the resource (or the payment), not the attempt: a retry would get the same |
+/// | 400, 401, 403, 408, 409, 413, 415, 422, 425, 429 | no | the attempt was not processed: a corrected retry must run |
+/// | every other 4xx (406, 412, 416, 428, 431, …) | no | the same, or they depend on headers the fingerprint does not cover |
+/// | 1xx, 5xx | no | not an outcome: the retry runs again |
+///
+/// [`with_store_when`](IdempotencyLayerBuilder::with_store_when) sets another rule.
+///
 /// **Fingerprint.** The request body is buffered (up to [`DEFAULT_MAX_BODY`](Self::DEFAULT_MAX_BODY)
 /// by default) and SHA-256 is taken over method, path, query and body; the handler then gets
-/// the buffered body. Place the layer before routing, so a replay skips it.
+/// the buffered body (and its trailers, if any). Place the layer before routing, so a replay
+/// skips it.
 ///
 /// **Scope.** One client must never receive another's stored response. Without a configured
 /// scope, keys are scoped by a digest of the request's credentials (`Authorization` and
 /// `Cookie` headers): the same key and body from two users run twice. A client whose cookies
 /// change between retries gets a new scope, so services with session cookies that rotate
-/// should name the tenant with [`with_scope`](Self::with_scope).
+/// should scope by who the caller is, as the authentication layer in front established it:
+/// [`with_scope_from_extension`](IdempotencyLayerBuilder::with_scope_from_extension). A
+/// scope read from a header the client sends
+/// ([`with_trusted_header_scope`](IdempotencyLayerBuilder::with_trusted_header_scope))
+/// trusts that header: any client that knows a key and a body could name another tenant.
 ///
 /// **Cancellation.** The handler runs in the key's own process: a client that hangs up does
 /// not cancel it; it runs to the end and its response is stored for the retry.
 ///
 /// Stored responses are one serializable envelope (status, kept headers, body), so the layer
-/// works unchanged over any idempotency store of the runtime. Trailers are not stored.
+/// works unchanged over any idempotency store of the runtime.
 ///
 /// # Examples
 ///
@@ -142,14 +181,23 @@ impl Config {
 /// use throttlebeam::http::IdempotencyLayer;
 /// use tower::{ServiceBuilder, ServiceExt};
 ///
+/// /// What the authentication layer in front inserts once it has checked the caller.
+/// #[derive(Clone)]
+/// struct Account(String);
+///
 /// let runtime = Runtime::start().await?;
 /// let service = ServiceBuilder::new()
-///     .layer(IdempotencyLayer::new(&runtime).with_scope(|parts| {
-///         Some(parts.headers.get("x-tenant")?.to_str().ok()?.to_owned())
-///     }))
+///     // Stands for the authentication layer: it checks the token and names the account.
+///     .map_request(|mut req: Request<Full<Bytes>>| {
+///         req.extensions_mut().insert(Account("acme".to_owned()));
+///         req
+///     })
+///     .layer(IdempotencyLayer::builder(&runtime)
+///         .with_scope_from_extension(|account: &Account| account.0.clone())
+///         .build()?)
 ///     .service_fn(|_req| async { Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("charged")))) });
 ///
-/// let pay = || Request::post("/pay").header("idempotency-key", "k-1").header("x-tenant", "acme")
+/// let pay = || Request::post("/pay").header("idempotency-key", "k-1")
 ///     .body(Full::new(Bytes::from("{}"))).unwrap();
 /// let first = service.clone().oneshot(pay()).await?;
 /// assert!(first.headers().get("idempotent-replayed").is_none());
@@ -166,21 +214,26 @@ pub struct IdempotencyLayer {
 
 impl fmt::Debug for IdempotencyLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let c = &self.config;
-        let scope = match c.scope {
+        self.config.fmt_fields(f, "IdempotencyLayer")
+    }
+}
+
+impl Config {
+    fn fmt_fields(&self, f: &mut fmt::Formatter<'_>, name: &str) -> fmt::Result {
+        let scope = match self.scope {
             Scope::Credentials => "credentials",
             Scope::Shared => "shared",
             Scope::Tenant(_) => "tenant",
         };
-        f.debug_struct("IdempotencyLayer")
-            .field("methods", &c.methods)
-            .field("required", &c.required)
+        f.debug_struct(name)
+            .field("methods", &self.methods)
+            .field("required", &self.required)
             .field("scope", &scope)
-            .field("max_body", &c.max_body)
-            .field("max_stored", &c.max_stored)
-            .field("keep", &c.keep)
-            .field("options", &c.options)
-            .field("fail_fast", &c.fail_fast)
+            .field("max_body", &self.max_body)
+            .field("max_stored", &self.max_stored)
+            .field("keep", &self.keep)
+            .field("options", &self.options)
+            .field("fail_fast", &self.fail_fast)
             .finish_non_exhaustive()
     }
 }
@@ -191,99 +244,284 @@ impl IdempotencyLayer {
     /// The default limit on a response body to store: 1 MiB.
     pub const DEFAULT_MAX_STORED_RESPONSE: usize = 1024 * 1024;
 
-    /// Guards POST and PATCH on `runtime`, keys optional, scoped by credentials, bodies up to
-    /// [`DEFAULT_MAX_BODY`](Self::DEFAULT_MAX_BODY), responses stored up to
+    /// Guards POST and PATCH on `runtime` with every default: keys optional, scoped by
+    /// credentials, bodies up to [`DEFAULT_MAX_BODY`](Self::DEFAULT_MAX_BODY), responses
+    /// stored by [the default rule](Self::stores_by_default) up to
     /// [`DEFAULT_MAX_STORED_RESPONSE`](Self::DEFAULT_MAX_STORED_RESPONSE), with the default
     /// [`IdempotencyOptions`] (TTL 24 h, lease 30 s, wait timeout 30 s). Duplicates in flight
-    /// wait.
+    /// wait. [`IdempotencyLayer::builder`] sets anything else.
     pub fn new(runtime: &Runtime) -> Self {
         Self {
-            config: Arc::new(
-                Config {
-                    idempotency: runtime.idempotency(),
-                    methods: vec![Method::POST, Method::PATCH],
-                    required: false,
-                    scope: Scope::Credentials,
-                    max_body: Self::DEFAULT_MAX_BODY,
-                    max_stored: Self::DEFAULT_MAX_STORED_RESPONSE,
-                    keep: Arc::from(Vec::new()),
-                    options: IdempotencyOptions::new(),
-                    fail_fast: false,
-                    base: IdempotencyOptions::new(),
-                    anonymous: IdempotencyOptions::new(),
-                }
-                .derive(),
-            ),
+            config: Arc::new(IdempotencyLayerBuilder::defaults(runtime).derive()),
         }
     }
 
-    fn map(self, f: impl FnOnce(&mut Config)) -> Self {
-        let mut config = Arc::unwrap_or_clone(self.config);
-        f(&mut config);
-        Self {
-            config: Arc::new(config.derive()),
+    /// A builder starting from the defaults of [`IdempotencyLayer::new`]; its
+    /// [`build`](IdempotencyLayerBuilder::build) checks every setting.
+    pub fn builder(runtime: &Runtime) -> IdempotencyLayerBuilder {
+        IdempotencyLayerBuilder {
+            config: IdempotencyLayerBuilder::defaults(runtime),
+        }
+    }
+
+    /// The default store rule: 2xx, 3xx and the 4xx that describe the resource (402, 404,
+    /// 405, 410, 451) are stored; 1xx, 5xx and every other 4xx are not (see the table on
+    /// [`IdempotencyLayer`]).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use throttlebeam::http::IdempotencyLayer;
+    ///
+    /// assert!(IdempotencyLayer::stores_by_default(StatusCode::CREATED));
+    /// assert!(IdempotencyLayer::stores_by_default(StatusCode::NOT_FOUND));
+    /// assert!(!IdempotencyLayer::stores_by_default(StatusCode::UNSUPPORTED_MEDIA_TYPE));
+    /// assert!(!IdempotencyLayer::stores_by_default(StatusCode::TOO_MANY_REQUESTS));
+    /// assert!(!IdempotencyLayer::stores_by_default(StatusCode::BAD_GATEWAY));
+    /// ```
+    #[must_use]
+    pub fn stores_by_default(status: StatusCode) -> bool {
+        match status.as_u16() {
+            200..=399 => true,
+            // Payment required, not found, method not allowed, gone, unavailable for legal
+            // reasons: they describe the resource, not the attempt.
+            402 | 404 | 405 | 410 | 451 => true,
+            _ => false,
+        }
+    }
+}
+
+/// The settings of an [`IdempotencyLayer`], checked by [`build`](Self::build).
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use http::HeaderName;
+/// use throttlebeam::http::IdempotencyLayer;
+/// use throttlebeam::{IdempotencyOptions, Runtime};
+///
+/// let runtime = Runtime::start().await?;
+/// let layer = IdempotencyLayer::builder(&runtime)
+///     .with_required_key(true)
+///     .with_kept_headers([HeaderName::from_static("location")])
+///     .with_options(IdempotencyOptions::new().with_wait_timeout(Duration::from_secs(10)))
+///     .build()?;
+/// # let _ = layer;
+///
+/// // A bad setting is an error here, not a 500 on every request.
+/// let err = IdempotencyLayer::builder(&runtime)
+///     .with_options(IdempotencyOptions::new().with_wait_timeout(Duration::ZERO))
+///     .build()
+///     .unwrap_err();
+/// assert_eq!(err.setting(), "wait timeout");
+/// assert_eq!(
+///     err.to_string(),
+///     "invalid idempotency layer setting `wait timeout`: must be greater than zero"
+/// );
+/// # Ok(()) }
+/// ```
+#[must_use]
+pub struct IdempotencyLayerBuilder {
+    config: Config,
+}
+
+impl fmt::Debug for IdempotencyLayerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.config.fmt_fields(f, "IdempotencyLayerBuilder")
+    }
+}
+
+impl IdempotencyLayerBuilder {
+    fn defaults(runtime: &Runtime) -> Config {
+        Config {
+            idempotency: runtime.idempotency(),
+            methods: vec![Method::POST, Method::PATCH],
+            required: false,
+            scope: Scope::Credentials,
+            max_body: IdempotencyLayer::DEFAULT_MAX_BODY,
+            max_stored: IdempotencyLayer::DEFAULT_MAX_STORED_RESPONSE,
+            keep: Arc::from(Vec::new()),
+            options: IdempotencyOptions::new(),
+            fail_fast: false,
+            store_when: Arc::new(IdempotencyLayer::stores_by_default),
+            counters: stats::counters_of(runtime),
+            base: IdempotencyOptions::new(),
+            anonymous: IdempotencyOptions::new(),
         }
     }
 
     /// Guards these methods instead of POST and PATCH.
-    pub fn with_methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
-        let methods = methods.into_iter().collect();
-        self.map(|c| c.methods = methods)
+    pub fn with_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config.methods = methods.into_iter().collect();
+        self
     }
 
     /// Whether a guarded request without a key is refused with 400 (default: passed
     /// through).
-    pub fn with_required_key(self, required: bool) -> Self {
-        self.map(|c| c.required = required)
+    pub fn with_required_key(mut self, required: bool) -> Self {
+        self.config.required = required;
+        self
     }
 
     /// Scopes keys by the tenant `f` names for a request: the same key under two tenants
-    /// runs twice. Read it from a header, an extension your authentication layer set, or the
-    /// path. When `f` names none, the request is scoped by its credentials.
-    pub fn with_scope(self, f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
-        self.map(|c| c.scope = Scope::Tenant(Arc::new(f)))
+    /// runs twice. When `f` names none, the request is scoped by its credentials; a tenant
+    /// whose scope would be over 1024 bytes gets a 400.
+    ///
+    /// Name the tenant from what the server established (an extension the authentication
+    /// layer inserted, see [`with_scope_from_extension`](Self::with_scope_from_extension)),
+    /// not from what the client says: a scope read from a client-sent header lets any
+    /// client that knows a key and a body read another tenant's stored response.
+    pub fn with_scope(
+        mut self,
+        f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.config.scope = Scope::Tenant(Arc::new(f));
+        self
+    }
+
+    /// Scopes keys by what `f` reads from the request's extension of type `T`: the caller as
+    /// the authentication layer in front established it (an account, a tenant, a verified
+    /// token's subject). A request without a `T` is scoped by its credentials.
+    pub fn with_scope_from_extension<T, F>(self, f: F) -> Self
+    where
+        T: Send + Sync + 'static,
+        F: Fn(&T) -> String + Send + Sync + 'static,
+    {
+        self.with_scope(move |parts| parts.extensions.get::<T>().map(&f))
+    }
+
+    /// Scopes keys by the value of header `name` as the request carries it. This **trusts
+    /// the header**: use it only behind a gateway that sets it from the authenticated caller
+    /// and drops any value a client sent; otherwise any client that knows a key and a body
+    /// can name another tenant and read its stored response. A request without the header
+    /// (or with a value that is not text) is scoped by its credentials.
+    pub fn with_trusted_header_scope(self, name: HeaderName) -> Self {
+        self.with_scope(move |parts| {
+            parts
+                .headers
+                .get(&name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        })
     }
 
     /// One namespace for every client: any client that sends a key gets the stored response
     /// of whoever used it first. Only for services whose responses are not private.
-    pub fn with_shared_scope(self) -> Self {
-        self.map(|c| c.scope = Scope::Shared)
+    pub fn with_shared_scope(mut self) -> Self {
+        self.config.scope = Scope::Shared;
+        self
     }
 
     /// The largest request body to buffer, in bytes (default
-    /// [`DEFAULT_MAX_BODY`](Self::DEFAULT_MAX_BODY)); a larger one gets 413 and the handler
-    /// does not run.
-    pub fn with_max_body(self, bytes: usize) -> Self {
-        self.map(|c| c.max_body = bytes)
+    /// [`DEFAULT_MAX_BODY`](IdempotencyLayer::DEFAULT_MAX_BODY)); a larger one gets 413 and
+    /// the handler does not run.
+    pub fn with_max_body(mut self, bytes: usize) -> Self {
+        self.config.max_body = bytes;
+        self
     }
 
     /// The largest response body to store, in bytes (default
-    /// [`DEFAULT_MAX_STORED_RESPONSE`](Self::DEFAULT_MAX_STORED_RESPONSE)). A larger response
-    /// is passed through as it comes, nothing is stored and the key is free again: a retry
-    /// runs the handler again.
-    pub fn with_max_stored_response(self, bytes: usize) -> Self {
-        self.map(|c| c.max_stored = bytes)
+    /// [`DEFAULT_MAX_STORED_RESPONSE`](IdempotencyLayer::DEFAULT_MAX_STORED_RESPONSE)). A
+    /// larger response is passed through as it comes, nothing is stored and the key is free
+    /// again: a retry runs the handler again.
+    pub fn with_max_stored_response(mut self, bytes: usize) -> Self {
+        self.config.max_stored = bytes;
+        self
     }
 
     /// Headers to store and replay besides `Content-Type` (for example `Location`). Others
-    /// are not stored: a replay must not hand out another response's cookies.
-    pub fn with_kept_headers(self, names: impl IntoIterator<Item = HeaderName>) -> Self {
-        let keep: Arc<[HeaderName]> = names.into_iter().collect();
-        self.map(|c| c.keep = keep)
+    /// are not stored: a replay must not hand out another response's cookies, so
+    /// `Set-Cookie` and the connection's own headers are refused by [`build`](Self::build).
+    pub fn with_kept_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> Self {
+        self.config.keep = names.into_iter().collect();
+        self
     }
 
     /// TTL, lease and wait timeout of every key (the scope and fingerprint of `options` are
-    /// replaced per request). Out-of-range settings make guarded requests fail with 500.
-    pub fn with_options(self, options: IdempotencyOptions) -> Self {
-        self.map(|c| c.options = options)
+    /// replaced per request).
+    pub fn with_options(mut self, options: IdempotencyOptions) -> Self {
+        self.config.options = options;
+        self
     }
 
     /// Whether a duplicate that finds its key in flight gets 409 at once, with
     /// `Retry-After: 1`, instead of waiting for the first request (default: waits).
-    pub fn with_fail_fast(self, fail_fast: bool) -> Self {
-        self.map(|c| c.fail_fast = fail_fast)
+    pub fn with_fail_fast(mut self, fail_fast: bool) -> Self {
+        self.config.fail_fast = fail_fast;
+        self
+    }
+
+    /// Which handler statuses are stored and replayed, instead of
+    /// [the default rule](IdempotencyLayer::stores_by_default). A status it refuses is
+    /// passed on and not stored: the key is free and the retry runs the handler again.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use throttlebeam::Runtime;
+    /// use throttlebeam::http::IdempotencyLayer;
+    ///
+    /// let runtime = Runtime::start().await?;
+    /// // Everything but 5xx, as before 0.2.
+    /// let layer = IdempotencyLayer::builder(&runtime)
+    ///     .with_store_when(|status| !status.is_server_error())
+    ///     .build()?;
+    /// # let _ = layer;
+    /// # Ok(()) }
+    /// ```
+    pub fn with_store_when(
+        mut self,
+        f: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.config.store_when = Arc::new(f);
+        self
+    }
+
+    /// The layer, once every setting is checked.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming the setting: no guarded method; a TTL, lease or wait timeout
+    /// that is zero, under 1 ms or over [`MAX_TIMER`](crate::MAX_TIMER); a kept header that
+    /// must not be replayed (`Set-Cookie`, `Connection`, `Transfer-Encoding`, …).
+    pub fn build(self) -> Result<IdempotencyLayer, ConfigError> {
+        let c = &self.config;
+        if c.methods.is_empty() {
+            return Err(ConfigError::new("methods", "must name at least one method"));
+        }
+        for (setting, value) in [
+            ("ttl", c.options.ttl()),
+            ("lease", c.options.lease()),
+            ("wait timeout", c.options.wait_timeout()),
+        ] {
+            if let Some(reason) = duration_problem(value) {
+                return Err(ConfigError::new(setting, reason));
+            }
+        }
+        if let Some(name) = c.keep.iter().find(|name| NEVER_KEPT.contains(name)) {
+            return Err(ConfigError::new(
+                "kept headers",
+                format!("`{name}` must not be replayed to another request"),
+            ));
+        }
+        Ok(IdempotencyLayer {
+            config: Arc::new(self.config.derive()),
+        })
     }
 }
+
+/// Headers a replay must never carry: another response's cookies, and the connection's own.
+const NEVER_KEPT: [HeaderName; 7] = [
+    SET_COOKIE,
+    CONNECTION,
+    TRANSFER_ENCODING,
+    UPGRADE,
+    TRAILER,
+    CONTENT_LENGTH,
+    HeaderName::from_static("keep-alive"),
+];
 
 impl<S> Layer<S> for IdempotencyLayer {
     type Service = Idempotent<S>;
@@ -346,16 +584,19 @@ where
                 );
             }
             Ok(None) => {
+                bump(&config.counters.invalid);
                 return IdempotentFuture::ready(problem(
                     ProblemType::KeyMissing,
                     "this request needs an Idempotency-Key header",
                 ));
             }
             Err(detail) => {
+                bump(&config.counters.invalid);
                 return IdempotentFuture::ready(problem(ProblemType::KeyInvalid, &detail));
             }
         };
         if declared_length(&req).is_some_and(|len| len > config.max_body as u64) {
+            bump(&config.counters.too_large);
             return IdempotentFuture::ready(too_large(config.max_body));
         }
         // The clone takes the place of the service that was polled ready, which goes with
@@ -415,7 +656,7 @@ impl<S> Pending<S> {
     /// once when there is one, or builds the run.
     pub(super) fn decide<ReqB, ResB>(
         self,
-        read: Result<Bytes, BodyError>,
+        read: Result<(Bytes, Option<HeaderMap>), BodyError>,
     ) -> Decided<ResB, S::Error>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
@@ -432,42 +673,68 @@ impl<S> Pending<S> {
             parts,
             key,
         } = self;
-        let bytes = match read {
-            Ok(bytes) => bytes,
+        let (bytes, trailers) = match read {
+            Ok(read) => read,
             Err(err) if err.is::<LengthLimitError>() => {
+                bump(&config.counters.too_large);
                 return Decided::Answer(too_large(config.max_body));
             }
             Err(err) => {
+                bump(&config.counters.invalid);
                 return Decided::Answer(problem(
                     ProblemType::BodyUnreadable,
                     &format!("the request body could not be read: {err}"),
                 ));
             }
         };
-        let options = config
-            .options(&parts)
-            .with_fingerprint_digest(request::fingerprint(&parts, &bytes));
+        let options = match config.options(&parts) {
+            Ok(options) => options.with_fingerprint_digest(request::fingerprint(&parts, &bytes)),
+            Err(ScopeTooLong(len)) => {
+                bump(&config.counters.invalid);
+                return Decided::Answer(problem(
+                    ProblemType::ScopeInvalid,
+                    &format!(
+                        "the scope named for this request is {len} bytes, over the {}-byte limit",
+                        MAX_KEY_LEN - request::TENANT_PREFIX.len()
+                    ),
+                ));
+            }
+        };
         match backend::try_replay(&config.idempotency, &key, &options) {
-            Ok(Some(stored)) => return Decided::Answer(replay(&stored)),
+            Ok(Some(stored)) => {
+                bump(&config.counters.replays);
+                return Decided::Answer(replay(&stored));
+            }
             Ok(None) => {}
             Err(err) => {
-                return Decided::Answer(refuse(&backend::refusal(&err, config.fail_fast), &key));
+                let refusal = backend::refusal(&err, config.fail_fast);
+                return Decided::Answer(refuse(&refusal, &key, &config.counters));
             }
         }
-        let request = Request::from_parts(parts, RequestBody::buffered(bytes));
+        let request =
+            Request::from_parts(parts, RequestBody::buffered_with_trailers(bytes, trailers));
         Decided::Run(Box::pin(exchange(config, inner, request, key, options)))
     }
+}
+
+/// What the handler's run takes: the service, the request and where to hand its response.
+/// Boxed, so the futures that carry it to the run stay small.
+struct Job<S, ReqB, ResB, E> {
+    inner: S,
+    request: Request<RequestBody<ReqB>>,
+    tx: oneshot::Sender<Handed<ResB, E>>,
 }
 
 /// A guarded request that found no stored response: run the handler once for its key (or
 /// wait for the run in flight and replay it).
 ///
 /// A plain function around an `async move` block, not an `async fn`, which would keep its
-/// arguments (the whole request among them) twice in its future.
+/// arguments twice in its future; the request and the service travel boxed in one [`Job`],
+/// so the future (itself boxed) is small and moved cheaply.
 #[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
 fn exchange<S, ReqB, ResB>(
     config: Arc<Config>,
-    mut inner: S,
+    inner: S,
     request: Request<RequestBody<ReqB>>,
     key: String,
     options: IdempotencyOptions,
@@ -481,11 +748,17 @@ where
     ResB: Body<Data = Bytes> + Send + Unpin + 'static,
     ResB::Error: Into<BodyError>,
 {
+    let (tx, rx) = oneshot::channel::<Handed<ResB, S::Error>>();
+    let job = Box::new(Job { inner, request, tx });
     async move {
-        let (tx, mut rx) = oneshot::channel::<Handed<ResB, S::Error>>();
-        let max_stored = config.max_stored;
-        let keep = Arc::clone(&config.keep);
+        let mut rx = rx;
+        let run_config = Arc::clone(&config);
         let handler = move || async move {
+            let Job {
+                mut inner,
+                request,
+                tx,
+            } = *job;
             let response = match inner.call(request).await {
                 Ok(response) => response,
                 Err(err) => {
@@ -494,17 +767,22 @@ where
                 }
             };
             let (head, body) = response.into_parts();
-            if head.status.is_server_error() {
+            // gRPC answers in trailers and may stream: it passes as it comes.
+            if !(run_config.store_when)(head.status) || is_grpc(&head.headers) {
                 let _ = tx.send(Ok(Response::from_parts(
                     head,
                     ResponseBody::streaming(body),
                 )));
                 return Err(NotStored);
             }
-            match buffer(body, max_stored).await {
+            match buffer(body, run_config.max_stored).await {
                 Buffered::Whole(bytes) => {
-                    let stored =
-                        StoredResponse::new(head.status, &head.headers, &keep, bytes.clone());
+                    let stored = StoredResponse::new(
+                        head.status,
+                        &head.headers,
+                        &run_config.keep,
+                        bytes.clone(),
+                    );
                     let _ = tx.send(Ok(Response::from_parts(head, ResponseBody::full(bytes))));
                     Ok(stored)
                 }
@@ -517,13 +795,19 @@ where
         let result = backend::run(&config.idempotency, &key, options, handler).await;
         // The handler ran for this request: answer with its response, stored or not.
         if let Ok(handed) = rx.try_recv() {
+            bump(&config.counters.fresh);
             return handed;
         }
         Ok(match result {
             Ok(IdempotencyOutcome::Replay(stored) | IdempotencyOutcome::Fresh(stored)) => {
+                bump(&config.counters.replays);
                 replay(&stored)
             }
-            Err(err) => refuse(&backend::refusal(&err, config.fail_fast), &key),
+            Err(err) => refuse(
+                &backend::refusal(&err, config.fail_fast),
+                &key,
+                &config.counters,
+            ),
         })
     }
 }
@@ -534,9 +818,19 @@ where
 pub(super) struct BodyRead {
     first: Bytes,
     rest: BytesMut,
+    /// Rare: boxed, so the future that reads the body stays small.
+    trailers: Option<Box<HeaderMap>>,
 }
 
 impl BodyRead {
+    /// Keeps the request's trailers for the handler (they are not fingerprinted).
+    pub(super) fn trailers(&mut self, trailers: HeaderMap) {
+        match &mut self.trailers {
+            Some(kept) => kept.extend(trailers),
+            None => self.trailers = Some(Box::new(trailers)),
+        }
+    }
+
     pub(super) fn push(&mut self, data: Bytes) {
         if self.first.is_empty() {
             self.first = data;
@@ -548,13 +842,14 @@ impl BodyRead {
         }
     }
 
-    pub(super) fn finish(&mut self) -> Bytes {
+    pub(super) fn finish(&mut self) -> (Bytes, Option<HeaderMap>) {
         let first = std::mem::take(&mut self.first);
-        if self.rest.is_empty() {
+        let bytes = if self.rest.is_empty() {
             first
         } else {
             std::mem::take(&mut self.rest).freeze()
-        }
+        };
+        (bytes, self.trailers.take().map(|t| *t))
     }
 }
 
@@ -573,7 +868,7 @@ where
             read.push(data);
         }
     }
-    Ok(read.finish())
+    Ok(read.finish().0)
 }
 
 enum Buffered<B> {
@@ -590,19 +885,31 @@ where
     if body.size_hint().lower() > limit as u64 {
         return Buffered::Partial(ResponseBody::streaming(body));
     }
-    let mut read = BytesMut::new();
+    // The whole body in one allocation when its size is known (`Content-Length`, a full
+    // body), instead of growing into it.
+    let hint = body.size_hint();
+    let mut read = BytesMut::with_capacity(hint.exact().unwrap_or(hint.lower()) as usize);
     loop {
         match body.frame().await {
             None => return Buffered::Whole(read.freeze()),
-            Some(Ok(frame)) => {
-                // Trailers are not stored.
-                if let Ok(data) = frame.into_data() {
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
                     read.extend_from_slice(&data);
                     if read.len() > limit {
                         return Buffered::Partial(ResponseBody::resume(read.freeze(), body));
                     }
                 }
-            }
+                // A response with trailers is not stored (the envelope has none): it passes
+                // whole, trailers included.
+                Err(frame) => {
+                    let trailers = frame.into_trailers().ok();
+                    return Buffered::Partial(ResponseBody::resume_with_trailers(
+                        read.freeze(),
+                        trailers,
+                        body,
+                    ));
+                }
+            },
             Some(Err(err)) => {
                 return Buffered::Partial(ResponseBody::failed(read.freeze(), err.into()));
             }
@@ -610,8 +917,15 @@ where
     }
 }
 
+/// Whether a response is gRPC (`application/grpc`, `application/grpc+proto`, …).
+fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
 fn replay<B>(stored: &StoredResponse) -> Response<ResponseBody<B>> {
-    let (status, mut headers) = stored.head();
+    let (status, mut headers) = stored.head(1);
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     let mut response = Response::new(ResponseBody::full(stored.body.clone()));
     *response.status_mut() = status;
@@ -619,8 +933,19 @@ fn replay<B>(stored: &StoredResponse) -> Response<ResponseBody<B>> {
     response
 }
 
-fn refuse<B>(refusal: &Refusal, key: &str) -> Response<ResponseBody<B>> {
+fn refuse<B>(refusal: &Refusal, key: &str, counters: &HttpCounters) -> Response<ResponseBody<B>> {
     let key = shown(key);
+    bump(match refusal {
+        Refusal::Reused => &counters.reused,
+        Refusal::InFlight { .. } => &counters.in_flight,
+        Refusal::Unavailable => &counters.store_failures,
+        // Counted by the runtime's own stats (panics) or logged (settings).
+        Refusal::Panicked | Refusal::Misconfigured => return refusal_response(refusal, &key),
+    });
+    refusal_response(refusal, &key)
+}
+
+fn refusal_response<B>(refusal: &Refusal, key: &str) -> Response<ResponseBody<B>> {
     match refusal {
         Refusal::Reused => problem(
             ProblemType::KeyReused,

@@ -53,6 +53,14 @@ pub enum ProblemType {
     RateLimitUnavailable,
     /// 400: the rate-limit key taken from the request is invalid (empty, or over 1024 bytes).
     RateLimitKeyInvalid,
+    /// 500: the rate limit can never admit the request (a cost above the strategy's
+    /// capacity): the server's configuration.
+    RateLimitMisconfigured,
+    /// 400: the idempotency scope named for the request is over the key limit.
+    ScopeInvalid,
+    /// 500: the rate limit is keyed by client IP and the request has no peer address (the
+    /// server does not record it: serve with connect info).
+    ClientAddressUnavailable,
 }
 
 impl ProblemType {
@@ -72,6 +80,9 @@ impl ProblemType {
             Self::RateLimited => "tag:throttlebeam,2026:rate-limited",
             Self::RateLimitUnavailable => "tag:throttlebeam,2026:rate-limit-unavailable",
             Self::RateLimitKeyInvalid => "tag:throttlebeam,2026:rate-limit-key-invalid",
+            Self::ClientAddressUnavailable => "tag:throttlebeam,2026:client-address-unavailable",
+            Self::ScopeInvalid => "tag:throttlebeam,2026:idempotency-scope-invalid",
+            Self::RateLimitMisconfigured => "tag:throttlebeam,2026:rate-limit-misconfigured",
         }
     }
 
@@ -82,13 +93,15 @@ impl ProblemType {
             Self::KeyInvalid
             | Self::KeyMissing
             | Self::BodyUnreadable
-            | Self::RateLimitKeyInvalid => StatusCode::BAD_REQUEST,
+            | Self::RateLimitKeyInvalid
+            | Self::ScopeInvalid => StatusCode::BAD_REQUEST,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::KeyInFlight => StatusCode::CONFLICT,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::HandlerPanicked | Self::IdempotencyMisconfigured => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            Self::HandlerPanicked
+            | Self::IdempotencyMisconfigured
+            | Self::ClientAddressUnavailable
+            | Self::RateLimitMisconfigured => StatusCode::INTERNAL_SERVER_ERROR,
             Self::IdempotencyUnavailable | Self::RateLimitUnavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -112,6 +125,9 @@ impl ProblemType {
             Self::RateLimited => "Too many requests",
             Self::RateLimitUnavailable => "Rate limiter unavailable",
             Self::RateLimitKeyInvalid => "Invalid rate-limit key",
+            Self::ClientAddressUnavailable => "Client address unavailable",
+            Self::ScopeInvalid => "Idempotency scope too long",
+            Self::RateLimitMisconfigured => "Rate limit misconfigured",
         }
     }
 }
@@ -126,6 +142,7 @@ struct Document<'a> {
 }
 
 /// The problem document of `kind` with `detail`, as a response.
+#[cfg_attr(not(feature = "runtime"), allow(dead_code))]
 pub(crate) fn problem<B>(kind: ProblemType, detail: &str) -> Response<ResponseBody<B>> {
     problem_bytes(kind, detail).map(ResponseBody::full)
 }
@@ -187,6 +204,10 @@ mod tests {
             ProblemType::IdempotencyMisconfigured,
             ProblemType::RateLimited,
             ProblemType::RateLimitUnavailable,
+            ProblemType::RateLimitKeyInvalid,
+            ProblemType::ClientAddressUnavailable,
+            ProblemType::ScopeInvalid,
+            ProblemType::RateLimitMisconfigured,
         ];
         let uris: std::collections::HashSet<_> = all.iter().map(|k| k.uri()).collect();
         assert_eq!(uris.len(), all.len());

@@ -122,7 +122,7 @@ impl IdempotencyOptions {
 
     /// [`IdempotencyOptions::with_fingerprint`] for a caller that already holds a SHA-256
     /// digest of what it fingerprints: kept as it is, not hashed again.
-    #[cfg(feature = "tower")]
+    #[cfg(feature = "http")]
     pub(crate) fn with_fingerprint_digest(mut self, digest: Fingerprint) -> Self {
         self.fingerprint = Some(digest);
         self

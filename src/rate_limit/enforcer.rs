@@ -30,9 +30,12 @@ pub enum EnforceOutcome {
     Limited,
     /// The store failed; the fail policy decided.
     Error,
-    /// The request itself was bad (an empty or over-long key, a cost above the capacity): it
-    /// is refused whatever the fail policy.
+    /// The request itself was bad (an empty or over-long key): it is refused whatever the
+    /// fail policy.
     Invalid,
+    /// The limit cannot admit the request however long it waits (a cost above the
+    /// strategy's capacity): the server's configuration, refused and logged at error.
+    Misconfigured,
 }
 
 /// The result of [`Enforcer::enforce`]: whether to proceed, why, and the headers to send.
@@ -172,6 +175,19 @@ impl<S: Strategy, St> Enforcer<S, St> {
                     headers: self.headers.headers(&decision, now_ms),
                 }
             }
+            Err(err @ RateLimitError::InsufficientCapacity { .. }) => {
+                tracing::error!(
+                    key,
+                    error = %err,
+                    "rate limit misconfigured: the quota can never admit this cost; refusing"
+                );
+                Enforcement {
+                    allowed: false,
+                    outcome: EnforceOutcome::Misconfigured,
+                    decision: None,
+                    headers: HeaderMap::new(),
+                }
+            }
             Err(err) if !err.is_store() => {
                 tracing::debug!(key, error = %err, "rate limit request refused");
                 Enforcement {
@@ -182,7 +198,21 @@ impl<S: Strategy, St> Enforcer<S, St> {
                 }
             }
             Err(err) => {
-                tracing::warn!(key, error = %err, fail = ?self.fail, "rate limit store failed");
+                let error: &(dyn std::error::Error + 'static) = &err;
+                match self.fail {
+                    FailMode::Open => tracing::warn!(
+                        key,
+                        error,
+                        "rate limit store failed; failing open: the request passes unlimited \
+                         (FailMode::Open), so this limit is not enforced while the store is down"
+                    ),
+                    FailMode::Closed => tracing::warn!(
+                        key,
+                        error,
+                        "rate limit store failed; failing closed: the request is refused with \
+                         503 (FailMode::Closed)"
+                    ),
+                }
                 if let Some(f) = &self.on_error {
                     f(key, &err);
                 }
@@ -217,5 +247,73 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Enforcer<S, St> {
         let now_us = self.limiter.now_us();
         let result = self.limiter.check_n_async_at(key, cost.get(), now_us).await;
         self.settle(key, now_us / 1_000, result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::rate_limit::{Gcra, RateLimitReply, RateLimitRequest};
+
+    struct Down;
+
+    impl RateLimitStore<Gcra> for Down {
+        fn apply(
+            &self,
+            request: RateLimitRequest<'_, Gcra>,
+        ) -> Result<RateLimitReply, RateLimitError> {
+            Err(RateLimitError::store(request.key, "connection refused"))
+        }
+    }
+
+    struct Capture(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Capture {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn logged(f: impl FnOnce()) -> String {
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let writer = Arc::clone(&lines);
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || Capture(Arc::clone(&writer)))
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, f);
+        String::from_utf8(lines.lock().unwrap().clone()).unwrap()
+    }
+
+    #[test]
+    fn the_fail_open_warning_says_the_limit_is_not_enforced() {
+        let gcra = || Gcra::new(1, Duration::from_secs(1)).unwrap();
+        let open = Enforcer::new(Limiter::builder(gcra()).with_store(Down).build());
+        let text = logged(|| assert!(open.enforce("k").allowed));
+        assert!(text.contains("WARN"), "{text}");
+        assert!(text.contains("failing open"), "{text}");
+        assert!(text.contains("not enforced"), "{text}");
+        let closed = Enforcer::new(Limiter::builder(gcra()).with_store(Down).build())
+            .with_fail_mode(FailMode::Closed);
+        let text = logged(|| assert!(!closed.enforce("k").allowed));
+        assert!(text.contains("failing closed"), "{text}");
+    }
+
+    #[test]
+    fn a_cost_above_the_capacity_is_logged_at_error() {
+        let enforcer = Enforcer::new(Limiter::new(Gcra::new(1, Duration::from_secs(1)).unwrap()));
+        let text = logged(|| {
+            let e = enforcer.enforce_n("k", NonZeroU32::new(2).unwrap());
+            assert_eq!(e.outcome, EnforceOutcome::Misconfigured);
+        });
+        assert!(text.contains("ERROR"), "{text}");
+        assert!(text.contains("exceeds the capacity"), "{text}");
     }
 }

@@ -4,16 +4,16 @@ use std::fmt;
 use std::net::{IpAddr, Ipv6Addr};
 
 use hmac::{Hmac, Mac};
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName, HeaderValue};
 use ipnet::{IpNet, Ipv6Net};
 use sha2::Sha256;
 
 use super::RateLimitError;
 
-/// Which proxies may speak for the client through `X-Forwarded-For`.
+/// Which proxies may speak for the client through the [`ProxyHeader`].
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum TrustProxy {
-    /// Ignore `X-Forwarded-For`: the socket peer is the client.
+    /// Ignore forwarding headers: the socket peer is the client.
     #[default]
     None,
     /// Trust this many hops, counting the socket peer as the first.
@@ -22,33 +22,96 @@ pub enum TrustProxy {
     Cidrs(Vec<IpNet>),
 }
 
-/// Derives a rate-limit key for the client of a request: the socket peer, or the address a
-/// trusted proxy chain forwarded.
+/// The one header a trusted proxy writes the client's address in. Every other forwarding
+/// header is ignored, so a client cannot pick the one that suits it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum ProxyHeader {
+    /// `X-Forwarded-For: client, proxy1, proxy2`: each proxy appends the address it received
+    /// the request from (nginx's `$proxy_add_x_forwarded_for`, most load balancers). The
+    /// default.
+    #[default]
+    XForwardedFor,
+    /// RFC 7239 `Forwarded: for=client, for=proxy1`: each proxy appends an element; its
+    /// `for=` node is read. An obfuscated (`for=_hidden`) or `for=unknown` node written by a
+    /// trusted proxy stands for a client that cannot be told apart: such requests are keyed
+    /// by that proxy's address.
+    Forwarded,
+    /// `X-Real-IP: client`: one address, set (not appended) by the nearest proxy (nginx's
+    /// `proxy_set_header X-Real-IP $remote_addr`). Read only when the socket peer is trusted;
+    /// a request with several such headers is keyed by the peer.
+    XRealIp,
+}
+
+impl ProxyHeader {
+    /// The header's name.
+    #[must_use]
+    pub fn name(self) -> HeaderName {
+        match self {
+            Self::XForwardedFor => X_FORWARDED_FOR,
+            Self::Forwarded => http::header::FORWARDED,
+            Self::XRealIp => X_REAL_IP,
+        }
+    }
+}
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
+
+/// Derives a rate-limit key for the client of a request: the socket peer, or, when the peer
+/// is a trusted proxy, the address the trusted proxy chain wrote in the one
+/// [`ProxyHeader`] the operator named. This is the only derivation of the crate: the
+/// HTTP layer's [`RateLimitKey::client_ip`](crate::http::RateLimitKey::client_ip) uses it
+/// too.
+///
+/// | configuration | the client is |
+/// |---|---|
+/// | [`ClientIp::new`] (no trusted proxy) | the socket peer; every forwarding header is ignored |
+/// | [`with_trusted_proxies`](Self::with_trusted_proxies) (CIDR blocks or addresses) | the peer if it is not trusted; else, walking the named header's chain from the right, the first address that is not a trusted proxy |
+/// | [`with_trusted_hops`](Self::with_trusted_hops)`(n)` | the address `n` places left of the peer in the chain (the leftmost, if the chain is shorter) |
+///
+/// The chain is read from the [`ProxyHeader`] set with
+/// [`with_proxy_header`](Self::with_proxy_header) (`X-Forwarded-For` unless named), and only
+/// from it: behind a proxy that writes `Forwarded`, a client-sent `X-Forwarded-For` is
+/// ignored, and the other way round. Several header lines read as one list, in order.
 ///
 /// Addresses are normalised so one client gets one key: IPv4-mapped IPv6 addresses become
 /// IPv4, and IPv6 addresses are aggregated to their network (a /64 by default, the block a
-/// single subscriber usually holds). Unparseable `X-Forwarded-For` entries are dropped.
+/// single subscriber usually holds). Entries that are not addresses (`unknown`, junk, an
+/// `X-Forwarded-For` token with a bad port) are dropped. `Forwarded` elements are parsed
+/// with the [`forwarded-header-value`](https://docs.rs/forwarded-header-value) crate.
 ///
 /// # Examples
 ///
 /// ```
 /// use std::net::IpAddr;
-/// use throttlebeam::rate_limit::ClientIp;
+/// use throttlebeam::rate_limit::{ClientIp, ProxyHeader};
 ///
 /// let peer: IpAddr = "10.0.0.2".parse().unwrap();
 /// // Untrusted by default: the forwarded header is ignored.
 /// assert_eq!(ClientIp::new().key(peer, ["203.0.113.7"]), "10.0.0.2");
-/// // Trusting the load balancer in front of us:
-/// let ip = ClientIp::new().with_trusted_proxies(["10.0.0.0/8"])?;
+/// // Trusting the load balancer in front of us, which appends X-Forwarded-For:
+/// let ip = ClientIp::new()
+///     .with_proxy_header(ProxyHeader::XForwardedFor)
+///     .with_trusted_proxies(["10.0.0.0/8"])?;
 /// assert_eq!(ip.key(peer, ["203.0.113.7, 10.0.0.9"]), "203.0.113.7");
+/// // A proxy that writes `Forwarded`: only that header is read.
+/// let ip = ClientIp::new()
+///     .with_proxy_header(ProxyHeader::Forwarded)
+///     .with_trusted_proxies(["10.0.0.0/8"])?;
+/// let mut headers = http::HeaderMap::new();
+/// headers.insert("x-forwarded-for", "198.51.100.99".parse()?);
+/// headers.insert("forwarded", "for=203.0.113.7;proto=https".parse()?);
+/// assert_eq!(ip.key_from_headers(peer, &headers), "203.0.113.7");
 /// // IPv6 clients are keyed by their /64.
 /// assert_eq!(ClientIp::new().key("2001:db8:1:2:3:4:5:6".parse().unwrap(), None::<&str>), "2001:db8:1:2::/64");
-/// # Ok::<(), throttlebeam::rate_limit::RateLimitError>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[must_use]
 pub struct ClientIp {
     trust: TrustProxy,
+    header: ProxyHeader,
     ipv6_prefix: u8,
 }
 
@@ -59,12 +122,19 @@ impl Default for ClientIp {
 }
 
 impl ClientIp {
-    /// Trusts no proxy; aggregates IPv6 to /64.
+    /// Trusts no proxy (the socket peer is the client); aggregates IPv6 to /64.
     pub fn new() -> Self {
         Self {
             trust: TrustProxy::None,
+            header: ProxyHeader::XForwardedFor,
             ipv6_prefix: 64,
         }
+    }
+
+    /// Reads the client's address from `header`, the one the trusted proxies write
+    /// (default `X-Forwarded-For`); every other forwarding header is ignored.
+    pub fn with_proxy_header(self, header: ProxyHeader) -> Self {
+        Self { header, ..self }
     }
 
     /// Uses `trust` to decide which forwarded addresses to believe.
@@ -111,35 +181,40 @@ impl ClientIp {
         })
     }
 
-    /// The client's address: the peer, or a trusted chain's forwarded address, with IPv4-mapped
-    /// IPv6 collapsed to IPv4 (not yet aggregated).
+    /// The header the trusted proxies write.
+    #[must_use]
+    pub fn proxy_header(&self) -> ProxyHeader {
+        self.header
+    }
+
+    /// The client's address: the peer, or a trusted chain's forwarded address, with
+    /// IPv4-mapped IPv6 collapsed to IPv4 (not yet aggregated).
     ///
-    /// `forwarded` holds the `X-Forwarded-For` values in the order they were received.
+    /// `forwarded` holds the values of the [`ProxyHeader`] in the order they were received.
     pub fn client_addr<I, T>(&self, peer: IpAddr, forwarded: I) -> IpAddr
     where
         I: IntoIterator<Item = T>,
         T: AsRef<str>,
     {
-        let peer = canonical(peer);
         if self.trust == TrustProxy::None {
-            return peer;
+            return canonical(peer);
         }
-        // Nearest first: the peer, then the forwarded entries from right to left.
-        let mut chain: Vec<IpAddr> = Vec::new();
-        for value in forwarded {
-            chain.extend(value.as_ref().split(',').filter_map(parse_forwarded));
+        let values: Vec<T> = forwarded.into_iter().collect();
+        self.resolve(peer, values.iter().map(|v| v.as_ref().as_bytes()))
+    }
+
+    /// [`ClientIp::client_addr`] with the values of the [`ProxyHeader`] in `headers`.
+    pub fn client_addr_from_headers(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
+        if self.trust == TrustProxy::None {
+            return canonical(peer);
         }
-        chain.push(peer);
-        chain.reverse();
-        match &self.trust {
-            TrustProxy::None => peer,
-            TrustProxy::Hops(hops) => chain[(*hops).min(chain.len() - 1)],
-            TrustProxy::Cidrs(nets) => chain
+        self.resolve(
+            peer,
+            headers
+                .get_all(self.header.name())
                 .iter()
-                .copied()
-                .find(|addr| !nets.iter().any(|net| net.contains(addr)))
-                .unwrap_or(chain[chain.len() - 1]),
-        }
+                .map(HeaderValue::as_bytes),
+        )
     }
 
     /// The client's key: [`ClientIp::client_addr`], with IPv6 aggregated to its network
@@ -149,20 +224,133 @@ impl ClientIp {
         I: IntoIterator<Item = T>,
         T: AsRef<str>,
     {
-        match self.client_addr(peer, forwarded) {
+        self.key_of(self.client_addr(peer, forwarded))
+    }
+
+    /// [`ClientIp::key`] with the values of the [`ProxyHeader`] in `headers` (other
+    /// forwarding headers are ignored).
+    pub fn key_from_headers(&self, peer: IpAddr, headers: &HeaderMap) -> String {
+        self.key_of(self.client_addr_from_headers(peer, headers))
+    }
+
+    /// The key of a client whose address is `addr` (already derived).
+    pub(crate) fn key_of(&self, addr: IpAddr) -> String {
+        match addr {
             IpAddr::V4(v4) => v4.to_string(),
             IpAddr::V6(v6) => aggregate(v6, self.ipv6_prefix),
         }
     }
 
-    /// [`ClientIp::key`] with the `X-Forwarded-For` values of `headers` (values that are
-    /// not text are dropped).
-    pub fn key_from_headers(&self, peer: IpAddr, headers: &HeaderMap) -> String {
-        let forwarded = headers
-            .get_all("x-forwarded-for")
-            .iter()
-            .filter_map(|v| v.to_str().ok());
-        self.key(peer, forwarded)
+    /// The client behind `peer`, given the header's `values` in the order received.
+    fn resolve<'a>(
+        &self,
+        peer: IpAddr,
+        values: impl DoubleEndedIterator<Item = &'a [u8]>,
+    ) -> IpAddr {
+        let peer = canonical(peer);
+        match self.header {
+            ProxyHeader::XRealIp => self.real_ip(peer, values),
+            ProxyHeader::XForwardedFor => self.walk(peer, nodes(values, xff_node)),
+            ProxyHeader::Forwarded => self.walk(peer, nodes(values, forwarded_node)),
+        }
+    }
+
+    fn trusts(&self, addr: &IpAddr) -> bool {
+        match &self.trust {
+            TrustProxy::None => false,
+            TrustProxy::Hops(hops) => *hops > 0,
+            TrustProxy::Cidrs(nets) => nets.iter().any(|net| net.contains(addr)),
+        }
+    }
+
+    /// `X-Real-IP`: one value, believed when the peer is trusted.
+    fn real_ip<'a>(&self, peer: IpAddr, mut values: impl Iterator<Item = &'a [u8]>) -> IpAddr {
+        if !self.trusts(&peer) {
+            return peer;
+        }
+        match (values.next(), values.next()) {
+            (Some(value), None) => std::str::from_utf8(value)
+                .ok()
+                .and_then(parse_forwarded)
+                .unwrap_or(peer),
+            _ => peer,
+        }
+    }
+
+    /// Walks the chain of `nodes` (nearest first, after the peer) as far as it is trusted.
+    fn walk(&self, peer: IpAddr, mut nodes: impl Iterator<Item = Node>) -> IpAddr {
+        // The nearest trusted address seen: what a node that names no address falls back to.
+        let mut nearest = peer;
+        match &self.trust {
+            TrustProxy::None => peer,
+            TrustProxy::Hops(hops) => {
+                for _ in 0..*hops {
+                    match nodes.next() {
+                        None => break,
+                        Some(Node::Addr(addr)) => nearest = addr,
+                        // Written by a trusted hop: a client it cannot name.
+                        Some(Node::Opaque) => return nearest,
+                    }
+                }
+                nearest
+            }
+            TrustProxy::Cidrs(nets) => {
+                if !nets.iter().any(|net| net.contains(&peer)) {
+                    return peer;
+                }
+                for node in nodes {
+                    match node {
+                        Node::Addr(addr) if nets.iter().any(|net| net.contains(&addr)) => {
+                            nearest = addr;
+                        }
+                        Node::Addr(addr) => return addr,
+                        Node::Opaque => return nearest,
+                    }
+                }
+                // Everything trusted: the leftmost address.
+                nearest
+            }
+        }
+    }
+}
+
+/// One hop of a forwarded chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Node {
+    Addr(IpAddr),
+    /// A node that is there but names no address (`Forwarded: for=_hidden`, `for=unknown`).
+    Opaque,
+}
+
+/// The nodes of header `values`, nearest first (the last element of the last value first),
+/// with unparseable entries dropped.
+fn nodes<'a>(
+    values: impl DoubleEndedIterator<Item = &'a [u8]>,
+    parse: fn(&str) -> Option<Node>,
+) -> impl Iterator<Item = Node> {
+    values.rev().flat_map(move |value| {
+        value.rsplit(|b| *b == b',').filter_map(move |element| {
+            let element = std::str::from_utf8(element).ok()?.trim();
+            if element.is_empty() {
+                return None;
+            }
+            parse(element)
+        })
+    })
+}
+
+fn xff_node(element: &str) -> Option<Node> {
+    parse_forwarded(element).map(Node::Addr)
+}
+
+/// One RFC 7239 `Forwarded` element, by `forwarded-header-value`: its `for=` node.
+fn forwarded_node(element: &str) -> Option<Node> {
+    use forwarded_header_value::{ForwardedStanza, Identifier};
+    let stanza: ForwardedStanza = element.parse().ok()?;
+    match stanza.forwarded_for? {
+        Identifier::SocketAddr(addr) => Some(Node::Addr(canonical(addr.ip()))),
+        Identifier::IpAddr(addr) => Some(Node::Addr(canonical(addr))),
+        Identifier::String(_) | Identifier::Unknown => Some(Node::Opaque),
     }
 }
 
@@ -175,7 +363,7 @@ fn aggregate(addr: Ipv6Addr, prefix: u8) -> String {
 }
 
 /// IPv4-mapped IPv6 (`::ffff:a.b.c.d`) as IPv4; anything else unchanged.
-fn canonical(addr: IpAddr) -> IpAddr {
+pub(crate) fn canonical(addr: IpAddr) -> IpAddr {
     match addr {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(addr, IpAddr::V4),
         v4 => v4,
@@ -291,6 +479,154 @@ mod tests {
         assert_eq!(parse_forwarded("::ffff:1.2.3.4"), "1.2.3.4".parse().ok());
         assert_eq!(parse_forwarded("unknown"), None);
         assert_eq!(parse_forwarded(""), None);
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for (name, value) in pairs {
+            map.append(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                HeaderValue::from_str(value).unwrap(),
+            );
+        }
+        map
+    }
+
+    #[test]
+    fn only_the_named_header_is_read() {
+        let behind = |header| {
+            ClientIp::new()
+                .with_proxy_header(header)
+                .with_trusted_proxies(["10.0.0.0/8"])
+                .unwrap()
+        };
+        let all = headers(&[
+            ("x-forwarded-for", "198.51.100.1"),
+            ("forwarded", "for=198.51.100.2"),
+            ("x-real-ip", "198.51.100.3"),
+        ]);
+        let peer = ip("10.0.0.1");
+        assert_eq!(
+            behind(ProxyHeader::XForwardedFor).key_from_headers(peer, &all),
+            "198.51.100.1"
+        );
+        assert_eq!(
+            behind(ProxyHeader::Forwarded).key_from_headers(peer, &all),
+            "198.51.100.2"
+        );
+        assert_eq!(
+            behind(ProxyHeader::XRealIp).key_from_headers(peer, &all),
+            "198.51.100.3"
+        );
+        // A proxy that writes `Forwarded`, and a client that sends `X-Forwarded-For` only.
+        let spoof = headers(&[("x-forwarded-for", "198.51.100.1")]);
+        assert_eq!(
+            behind(ProxyHeader::Forwarded).key_from_headers(peer, &spoof),
+            "10.0.0.1"
+        );
+        // Untrusted peer: nothing forwarded is read, whatever the header.
+        for header in [
+            ProxyHeader::XForwardedFor,
+            ProxyHeader::Forwarded,
+            ProxyHeader::XRealIp,
+        ] {
+            assert_eq!(
+                behind(header).key_from_headers(ip("203.0.113.9"), &all),
+                "203.0.113.9"
+            );
+            assert_eq!(
+                ClientIp::new()
+                    .with_proxy_header(header)
+                    .key_from_headers(peer, &all),
+                "10.0.0.1"
+            );
+        }
+    }
+
+    #[test]
+    fn forwarded_elements_are_walked_from_the_right() {
+        let ip_of = |value: &str| {
+            ClientIp::new()
+                .with_proxy_header(ProxyHeader::Forwarded)
+                .with_trusted_proxies(["10.0.0.0/8"])
+                .unwrap()
+                .client_addr(ip("10.0.0.1"), [value])
+        };
+        assert_eq!(ip_of("for=192.0.2.43"), ip("192.0.2.43"));
+        assert_eq!(
+            ip_of(r#"for="[2001:db8:cafe::17]:4711";proto=https, For=10.0.0.7;by=10.0.0.1"#),
+            ip("2001:db8:cafe::17")
+        );
+        assert_eq!(ip_of(r#"for="192.0.2.43:47011""#), ip("192.0.2.43"));
+        // A client's forged elements sit left of what the proxy wrote.
+        assert_eq!(
+            ip_of("for=6.6.6.6, for=192.0.2.43;proto=http"),
+            ip("192.0.2.43")
+        );
+        // A trusted proxy that hides its client: keyed by that proxy, never by what the
+        // client wrote further left.
+        assert_eq!(ip_of("for=6.6.6.6, for=_hidden"), ip("10.0.0.1"));
+        assert_eq!(
+            ip_of("for=6.6.6.6, for=unknown, for=10.0.0.5"),
+            ip("10.0.0.5")
+        );
+        // Junk is dropped; an element without `for=` names nobody.
+        assert_eq!(ip_of("for=192.0.2.43, ;;=, for=[bad"), ip("192.0.2.43"));
+        assert_eq!(ip_of("proto=http;by=1.2.3.4"), ip("10.0.0.1"));
+    }
+
+    #[test]
+    fn hop_counts_stop_at_a_hidden_client() {
+        let hops = ClientIp::new()
+            .with_proxy_header(ProxyHeader::Forwarded)
+            .with_trusted_hops(2);
+        let peer = ip("10.0.0.1");
+        assert_eq!(
+            hops.client_addr(peer, ["for=6.6.6.6, for=192.0.2.1, for=10.0.0.2"]),
+            ip("192.0.2.1")
+        );
+        assert_eq!(
+            hops.client_addr(peer, ["for=6.6.6.6, for=_x, for=10.0.0.2"]),
+            ip("10.0.0.2")
+        );
+        assert_eq!(hops.client_addr(peer, ["for=10.0.0.2"]), ip("10.0.0.2"));
+    }
+
+    #[test]
+    fn x_real_ip_is_one_address_from_a_trusted_peer() {
+        let real = ClientIp::new()
+            .with_proxy_header(ProxyHeader::XRealIp)
+            .with_trusted_proxies(["127.0.0.1"])
+            .unwrap();
+        let peer = ip("127.0.0.1");
+        assert_eq!(real.client_addr(peer, ["203.0.113.4"]), ip("203.0.113.4"));
+        assert_eq!(real.client_addr(peer, ["junk"]), peer);
+        assert_eq!(real.client_addr(peer, ["1.1.1.1", "2.2.2.2"]), peer);
+        assert_eq!(real.client_addr(peer, None::<&str>), peer);
+        assert_eq!(
+            real.client_addr(ip("10.9.9.9"), ["203.0.113.4"]),
+            ip("10.9.9.9")
+        );
+    }
+
+    #[test]
+    fn values_that_are_not_text_drop_only_their_own_entries() {
+        let xff = ClientIp::new()
+            .with_trusted_proxies(["10.0.0.0/8"])
+            .unwrap();
+        let mut map = HeaderMap::new();
+        map.append(
+            X_FORWARDED_FOR,
+            HeaderValue::from_bytes(b"\xff\xfe, 198.51.100.4").unwrap(),
+        );
+        assert_eq!(
+            xff.client_addr_from_headers(ip("10.0.0.1"), &map),
+            ip("198.51.100.4")
+        );
     }
 
     #[test]

@@ -28,6 +28,8 @@ pub struct Reply {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// The trailers, if the response had any.
+    pub trailers: Option<HeaderMap>,
 }
 
 impl Reply {
@@ -69,6 +71,23 @@ pub async fn serve(app: Router) -> Server {
     Server { addr, client }
 }
 
+/// Serves `app` without connect info: requests carry no peer address.
+pub async fn serve_without_connect_info(app: Router) -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind loopback");
+    let addr = listener.local_addr().expect("local addr");
+    tokio::spawn(async move {
+        axum::serve(listener, app.into_make_service())
+            .await
+            .expect("serve");
+    });
+    let client = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(128)
+        .build_http();
+    Server { addr, client }
+}
+
 impl Server {
     /// Sends `method path` with `headers` and `body`, and reads the whole reply.
     pub async fn send(
@@ -89,11 +108,13 @@ impl Server {
             .expect("valid request");
         let response = self.client.request(request).await.expect("request sent");
         let (parts, body) = response.into_parts();
-        let body = body.collect().await.expect("body read").to_bytes();
+        let collected = body.collect().await.expect("body read");
+        let trailers = collected.trailers().cloned();
         Reply {
             status: parts.status,
             headers: parts.headers,
-            body,
+            body: collected.to_bytes(),
+            trailers,
         }
     }
 
@@ -101,6 +122,30 @@ impl Server {
     pub async fn post(&self, path: &str, key: &str, body: &str) -> Reply {
         self.send(Method::POST, path, &[("idempotency-key", key)], body)
             .await
+    }
+}
+
+/// A body of data frames, then trailers.
+pub struct WithTrailers(pub VecDeque<Frame<Bytes>>);
+
+impl WithTrailers {
+    pub fn new(data: &'static str, trailers: HeaderMap) -> Self {
+        Self(VecDeque::from([
+            Frame::data(Bytes::from_static(data.as_bytes())),
+            Frame::trailers(trailers),
+        ]))
+    }
+}
+
+impl Body for WithTrailers {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        Poll::Ready(self.0.pop_front().map(Ok))
     }
 }
 

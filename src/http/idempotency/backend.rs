@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
@@ -13,11 +13,15 @@ use crate::error::Error;
 use crate::idempotency::{IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, InFlight};
 
 /// A stored response: one serializable envelope, so a shared store can keep it as it is.
+///
+/// The kept headers are one buffer of `name:value\n` lines (a name holds no `:`, a value
+/// no line break), so storing them is one copy and a replay clones a reference, not a
+/// list of strings.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct StoredResponse {
     pub(super) status: u16,
     /// `Content-Type` and the allow-listed headers, in order.
-    pub(super) headers: Vec<(String, Bytes)>,
+    pub(super) headers: Bytes,
     pub(super) body: Bytes,
 }
 
@@ -28,33 +32,43 @@ impl StoredResponse {
         keep: &[HeaderName],
         body: Bytes,
     ) -> Self {
-        let headers = std::iter::once(&CONTENT_TYPE)
-            .chain(keep.iter().filter(|name| **name != CONTENT_TYPE))
-            .flat_map(|name| {
-                headers.get_all(name).iter().map(|value| {
-                    (
-                        name.as_str().to_owned(),
-                        Bytes::copy_from_slice(value.as_bytes()),
-                    )
-                })
-            })
-            .collect();
+        let mut lines = BytesMut::new();
+        for name in
+            std::iter::once(&CONTENT_TYPE).chain(keep.iter().filter(|n| **n != CONTENT_TYPE))
+        {
+            for value in headers.get_all(name) {
+                lines.reserve(name.as_str().len() + value.len() + 2);
+                lines.extend_from_slice(name.as_str().as_bytes());
+                lines.extend_from_slice(b":");
+                lines.extend_from_slice(value.as_bytes());
+                lines.extend_from_slice(b"\n");
+            }
+        }
         Self {
             status: status.as_u16(),
-            headers,
+            headers: lines.freeze(),
             body,
         }
     }
 
-    /// The status and headers to answer a replay with (entries that no longer parse are
-    /// skipped; they were valid when stored).
-    pub(super) fn head(&self) -> (StatusCode, HeaderMap) {
+    /// The status and headers to answer a replay with, plus room for `extra` more headers
+    /// (entries that no longer parse are skipped; they were valid when stored).
+    pub(super) fn head(&self, extra: usize) -> (StatusCode, HeaderMap) {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
-        let mut map = HeaderMap::with_capacity(self.headers.len() + 1);
-        for (name, value) in &self.headers {
+        let lines = self
+            .headers
+            .split(|b| *b == b'\n')
+            .filter(|l| !l.is_empty());
+        let mut map = HeaderMap::with_capacity(extra + 1);
+        for line in lines {
+            let Some(colon) = line.iter().position(|b| *b == b':') else {
+                continue;
+            };
+            let start = line.as_ptr() as usize - self.headers.as_ptr() as usize;
+            let value = self.headers.slice(start + colon + 1..start + line.len());
             if let (Ok(name), Ok(value)) = (
-                HeaderName::from_bytes(name.as_bytes()),
-                HeaderValue::from_maybe_shared(value.clone()),
+                HeaderName::from_bytes(&line[..colon]),
+                HeaderValue::from_maybe_shared(value),
             ) {
                 map.append(name, value);
             }
@@ -145,9 +159,42 @@ pub(super) fn refusal(err: &Error, fail_fast: bool) -> Refusal {
         | Error::NoTokio
         | Error::Start(_)
         | Error::Discarded { .. }
-        | Error::LeaseLost { .. } => Refusal::Unavailable,
-        _ => Refusal::Misconfigured,
+        | Error::LeaseLost { .. } => {
+            tracing::warn!(
+                error = %chain(err),
+                "idempotency layer answers 503: the idempotency store or runtime cannot take the request"
+            );
+            Refusal::Unavailable
+        }
+        Error::InvalidArgument { what, reason, .. } => {
+            tracing::error!(
+                setting = what,
+                reason,
+                error = %chain(err),
+                "idempotency layer answers 500: a setting is out of range"
+            );
+            Refusal::Misconfigured
+        }
+        _ => {
+            tracing::error!(
+                error = %chain(err),
+                "idempotency layer answers 500: the runtime refused the request"
+            );
+            Refusal::Misconfigured
+        }
     }
+}
+
+/// `err` and its sources, `: `-separated.
+pub(super) fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
 
 #[cfg(test)]
@@ -167,7 +214,7 @@ mod tests {
             HeaderName::from_static("x-a"),
         ];
         let stored = StoredResponse::new(StatusCode::CREATED, &headers, &keep, Bytes::from("{}"));
-        let (status, head) = stored.head();
+        let (status, head) = stored.head(0);
         assert_eq!(status, StatusCode::CREATED);
         assert_eq!(head[CONTENT_TYPE], "application/json");
         assert_eq!(head["location"], "/charges/1");
@@ -179,14 +226,55 @@ mod tests {
     fn the_envelope_round_trips_through_serde() {
         let stored = StoredResponse {
             status: 201,
-            headers: vec![("content-type".to_owned(), Bytes::from("text/plain"))],
+            headers: Bytes::from("content-type:text/plain\nx-a:1\n"),
             body: Bytes::from("ok"),
         };
+        let (_, head) = stored.head(0);
+        assert_eq!(head["content-type"], "text/plain");
+        assert_eq!(head["x-a"], "1");
         let json = serde_json::to_string(&stored).unwrap();
         assert_eq!(
             serde_json::from_str::<StoredResponse>(&json).unwrap(),
             stored
         );
+    }
+
+    #[test]
+    fn an_unavailable_store_is_logged_with_its_cause() {
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
+        let writer = std::sync::Arc::clone(&lines);
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || Capture(std::sync::Arc::clone(&writer)))
+            .with_ansi(false)
+            .finish();
+        let refusal = tracing::subscriber::with_default(subscriber, || {
+            let down = Error::StoreUnavailable {
+                key: "k".to_owned(),
+                source: std::sync::Arc::new(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    "connection refused (os error 111)",
+                )),
+            };
+            refusal(&down, false)
+        });
+        assert_eq!(refusal, Refusal::Unavailable);
+        let text = String::from_utf8(lines.lock().unwrap().clone()).unwrap();
+        assert!(text.contains("WARN"), "{text}");
+        assert!(text.contains("answers 503"), "{text}");
+        assert!(text.contains("connection refused (os error 111)"), "{text}");
+    }
+
+    struct Capture(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Capture {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 
     #[test]

@@ -40,7 +40,8 @@ pin_project! {
     {
         Passthrough { #[pin] future: S::Future },
         Ready { response: Option<Response<ResponseBody<ResB>>> },
-        Reading { #[pin] body: Limited<ReqB>, read: BodyRead, pending: Option<Pending<S>> },
+        // The request head waits boxed: every move of this future is then a few words.
+        Reading { #[pin] body: Limited<ReqB>, read: BodyRead, pending: Option<Box<Pending<S>>> },
         Guarded { exchange: Exchange<ResB, S::Error> },
     }
 }
@@ -68,7 +69,7 @@ where
             kind: Kind::Reading {
                 body,
                 read: BodyRead::default(),
-                pending: Some(pending),
+                pending: Some(Box::new(pending)),
             },
         }
     }
@@ -106,17 +107,20 @@ where
                     let outcome = loop {
                         match ready!(body.as_mut().poll_frame(cx)) {
                             // Trailers are not part of the fingerprint.
-                            Some(Ok(frame)) => {
-                                if let Ok(data) = frame.into_data() {
-                                    read.push(data);
+                            Some(Ok(frame)) => match frame.into_data() {
+                                Ok(data) => read.push(data),
+                                Err(frame) => {
+                                    if let Ok(trailers) = frame.into_trailers() {
+                                        read.trailers(trailers);
+                                    }
                                 }
-                            }
+                            },
                             Some(Err(err)) => break Err(err),
                             None => break Ok(read.finish()),
                         }
                     };
                     let pending = pending.take().expect("polled after completion");
-                    match pending.decide(outcome) {
+                    match (*pending).decide(outcome) {
                         Decided::Answer(response) => Kind::Ready {
                             response: Some(response),
                         },

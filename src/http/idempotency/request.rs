@@ -89,8 +89,14 @@ pub(super) fn credentials_scope(headers: &HeaderMap) -> String {
 
 /// The scope of a request whose configured scope function named `tenant`.
 pub(super) fn tenant_scope(tenant: &str) -> String {
-    format!("http/tenant/{tenant}")
+    let mut scope = String::with_capacity(TENANT_PREFIX.len() + tenant.len());
+    scope.push_str(TENANT_PREFIX);
+    scope.push_str(tenant);
+    scope
 }
+
+/// What a tenant's scope starts with.
+pub(super) const TENANT_PREFIX: &str = "http/tenant/";
 
 /// SHA-256 over method, path, query and body, each length-prefixed: the request's
 /// fingerprint as the runtime keeps it (handed over as a digest, so it is not hashed again).

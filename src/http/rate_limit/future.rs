@@ -5,6 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
+use bytes::Bytes;
 use http::{HeaderMap, HeaderName, Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
@@ -34,6 +35,7 @@ pin_project! {
         Checking { pending: PendingEnforcement, inner: Option<S>, request: Option<Request<B>> },
         Calling { #[pin] future: S::Future, headers: HeaderMap },
         Denied { denial: Option<RateLimitDenial> },
+        Refused { response: Option<Response<Bytes>> },
     }
 }
 
@@ -51,6 +53,14 @@ impl<S: Service<Request<B>>, B> RateLimitFuture<S, B> {
     pub(super) fn calling(future: S::Future, headers: HeaderMap) -> Self {
         Self {
             state: State::Calling { future, headers },
+        }
+    }
+
+    pub(super) fn refused(response: Response<Bytes>) -> Self {
+        Self {
+            state: State::Refused {
+                response: Some(response),
+            },
         }
     }
 
@@ -100,6 +110,10 @@ where
                     add_limit_headers(response.headers_mut(), std::mem::take(headers));
                     return Poll::Ready(Ok(response.map(ResponseBody::streaming)));
                 }
+                StateProj::Refused { response } => {
+                    let response = response.take().expect("polled after completion");
+                    return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                }
                 StateProj::Denied { denial } => {
                     let denial = denial.take().expect("polled after completion");
                     return Poll::Ready(Ok(denial.into_response().map(ResponseBody::full)));
@@ -141,6 +155,7 @@ impl<S: Service<Request<B>>, B> fmt::Debug for RateLimitFuture<S, B> {
             State::Checking { .. } => "checking",
             State::Calling { .. } => "calling",
             State::Denied { .. } => "denied",
+            State::Refused { .. } => "refused",
         };
         f.debug_struct("RateLimitFuture")
             .field("state", &state)

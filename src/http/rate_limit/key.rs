@@ -4,7 +4,6 @@ use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
-use http::header::FORWARDED;
 use http::request::Parts;
 use http::{Extensions, HeaderMap, HeaderName, Request};
 
@@ -25,26 +24,35 @@ enum Kind {
 
 /// How [`RateLimitLayer`](super::RateLimitLayer) picks the key a request is counted under.
 ///
-/// Requests for which no key can be found (no peer address, header missing, the function
-/// returned `None`) share one bucket, named `unknown`: leaving the key out never escapes the
-/// limit.
+/// Requests keyed by a header or a function for which no key is found (header missing, the
+/// function returned `None`) share one bucket, named `unknown`: leaving the key out never
+/// escapes the limit. A request keyed by client IP that has no peer address (the server was
+/// not told to record it) is refused with 500 by default: see
+/// [`RateLimitLayer::with_shared_bucket_without_peer`](super::RateLimitLayer::with_shared_bucket_without_peer).
 ///
 /// # Examples
 ///
 /// ```
 /// use http::Request;
 /// use throttlebeam::http::RateLimitKey;
-/// use throttlebeam::rate_limit::ClientIp;
+/// use throttlebeam::rate_limit::{ClientIp, ProxyHeader};
 ///
-/// // Behind a load balancer in 10.0.0.0/8 that sets `Forwarded` or `X-Forwarded-For`.
-/// let by_ip = RateLimitKey::client_ip(ClientIp::new().with_trusted_proxies(["10.0.0.0/8"])?);
-/// let mut req = Request::get("/").header("forwarded", "for=203.0.113.7").body(())?;
+/// // Behind a load balancer in 10.0.0.0/8 that appends `X-Forwarded-For`.
+/// let by_ip = RateLimitKey::client_ip(
+///     ClientIp::new()
+///         .with_proxy_header(ProxyHeader::XForwardedFor)
+///         .with_trusted_proxies(["10.0.0.0/8"])?,
+/// );
+/// let mut req = Request::get("/")
+///     .header("x-forwarded-for", "203.0.113.7")
+///     .header("forwarded", "for=198.51.100.1") // not the header the proxy writes: ignored
+///     .body(())?;
 /// req.extensions_mut().insert("10.0.0.5:41000".parse::<std::net::SocketAddr>()?);
-/// assert_eq!(by_ip.key(&req.into_parts().0), "203.0.113.7");
+/// assert_eq!(by_ip.key(&req.into_parts().0).as_deref(), Some("203.0.113.7"));
 ///
 /// let by_api_key = RateLimitKey::header(http::HeaderName::from_static("x-api-key"));
 /// let req = Request::get("/").header("x-api-key", "k-42").body(())?;
-/// assert_eq!(by_api_key.key(&req.into_parts().0), "k-42");
+/// assert_eq!(by_api_key.key(&req.into_parts().0).as_deref(), Some("k-42"));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone)]
@@ -68,12 +76,14 @@ impl Default for RateLimitKey {
 
 impl RateLimitKey {
     /// The client's address, as [`ClientIp`] derives it from the socket peer and, when the
-    /// peer is a trusted proxy, the forwarded chain: the RFC 7239 `Forwarded` header's `for=`
-    /// entries, or `X-Forwarded-For` when there is no `Forwarded` header.
+    /// peer is a trusted proxy, the one forwarding header it names
+    /// ([`ClientIp::with_proxy_header`]); other forwarding headers are ignored.
     ///
     /// The peer is read from the request's `SocketAddr` extension (set it in your hyper
     /// accept loop), or, with the `axum` feature, from axum's `ConnectInfo<SocketAddr>`
-    /// (serve with `into_make_service_with_connect_info::<SocketAddr>()`).
+    /// (serve with `into_make_service_with_connect_info::<SocketAddr>()`). Without either,
+    /// the layer answers 500 (see
+    /// [`RateLimitLayer::with_shared_bucket_without_peer`](super::RateLimitLayer::with_shared_bucket_without_peer)).
     #[must_use]
     pub fn client_ip(client_ip: ClientIp) -> Self {
         Self(Kind::ClientIp(client_ip))
@@ -92,35 +102,44 @@ impl RateLimitKey {
         Self(Kind::Custom(Arc::new(f)))
     }
 
-    /// The key of the request whose head is `parts`.
+    /// The key of the request whose head is `parts`: `None` when it is keyed by client IP and
+    /// has no peer address; `"unknown"` when a header or function key finds none.
     #[must_use]
-    pub fn key(&self, parts: &Parts) -> String {
-        let found = match &self.0 {
-            Kind::ClientIp(client_ip) => client_key(client_ip, &parts.headers, &parts.extensions),
-            Kind::Header(name) => header_key(&parts.headers, name),
-            Kind::Custom(f) => f(parts),
-        };
-        found.unwrap_or_else(|| UNKNOWN.to_owned())
+    pub fn key(&self, parts: &Parts) -> Option<String> {
+        match &self.0 {
+            Kind::ClientIp(client_ip) => {
+                client_text(client_ip, &parts.headers, &parts.extensions).map(KeyText::into_string)
+            }
+            Kind::Header(name) => Some(header_key(&parts.headers, name).unwrap_or_else(unknown)),
+            Kind::Custom(f) => Some(f(parts).unwrap_or_else(unknown)),
+        }
     }
 
-    /// The key of `req`, and `req`; splits the request only for a function key. An IPv4
-    /// client's key is written on the stack: no allocation per request.
-    pub(super) fn key_of<B>(&self, req: Request<B>) -> (KeyText, Request<B>) {
-        let (found, req) = match &self.0 {
+    /// The key of `req` (`None`: keyed by client IP, no peer address), and `req`; splits the
+    /// request only for a function key. An IPv4 client's key is written on the stack: no
+    /// allocation per request.
+    pub(super) fn key_of<B>(&self, req: Request<B>) -> (Option<KeyText>, Request<B>) {
+        match &self.0 {
             Kind::ClientIp(client_ip) => {
                 (client_text(client_ip, req.headers(), req.extensions()), req)
             }
-            Kind::Header(name) => (header_key(req.headers(), name).map(KeyText::Owned), req),
+            Kind::Header(name) => (
+                Some(header_key(req.headers(), name).map_or(KeyText::Unknown, KeyText::Owned)),
+                req,
+            ),
             Kind::Custom(f) => {
                 let (parts, body) = req.into_parts();
                 (
-                    f(&parts).map(KeyText::Owned),
+                    Some(f(&parts).map_or(KeyText::Unknown, KeyText::Owned)),
                     Request::from_parts(parts, body),
                 )
             }
-        };
-        (found.unwrap_or(KeyText::Unknown), req)
+        }
     }
+}
+
+fn unknown() -> String {
+    UNKNOWN.to_owned()
 }
 
 /// A request's key, as [`RateLimitKey::key`] spells it, without allocating for the common
@@ -181,42 +200,17 @@ impl KeyText {
     }
 }
 
-fn client_key(
-    client_ip: &ClientIp,
-    headers: &HeaderMap,
-    extensions: &Extensions,
-) -> Option<String> {
-    client_text(client_ip, headers, extensions).map(KeyText::into_string)
-}
-
-/// `X-Forwarded-For`, named once rather than parsed from text on every request.
-const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-
+/// The key of the client behind the request's peer: the one derivation of
+/// [`ClientIp::client_addr_from_headers`]. `None` without a peer address.
 fn client_text(
     client_ip: &ClientIp,
     headers: &HeaderMap,
     extensions: &Extensions,
 ) -> Option<KeyText> {
     let peer = peer(extensions)?;
-    let forwarded: Vec<String> = headers
-        .get_all(FORWARDED)
-        .iter()
-        .flat_map(|v| v.to_str().map(forwarded_for).unwrap_or_default())
-        .collect();
-    let addr = if forwarded.is_empty() {
-        let xff = headers
-            .get_all(X_FORWARDED_FOR)
-            .iter()
-            .filter_map(|v| v.to_str().ok());
-        client_ip.client_addr(peer, xff)
-    } else {
-        client_ip.client_addr(peer, &forwarded)
-    };
-    Some(match addr {
+    Some(match client_ip.client_addr_from_headers(peer, headers) {
         IpAddr::V4(v4) => KeyText::v4(v4),
-        // `ClientIp::key` aggregates IPv6 to its network; the address it derives from
-        // `addr` (already the client) is `addr` itself.
-        IpAddr::V6(_) => KeyText::Owned(client_ip.key(addr, std::iter::empty::<&str>())),
+        addr @ IpAddr::V6(_) => KeyText::Owned(client_ip.key_of(addr)),
     })
 }
 
@@ -238,38 +232,6 @@ fn peer(extensions: &Extensions) -> Option<IpAddr> {
     None
 }
 
-/// The `for=` nodes of one `Forwarded` value (RFC 7239), nearest last, as addresses
-/// [`ClientIp`] reads; obfuscated and `unknown` nodes are kept as `unknown` (and dropped
-/// there, as junk `X-Forwarded-For` entries are).
-fn forwarded_for(value: &str) -> Vec<String> {
-    value
-        .split(',')
-        .filter_map(|element| {
-            element.split(';').find_map(|pair| {
-                let (name, node) = pair.split_once('=')?;
-                name.trim()
-                    .eq_ignore_ascii_case("for")
-                    .then(|| node_addr(node))
-            })
-        })
-        .collect()
-}
-
-/// One node: `192.0.2.43`, `"192.0.2.43:47011"`, `"[2001:db8:cafe::17]:4711"`.
-fn node_addr(node: &str) -> String {
-    let node = node.trim().trim_matches('"');
-    let host = match node.strip_prefix('[') {
-        Some(rest) => rest.split(']').next().unwrap_or(""),
-        None => node
-            .split(':')
-            .next()
-            .filter(|_| node.matches(':').count() <= 1)
-            .unwrap_or(node),
-    };
-    host.parse::<IpAddr>()
-        .map_or_else(|_| UNKNOWN.to_owned(), |ip| ip.to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -289,23 +251,5 @@ mod tests {
             let addr = Ipv4Addr::new(i, 255 - i, i / 3, i.wrapping_mul(7));
             assert_eq!(KeyText::v4(addr).as_str(), addr.to_string());
         }
-    }
-
-    #[test]
-    fn forwarded_nodes_parse_per_rfc_7239() {
-        assert_eq!(forwarded_for("for=192.0.2.43"), ["192.0.2.43"]);
-        assert_eq!(
-            forwarded_for(
-                r#"for="[2001:db8:cafe::17]:4711";proto=https, For=198.51.100.17;by=203.0.113.60"#
-            ),
-            ["2001:db8:cafe::17", "198.51.100.17"]
-        );
-        assert_eq!(forwarded_for(r#"for="192.0.2.43:47011""#), ["192.0.2.43"]);
-        assert_eq!(
-            forwarded_for("for=unknown, for=_hidden"),
-            ["unknown", "unknown"]
-        );
-        assert_eq!(forwarded_for("proto=http;by=1.2.3.4"), Vec::<String>::new());
-        assert_eq!(forwarded_for(r#"for="[2001:db8::1]""#), ["2001:db8::1"]);
     }
 }
