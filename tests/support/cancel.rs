@@ -72,13 +72,42 @@ impl Wake for Flag {
 /// or real) for the future's waker before polling again; a future nobody
 /// wakes within `patience` is a hang, and the test fails naming the poll.
 pub async fn cut_after<F: Future>(fut: F, k: usize, patience: Duration) -> Cut<F::Output> {
+    cut_lingering(fut, k, patience, Duration::ZERO).await
+}
+
+/// [`cut_after`], but the future is dropped only `linger` after its `k`-th
+/// poll: meanwhile other tasks run, so a request it sent reaches its server
+/// and its answer may come back, unread (the future is not polled again).
+/// On a real server that is how a call is done there with nobody told.
+pub async fn cut_lingering<F: Future>(
+    fut: F,
+    k: usize,
+    patience: Duration,
+    linger: Duration,
+) -> Cut<F::Output> {
     let mut fut = pin!(fut);
+    if let Some((output, polls)) = poll_at_most(fut.as_mut(), k, patience).await {
+        return Cut::Finished(output, polls);
+    }
+    if k > 0 && !linger.is_zero() {
+        tokio::time::sleep(linger).await;
+    }
+    Cut::Dropped
+}
+
+/// Polls `fut` up to `k` times, each after a wake-up; its output and the
+/// polls it took, if it finished.
+async fn poll_at_most<F: Future>(
+    mut fut: std::pin::Pin<&mut F>,
+    k: usize,
+    patience: Duration,
+) -> Option<(F::Output, usize)> {
     let flag = Arc::new(Flag::default());
     let waker = Waker::from(Arc::clone(&flag));
     for poll in 1..=k {
         flag.woken.store(false, Ordering::SeqCst);
         if let Poll::Ready(output) = fut.as_mut().poll(&mut Context::from_waker(&waker)) {
-            return Cut::Finished(output, poll);
+            return Some((output, poll));
         }
         if poll == k {
             break;
@@ -95,7 +124,7 @@ pub async fn cut_after<F: Future>(fut: F, k: usize, patience: Duration) -> Cut<F
             panic!("the future was never woken after its poll {poll} (waited {patience:?})");
         }
     }
-    Cut::Dropped
+    None
 }
 
 /// Runs `case(k)` for `k = 0, 1, 2, …` until a case's future finishes
