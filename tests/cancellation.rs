@@ -6,6 +6,9 @@
 //! `redis_cancellation.rs`.
 #![cfg(feature = "runtime")]
 
+#[cfg(feature = "tower")]
+#[path = "support/http.rs"]
+mod http_server;
 mod support;
 
 use std::future::IntoFuture;
@@ -1203,6 +1206,180 @@ mod layers {
                 }
             })
             .await;
+        }
+    }
+
+    /// A client that hangs up over real HTTP, at each stage of a request:
+    /// while sending its body, right after sending it, and while the
+    /// handler runs. The retry (a client of its own) gets the handler's
+    /// response, which ran once in all; the rate limit charged each request
+    /// once at most.
+    mod over_http {
+        use std::net::SocketAddr;
+
+        use axum::extract::State;
+        use tokio::net::TcpStream;
+        use tokio::sync::watch;
+
+        use super::super::http_server as server;
+        use super::super::support::cancel::eventually;
+        use super::*;
+
+        /// Where a client hangs up.
+        #[derive(Debug, Clone, Copy)]
+        enum HangUp {
+            /// Half of the declared body sent.
+            MidBody,
+            /// The whole request sent, no answer awaited.
+            Sent,
+            /// Once the handler has started.
+            HandlerRunning,
+        }
+
+        const HANG_UPS: [HangUp; 3] = [HangUp::MidBody, HangUp::Sent, HangUp::HandlerRunning];
+
+        #[derive(Clone)]
+        struct Counter {
+            entered: Runs,
+            finished: Runs,
+            open: watch::Sender<bool>,
+        }
+
+        async fn pay(State(shop): State<Counter>, body: String) -> (StatusCode, String) {
+            shop.entered.hit();
+            let mut open = shop.open.subscribe();
+            let _ = open.wait_for(|open| *open).await;
+            let n = shop.finished.hit();
+            (StatusCode::CREATED, format!("charge {n}: {body}"))
+        }
+
+        /// Writes all of `bytes` (no `io-util` needed).
+        async fn send(stream: &TcpStream, mut bytes: &[u8]) {
+            while !bytes.is_empty() {
+                stream.writable().await.expect("writable");
+                match stream.try_write(bytes) {
+                    Ok(n) => bytes = &bytes[n..],
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => panic!("write failed: {e}"),
+                }
+            }
+        }
+
+        /// Sends `POST /pay` with `key` by hand, and hangs up at `at`.
+        async fn hang_up(addr: SocketAddr, key: &str, at: HangUp, shop: &Counter) {
+            let stream = TcpStream::connect(addr).await.expect("connects");
+            let head = format!(
+                "POST /pay HTTP/1.1\r\nhost: {addr}\r\nidempotency-key: {key}\r\n\
+                 content-type: text/plain\r\ncontent-length: 6\r\n\r\n"
+            );
+            send(&stream, head.as_bytes()).await;
+            match at {
+                HangUp::MidBody => send(&stream, b"10 ").await,
+                HangUp::Sent => send(&stream, b"10 EUR").await,
+                HangUp::HandlerRunning => {
+                    let entered = shop.entered.get();
+                    send(&stream, b"10 EUR").await;
+                    eventually("the handler starts", Duration::from_secs(10), ms(5), || {
+                        shop.entered.get() > entered
+                    })
+                    .await;
+                }
+            }
+            drop(stream);
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_client_hanging_up_at_each_stage_leaves_its_key_to_run_once() {
+            let rt = Runtime::builder()
+                .with_sweep_interval(ms(100))
+                .start()
+                .await
+                .expect("runtime starts");
+            let shop = Counter {
+                entered: Runs::default(),
+                finished: Runs::default(),
+                open: watch::Sender::new(false),
+            };
+            let layer = IdempotencyLayer::new(&rt)
+                .with_options(IdempotencyOptions::new().with_ttl(Duration::from_secs(1)));
+            let app = Router::new()
+                .route("/pay", post(pay))
+                .with_state(shop.clone())
+                .layer(layer);
+            let server = server::serve(app).await;
+            for at in HANG_UPS {
+                let key = format!("{at:?}");
+                let before = shop.finished.get();
+                shop.open.send_replace(false);
+                hang_up(server.addr, &key, at, &shop).await;
+                shop.open.send_replace(true);
+                let retry = server.post("/pay", &key, "10 EUR").await;
+                assert_eq!(retry.status, StatusCode::CREATED, "{at:?}");
+                let n = before + 1;
+                assert_eq!(retry.text(), format!("charge {n}: 10 EUR"), "{at:?}");
+                let replayed = retry.header("idempotent-replayed") == Some("true");
+                assert_eq!(replayed, matches!(at, HangUp::HandlerRunning), "{at:?}");
+                assert_eq!(shop.finished.get(), n, "{at:?}: the handler ran once");
+            }
+            eventually("idle", Duration::from_secs(10), ms(20), || {
+                let s = rt.stats();
+                s.keys + s.processes + s.timers + s.ttl_entries == 0
+            })
+            .await;
+            assert_eq!(shop.entered.get(), shop.finished.get());
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_client_hanging_up_at_each_stage_is_charged_once_at_most() {
+            let limiter = Limiter::new(Gcra::new(10, Duration::from_secs(60)).expect("valid"));
+            let shop = Counter {
+                entered: Runs::default(),
+                finished: Runs::default(),
+                open: watch::Sender::new(false),
+            };
+            for (name, layer) in [
+                (
+                    "immediate",
+                    RateLimitLayer::new(Enforcer::new(limiter.clone())),
+                ),
+                (
+                    "async",
+                    RateLimitLayer::new_async(Enforcer::new(limiter.clone())),
+                ),
+            ] {
+                let layer = layer.with_key(RateLimitKey::header(HeaderName::from_static(
+                    "idempotency-key",
+                )));
+                let app = Router::new()
+                    .route("/pay", post(pay))
+                    .with_state(shop.clone())
+                    .layer(layer);
+                let server = server::serve(app).await;
+                for at in HANG_UPS {
+                    let key = format!("{name}-{at:?}");
+                    shop.open.send_replace(false);
+                    hang_up(server.addr, &key, at, &shop).await;
+                    shop.open.send_replace(true);
+                    let next = server.post("/pay", &key, "10 EUR").await;
+                    assert_eq!(next.status, StatusCode::CREATED, "{name} {at:?}");
+                    let remaining: u64 = next
+                        .header("ratelimit-remaining")
+                        .expect("the limit's headers")
+                        .parse()
+                        .expect("a number");
+                    // The hung-up request, once its head was read, and this one.
+                    assert!(
+                        remaining == 8 || remaining == 9,
+                        "{name} {at:?}: {remaining}"
+                    );
+                    if matches!(at, HangUp::HandlerRunning) {
+                        assert_eq!(remaining, 8, "{name} {at:?}: it reached the handler");
+                    }
+                }
+            }
+            // Every request that was not hung up on was answered by the handler
+            // (hyper drops the handler of one that was: no idempotency here).
+            assert!(shop.finished.get() >= 2 * HANG_UPS.len());
         }
     }
 }
