@@ -577,6 +577,86 @@ async fn a_check_on_redis_dropped_at_every_await_is_charged_once_at_most() {
     assert_breaker_closed(&redis, "shaper");
 }
 
+/// Opens the breaker of `redis` (threshold 1): a command to the frozen node
+/// times out. Then lets the cooldown pass, so the next command is a probe.
+async fn open_breaker(node: &RedisNode, redis: &Redis, cooldown: Duration) {
+    node.freeze();
+    let timed_out = redis.ping().await;
+    node.thaw();
+    assert!(timed_out.is_err(), "a frozen node answers no command");
+    assert_eq!(redis.stats().breaker.state, BreakerState::Open);
+    sleep(cooldown + ms(20)).await;
+}
+
+/// The breaker's probe dropped at every await of each kind of call: the
+/// breaker is never left half open (S15). The next call, whatever became
+/// of the dropped one, goes through the store (it is the new probe, or the
+/// breaker already closed) and the breaker ends closed.
+#[tokio::test]
+async fn a_probe_dropped_at_every_await_never_leaves_the_breaker_half_open() {
+    let Some(node) =
+        RedisNode::start("a_probe_dropped_at_every_await_never_leaves_the_breaker_half_open")
+    else {
+        return;
+    };
+    let cooldown = ms(100);
+    let redis = Redis::builder(node.url())
+        .with_command_timeout(ms(300))
+        .with_breaker(
+            throttlebeam::store::BreakerConfig::default()
+                .with_failures(1)
+                .with_cooldown(cooldown),
+        )
+        .connect()
+        .await
+        .expect("connects");
+    let rt = instance(&redis).await;
+    let idem = rt.idempotency();
+    let limiter = Limiter::builder(Gcra::new(5, Duration::from_secs(60)).expect("valid"))
+        .with_store(redis.clone())
+        .build();
+    let closed = |what: &str| {
+        let breaker = redis.stats().breaker;
+        assert_eq!(
+            (breaker.state, breaker.consecutive_failures),
+            (BreakerState::Closed, 0),
+            "{what}: {breaker:?}"
+        );
+    };
+    for_every_cut(2, 20, |k| {
+        let (limiter, node, redis) = (limiter.clone(), &node, &redis);
+        async move {
+            open_breaker(node, redis, cooldown).await;
+            let key = format!("l{k}");
+            let cut = cut_lingering(limiter.check_async(&key), k, PATIENCE, Duration::ZERO).await;
+            let next = limiter.check_async(&key).await;
+            assert!(next.is_ok(), "check cut {k}: {next:?}");
+            closed(&format!("check cut {k}"));
+            cut.finished()
+        }
+    })
+    .await;
+    for_every_cut(2, 20, |k| {
+        let (idem, node, redis) = (idem.clone(), &node, &redis);
+        async move {
+            open_breaker(node, redis, cooldown).await;
+            let key = format!("i{k}");
+            let runs = Runs::default();
+            let run = idem.run_with(&key, options(), slow(&runs, ms(10), k));
+            let cut = cut_lingering(run, k, PATIENCE, Duration::ZERO).await;
+            let next = idem
+                .run_with(&key, options(), slow(&runs, ms(10), 100 + k))
+                .await;
+            assert!(next.is_ok(), "run cut {k}: {next:?}");
+            assert_eq!(runs.get(), 1, "run cut {k}");
+            closed(&format!("run cut {k}"));
+            cut.finished()
+        }
+    })
+    .await;
+    settle_idle(&rt, "probes").await;
+}
+
 #[cfg(all(feature = "tower", feature = "http"))]
 mod layers {
     use axum::Router;
