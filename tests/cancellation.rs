@@ -933,6 +933,80 @@ async fn a_completion_on_a_shared_store_dropped_at_every_await_leaves_the_key_co
 }
 
 // ---------------------------------------------------------------------------------------------
+// The default runtime's forms: `Debounce::call`, `Throttle::call`, `Idempotency::run`,
+// `run_with` and `reserve` (real time: the default runtime does not follow a paused clock).
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_runtime_s_calls_dropped_at_every_await_run_once() {
+    use support::cancel::eventually;
+    use throttlebeam::{Debounce, Idempotency, Throttle};
+
+    let patience = Duration::from_secs(10);
+    let settle = Duration::from_secs(10);
+    let rt = Runtime::global().expect("the default runtime starts");
+    for_every_cut(2, 10, |k| async move {
+        let key = format!("global-d{k}");
+        let runs = Runs::default();
+        let call = Debounce::call(&key, ms(20), slow(&runs, ms(5), k)).expect("scheduled");
+        let cut = cut_after(call.into_future(), k, patience).await;
+        eventually("the debounced run", settle, ms(5), || runs.get() == 1).await;
+        cut.finished()
+    })
+    .await;
+    for_every_cut(2, 10, |k| async move {
+        let key = format!("global-t{k}");
+        let runs = Runs::default();
+        let call = Throttle::call(&key, Duration::from_secs(3600), slow(&runs, ms(5), k));
+        let cut = cut_after(call, k, patience).await;
+        eventually("the throttled run", settle, ms(5), || {
+            runs.get() == usize::from(k > 0)
+        })
+        .await;
+        let next = Throttle::call(&key, Duration::from_secs(3600), slow(&runs, ms(5), 0))
+            .await
+            .expect("the next call completes");
+        assert_eq!(next.is_throttled(), k > 0, "cut {k}");
+        assert_eq!(runs.get(), 1, "cut {k}: one run per window");
+        cut.finished()
+    })
+    .await;
+    for_every_cut(3, 10, |k| async move {
+        let key = format!("global-i{k}");
+        let runs = Runs::default();
+        let cut = if k % 2 == 0 {
+            cut_after(Idempotency::run(&key, slow(&runs, ms(5), k)), k, patience).await
+        } else {
+            let options = IdempotencyOptions::new().with_fingerprint("body");
+            let run = Idempotency::run_with(&key, options, slow(&runs, ms(5), k));
+            cut_after(run, k, patience).await
+        };
+        let finished = cut.finished();
+        let options = if k % 2 == 0 {
+            IdempotencyOptions::new()
+        } else {
+            IdempotencyOptions::new().with_fingerprint("body")
+        };
+        let next = Idempotency::reserve::<usize>(&key, options)
+            .await
+            .expect("the next call completes");
+        match next {
+            IdempotencyReserved::Replay(v) => assert_eq!(v, k, "cut {k}"),
+            IdempotencyReserved::Fresh(reservation) => {
+                assert_eq!(k, 0, "cut {k}: taken, the run was not lost");
+                reservation.complete(k).await.expect("completes");
+            }
+        }
+        assert!(runs.get() <= 1, "cut {k}");
+        finished
+    })
+    .await;
+    // Nothing left but the throttle's hour-long windows.
+    let s = rt.stats();
+    assert_eq!((s.keys, s.processes), (s.throttle.windows, 0), "{s:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
 // Rate limiting: `check_async`, `until_ready`, `reserve`.
 // ---------------------------------------------------------------------------------------------
 
