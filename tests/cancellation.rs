@@ -1392,7 +1392,14 @@ mod layers {
                 let n = before + 1;
                 assert_eq!(retry.text(), format!("charge {n}: 10 EUR"), "{at:?}");
                 let replayed = retry.header("idempotent-replayed") == Some("true");
-                assert_eq!(replayed, matches!(at, HangUp::HandlerRunning), "{at:?}");
+                match at {
+                    // The handler never had the whole request.
+                    HangUp::MidBody => assert!(!replayed, "{at:?}"),
+                    // Whether the server took it before seeing the hang-up
+                    // is a race: either way the retry has the one response.
+                    HangUp::Sent => {}
+                    HangUp::HandlerRunning => assert!(replayed, "{at:?}"),
+                }
                 assert_eq!(shop.finished.get(), n, "{at:?}: the handler ran once");
             }
             eventually("idle", Duration::from_secs(10), ms(20), || {
