@@ -139,19 +139,45 @@ impl State {
         {
             return Ok(Some(left));
         }
-        let mut swept = false;
+        self.open_or_make_room(key, now, interval)
+    }
+
+    /// [`State::open`], making room when the key cap refuses the key:
+    /// windows that are over (not swept yet, if the sweeper could not run)
+    /// may be what fills it, and must never count against it (W9). A caller
+    /// refused again after a pass (another caller took the room it made)
+    /// tries again, a few times at most.
+    fn open_or_make_room(
+        &self,
+        key: &str,
+        mut now: u64,
+        interval: Duration,
+    ) -> Result<Option<Duration>, Error> {
+        const PASSES: usize = 3;
+        let mut passes = 0;
         loop {
             match self.open(key, now, interval) {
-                // Full: windows that are over (not swept yet, if the
-                // sweeper could not run) may be what fills it.
-                Err(Error::TooManyKeys { .. })
-                    if !swept && self.windows.registry.retain_when_full(|_, w| w.until > now) =>
-                {
-                    swept = true;
+                Err(Error::TooManyKeys { .. }) if passes < PASSES && self.make_room() => {
+                    passes += 1;
+                    // The call is taken once there is room.
+                    now = self.windows.clock.now_ns();
                 }
                 decided => return decided,
             }
         }
+    }
+
+    /// A paced pass over the windows of a full key cap
+    /// ([`Registry::retain_when_full`]); returns whether to try again. It
+    /// forgets the windows over when the pass starts, not when its caller
+    /// read the clock: a caller descheduled in between, or waiting for
+    /// another caller's pass, would keep windows that ended since.
+    fn make_room(&self) -> bool {
+        let clock = &self.windows.clock;
+        let mut now = None;
+        self.windows
+            .registry
+            .retain_when_full(|_, w| w.until > *now.get_or_insert_with(|| clock.now_ns()))
     }
 
     /// [`State::try_open`] once, under the key's shard lock.
@@ -456,6 +482,38 @@ mod tests {
     use throttlebeam_supervisors::Slot;
 
     use super::*;
+
+    /// W9 for a caller whose clock reading is stale by the time its pass
+    /// runs (descheduled in between, on a busy machine): the pass forgets
+    /// the windows over when it runs, so the key is taken, never refused.
+    #[tokio::test(start_paused = true)]
+    async fn a_pass_forgets_the_windows_over_when_it_runs_not_when_its_caller_read_the_clock() {
+        let rt = Runtime::builder()
+            .with_max_keys(3)
+            .with_sweep_interval(Duration::from_secs(3600))
+            .start()
+            .await
+            .unwrap();
+        let state = rt.throttle().state;
+        let window = Duration::from_millis(10);
+        let stale = state.windows.clock.now_ns();
+        for key in ["a", "b", "c"] {
+            assert_eq!(state.try_open(key, window).unwrap(), None);
+        }
+        // Let the sweeper take its kick (windows open: nothing to forget)
+        // and arm its next tick, an hour away.
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        // Every window is over; the caller read its clock before they were.
+        tokio::time::advance(Duration::from_millis(20)).await;
+        assert_eq!(state.windows.registry.len(), 3, "the sweeper has not run");
+        assert_eq!(state.open_or_make_room("d", stale, window).unwrap(), None);
+        assert_eq!(state.windows.registry.len(), 1, "a, b and c were forgotten");
+        // The window was opened when the key was taken, not at the stale reading.
+        let left = state.try_open("d", window).unwrap();
+        assert_eq!(left, Some(window));
+    }
 
     #[test]
     fn an_open_window_is_a_32_byte_registry_entry() {

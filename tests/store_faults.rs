@@ -24,7 +24,8 @@ use throttlebeam::store::StoreError;
 use throttlebeam::{
     ClaimReply, ClaimRequest, ClaimToken, Error, IdempotencyOptions, IdempotencyOutcome,
     IdempotencyReserved, IdempotencyStore, IdempotencyStoreFuture, KeyChanged,
-    MemoryIdempotencyStore, Runtime, StoredResult,
+    MemoryIdempotencyStore, Runtime, StoredResult, WindowClaim, WindowEntry, WindowStore,
+    WindowStoreFuture,
 };
 use tokio::time::Instant;
 
@@ -711,4 +712,105 @@ fn limit_store_error_or_plain(e: &RateLimitError) -> Option<&StoreError> {
         panic!("expected a store error, got {e:?}")
     };
     source.downcast_ref::<StoreError>()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The coalescing throttle's window store, through the same guard.
+// ---------------------------------------------------------------------------------------------
+
+/// A [`MemoryWindowStore`](throttlebeam::MemoryWindowStore) whose claims,
+/// extensions and records panic while their call is being built, before
+/// any future exists.
+struct PanicsBuilding {
+    calls: Arc<AtomicUsize>,
+}
+
+impl PanicsBuilding {
+    fn panic(&self, op: &str) -> ! {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        panic!("window store bug in {op}")
+    }
+}
+
+impl WindowStore for PanicsBuilding {
+    fn claim<'a>(
+        &'a self,
+        _: &'a str,
+        _: WindowEntry,
+        _: Duration,
+    ) -> WindowStoreFuture<'a, WindowClaim> {
+        self.panic("claim")
+    }
+    fn extend<'a>(
+        &'a self,
+        _: &'a str,
+        _: WindowEntry,
+        _: Duration,
+    ) -> WindowStoreFuture<'a, bool> {
+        self.panic("extend")
+    }
+    fn record<'a>(
+        &'a self,
+        _: &'a str,
+        _: WindowEntry,
+        _: Duration,
+    ) -> WindowStoreFuture<'a, bool> {
+        self.panic("record")
+    }
+    fn read<'a>(&'a self, _: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
+        self.panic("read")
+    }
+    fn clear(&self) -> WindowStoreFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// A window store call goes through the one store guard too: a store that
+/// panics while building its call (not only while it is polled) is a store
+/// failure, counted, and the throttle fails open; the panic never reaches
+/// the run or its callers.
+#[tokio::test(start_paused = true)]
+async fn w_a_window_store_that_panics_building_its_calls_is_a_store_failure() {
+    let runtime = Runtime::builder().start().await.expect("runtime starts");
+    let calls = Arc::new(AtomicUsize::new(0));
+    let throttle = runtime
+        .trailing_throttle("bug:")
+        .with_window(ms(100))
+        .with_store(PanicsBuilding {
+            calls: Arc::clone(&calls),
+        })
+        .build::<u32>()
+        .expect("builds");
+    let runs = Runs::default();
+    let work = |value: u32| {
+        let runs = runs.clone();
+        move |_| async move {
+            // Long enough for the lease to be extended once.
+            tokio::time::sleep(ms(150)).await;
+            runs.hit();
+            Ok::<_, std::io::Error>(value)
+        }
+    };
+    let started = Instant::now();
+    let lead = {
+        let throttle = throttle.clone();
+        let work = work(1);
+        tokio::spawn(async move { throttle.call_and_wait("k", work).await })
+    };
+    support::settle().await;
+    let trailing = throttle.call_and_wait("k", work(2));
+    assert_eq!(trailing.await.expect("fails open, runs"), 2);
+    assert_eq!(lead.await.expect("no panic").expect("fails open, runs"), 1);
+    // Leading run 0..150, window until 250, trailing run 250..400.
+    assert_eq!(started.elapsed(), ms(400));
+    assert_eq!(runs.get(), 2);
+    let stats = throttle.stats();
+    // Two claims, two extensions and two records, each a failure.
+    assert_eq!(calls.load(Ordering::SeqCst), 6);
+    assert_eq!(
+        (stats.store_errors, stats.store_timeouts),
+        (6, 0),
+        "{stats:?}"
+    );
+    assert_eq!((stats.active, stats.pending), (0, 0));
 }

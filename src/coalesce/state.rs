@@ -12,9 +12,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sync_wrapper::SyncWrapper;
-use throttlebeam_supervisors::{
-    Counters, Generation, Registry, RunHere, SlotEntry, Sweep, catch_panic,
-};
+use throttlebeam_supervisors::{Counters, Generation, Registry, RunHere, SlotEntry, Sweep};
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
@@ -26,6 +24,7 @@ use crate::error::Error;
 use crate::key::{InlineKey, check_key, shown, update_slot};
 use crate::runtime::{Runtime, Service, ServiceFuture, ShutdownPolicy};
 use crate::stats::{Counter, Gauge, STRIPES, stripe};
+use crate::store::{Fault, guard};
 
 /// A user function, boxed so the latest one can replace an older one.
 pub(super) type Job<T> = Box<dyn BoxedFn<T>>;
@@ -537,12 +536,6 @@ enum Decision<T, J> {
     Refused(Error, J),
 }
 
-/// Why a store call was cut short.
-enum StoreStop {
-    TimedOut,
-    Abandoned,
-}
-
 /// What a store call came to once bounded and guarded.
 pub(super) enum StoreOutcome<R> {
     Done(R),
@@ -1048,15 +1041,17 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         }
     }
 
-    /// Runs one store call bounded by the store timeout, with a panic
-    /// caught, abandoned at once when the throttle is destroyed (a
-    /// shutdown's deadline). Every failure is counted and logged at debug
-    /// level (a panic at warn): the caller fails open.
-    pub(super) async fn store_call<R>(
+    /// Runs one store call through the store guard every seam uses
+    /// ([`crate::store::guard`]: bounded by the store timeout, a panic while
+    /// building or polling the call caught), abandoned at once when the
+    /// throttle is destroyed (a shutdown's deadline). Every failure is
+    /// counted and logged at debug level (a panic at warn): the caller
+    /// fails open.
+    pub(super) async fn store_call<'s, R>(
         &self,
         key: &str,
         what: &'static str,
-        call: WindowStoreFuture<'_, R>,
+        call: impl FnOnce() -> WindowStoreFuture<'s, R>,
     ) -> StoreOutcome<R> {
         // `clear` runs after the mode went to destroyed: bounded by the
         // timeout only.
@@ -1064,59 +1059,54 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         if abandonable && self.mode() == DESTROYED {
             return StoreOutcome::Failed;
         }
-        let mut call = catch_panic(call);
+        // Boxed: the guard's timer stays out of every process's future.
+        let mut call = Box::pin(guard(self.store_timeout, call));
         // An in-memory store answers on the first poll: no timer for it.
-        let first = std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut call).poll(cx))).await;
+        let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
         let out = match first {
-            Poll::Ready(out) => Ok(out),
-            // Boxed: the slow path stays out of every process's future.
-            Poll::Pending => Box::pin(self.store_wait(abandonable, call)).await,
+            Poll::Ready(out) => Some(out),
+            Poll::Pending => self.store_wait(abandonable, call).await,
         };
         let gauges = &self.gauges;
         match out {
-            Ok(Ok(Ok(value))) => StoreOutcome::Done(value),
-            Ok(Ok(Err(error))) => {
+            Some(Ok(Ok(value))) => StoreOutcome::Done(value),
+            Some(Ok(Err(error))) => {
                 gauges.store_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(throttle = %self.name, key, what, %error, "window store failed");
                 StoreOutcome::Failed
             }
-            Ok(Err(panic)) => {
+            Some(Err(Fault::Panicked(panic))) => {
                 gauges.store_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(throttle = %self.name, key, what, panic = panic.message(), "window store panicked; treated as a store failure");
+                tracing::warn!(throttle = %self.name, key, what, panic, "window store panicked; treated as a store failure");
                 StoreOutcome::Failed
             }
-            Err(StoreStop::TimedOut) => {
+            Some(Err(Fault::TimedOut(_))) => {
                 gauges.store_timeouts.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(throttle = %self.name, key, what, timeout = ?self.store_timeout, "window store failed: timed out");
                 StoreOutcome::Failed
             }
-            Err(StoreStop::Abandoned) => {
+            None => {
                 tracing::debug!(throttle = %self.name, key, what, "window store call abandoned: destroyed");
                 StoreOutcome::Failed
             }
         }
     }
 
-    /// The rest of a store call that did not answer at once: bounded by the
-    /// store timeout, abandoned when the throttle is destroyed.
-    async fn store_wait<F: Future + Unpin>(
-        &self,
-        abandonable: bool,
-        call: F,
-    ) -> Result<F::Output, StoreStop> {
+    /// The rest of a guarded store call that did not answer at once; `None`
+    /// if the throttle was destroyed first (the call is abandoned).
+    async fn store_wait<F: Future + Unpin>(&self, abandonable: bool, call: F) -> Option<F::Output> {
         let _in_store = abandonable.then(|| InStore::new(&self.gauges));
-        let bounded = tokio::time::timeout(self.store_timeout, call);
-        tokio::pin!(bounded);
+        let mut call = call;
         loop {
             let stopped = self.wake.notified();
             tokio::pin!(stopped);
             stopped.as_mut().enable();
             if abandonable && self.mode() == DESTROYED {
-                return Err(StoreStop::Abandoned);
+                return None;
             }
             tokio::select! {
                 biased;
-                out = &mut bounded => return out.map_err(|_| StoreStop::TimedOut),
+                out = &mut call => return Some(out),
                 () = stopped, if abandonable => {}
             }
         }
@@ -1134,8 +1124,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         let store_key = &*self.store_key(key);
         // A claim is a lease: it lapses at its end unless extended.
         let entry = WindowEntry::new(self.epoch.at(Instant::now() + self.lease_ttl), token);
-        let call = store.claim(store_key, entry, self.lease_ttl);
-        match self.store_call(store_key, "claim", call).await {
+        let claim = || store.claim(store_key, entry, self.lease_ttl);
+        match self.store_call(store_key, "claim", claim).await {
             StoreOutcome::Done(WindowClaim::Lost { holder }) => Err(self.retry_after(holder)),
             StoreOutcome::Done(_) | StoreOutcome::Failed => Ok(()),
         }
@@ -1171,8 +1161,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
                 tokio::time::sleep(self.lease_every).await;
             }
             let entry = WindowEntry::new(self.epoch.at(Instant::now() + self.lease_ttl), token);
-            let call = store.extend(store_key, entry, self.lease_ttl);
-            if let StoreOutcome::Done(false) = self.store_call(store_key, "extend", call).await {
+            let extend = || store.extend(store_key, entry, self.lease_ttl);
+            if let StoreOutcome::Done(false) = self.store_call(store_key, "extend", extend).await {
                 tracing::debug!(throttle = %self.name, key = store_key, "lease taken over by another owner; no longer extended");
                 std::future::pending::<()>().await;
             }
@@ -1195,8 +1185,8 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         let px = self.window_px();
         let entry = WindowEntry::new(self.epoch.at(Instant::now() + px), token);
         let store_key = self.store_key(key);
-        let call = store.record(&store_key, entry, px);
-        match self.store_call(&store_key, "record", call).await {
+        let record = || store.record(&store_key, entry, px);
+        match self.store_call(&store_key, "record", record).await {
             StoreOutcome::Done(written) => {
                 if !written {
                     tracing::debug!(throttle = %self.name, key = store_key, "window held by another owner; kept in memory only");

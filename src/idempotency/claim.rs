@@ -244,10 +244,13 @@ impl Ledger {
             ticket.ttl,
         );
         let full = ticket.full.as_str();
-        let reply = store_call(bound, || shared.claim(full, request))
-            .await
-            .map_err(|e| unavailable(key, Arc::new(e)))?;
-        // An early return drops the ticket, which releases the local claim.
+        let sent = store_call(bound, || shared.claim(full, request));
+        ticket.unanswered = true;
+        let reply = sent.await;
+        // An early return (or this future dropped) drops the ticket, which
+        // releases the local claim, and the shared one if it may be there.
+        ticket.unanswered = reply.as_ref().is_err_and(may_have_landed);
+        let reply = reply.map_err(|e| unavailable(key, Arc::new(e)))?;
         match reply {
             ClaimReply::Won { fence } => {
                 ticket.fence = Some(fence);
@@ -312,6 +315,15 @@ impl Ledger {
                 if let Err(Fault::Panicked(panic)) = guard(until - now, || changed).await {
                     tracing::warn!(key, %panic, "idempotency store wake-up panicked; polling");
                     tokio::time::sleep_until(until).await;
+                }
+                if until >= deadline && Instant::now() >= deadline {
+                    // Waited out: a last claim now would have no time left
+                    // to answer in (and fail as a store error).
+                    Tally::bump(&self.tally.timeouts);
+                    return Err(Error::Timeout {
+                        key: shown(key),
+                        after: wait_timeout,
+                    });
                 }
             }
             if self.is_closed() {
@@ -420,6 +432,7 @@ impl Ledger {
             held: true,
             fence: None,
             lapse: None,
+            unanswered: false,
         }))
     }
 
@@ -506,6 +519,11 @@ pub(crate) struct Ticket {
     held: bool,
     /// The fencing counter of the claim won in the shared store, if any.
     fence: Option<u64>,
+    /// A claim of this ticket's went to the shared store and may have
+    /// landed there, but no answer came back (its caller left, or the call
+    /// failed after it was sent): released there too when the ticket is,
+    /// so it does not hold the key for a whole lease with nobody behind it.
+    unanswered: bool,
     /// When that claim has certainly lapsed in the shared store.
     lapse: Option<Arc<Lapse>>,
 }
@@ -940,9 +958,9 @@ impl Ticket {
         if !self.held {
             return;
         }
-        let fence = self.fence;
+        let shared = self.fence.is_some() || self.unanswered;
         self.drop_local();
-        if fence.is_some() {
+        if shared {
             self.release_shared();
         }
         self.cell.set(Ok(Settled::Released));

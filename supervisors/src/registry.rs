@@ -475,7 +475,10 @@ impl<K: Eq + Hash + Clone, S, G: Stamp> Registry<K, S, G> {
     /// keys costs refused callers at most 5 % of their time in passes. A
     /// caller refused while a pass runs waits for it; one refused in the
     /// millisecond a pass ended is told to try again without a pass of its
-    /// own.
+    /// own. One that finds room made since it was refused (by another
+    /// caller's pass, or keys removed) is told to try again without a pass:
+    /// a pass then would free little, and hold back the next refused
+    /// caller for nothing.
     ///
     /// # Examples
     ///
@@ -497,6 +500,9 @@ impl<K: Eq + Hash + Clone, S, G: Stamp> Registry<K, S, G> {
     /// assert!(!add(4, true), "full of live keys");
     /// ```
     pub fn retain_when_full(&self, keep: impl FnMut(&K, &mut S) -> bool) -> bool {
+        if self.has_room() {
+            return true;
+        }
         let pass = &self.shared.full_pass;
         let now = Instant::now();
         let at = pass.ms(now);
@@ -515,6 +521,9 @@ impl<K: Eq + Hash + Clone, S, G: Stamp> Registry<K, S, G> {
             // over keys that one has just swept.
             return true;
         }
+        if self.has_room() {
+            return true;
+        }
         if at < pass.next_ms.load(Ordering::Relaxed) {
             return false;
         }
@@ -531,6 +540,12 @@ impl<K: Eq + Hash + Clone, S, G: Stamp> Registry<K, S, G> {
             (now.elapsed() * 20).max(done.pause)
         };
         true
+    }
+
+    /// Whether the [`Counters`] shared by this registry count fewer keys
+    /// than its cap.
+    fn has_room(&self) -> bool {
+        self.shared.counters.keys() < self.shared.cap
     }
 
     /// Keeps only the slots for which `keep` returns true; returns the keys

@@ -181,6 +181,38 @@ fn cap_reached_refuses_and_inserts_nothing() {
     assert_eq!(counters.keys(), 2);
 }
 
+/// A caller the cap refused, which finds room made since (another caller's
+/// pass, or keys removed) when it comes to make room, tries again without a
+/// pass: one would free little, and a pass that frees little holds back
+/// the next refused caller.
+#[tokio::test(start_paused = true)]
+async fn a_refused_caller_that_finds_room_tries_again_without_a_pass() {
+    let counters = Arc::new(Counters::new());
+    let registry = Registry::<u32, bool>::new(counters.clone(), 2);
+    let add = |key, live| {
+        registry.update(&key, |slot| match slot {
+            SlotEntry::Vacant(vacant) => vacant.insert(live).is_ok(),
+            SlotEntry::Occupied(_) => true,
+        })
+    };
+    assert!(add(1, true) && add(2, false));
+    // Two callers are refused; the first one's pass frees key 2 (over).
+    assert!(!add(3, true) && !add(4, true));
+    assert!(registry.retain_when_full(|_, live| *live));
+    // The second comes to make room a while later: there is room already.
+    tokio::time::advance(Duration::from_millis(5)).await;
+    assert!(registry.retain_when_full(|_, _| panic!("a pass while there is room")));
+    assert!(add(4, true));
+    // Full of live keys: the next refused caller gets a pass at once.
+    assert!(!add(5, true));
+    let mut visited = 0;
+    assert!(registry.retain_when_full(|_, _| {
+        visited += 1;
+        true
+    }));
+    assert_eq!((visited, counters.keys()), (2, 2));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cap_holds_under_concurrent_inserts() {
     const CAP: usize = 100;

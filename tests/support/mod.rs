@@ -95,5 +95,6 @@ impl Events {
     }
 }
 
+pub mod cancel;
 #[cfg(feature = "redis")]
 pub mod redis;
