@@ -1218,8 +1218,10 @@ mod layers {
             async move {
                 let key = format!("h{k}");
                 let runs = Runs::default();
-                let layer = IdempotencyLayer::new(&rt)
-                    .with_options(IdempotencyOptions::new().with_ttl(TTL));
+                let layer = IdempotencyLayer::builder(&rt)
+                    .with_options(IdempotencyOptions::new().with_ttl(TTL))
+                    .build()
+                    .expect("valid settings");
                 let app = shop(&runs).layer(layer);
                 let cut = cut_after(app.clone().oneshot(request(&key)), k, PATIENCE).await;
                 let finished = cut.finished();
@@ -1374,8 +1376,10 @@ mod layers {
                 finished: Runs::default(),
                 open: watch::Sender::new(false),
             };
-            let layer = IdempotencyLayer::new(&rt)
-                .with_options(IdempotencyOptions::new().with_ttl(Duration::from_secs(1)));
+            let layer = IdempotencyLayer::builder(&rt)
+                .with_options(IdempotencyOptions::new().with_ttl(Duration::from_secs(1)))
+                .build()
+                .expect("valid settings");
             let app = Router::new()
                 .route("/pay", post(pay))
                 .with_state(shop.clone())

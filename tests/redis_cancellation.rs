@@ -708,7 +708,12 @@ mod layers {
                 async move {
                     let key = format!("h{}-{k}", linger.as_millis());
                     let runs = Runs::default();
-                    let layer = |rt: &Runtime| IdempotencyLayer::new(rt).with_options(options());
+                    let layer = |rt: &Runtime| {
+                        IdempotencyLayer::builder(rt)
+                            .with_options(options())
+                            .build()
+                            .expect("valid settings")
+                    };
                     let (app_a, app_b) =
                         (shop(&runs).layer(layer(&a)), shop(&runs).layer(layer(&b)));
                     let cut =
