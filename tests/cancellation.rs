@@ -1256,10 +1256,7 @@ mod layers {
                 "immediate",
                 RateLimitLayer::new(Enforcer::new(limiter.clone())),
             ),
-            (
-                "async",
-                RateLimitLayer::new_async(Enforcer::new(limiter.clone())),
-            ),
+            ("async", RateLimitLayer::new(Enforcer::new(limiter.clone()))),
         ] {
             let layer = layer.with_key(RateLimitKey::header(HeaderName::from_static("x-client")));
             for_every_cut(2, 20, |k| {
@@ -1427,10 +1424,7 @@ mod layers {
                     "immediate",
                     RateLimitLayer::new(Enforcer::new(limiter.clone())),
                 ),
-                (
-                    "async",
-                    RateLimitLayer::new_async(Enforcer::new(limiter.clone())),
-                ),
+                ("async", RateLimitLayer::new(Enforcer::new(limiter.clone()))),
             ] {
                 let layer = layer.with_key(RateLimitKey::header(HeaderName::from_static(
                     "idempotency-key",

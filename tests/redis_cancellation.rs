@@ -753,7 +753,7 @@ mod layers {
         let limiter = Limiter::builder(Gcra::new(5, Duration::from_secs(60)).expect("valid"))
             .with_store(redis.clone())
             .build();
-        let layer = RateLimitLayer::new_async(Enforcer::new(limiter.clone()))
+        let layer = RateLimitLayer::new(Enforcer::new(limiter.clone()))
             .with_key(RateLimitKey::header(HeaderName::from_static("x-client")));
         for linger in LINGERS {
             for_every_cut(2, 20, |k| {
