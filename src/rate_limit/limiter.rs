@@ -280,10 +280,7 @@ fn cost_for<S: Strategy>(strategy: &S, key: &str, cost: u32) -> Result<NonZeroU3
 /// A store's reply of the wrong kind: the store is broken.
 #[cold]
 fn wrong_reply(key: &str, reply: RateLimitReply) -> RateLimitError {
-    RateLimitError::store(
-        key,
-        format!("store replied {reply:?} to a request of another kind"),
-    )
+    super::store::wrong_reply(key, &reply)
 }
 
 impl<S: Strategy> Limiter<S> {
@@ -586,25 +583,50 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
         if let Err(err) = RateLimitError::check_key(key) {
             return Err(self.failed(err));
         }
-        let overridden = self.override_for(key);
-        let strategy = overridden.as_ref().unwrap_or(&self.inner.strategy);
+        if self.inner.has_overrides.load(Ordering::Acquire) {
+            return self.check_overridden(key, cost, now_us);
+        }
+        self.check_with(&self.inner.strategy, key, cost, now_us)
+    }
+
+    /// [`Limiter::check_n_at`] for a limiter with overrides: off the hot path of those without.
+    #[inline(never)]
+    fn check_overridden(
+        &self,
+        key: &str,
+        cost: u32,
+        now_us: u64,
+    ) -> Result<Decision, RateLimitError> {
+        match self.override_for(key) {
+            Some(strategy) => self.check_with(&strategy, key, cost, now_us),
+            None => self.check_with(&self.inner.strategy, key, cost, now_us),
+        }
+    }
+
+    /// Spends `cost` units of `strategy` for a valid `key` and counts the decision.
+    #[inline(always)]
+    fn check_with(
+        &self,
+        strategy: &S,
+        key: &str,
+        cost: u32,
+        now_us: u64,
+    ) -> Result<Decision, RateLimitError> {
         let cost = match cost_for(strategy, key, cost) {
             Ok(cost) => cost,
             Err(err) => return Err(self.failed(err)),
         };
-        let store_key = self.store_key(key);
-        let request = RateLimitRequest {
-            key: &store_key,
-            now_us,
-            strategy,
-            op: RateLimitOp::Check { cost },
+        let decided = if self.inner.namespace.is_empty() {
+            self.inner.store.check(key, now_us, strategy, cost)
+        } else {
+            let store_key = self.store_key(key);
+            self.inner.store.check(&store_key, now_us, strategy, cost)
         };
-        match self.inner.store.apply(request) {
-            Ok(RateLimitReply::Decision(d)) => {
+        match decided {
+            Ok(d) => {
                 self.inner.counters.decided(d.allowed);
                 Ok(d)
             }
-            Ok(other) => Err(self.failed(wrong_reply(key, other))),
             Err(err) => Err(self.failed(err)),
         }
     }
@@ -1021,5 +1043,45 @@ mod tests {
             tokio::time::timeout(Duration::from_millis(10), limiter.until_ready("k")).await;
         assert!(cancelled.is_err());
         assert!(limiter.inner.queues.is_empty());
+    }
+
+    /// A store that replies to every request with `Reset`.
+    struct Broken;
+
+    impl RateLimitStore<Gcra> for Broken {
+        fn apply(&self, _: RateLimitRequest<'_, Gcra>) -> Result<RateLimitReply, RateLimitError> {
+            Ok(RateLimitReply::Reset)
+        }
+    }
+
+    #[test]
+    fn a_store_replying_the_wrong_kind_is_a_counted_store_error() {
+        let limiter = Limiter::builder(Gcra::per_second(NonZeroU32::MIN))
+            .with_store(Broken)
+            .build();
+        let err = limiter.check("k").unwrap_err();
+        assert!(matches!(err, RateLimitError::Store { .. }), "{err:?}");
+        let cause = std::error::Error::source(&err).map(ToString::to_string);
+        assert!(cause.is_some_and(|c| c.contains("replied Reset")), "{err:?}");
+        let stats = limiter.stats();
+        assert_eq!((stats.allowed, stats.denied, stats.errors), (0, 0, 1));
+    }
+
+    #[test]
+    fn overrides_and_namespaces_take_the_same_path_as_the_default() {
+        let limiter = Limiter::builder(Gcra::per_second(NonZeroU32::new(2).unwrap()))
+            .with_namespace("ns")
+            .with_clock(crate::clock::ManualClock::new(0))
+            .build();
+        limiter
+            .set_override("vip", Gcra::per_second(NonZeroU32::new(3).unwrap()))
+            .unwrap();
+        let remaining = |key| limiter.check(key).unwrap().remaining;
+        assert_eq!((remaining("vip"), remaining("vip")), (2, 1));
+        assert_eq!((remaining("k"), remaining("k")), (1, 0));
+        assert!(!limiter.check("k").unwrap().allowed);
+        assert_eq!(limiter.store().len(), 2);
+        let stats = limiter.stats();
+        assert_eq!((stats.allowed, stats.denied), (4, 1));
     }
 }

@@ -383,7 +383,7 @@ impl<T: Transition> Strategy for T {
         Transition::window_ms(self)
     }
 
-    #[inline]
+    #[inline(always)]
     fn check(
         &self,
         state: Option<T::State>,
@@ -457,7 +457,7 @@ impl<T: Transition> Strategy for T {
 }
 
 /// The consuming transition, with the reservation delay in ms.
-#[inline]
+#[inline(always)]
 fn step<T: Transition>(
     model: &T,
     state: Option<T::State>,

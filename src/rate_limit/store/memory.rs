@@ -1,19 +1,19 @@
 //! The in-memory store: a sharded map with TTLs and a key bound whose eviction forgets first
 //! the keys that forgetting hands back least.
 
-use std::num::NonZeroUsize;
+use std::num::{NonZeroU32, NonZeroUsize};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock};
 
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry;
 
-use super::{FirstKeyHook, RateLimitRequest, RateLimitStore};
+use super::{FirstKeyHook, RateLimitRequest, RateLimitStore, wrong_reply};
 use crate::key::InlineKey;
-use crate::rate_limit::RateLimitError;
 use crate::rate_limit::strategy::{
     RateLimitOp, RateLimitReply, StateUpdate, Strategy, TIME_CEILING_US,
 };
+use crate::rate_limit::{Decision, RateLimitError};
 
 /// Default bound on the number of keys: one million.
 pub const DEFAULT_LIMITER_MAX_KEYS: usize = 1_000_000;
@@ -86,7 +86,7 @@ fn secs_up(us: u64) -> u32 {
 /// # Examples
 ///
 /// ```
-/// use std::num::NonZeroUsize;
+/// use std::num::{NonZeroU32, NonZeroUsize};
 /// use throttlebeam::rate_limit::{GcraState, MemoryRateLimitStore};
 ///
 /// let store: MemoryRateLimitStore<GcraState> =
@@ -383,6 +383,34 @@ impl<St: Strategy> RateLimitStore<St> for MemoryRateLimitStore<St::State> {
             return run_on(&mut slot, &request);
         }
         self.apply_new(&request)
+    }
+
+    #[inline(always)]
+    fn check(
+        &self,
+        key: &str,
+        now_us: u64,
+        strategy: &St,
+        cost: NonZeroU32,
+    ) -> Result<Decision, RateLimitError> {
+        if let Some(mut slot) = self.map.get_mut(key.as_bytes()) {
+            let current = (slot.expires_at > secs(now_us)).then_some(slot.state);
+            let applied = strategy
+                .check(current, now_us, cost)
+                .map_err(|err| err.for_key(key))?;
+            write(&mut slot, now_us, applied.update);
+            return Ok(applied.result);
+        }
+        let request = RateLimitRequest {
+            key,
+            now_us,
+            strategy,
+            op: RateLimitOp::Check { cost },
+        };
+        match self.apply_new(&request)? {
+            RateLimitReply::Decision(d) => Ok(d),
+            other => Err(wrong_reply(key, &other)),
+        }
     }
 
     fn keys(&self) -> Option<usize> {
