@@ -1,6 +1,7 @@
 //! [`Limiter`]: a strategy, a store, a key namespace and a clock.
 
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -14,7 +15,7 @@ use super::leaky::LeakyBucket;
 use super::store::{AsyncRateLimitStore, MemoryRateLimitStore, RateLimitRequest, RateLimitStore};
 use super::strategy::{RateLimitOp, RateLimitReply, ShaperReservation, Strategy};
 use super::{Decision, Forecast, RateLimitError};
-use crate::clock::{Clock, TokioClock};
+use crate::clock::{Clock, QuantaClock, TokioClock};
 
 type Gate = Arc<tokio::sync::Mutex<()>>;
 
@@ -55,7 +56,7 @@ struct Inner<S, St> {
     strategy: S,
     store: St,
     namespace: Box<str>,
-    clock: Arc<dyn Clock>,
+    clock: LimiterClock,
     overrides: DashMap<Box<str>, S, ahash::RandomState>,
     /// Skips the override lookup on the hot path while there are none.
     has_overrides: AtomicBool,
@@ -93,6 +94,49 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> throttlebeam_supervisors::Sweep
             );
             1
         })
+    }
+}
+
+/// A limiter's clock: the crate's own clocks read directly (inlined into a check), any other
+/// through its trait object.
+enum LimiterClock {
+    Tokio(TokioClock),
+    Quanta(QuantaClock),
+    Other(Arc<dyn Clock>),
+}
+
+impl LimiterClock {
+    fn new<C: Clock>(clock: C) -> Self {
+        let mut slot = Some(clock);
+        let any: &mut dyn std::any::Any = &mut slot;
+        if let Some(tokio) = any
+            .downcast_mut::<Option<TokioClock>>()
+            .and_then(Option::take)
+        {
+            return Self::Tokio(tokio);
+        }
+        if let Some(quanta) = any
+            .downcast_mut::<Option<QuantaClock>>()
+            .and_then(Option::take)
+        {
+            return Self::Quanta(quanta);
+        }
+        // Still there: only a match above takes it, and returns.
+        slot.map_or_else(
+            || Self::Tokio(TokioClock::new()),
+            |clock| Self::Other(Arc::new(clock)),
+        )
+    }
+}
+
+impl Clock for LimiterClock {
+    #[inline]
+    fn now_us(&self) -> u64 {
+        match self {
+            Self::Tokio(clock) => clock.now_us(),
+            Self::Quanta(clock) => clock.now_us(),
+            Self::Other(clock) => clock.now_us(),
+        }
     }
 }
 
@@ -140,14 +184,27 @@ struct Stripe {
     errors: AtomicU64,
 }
 
+/// The stripe of a thread that counts for the first time: round robin.
+#[cold]
+fn first_stripe() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES
+}
+
 impl Counters {
     #[inline]
     fn stripe(&self) -> &Stripe {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        // A `const` thread-local reads with one load (no lazy-initialisation state); the
+        // thread's stripe is picked on its first count.
         thread_local! {
-            static INDEX: usize = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+            static INDEX: Cell<usize> = const { Cell::new(usize::MAX) };
         }
-        &self.0[INDEX.with(|i| *i)]
+        let mut index = INDEX.get();
+        if index == usize::MAX {
+            index = first_stripe();
+            INDEX.set(index);
+        }
+        &self.0[index % STRIPES]
     }
 
     #[inline]
@@ -209,7 +266,7 @@ pub struct LimiterBuilder<S: Strategy, St> {
     strategy: S,
     store: St,
     namespace: Box<str>,
-    clock: Arc<dyn Clock>,
+    clock: LimiterClock,
 }
 
 impl<S: Strategy, St> LimiterBuilder<S, St> {
@@ -234,7 +291,7 @@ impl<S: Strategy, St> LimiterBuilder<S, St> {
     /// Reads time from `clock`.
     pub fn with_clock(self, clock: impl Clock) -> Self {
         Self {
-            clock: Arc::new(clock),
+            clock: LimiterClock::new(clock),
             ..self
         }
     }
@@ -296,7 +353,7 @@ impl<S: Strategy> Limiter<S> {
             strategy,
             store: MemoryRateLimitStore::new(),
             namespace: Box::default(),
-            clock: Arc::new(TokioClock::new()),
+            clock: LimiterClock::Tokio(TokioClock::new()),
         }
     }
 }
@@ -1062,7 +1119,10 @@ mod tests {
         let err = limiter.check("k").unwrap_err();
         assert!(matches!(err, RateLimitError::Store { .. }), "{err:?}");
         let cause = std::error::Error::source(&err).map(ToString::to_string);
-        assert!(cause.is_some_and(|c| c.contains("replied Reset")), "{err:?}");
+        assert!(
+            cause.is_some_and(|c| c.contains("replied Reset")),
+            "{err:?}"
+        );
         let stats = limiter.stats();
         assert_eq!((stats.allowed, stats.denied, stats.errors), (0, 0, 1));
     }
@@ -1083,5 +1143,22 @@ mod tests {
         assert_eq!(limiter.store().len(), 2);
         let stats = limiter.stats();
         assert_eq!((stats.allowed, stats.denied), (4, 1));
+    }
+
+    #[test]
+    fn the_crates_clocks_are_read_directly_and_others_through_their_trait() {
+        let tokio = LimiterClock::new(TokioClock::new());
+        assert!(matches!(tokio, LimiterClock::Tokio(_)));
+        assert!(matches!(
+            LimiterClock::new(QuantaClock::new()),
+            LimiterClock::Quanta(_)
+        ));
+        let manual = crate::clock::ManualClock::new(5);
+        let clock = LimiterClock::new(manual.clone());
+        assert!(matches!(clock, LimiterClock::Other(_)));
+        manual.advance_ms(1);
+        assert_eq!(clock.now_us(), 6_000);
+        let (a, b) = (tokio.now_us(), tokio.now_us());
+        assert!(a <= b);
     }
 }
