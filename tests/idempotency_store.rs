@@ -233,16 +233,22 @@ async fn contract(store: Arc<dyn IdempotencyStore>, ns: &str) {
             .unwrap()
     );
 
-    // Renewing keeps a claim alive past its first lease.
+    // Renewing keeps a claim alive past its first lease. The lease is long
+    // enough that a renewal sent a third of it late on a busy machine still
+    // finds the claim; four renewals take it past the first lease.
     let k = key("renew");
     let holder = ClaimToken::new();
+    let renewed = Duration::from_millis(900);
     assert!(matches!(
-        store.claim(&k, request(holder, None, short)).await.unwrap(),
+        store
+            .claim(&k, request(holder, None, renewed))
+            .await
+            .unwrap(),
         ClaimReply::Won { .. }
     ));
     for _ in 0..4 {
-        tokio::time::sleep(Duration::from_millis(30)).await;
-        assert!(store.renew(&k, holder, short).await.unwrap());
+        tokio::time::sleep(renewed / 3).await;
+        assert!(store.renew(&k, holder, renewed).await.unwrap());
     }
     assert!(matches!(
         store

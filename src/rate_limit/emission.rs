@@ -34,6 +34,10 @@ pub(crate) struct Emission {
     /// lets `consume` skip a division.
     #[serde(skip)]
     pub(crate) whole_us: u64,
+    /// Units admissible at once from a TAT at or before now, `tolerance / period_us`: lets
+    /// `available` skip a division for a key that is full.
+    #[serde(skip)]
+    full: u64,
 }
 
 impl Emission {
@@ -67,6 +71,7 @@ impl Emission {
             per,
             tolerance,
             whole_us,
+            full: tolerance / period_us,
         }
     }
 
@@ -77,7 +82,7 @@ impl Emission {
 
     /// Units admissible at once from an empty queue.
     pub(crate) fn slots(&self) -> u64 {
-        self.tolerance / self.period_us
+        self.full
     }
 
     /// The TAT brought forward to `now` (never before it).
@@ -101,7 +106,10 @@ impl Emission {
     /// Units spendable at `now`.
     #[inline]
     pub(crate) fn available(&self, tat: &Tat, now: u64) -> u64 {
-        self.tolerance.saturating_sub(self.ahead(tat, now)) / self.period_us
+        match self.ahead(tat, now) {
+            0 => self.full,
+            ahead => self.tolerance.saturating_sub(ahead) / self.period_us,
+        }
     }
 
     /// The earliest µs `>= now` at which `units` are spendable.
@@ -171,6 +179,19 @@ mod tests {
         assert_eq!(e.earliest(&tat, 0, 1), 333_334);
         assert_eq!(e.available(&tat, 333_334), 1);
         assert_eq!(e.available(&tat, 333_333), 0);
+    }
+
+    #[test]
+    fn a_full_key_has_every_slot_without_dividing() {
+        // 3 per second, burst 5: a TAT at or before now leaves all five.
+        let e = Emission::new(1_000_000, 3, 5_000_000, "burst").unwrap();
+        let now = 7_000_000;
+        for tat in [Tat { us: 0, rem: 0 }, Tat { us: now, rem: 0 }] {
+            assert_eq!(e.available(&tat, now), 5);
+        }
+        assert_eq!(e.slots(), 5);
+        // A third of a microsecond ahead is past the fifth slot's tolerance.
+        assert_eq!(e.available(&Tat { us: now, rem: 1 }, now), 4);
     }
 
     #[test]

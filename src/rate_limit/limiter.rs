@@ -1,6 +1,7 @@
 //! [`Limiter`]: a strategy, a store, a key namespace and a clock.
 
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -14,7 +15,7 @@ use super::leaky::LeakyBucket;
 use super::store::{AsyncRateLimitStore, MemoryRateLimitStore, RateLimitRequest, RateLimitStore};
 use super::strategy::{RateLimitOp, RateLimitReply, ShaperReservation, Strategy};
 use super::{Decision, Forecast, RateLimitError};
-use crate::clock::{Clock, TokioClock};
+use crate::clock::{Clock, QuantaClock, TokioClock};
 
 type Gate = Arc<tokio::sync::Mutex<()>>;
 
@@ -55,7 +56,7 @@ struct Inner<S, St> {
     strategy: S,
     store: St,
     namespace: Box<str>,
-    clock: Arc<dyn Clock>,
+    clock: LimiterClock,
     overrides: DashMap<Box<str>, S, ahash::RandomState>,
     /// Skips the override lookup on the hot path while there are none.
     has_overrides: AtomicBool,
@@ -93,6 +94,49 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> throttlebeam_supervisors::Sweep
             );
             1
         })
+    }
+}
+
+/// A limiter's clock: the crate's own clocks read directly (inlined into a check), any other
+/// through its trait object.
+enum LimiterClock {
+    Tokio(TokioClock),
+    Quanta(QuantaClock),
+    Other(Arc<dyn Clock>),
+}
+
+impl LimiterClock {
+    fn new<C: Clock>(clock: C) -> Self {
+        let mut slot = Some(clock);
+        let any: &mut dyn std::any::Any = &mut slot;
+        if let Some(tokio) = any
+            .downcast_mut::<Option<TokioClock>>()
+            .and_then(Option::take)
+        {
+            return Self::Tokio(tokio);
+        }
+        if let Some(quanta) = any
+            .downcast_mut::<Option<QuantaClock>>()
+            .and_then(Option::take)
+        {
+            return Self::Quanta(quanta);
+        }
+        // Still there: only a match above takes it, and returns.
+        slot.map_or_else(
+            || Self::Tokio(TokioClock::new()),
+            |clock| Self::Other(Arc::new(clock)),
+        )
+    }
+}
+
+impl Clock for LimiterClock {
+    #[inline]
+    fn now_us(&self) -> u64 {
+        match self {
+            Self::Tokio(clock) => clock.now_us(),
+            Self::Quanta(clock) => clock.now_us(),
+            Self::Other(clock) => clock.now_us(),
+        }
     }
 }
 
@@ -140,14 +184,27 @@ struct Stripe {
     errors: AtomicU64,
 }
 
+/// The stripe of a thread that counts for the first time: round robin.
+#[cold]
+fn first_stripe() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES
+}
+
 impl Counters {
     #[inline]
     fn stripe(&self) -> &Stripe {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        // A `const` thread-local reads with one load (no lazy-initialisation state); the
+        // thread's stripe is picked on its first count.
         thread_local! {
-            static INDEX: usize = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+            static INDEX: Cell<usize> = const { Cell::new(usize::MAX) };
         }
-        &self.0[INDEX.with(|i| *i)]
+        let mut index = INDEX.get();
+        if index == usize::MAX {
+            index = first_stripe();
+            INDEX.set(index);
+        }
+        &self.0[index % STRIPES]
     }
 
     #[inline]
@@ -209,7 +266,7 @@ pub struct LimiterBuilder<S: Strategy, St> {
     strategy: S,
     store: St,
     namespace: Box<str>,
-    clock: Arc<dyn Clock>,
+    clock: LimiterClock,
 }
 
 impl<S: Strategy, St> LimiterBuilder<S, St> {
@@ -234,7 +291,7 @@ impl<S: Strategy, St> LimiterBuilder<S, St> {
     /// Reads time from `clock`.
     pub fn with_clock(self, clock: impl Clock) -> Self {
         Self {
-            clock: Arc::new(clock),
+            clock: LimiterClock::new(clock),
             ..self
         }
     }
@@ -280,10 +337,7 @@ fn cost_for<S: Strategy>(strategy: &S, key: &str, cost: u32) -> Result<NonZeroU3
 /// A store's reply of the wrong kind: the store is broken.
 #[cold]
 fn wrong_reply(key: &str, reply: RateLimitReply) -> RateLimitError {
-    RateLimitError::store(
-        key,
-        format!("store replied {reply:?} to a request of another kind"),
-    )
+    super::store::wrong_reply(key, &reply)
 }
 
 impl<S: Strategy> Limiter<S> {
@@ -299,7 +353,7 @@ impl<S: Strategy> Limiter<S> {
             strategy,
             store: MemoryRateLimitStore::new(),
             namespace: Box::default(),
-            clock: Arc::new(TokioClock::new()),
+            clock: LimiterClock::Tokio(TokioClock::new()),
         }
     }
 }
@@ -586,25 +640,50 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
         if let Err(err) = RateLimitError::check_key(key) {
             return Err(self.failed(err));
         }
-        let overridden = self.override_for(key);
-        let strategy = overridden.as_ref().unwrap_or(&self.inner.strategy);
+        if self.inner.has_overrides.load(Ordering::Acquire) {
+            return self.check_overridden(key, cost, now_us);
+        }
+        self.check_with(&self.inner.strategy, key, cost, now_us)
+    }
+
+    /// [`Limiter::check_n_at`] for a limiter with overrides: off the hot path of those without.
+    #[inline(never)]
+    fn check_overridden(
+        &self,
+        key: &str,
+        cost: u32,
+        now_us: u64,
+    ) -> Result<Decision, RateLimitError> {
+        match self.override_for(key) {
+            Some(strategy) => self.check_with(&strategy, key, cost, now_us),
+            None => self.check_with(&self.inner.strategy, key, cost, now_us),
+        }
+    }
+
+    /// Spends `cost` units of `strategy` for a valid `key` and counts the decision.
+    #[inline(always)]
+    fn check_with(
+        &self,
+        strategy: &S,
+        key: &str,
+        cost: u32,
+        now_us: u64,
+    ) -> Result<Decision, RateLimitError> {
         let cost = match cost_for(strategy, key, cost) {
             Ok(cost) => cost,
             Err(err) => return Err(self.failed(err)),
         };
-        let store_key = self.store_key(key);
-        let request = RateLimitRequest {
-            key: &store_key,
-            now_us,
-            strategy,
-            op: RateLimitOp::Check { cost },
+        let decided = if self.inner.namespace.is_empty() {
+            self.inner.store.check(key, now_us, strategy, cost)
+        } else {
+            let store_key = self.store_key(key);
+            self.inner.store.check(&store_key, now_us, strategy, cost)
         };
-        match self.inner.store.apply(request) {
-            Ok(RateLimitReply::Decision(d)) => {
+        match decided {
+            Ok(d) => {
                 self.inner.counters.decided(d.allowed);
                 Ok(d)
             }
-            Ok(other) => Err(self.failed(wrong_reply(key, other))),
             Err(err) => Err(self.failed(err)),
         }
     }
@@ -1044,5 +1123,65 @@ mod tests {
             tokio::time::timeout(Duration::from_millis(10), limiter.until_ready("k")).await;
         assert!(cancelled.is_err());
         assert!(limiter.inner.queues.is_empty());
+    }
+
+    /// A store that replies to every request with `Reset`.
+    struct Broken;
+
+    impl RateLimitStore<Gcra> for Broken {
+        fn apply(&self, _: RateLimitRequest<'_, Gcra>) -> Result<RateLimitReply, RateLimitError> {
+            Ok(RateLimitReply::Reset)
+        }
+    }
+
+    #[test]
+    fn a_store_replying_the_wrong_kind_is_a_counted_store_error() {
+        let limiter = Limiter::builder(Gcra::per_second(NonZeroU32::MIN))
+            .with_store(Broken)
+            .build();
+        let err = limiter.check("k").unwrap_err();
+        assert!(matches!(err, RateLimitError::Store { .. }), "{err:?}");
+        let cause = std::error::Error::source(&err).map(ToString::to_string);
+        assert!(
+            cause.is_some_and(|c| c.contains("replied Reset")),
+            "{err:?}"
+        );
+        let stats = limiter.stats();
+        assert_eq!((stats.allowed, stats.denied, stats.errors), (0, 0, 1));
+    }
+
+    #[test]
+    fn overrides_and_namespaces_take_the_same_path_as_the_default() {
+        let limiter = Limiter::builder(Gcra::per_second(NonZeroU32::new(2).unwrap()))
+            .with_namespace("ns")
+            .with_clock(crate::clock::ManualClock::new(0))
+            .build();
+        limiter
+            .set_override("vip", Gcra::per_second(NonZeroU32::new(3).unwrap()))
+            .unwrap();
+        let remaining = |key| limiter.check(key).unwrap().remaining;
+        assert_eq!((remaining("vip"), remaining("vip")), (2, 1));
+        assert_eq!((remaining("k"), remaining("k")), (1, 0));
+        assert!(!limiter.check("k").unwrap().allowed);
+        assert_eq!(limiter.store().len(), 2);
+        let stats = limiter.stats();
+        assert_eq!((stats.allowed, stats.denied), (4, 1));
+    }
+
+    #[test]
+    fn the_crates_clocks_are_read_directly_and_others_through_their_trait() {
+        let tokio = LimiterClock::new(TokioClock::new());
+        assert!(matches!(tokio, LimiterClock::Tokio(_)));
+        assert!(matches!(
+            LimiterClock::new(QuantaClock::new()),
+            LimiterClock::Quanta(_)
+        ));
+        let manual = crate::clock::ManualClock::new(5);
+        let clock = LimiterClock::new(manual.clone());
+        assert!(matches!(clock, LimiterClock::Other(_)));
+        manual.advance_ms(1);
+        assert_eq!(clock.now_us(), 6_000);
+        let (a, b) = (tokio.now_us(), tokio.now_us());
+        assert!(a <= b);
     }
 }

@@ -41,10 +41,12 @@ pub(crate) fn clamp(now_us: u64) -> u64 {
     now_us.min(TIME_CEILING_US)
 }
 
-/// Microseconds rounded up to whole milliseconds.
+/// Microseconds rounded up to whole milliseconds: exact below `u64::MAX - 999` (the
+/// strategies' times stay below 2^54), saturating above. One add and one division by a
+/// constant, where `div_ceil` also tests the remainder.
 #[inline]
 pub(crate) fn ms_up(us: u64) -> u64 {
-    us.div_ceil(US_PER_MS)
+    us.saturating_add(US_PER_MS - 1) / US_PER_MS
 }
 
 /// What a store must do with a key's state after a transition.
@@ -383,7 +385,7 @@ impl<T: Transition> Strategy for T {
         Transition::window_ms(self)
     }
 
-    #[inline]
+    #[inline(always)]
     fn check(
         &self,
         state: Option<T::State>,
@@ -457,7 +459,7 @@ impl<T: Transition> Strategy for T {
 }
 
 /// The consuming transition, with the reservation delay in ms.
-#[inline]
+#[inline(always)]
 fn step<T: Transition>(
     model: &T,
     state: Option<T::State>,
@@ -547,4 +549,23 @@ pub(crate) fn period_us(
     }
     // At most 2^36 ms, so it fits.
     Ok(u64::try_from(period.as_micros()).unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ms_up_is_div_ceil_for_every_time_the_strategies_reach() {
+        let mut us = 0_u64;
+        while us < 1 << 60 {
+            for v in [us, us + 1, us + 999, us + 1_000, us + 1_001] {
+                assert_eq!(ms_up(v), v.div_ceil(US_PER_MS), "{v} µs");
+            }
+            us = us * 3 + 7;
+        }
+        assert_eq!(ms_up(u64::MAX - 999), (u64::MAX - 999).div_ceil(US_PER_MS));
+        // Above that it saturates rather than wrapping to 0.
+        assert_eq!(ms_up(u64::MAX), u64::MAX / US_PER_MS);
+    }
 }

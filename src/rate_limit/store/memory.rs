@@ -1,24 +1,21 @@
 //! The in-memory store: a sharded map with TTLs and a key bound whose eviction forgets first
 //! the keys that forgetting hands back least.
 
-use std::num::NonZeroUsize;
+mod table;
+
+use std::num::{NonZeroU32, NonZeroUsize};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError, RwLock};
 
-use dashmap::DashMap;
-use dashmap::mapref::entry::Entry;
-
-use super::{FirstKeyHook, RateLimitRequest, RateLimitStore};
-use crate::key::InlineKey;
-use crate::rate_limit::RateLimitError;
+use self::table::Table;
+use super::{FirstKeyHook, RateLimitRequest, RateLimitStore, wrong_reply};
 use crate::rate_limit::strategy::{
-    RateLimitOp, RateLimitReply, StateUpdate, Strategy, TIME_CEILING_US,
+    InsufficientCapacity, RateLimitOp, RateLimitReply, StateUpdate, Strategy, TIME_CEILING_US,
 };
+use crate::rate_limit::{Decision, RateLimitError};
 
 /// Default bound on the number of keys: one million.
 pub const DEFAULT_LIMITER_MAX_KEYS: usize = 1_000_000;
-/// Default shard count: enough that two threads rarely meet on one shard lock.
-const DEFAULT_SHARDS: usize = 64;
 /// A round of eviction forgets this fraction of `max_keys` (at least one key) besides the keys
 /// at rest, so that its visit of every key is paid for by that many inserts.
 const EVICT_FRACTION: usize = 64;
@@ -46,10 +43,10 @@ fn secs(us: u64) -> u32 {
     u32::try_from(us.min(TIME_CEILING_US) / US_PER_SEC).unwrap_or(u32::MAX)
 }
 
-/// `us` as an epoch second, rounded up.
+/// `us` as an epoch second, rounded up (saturating: exact below `u64::MAX - 999_999`).
 #[inline]
 fn secs_up(us: u64) -> u32 {
-    u32::try_from(us.div_ceil(US_PER_SEC)).unwrap_or(u32::MAX)
+    u32::try_from(us.saturating_add(US_PER_SEC - 1) / US_PER_SEC).unwrap_or(u32::MAX)
 }
 
 /// An in-memory [`RateLimitStore`]: a sharded hash map (one short write lock per request),
@@ -86,7 +83,7 @@ fn secs_up(us: u64) -> u32 {
 /// # Examples
 ///
 /// ```
-/// use std::num::NonZeroUsize;
+/// use std::num::{NonZeroU32, NonZeroUsize};
 /// use throttlebeam::rate_limit::{GcraState, MemoryRateLimitStore};
 ///
 /// let store: MemoryRateLimitStore<GcraState> =
@@ -95,7 +92,7 @@ fn secs_up(us: u64) -> u32 {
 /// ```
 #[derive(Debug)]
 pub struct MemoryRateLimitStore<S> {
-    map: DashMap<InlineKey, Slot<S>, ahash::RandomState>,
+    map: Table<Slot<S>>,
     len: AtomicUsize,
     max_keys: usize,
     evicting: Mutex<()>,
@@ -145,7 +142,7 @@ impl<S> MemoryRateLimitStore<S> {
     #[must_use]
     pub fn new() -> Self {
         Self {
-            map: DashMap::with_hasher_and_shard_amount(ahash::RandomState::new(), DEFAULT_SHARDS),
+            map: Table::new(),
             len: AtomicUsize::new(0),
             max_keys: DEFAULT_LIMITER_MAX_KEYS,
             evicting: Mutex::new(()),
@@ -200,12 +197,7 @@ impl<S> MemoryRateLimitStore<S> {
     /// retained capacity back once it is mostly empty.
     pub fn sweep(&self, now_us: u64) -> usize {
         let now = secs(now_us);
-        let mut removed = 0;
-        self.map.retain(|_, slot| {
-            let live = slot.expires_at > now;
-            removed += usize::from(!live);
-            live
-        });
+        let removed = self.map.retain(|slot| slot.expires_at > now);
         self.len.fetch_sub(removed, Ordering::Relaxed);
         if removed > 0 && self.map.len().saturating_mul(4) < self.map.capacity() {
             self.map.shrink_to_fit();
@@ -248,12 +240,10 @@ impl<S> MemoryRateLimitStore<S> {
         let batch = (self.max_keys / EVICT_FRACTION).max(1);
         let mut at_rest = 0;
         let mut ranks: Vec<u64> = Vec::new();
-        for entry in &self.map {
-            match rank(entry.value()) {
-                (0, _) => at_rest += 1,
-                (r, _) => ranks.push(r),
-            }
-        }
+        self.map.for_each(|slot| match rank(slot) {
+            (0, _) => at_rest += 1,
+            (r, _) => ranks.push(r),
+        });
         let need = batch.saturating_sub(at_rest).min(ranks.len());
         let (threshold, mut ties) = if need == 0 {
             (0, 0)
@@ -266,7 +256,7 @@ impl<S> MemoryRateLimitStore<S> {
         // Second pass: forget them. A key written meanwhile is ranked again, so one that now
         // holds back more stays.
         let (mut rested, mut evicted, mut limited) = (0usize, 0usize, 0usize);
-        self.map.retain(|_, slot| {
+        self.map.retain(|slot| {
             let (r, spent) = rank(slot);
             let forget = match r {
                 0 => {
@@ -325,25 +315,23 @@ impl<S: Copy + Send + Sync + 'static> MemoryRateLimitStore<S> {
         if self.len() >= self.max_keys {
             self.make_room(request.strategy, now_us);
         }
-        let mut first = false;
-        let result = match self.map.entry(InlineKey::new(request.key)) {
-            // Inserted by another thread since our lookup.
-            Entry::Occupied(mut e) => run_on(e.get_mut(), request),
-            Entry::Vacant(e) => {
-                let applied = request
-                    .strategy
-                    .apply(None, now_us, request.op)
-                    .map_err(|err| err.for_key(request.key))?;
-                if let StateUpdate::Set { state, ttl_us } = applied.update {
-                    e.insert(Slot {
+        // Inserted by another thread since our lookup: run on it.
+        let present = |slot: &mut Slot<S>| run_on(slot, request);
+        let absent = || match request.strategy.apply(None, now_us, request.op) {
+            Ok(applied) => {
+                let slot = match applied.update {
+                    StateUpdate::Set { state, ttl_us } => Some(Slot {
                         state,
                         expires_at: secs_up(now_us.saturating_add(ttl_us)),
-                    });
-                    first = self.len.fetch_add(1, Ordering::Relaxed) == 0;
-                }
-                Ok(applied.result)
+                    }),
+                    _ => None,
+                };
+                (Ok(applied.result), slot)
             }
+            Err(err) => (Err(err.for_key(request.key)), None),
         };
+        let (result, inserted) = self.map.upsert(request.key, present, absent);
+        let first = inserted && self.len.fetch_add(1, Ordering::Relaxed) == 0;
         // Outside the shard lock: the hook is someone else's code.
         if first {
             self.wake.call();
@@ -372,17 +360,51 @@ impl<St: Strategy> RateLimitStore<St> for MemoryRateLimitStore<St::State> {
     #[inline]
     fn apply(&self, request: RateLimitRequest<'_, St>) -> Result<RateLimitReply, RateLimitError> {
         if request.op == RateLimitOp::Reset {
-            if self.map.remove(request.key.as_bytes()).is_some() {
+            if self.map.remove(request.key.as_bytes()) {
                 self.len.fetch_sub(1, Ordering::Relaxed);
             }
             return Ok(RateLimitReply::Reset);
         }
         // Looked up by bytes: building a `InlineKey` on the stack to compare against measured
         // slower (its byte-wise stores stall the wide loads that hash and compare it).
-        if let Some(mut slot) = self.map.get_mut(request.key.as_bytes()) {
-            return run_on(&mut slot, &request);
+        let key = request.key.as_bytes();
+        if let Some(result) = self.map.with_mut(key, |slot| run_on(slot, &request)) {
+            return result;
         }
         self.apply_new(&request)
+    }
+
+    #[inline(always)]
+    fn check(
+        &self,
+        key: &str,
+        now_us: u64,
+        strategy: &St,
+        cost: NonZeroU32,
+    ) -> Result<Decision, RateLimitError> {
+        let found = self.map.with_mut(
+            key.as_bytes(),
+            #[inline(always)]
+            |slot| {
+                let current = (slot.expires_at > secs(now_us)).then_some(slot.state);
+                let applied = strategy.check(current, now_us, cost)?;
+                write(slot, now_us, applied.update);
+                Ok(applied.result)
+            },
+        );
+        if let Some(decided) = found {
+            return decided.map_err(|err: InsufficientCapacity| err.for_key(key));
+        }
+        let request = RateLimitRequest {
+            key,
+            now_us,
+            strategy,
+            op: RateLimitOp::Check { cost },
+        };
+        match self.apply_new(&request)? {
+            RateLimitReply::Decision(d) => Ok(d),
+            other => Err(wrong_reply(key, &other)),
+        }
     }
 
     fn keys(&self) -> Option<usize> {
@@ -409,7 +431,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::key::INLINE_KEY;
+    use crate::key::{INLINE_KEY, InlineKey};
     use crate::rate_limit::{Decision, FixedWindow, FixedWindowState};
 
     fn check(
