@@ -86,7 +86,8 @@
         feature = "runtime",
         feature = "http",
         feature = "tower",
-        feature = "redis"
+        feature = "redis",
+        feature = "postgres"
     )),
     allow(rustdoc::broken_intra_doc_links)
 )]
@@ -130,6 +131,9 @@ pub use debounce::{Debounce, DebounceHandle, DebounceOptions, Debounced};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use error::{BoxError, Error};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use idempotency::postgres;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use idempotency::{

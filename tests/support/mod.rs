@@ -95,5 +95,9 @@ impl Events {
     }
 }
 
+#[cfg(feature = "runtime")]
+pub mod contract;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
