@@ -645,7 +645,11 @@ impl Runtime {
     /// names ([`RuntimeBuilder::with_redis_from_env`]), connecting on its own
     /// thread: the first caller never waits for Redis, and a Redis
     /// unreachable at start is connected to once it answers (until then
-    /// idempotency fails closed and throttles decide per instance).
+    /// idempotency fails closed and throttles decide per instance). With the
+    /// `postgres` feature it keeps idempotency in the PostgreSQL
+    /// [`POSTGRES_URL_ENV`](crate::postgres::POSTGRES_URL_ENV) names, the
+    /// same way: connecting and migrating on its own thread, failing closed
+    /// until then.
     ///
     /// # Errors
     ///
