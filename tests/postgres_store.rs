@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use support::contract::{LEASE, TTL, contract, request};
-use support::postgres::PgSchema;
+use support::postgres::{PgSchema, Proxy};
 use throttlebeam::postgres::PostgresStore;
 use throttlebeam::store::StoreError;
 use throttlebeam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, StoredResult};
@@ -388,4 +388,92 @@ async fn an_unreachable_server_fails_closed_with_a_typed_error_in_bounded_time()
         .await;
     let e = store.unwrap_err();
     assert!(e.is_store_fault(), "{e:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_connecting_in_the_background_fails_closed_then_connects_and_migrates() {
+    let Some(schema) = PgSchema::create("a_store_connecting_in_the_background").await else {
+        return;
+    };
+    let port = Proxy::free_port();
+    let url = support::postgres::url().replace(":5432", &format!(":{port}"));
+    let store = PostgresStore::builder(&url)
+        .with_table(schema.table())
+        .with_application_name(&schema.name)
+        .with_connect_timeout(Duration::from_millis(300))
+        .with_auto_migrate(true)
+        .connect_in_background()
+        .unwrap();
+    let claim = || store.claim("k", request(ClaimToken::new(), None, LEASE));
+    let e = claim().await.unwrap_err();
+    assert!(
+        std::error::Error::source(&e).is_some_and(|s| s.to_string().contains("not connected yet")),
+        "{e:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(claim().await.is_err(), "still unreachable");
+    // The server becomes reachable: the store connects and migrates by itself.
+    let _proxy = Proxy::start(port).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let won = loop {
+        match claim().await {
+            Ok(reply) => break reply,
+            Err(_) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("never connected: {e:?}"),
+        }
+    };
+    assert!(matches!(won, ClaimReply::Won { .. }), "{won:?}");
+    assert!(store.stats().connected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s16_a_listener_whose_runtime_ended_is_started_again_by_the_next_watcher() {
+    let Some(schema) = PgSchema::create("s16_a_listener_whose_runtime_ended").await else {
+        return;
+    };
+    let store = schema.store().await;
+    // The first watcher lives on a tokio runtime that then ends.
+    let other = store.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let _changed = other.watch("first");
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            while !other.is_listening() {
+                assert!(tokio::time::Instant::now() < deadline, "never listened");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+    })
+    .join()
+    .unwrap();
+    assert!(!store.is_listening(), "the listener ended with its runtime");
+    let owner = ClaimToken::new();
+    assert!(matches!(
+        store
+            .claim("second", request(owner, None, LEASE))
+            .await
+            .unwrap(),
+        ClaimReply::Won { .. }
+    ));
+    let changed = store.watch("second");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !store.is_listening() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never listened again"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let result = StoredResult::new(None, "u8", vec![2]);
+    assert!(store.complete("second", owner, &result, TTL).await.unwrap());
+    tokio::time::timeout(Duration::from_secs(2), changed)
+        .await
+        .expect("woken through the new listener");
+    assert_eq!(store.stats().subscriptions, 2);
 }

@@ -202,3 +202,56 @@ fn unavailable<T>(test: &str, url: &str, why: &str) -> Option<T> {
     eprintln!("skipped {test}: PostgreSQL at {url} is unreachable: {why}");
     None
 }
+
+/// A TCP forwarder to the tests' server on a port of its own: a server that
+/// can be unreachable, then reachable, or cut off.
+pub struct Proxy {
+    pub port: u16,
+    tasks: std::sync::Arc<std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>>,
+}
+
+impl Proxy {
+    /// A free loopback port, nothing listening on it (yet).
+    pub fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free loopback port")
+    }
+
+    /// Forwards `port` to the server `url()` names (host and port read from it).
+    pub async fn start(port: u16) -> Self {
+        let config: tokio_postgres::Config = url().parse().expect("url");
+        let target_port = config.get_ports().first().copied().unwrap_or(5432);
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+            .await
+            .expect("the proxy's port is free");
+        let tasks = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let accepting = {
+            let tasks = std::sync::Arc::clone(&tasks);
+            tokio::spawn(async move {
+                while let Ok((mut inbound, _)) = listener.accept().await {
+                    let pipe = tokio::spawn(async move {
+                        if let Ok(mut outbound) =
+                            tokio::net::TcpStream::connect(("127.0.0.1", target_port)).await
+                        {
+                            let _ =
+                                tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                        }
+                    });
+                    tasks.lock().unwrap().push(pipe);
+                }
+            })
+        };
+        tasks.lock().unwrap().push(accepting);
+        Self { port, tasks }
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        for task in self.tasks.lock().unwrap().drain(..) {
+            task.abort();
+        }
+    }
+}
