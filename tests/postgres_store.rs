@@ -267,7 +267,7 @@ async fn a_watcher_wakes_on_the_notice_and_the_listener_comes_back_after_its_bac
     let owner_store = schema.store().await;
     // Another instance: its own pool and listener.
     let waiter_store = schema.builder().connect().await.unwrap();
-    for round in 0..2 {
+    for round in 0..2_u64 {
         let key = format!("wake:{round}");
         let owner = ClaimToken::new();
         assert!(matches!(
@@ -277,12 +277,16 @@ async fn a_watcher_wakes_on_the_notice_and_the_listener_comes_back_after_its_bac
                 .unwrap(),
             ClaimReply::Won { .. }
         ));
-        let changed = waiter_store.watch(&key);
+        // Listening (again, after round 0's kill) before the watch: a
+        // re-subscription wakes every watcher to look again, which would
+        // wake this one before the notice.
+        let _started = waiter_store.watch("start-the-listener");
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while !waiter_store.is_listening() {
+        while !(waiter_store.is_listening() && waiter_store.stats().subscriptions > round) {
             assert!(tokio::time::Instant::now() < deadline, "never listened");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        let changed = waiter_store.watch(&key);
         let started = tokio::time::Instant::now();
         let completer = async {
             tokio::time::sleep(Duration::from_millis(50)).await;

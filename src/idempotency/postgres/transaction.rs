@@ -343,9 +343,15 @@ impl Drop for Run {
 enum Ended<T> {
     /// Stored and completed in the transaction: commit.
     Completed(T),
-    /// Nothing to commit: roll back, then fail with this.
+    /// Nothing to commit: roll back.
+    Aborted(Abort),
+}
+
+/// Why a run rolls back.
+enum Abort {
+    /// Fail with this, and release the key.
     Failed(Error),
-    /// Another owner holds the key: roll back; nothing to release.
+    /// Another owner holds the key: nothing to release.
     LeaseLost,
 }
 
@@ -356,7 +362,7 @@ enum TxEnd<T> {
     CommitFailed(StoreError),
     /// Rolled back (`clean`: the rollback answered, the connection is
     /// reusable).
-    RolledBack(Ended<T>, bool),
+    RolledBack(Abort, bool),
     /// `BEGIN` failed.
     BeginFailed(StoreError),
 }
@@ -391,13 +397,13 @@ impl Run {
                             Err(fault) => TxEnd::CommitFailed(fault.into()),
                         }
                     }
-                    aborted => {
+                    Ended::Aborted(abort) => {
                         self.inner.connections.count();
                         let clean = matches!(
                             crate::store::guard(timeout, || tx.rollback()).await,
                             Ok(Ok(()))
                         );
-                        TxEnd::RolledBack(aborted, clean)
+                        TxEnd::RolledBack(abort, clean)
                     }
                 },
                 Ok(Err(e)) => TxEnd::BeginFailed(store_error(e)),
@@ -417,25 +423,24 @@ impl Run {
                 self.release().await;
                 Err(unavailable(&self.key, CommitFailed(e)))
             }
-            TxEnd::RolledBack(ended, clean) => {
+            TxEnd::RolledBack(abort, clean) => {
                 if clean {
                     conn.idle();
                     drop(conn);
                 } else {
                     conn.discard();
                 }
-                match ended {
-                    Ended::LeaseLost => {
+                match abort {
+                    Abort::LeaseLost => {
                         self.held = false;
                         Err(Error::LeaseLost {
                             key: self.key.clone(),
                         })
                     }
-                    Ended::Failed(error) => {
+                    Abort::Failed(error) => {
                         self.release().await;
                         Err(error)
                     }
-                    Ended::Completed(_) => unreachable!("a completed run commits"),
                 }
             }
             TxEnd::BeginFailed(source) => {
@@ -472,11 +477,11 @@ impl Run {
         };
         let value = match Error::from_run(&self.key, caught) {
             Ok(value) => value,
-            Err(error) => return Ended::Failed(error),
+            Err(error) => return Ended::Aborted(Abort::Failed(error)),
         };
         let stored = match stored_result(self.fingerprint, &value) {
             Ok(stored) => stored,
-            Err(e) => return Ended::Failed(unavailable(&self.key, e)),
+            Err(e) => return Ended::Aborted(Abort::Failed(unavailable(&self.key, e))),
         };
         let token = self.token.to_bytes();
         let fingerprint = stored.fingerprint.as_ref().map(|f| &f[..]);
@@ -501,18 +506,18 @@ impl Run {
         })
         .await;
         let failed = |source| {
-            Ended::Failed(unavailable(
+            Ended::Aborted(Abort::Failed(unavailable(
                 &self.key,
                 TransactionFailed {
                     step: "completion",
                     source,
                 },
-            ))
+            )))
         };
         match completed {
             Ok(Ok(row)) => match row.try_get::<_, bool>(0) {
                 Ok(true) => Ended::Completed(value),
-                Ok(false) => Ended::LeaseLost,
+                Ok(false) => Ended::Aborted(Abort::LeaseLost),
                 Err(e) => failed(protocol(e)),
             },
             Ok(Err(e)) => failed(store_error(e)),
