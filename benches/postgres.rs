@@ -1,9 +1,10 @@
 //! PostgreSQL benches, each side by side with its anchor, on the machine's
 //! server (`THROTTLEBEAM_TEST_POSTGRES_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`), in a schema of their own
-//! dropped at the end. One caller, one process; every comparison runs 7
-//! alternating rounds after a warm-up, and prints the medians and the
-//! median of the rounds' ratios (one round of either side varies by up to
+//! dropped at the end. One caller, one process; every comparison runs
+//! alternating rounds after a warm-up (41 rounds of 200 replays, 7 rounds
+//! of 150 writing calls), and prints the medians, the median of the rounds'
+//! ratios and the load average (one round of either side varies by up to
 //! 1.5x on a shared VM, and a commit's disk flush by more).
 //!
 //! - `postgres_idempotency_replay`: replaying a completed key through a
@@ -39,10 +40,17 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime a
 use figures::{median, selected};
 use support_postgres::PgSchema;
 use throttlebeam::postgres::{PostgresStore, tokio_postgres};
-use throttlebeam::{IdempotencyHandle, IdempotencyOptions, Runtime};
+use throttlebeam::{
+    ClaimReply, ClaimRequest, ClaimToken, IdempotencyHandle, IdempotencyOptions, IdempotencyStore,
+    Runtime,
+};
 
+/// Rounds of the writing comparisons (each call a commit: milliseconds).
 const ROUNDS: usize = 7;
-const REPLAYS: u64 = 2_000;
+/// Rounds of the replay comparison: short and many, so that the load of a
+/// busy machine falls on both sides alike.
+const REPLAY_ROUNDS: usize = 41;
+const REPLAYS: u64 = 200;
 const WRITES: u64 = 150;
 
 /// The load average, as `/proc/loadavg` gives it.
@@ -65,9 +73,9 @@ where
     started.elapsed().as_nanos() as f64 / n as f64
 }
 
-/// Warms both sides up, then runs `ROUNDS` alternating rounds, and prints
+/// Warms both sides up, then runs `rounds` alternating rounds, and prints
 /// the medians and the median ratio.
-async fn compare<O, A, OF, AF>(name: &str, mut ours: O, mut anchor: A)
+async fn compare<O, A, OF, AF>(name: &str, rounds: usize, mut ours: O, mut anchor: A)
 where
     O: FnMut(usize) -> OF,
     A: FnMut(usize) -> AF,
@@ -77,7 +85,7 @@ where
     ours(0).await;
     anchor(0).await;
     let (mut o, mut a, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    for round in 1..=ROUNDS {
+    for round in 1..=rounds {
         let x = ours(round).await;
         let y = anchor(round).await;
         o.push(x);
@@ -85,7 +93,7 @@ where
         ratios.push(x / y);
     }
     println!(
-        "compare {name}: ours {:.0} ns, anchor {:.0} ns, ratio {:.2} (medians of {ROUNDS} \
+        "compare {name}: ours {:.0} ns, anchor {:.0} ns, ratio {:.2} (medians of {rounds} \
          alternating rounds; load average {})",
         median(&mut o),
         median(&mut a),
@@ -112,35 +120,95 @@ fn pool(schema: &PgSchema) -> Pool {
         .expect("pool")
 }
 
-async fn replay(idem: &IdempotencyHandle, pool: &Pool, table: &str) {
+async fn replay(idem: &IdempotencyHandle, store: &PostgresStore, pool: &Pool, table: &str) {
     let first = idem
         .run("bench:replay", || async { Ok::<_, Infallible>(42_u64) })
         .await
         .expect("fresh");
     assert!(first.is_fresh());
     let select = format!("SELECT value FROM {table} WHERE key = $1");
+    let anchor = |_| {
+        per_call(REPLAYS, |_| async {
+            let conn = pool.get().await.expect("connection");
+            let statement = conn.prepare_cached(&select).await.expect("prepare");
+            let row = conn
+                .query_one(&statement, &[&b"-bench:replay".as_slice()])
+                .await
+                .expect("SELECT");
+            black_box(row.get::<_, Vec<u8>>(0));
+        })
+    };
+    let through_runtime = |_| {
+        per_call(REPLAYS, |_| async {
+            let outcome = idem
+                .run("bench:replay", || async { Ok::<_, Infallible>(0_u64) })
+                .await
+                .expect("replay");
+            assert!(outcome.is_replay());
+        })
+    };
     compare(
         "postgres_idempotency_replay",
-        |_| {
-            per_call(REPLAYS, |_| async {
-                let outcome = idem
-                    .run("bench:replay", || async { Ok::<_, Infallible>(0_u64) })
-                    .await
-                    .expect("replay");
-                assert!(outcome.is_replay());
-            })
-        },
-        |_| {
-            per_call(REPLAYS, |_| async {
-                let conn = pool.get().await.expect("connection");
-                let statement = conn.prepare_cached(&select).await.expect("prepare");
-                let row = conn
-                    .query_one(&statement, &[&b"-bench:replay".as_slice()])
-                    .await
-                    .expect("SELECT");
-                black_box(row.get::<_, Vec<u8>>(0));
-            })
-        },
+        REPLAY_ROUNDS,
+        through_runtime,
+        anchor,
+    )
+    .await;
+    // Where the time goes: the store's claim called directly (no runtime),
+    // and the claim's statement sent raw through the anchor's pool.
+    let store_only = |_| {
+        per_call(REPLAYS, |_| async {
+            let request = ClaimRequest::new(
+                ClaimToken::new(),
+                None,
+                IdempotencyOptions::DEFAULT_LEASE,
+                IdempotencyOptions::DEFAULT_TTL,
+            );
+            let reply = store.claim("-bench:replay", request).await.expect("claim");
+            assert!(matches!(reply, ClaimReply::Completed(_)));
+        })
+    };
+    compare(
+        "postgres_idempotency_replay_store_only",
+        REPLAY_ROUNDS,
+        store_only,
+        anchor,
+    )
+    .await;
+    let claim_fn = format!("{}_claim", table.replace('.', "\".\""));
+    let raw = format!(
+        "(SELECT done, fingerprint, type_tag, value, \
+                 ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint AS left_ms, \
+                 NULL::bigint AS fence \
+            FROM {table} WHERE key = $1 AND expires_at > clock_timestamp()) \
+          UNION ALL (SELECT * FROM \"{claim_fn}\"($1, $2, $3, $4, $5)) LIMIT 1"
+    );
+    let raw_statement = |_| {
+        per_call(REPLAYS, |_| async {
+            let conn = pool.get().await.expect("connection");
+            let statement = conn.prepare_cached(&raw).await.expect("prepare");
+            let token = [1_u8; 16];
+            let row = conn
+                .query_one(
+                    &statement,
+                    &[
+                        &b"-bench:replay".as_slice(),
+                        &&token[..],
+                        &None::<&[u8]>,
+                        &30_000_i64,
+                        &true,
+                    ],
+                )
+                .await
+                .expect("claim statement");
+            black_box(row.get::<_, Option<Vec<u8>>>(3));
+        })
+    };
+    compare(
+        "postgres_idempotency_replay_raw_statement",
+        REPLAY_ROUNDS,
+        raw_statement,
+        anchor,
     )
     .await;
 }
@@ -161,6 +229,7 @@ async fn fresh(idem: &IdempotencyHandle, pool: &Pool, schema: &PgSchema) {
     );
     compare(
         "postgres_idempotency_fresh",
+        ROUNDS,
         |round| {
             per_call(WRITES, move |i| async move {
                 let outcome = idem
@@ -258,7 +327,7 @@ async fn transaction(store: &PostgresStore, pool: &Pool, schema: &PgSchema) {
             tx.commit().await.expect("COMMIT");
         })
     };
-    compare("postgres_transaction", ours("hand"), by_hand).await;
+    compare("postgres_transaction", ROUNDS, ours("hand"), by_hand).await;
     let bare = |round: usize| {
         per_call(WRITES, move |i| async move {
             let key = format!("bare:{round}:{i}");
@@ -272,6 +341,7 @@ async fn transaction(store: &PostgresStore, pool: &Pool, schema: &PgSchema) {
     };
     compare(
         "postgres_transaction_vs_bare_transaction",
+        ROUNDS,
         ours("bare"),
         bare,
     )
@@ -298,7 +368,7 @@ fn main() {
         let idem = runtime.idempotency();
         let pool = pool(&schema);
         if selected("postgres_idempotency_replay") {
-            replay(&idem, &pool, &schema.table()).await;
+            replay(&idem, &store, &pool, &schema.table()).await;
         }
         if selected("postgres_idempotency_fresh") {
             fresh(&idem, &pool, &schema).await;
