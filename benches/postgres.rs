@@ -11,6 +11,10 @@
 //!   runtime sharing the store (one statement) against a plain `SELECT` of
 //!   one row by primary key, through a pool of the same kind and settings
 //!   (deadpool, statements prepared once per connection). Target: <= 1.3.
+//!   Printed beside it: `_store_only`, the store's claim called directly
+//!   (no runtime), and `_raw_statement`, the claim's statement sent raw
+//!   through the anchor's pool: what the server and the wire cost apart
+//!   from the client layers.
 //! - `postgres_idempotency_fresh`: claim a fresh key, run an empty
 //!   function, complete it, against the same number (two) of single-row
 //!   round trips that write (`INSERT`, then `UPDATE` of that row, each its
