@@ -182,7 +182,7 @@ async fn replay(idem: &IdempotencyHandle, store: &PostgresStore, pool: &Pool, ta
     let claim_fn = format!("{}_claim", table.replace('.', "\".\""));
     let raw = format!(
         "(SELECT done, fingerprint, type_tag, value, \
-                 ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint AS left_ms, \
+                 ceil(date_part('epoch', expires_at - clock_timestamp()) * 1000)::bigint AS left_ms, \
                  NULL::bigint AS fence \
             FROM {table} WHERE key = $1 AND expires_at > clock_timestamp()) \
           UNION ALL (SELECT * FROM \"{claim_fn}\"($1, $2, $3, $4, $5)) LIMIT 1"

@@ -45,7 +45,7 @@ BEGIN
     RETURNING r.fence INTO fence;
     IF fence IS NULL THEN
         SELECT r.done, r.fingerprint, r.type_tag, r.value,
-               ceil(extract(epoch FROM r.expires_at - clock_timestamp()) * 1000)::bigint
+               ceil(date_part('epoch', r.expires_at - clock_timestamp()) * 1000)::bigint
           INTO done, fingerprint, type_tag, value, left_ms
           FROM "throttlebeam_idempotency" AS r WHERE r.key = p_key;
     END IF;

@@ -115,7 +115,7 @@ impl Sql {
             migrate: migration(&table),
             claim: format!(
                 "(SELECT done, fingerprint, type_tag, value, \
-                        ceil(extract(epoch FROM expires_at - clock_timestamp()) * 1000)::bigint AS left_ms, \
+                        ceil(date_part('epoch', expires_at - clock_timestamp()) * 1000)::bigint AS left_ms, \
                         NULL::bigint AS fence \
                    FROM {t} WHERE key = $1 AND expires_at > clock_timestamp()) \
                  UNION ALL \
@@ -214,7 +214,7 @@ BEGIN
     RETURNING r.fence INTO fence;
     IF fence IS NULL THEN
         SELECT r.done, r.fingerprint, r.type_tag, r.value,
-               ceil(extract(epoch FROM r.expires_at - clock_timestamp()) * 1000)::bigint
+               ceil(date_part('epoch', r.expires_at - clock_timestamp()) * 1000)::bigint
           INTO done, fingerprint, type_tag, value, left_ms
           FROM {t} AS r WHERE r.key = p_key;
     END IF;
