@@ -11,6 +11,9 @@
 
 mod claim;
 mod options;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres;
 mod reservation;
 mod seam;
 mod store;

@@ -89,7 +89,12 @@
 // The crate's docs are written for the full build (as docs.rs builds them); in a build
 // without some features, links to items those features add have nothing to point at.
 #![cfg_attr(
-    not(all(feature = "runtime", feature = "http", feature = "redis")),
+    not(all(
+        feature = "runtime",
+        feature = "http",
+        feature = "redis",
+        feature = "postgres"
+    )),
     allow(rustdoc::broken_intra_doc_links)
 )]
 
@@ -132,6 +137,9 @@ pub use debounce::{Debounce, DebounceHandle, DebounceOptions, Debounced};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use error::{BoxError, Error};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use idempotency::postgres;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use idempotency::{

@@ -291,6 +291,38 @@ impl RuntimeBuilder {
         }
     }
 
+    /// Shares this runtime's idempotency keys with every other runtime using
+    /// the same PostgreSQL table: one execution per key across all
+    /// instances, results replayed from the table (see
+    /// [`postgres`](crate::postgres) for the table and the guarantees).
+    /// While the database is unreachable idempotent calls fail with
+    /// [`Error::StoreUnavailable`] (fail closed). The same as
+    /// [`with_idempotency_store`](Self::with_idempotency_store) with the
+    /// store; with Redis configured too, idempotency goes to PostgreSQL and
+    /// the throttles and debounce to Redis.
+    ///
+    /// The default runtime picks PostgreSQL up from
+    /// [`POSTGRES_URL_ENV`](crate::postgres::POSTGRES_URL_ENV), connecting
+    /// and migrating in the background.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use throttlebeam::Runtime;
+    /// use throttlebeam::postgres::PostgresStore;
+    ///
+    /// let store = PostgresStore::builder("postgres://app@127.0.0.1/app").connect().await?;
+    /// store.migrate().await?;
+    /// let runtime = Runtime::builder().with_postgres(store).start().await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub fn with_postgres(self, store: crate::postgres::PostgresStore) -> Self {
+        self.with_idempotency_store(store)
+    }
+
     /// What shutdown does with pending debounced work (default flush).
     pub fn with_shutdown_policy(mut self, policy: ShutdownPolicy) -> Self {
         self.policy = policy;
@@ -613,7 +645,11 @@ impl Runtime {
     /// names ([`RuntimeBuilder::with_redis_from_env`]), connecting on its own
     /// thread: the first caller never waits for Redis, and a Redis
     /// unreachable at start is connected to once it answers (until then
-    /// idempotency fails closed and throttles decide per instance).
+    /// idempotency fails closed and throttles decide per instance). With the
+    /// `postgres` feature it keeps idempotency in the PostgreSQL
+    /// [`POSTGRES_URL_ENV`](crate::postgres::POSTGRES_URL_ENV) names, the
+    /// same way: connecting and migrating on its own thread, failing closed
+    /// until then.
     ///
     /// # Errors
     ///
@@ -852,6 +888,8 @@ fn start_global() -> Result<Runtime, Error> {
                 // (never a runtime that silently stopped sharing).
                 #[cfg(feature = "redis")]
                 let builder = builder.with_redis_from_env();
+                #[cfg(feature = "postgres")]
+                let builder = crate::idempotency::postgres::with_env(builder);
                 let started = builder.start().await;
                 let runtime = started.as_ref().ok().cloned();
                 let _ = tx.send(started);

@@ -16,7 +16,7 @@ mod redis;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "postgres"))]
 pub(crate) use self::breaker::Breaker;
 pub use self::breaker::{BreakerConfig, BreakerState, BreakerStats};
 #[cfg(feature = "runtime")]

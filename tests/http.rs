@@ -3,6 +3,10 @@
 
 #[path = "support/http.rs"]
 mod support;
+#[cfg(feature = "postgres")]
+#[path = "support/postgres.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod support_postgres;
 #[cfg(feature = "redis")]
 #[path = "support/redis.rs"]
 #[allow(dead_code, unreachable_pub)]
@@ -1635,4 +1639,14 @@ async fn the_layers_counters_are_exported_through_the_metrics_facade() {
         seen.get("throttlebeam_http_rate_limited_total"),
         Some(&DebugValue::Counter(0))
     );
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_sharing_postgres_answer_a_retry_with_the_stored_response() {
+    let test = "two_instances_sharing_postgres_answer_a_retry";
+    let Some(schema) = support_postgres::PgSchema::create(test).await else {
+        return;
+    };
+    two_instances_share_one_response(schema.store().await).await;
 }

@@ -3,8 +3,8 @@
 //! RAII: a command whose caller went away mid-flight is no event, so a
 //! cancelled probe never leaves the breaker half open.
 
-// Only the Redis backend uses the breaker itself; its config and stats are public.
-#![cfg_attr(not(feature = "redis"), allow(dead_code))]
+// Only the Redis and PostgreSQL backends use the breaker itself; its config and stats are public.
+#![cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -96,5 +96,9 @@ impl Events {
 }
 
 pub mod cancel;
+#[cfg(feature = "runtime")]
+pub mod contract;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
