@@ -25,6 +25,8 @@
 //! registry update: no message, no wake-up.
 
 mod process;
+#[cfg(feature = "redis")]
+mod redis;
 mod state;
 mod store;
 

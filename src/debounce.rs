@@ -5,6 +5,8 @@
 //! (see `debounce/shared.rs` for the protocol).
 
 #[cfg(feature = "redis")]
+pub(crate) mod redis;
+#[cfg(feature = "redis")]
 mod shared;
 
 use std::any::{Any, TypeId};

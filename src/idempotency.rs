@@ -14,6 +14,8 @@ mod options;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
+#[cfg(feature = "redis")]
+mod redis;
 mod reservation;
 mod seam;
 mod store;

@@ -72,6 +72,8 @@ mod headers;
 mod keys;
 mod leaky;
 mod limiter;
+#[cfg(feature = "redis")]
+pub(crate) mod redis;
 mod script;
 mod sliding_window;
 mod store;

@@ -11,7 +11,7 @@
 mod breaker;
 mod guard;
 #[cfg(feature = "redis")]
-mod redis;
+pub(crate) mod redis;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,8 +24,6 @@ pub(crate) use self::guard::store_call;
 pub(crate) use self::guard::{Fault, guard};
 #[cfg(feature = "redis")]
 pub(crate) use self::redis::WindowOpen;
-#[cfg(feature = "redis")]
-pub(crate) use self::redis::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
 #[cfg(feature = "redis")]
 pub use self::redis::{REDIS_CLUSTER_ENV, REDIS_URL_ENV, Redis, RedisBuilder, RedisStats};
 

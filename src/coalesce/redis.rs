@@ -3,8 +3,8 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::{HeldWindow, Redis};
 use crate::coalesce::{WindowClaim, WindowEntry, WindowStore, WindowStoreFuture};
+use crate::store::redis::{HeldWindow, Redis};
 
 /// The holder's entry with its end on this instance's wall clock: the
 /// server's time left added to our now, so clock skew between instances

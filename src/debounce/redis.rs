@@ -29,9 +29,9 @@ use std::time::Duration;
 
 use redis::Value;
 
-use super::script::LuaScript;
-use super::{Redis, cached, ms};
 use crate::store::StoreError;
+use crate::store::redis::script::LuaScript;
+use crate::store::redis::{Redis, cached, ms};
 
 /// How long a running burst's lease lasts without renewal.
 pub(crate) const RUN_LEASE: Duration = Duration::from_secs(3);
@@ -499,8 +499,8 @@ impl Redis {
 mod tests {
     use std::sync::Arc;
 
-    use super::super::each_server;
     use super::*;
+    use crate::store::redis::each_server;
 
     #[test]
     fn notices_round_trip_through_their_frame() {

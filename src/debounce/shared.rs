@@ -75,6 +75,7 @@ use throttlebeam_supervisors::{Generation, Registry, SlotEntry, Sweep, TimerGuar
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use super::redis::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
 use super::{
     Burst, CLOSING_DROP, CLOSING_FLUSH, Cell, DebounceHandle, DebounceOptions, Job, OPEN, State,
     Value,
@@ -82,7 +83,6 @@ use super::{
 use crate::error::Error;
 use crate::key::{InlineKey, shown, update_slot};
 use crate::store::Redis;
-use crate::store::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
 use crate::wire;
 
 /// How long past a burst's deadline a waiter elsewhere waits for its

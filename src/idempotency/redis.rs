@@ -22,9 +22,9 @@ use std::time::Duration;
 
 use redis::Value;
 
-use super::script::LuaScript;
-use super::{Redis, cached, ms};
 use crate::store::StoreError;
+use crate::store::redis::script::LuaScript;
+use crate::store::redis::{Redis, cached, ms};
 use crate::{
     ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture, KeyChanged,
     StoredResult,

@@ -62,14 +62,14 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 
 use tokio::sync::oneshot;
 
-use super::script::{LuaScript, ScriptCall};
-use super::{Redis, RedisBuilder, cached};
 use crate::rate_limit::{
     AsyncRateLimitStore, Decision, FixedWindow, Forecast, Gcra, InsufficientCapacity, LeakyBucket,
     RateLimitError, RateLimitOp, RateLimitReply, RateLimitRequest, ScriptedStrategy,
     ShaperReservation, SlidingWindow, TIME_CEILING_US, TierParams, Tiered, TokenBucket,
 };
 use crate::store::StoreError;
+use crate::store::redis::script::{LuaScript, ScriptCall};
+use crate::store::redis::{Redis, RedisBuilder, cached};
 
 /// The script of one operation: the library, then its entry point.
 const SINGLE: &str = concat!(
@@ -305,7 +305,7 @@ const IN_FLIGHT: usize = 2;
 
 /// How many rate-limit operations may wait for a batch at once by default: 16,384, a few MB of
 /// queued operations (a few hundred bytes each), what 256 batch calls carry.
-pub(super) const DEFAULT_QUEUE: NonZeroUsize = NonZeroUsize::new(16_384).unwrap();
+pub(crate) const DEFAULT_QUEUE: NonZeroUsize = NonZeroUsize::new(16_384).unwrap();
 
 impl RedisBuilder {
     /// How many rate-limit operations may wait at once for a batch call on a single node
@@ -347,7 +347,7 @@ impl RedisBuilder {
 /// spreads a call's cost (the round trip, the script's start, the `TIME`) over every
 /// operation in it. An operation whose caller has gone by the time its batch is built is
 /// dropped unsent.
-pub(super) struct Batcher {
+pub(crate) struct Batcher {
     state: Mutex<BatchState>,
     /// The most operations waiting at once; past it, operations are refused.
     max_queued: usize,
@@ -395,7 +395,7 @@ impl Queued {
 }
 
 impl Batcher {
-    pub(super) fn new(max_queued: NonZeroUsize) -> Self {
+    pub(crate) fn new(max_queued: NonZeroUsize) -> Self {
         Self {
             state: Mutex::default(),
             max_queued: max_queued.get(),

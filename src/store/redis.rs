@@ -14,15 +14,12 @@ use serde::Serialize;
 use self::script::{LuaScript, ScriptCall};
 use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 
-mod claims;
-mod debounce;
 mod notify;
-mod rate_limit;
-mod script;
+pub(crate) mod script;
 mod server_clock;
-mod window;
 
-pub(crate) use self::debounce::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
+use crate::debounce::redis as debounce;
+use crate::rate_limit::redis as rate_limit;
 
 /// Environment variable read by [`Redis::from_env`]: the URL of a single
 /// Redis node, e.g. `redis://127.0.0.1:6379/0`.
@@ -62,7 +59,7 @@ pub struct RedisBuilder {
     command_timeout: Duration,
     breaker: BreakerConfig,
     /// See `RedisBuilder::with_rate_limit_queue`.
-    rate_limit_queue: std::num::NonZeroUsize,
+    pub(crate) rate_limit_queue: std::num::NonZeroUsize,
 }
 
 impl RedisBuilder {
@@ -204,10 +201,10 @@ enum Conn {
     Cluster(ClusterConnection),
 }
 
-struct Inner {
+pub(crate) struct Inner {
     conn: Conn,
     prefix: String,
-    command_timeout: Duration,
+    pub(crate) command_timeout: Duration,
     breaker: Breaker,
     /// Striped: every command counts, from every worker thread.
     commands: crate::stats::Counter,
@@ -217,9 +214,9 @@ struct Inner {
     nodes: Vec<String>,
     waiters: notify::Waiters,
     /// Who hears debounce notices.
-    bursts: debounce::BurstListeners,
+    pub(crate) bursts: debounce::BurstListeners,
     /// Rate-limit operations waiting to go out together (single node).
-    batches: rate_limit::Batcher,
+    pub(crate) batches: rate_limit::Batcher,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -272,7 +269,7 @@ struct Inner {
 /// ```
 #[derive(Clone)]
 pub struct Redis {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl std::fmt::Debug for Redis {
@@ -735,7 +732,7 @@ impl HeldWindow {
     }
 }
 
-fn cached(
+pub(crate) fn cached(
     cell: &'static std::sync::OnceLock<LuaScript>,
     body: &str,
     with_now: bool,
@@ -749,23 +746,23 @@ fn cached(
     })
 }
 
-fn ms(d: Duration) -> u64 {
+pub(crate) fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 impl Redis {
     /// The pinned time as a script argument, or empty for the server's `TIME`.
-    fn pinned(&self) -> String {
+    pub(crate) fn pinned(&self) -> String {
         self.pinned_ms().map(|n| n.to_string()).unwrap_or_default()
     }
 
     /// The time a test pinned, in ms since the epoch.
-    fn pinned_ms(&self) -> Option<u64> {
+    pub(crate) fn pinned_ms(&self) -> Option<u64> {
         self.pinned_us_at().map(|us| us / 1_000)
     }
 
     /// The time a test pinned, in µs since the epoch (rate limiting reads it so).
-    fn pinned_us_at(&self) -> Option<u64> {
+    pub(crate) fn pinned_us_at(&self) -> Option<u64> {
         match self.inner.pinned_now.load(Ordering::Relaxed) {
             0 => None,
             n => Some(n - 1),
@@ -841,7 +838,7 @@ mod harness;
 
 /// Runs `check` against a fresh single node, then a fresh 3-node cluster.
 #[cfg(test)]
-async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
+pub(crate) async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
     each_server_bounded(test, None, check).await;
 }
 
@@ -849,7 +846,7 @@ async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
 /// check what is decided, not how fast: a burst on a cluster just created, on a loaded
 /// machine, can take longer than the default.
 #[cfg(test)]
-async fn each_server_bounded(
+pub(crate) async fn each_server_bounded(
     test: &str,
     command_timeout: Option<Duration>,
     check: impl AsyncFn(Redis),
