@@ -23,7 +23,6 @@ pub use self::breaker::{BreakerConfig, BreakerState, BreakerStats};
 pub(crate) use self::guard::store_call;
 pub(crate) use self::guard::{Fault, guard};
 #[cfg(feature = "redis")]
-pub(crate) use self::redis::WindowOpen;
 #[cfg(feature = "redis")]
 pub use self::redis::{REDIS_CLUSTER_ENV, REDIS_URL_ENV, Redis, RedisBuilder, RedisStats};
 

@@ -8,6 +8,9 @@ use std::time::Duration;
 use throttlebeam_supervisors::{NoGeneration, Registry, SlotEntry, Sweep, catch_panic_fn};
 use tokio::time::Instant;
 
+#[cfg(feature = "redis")]
+mod redis;
+
 use crate::clock::{WindowClock, duration_ns};
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, check_timer, shown, update_slot};
@@ -213,7 +216,7 @@ impl State {
         key: &str,
         interval: Duration,
     ) -> Option<Duration> {
-        use crate::store::WindowOpen;
+        use redis::WindowOpen;
         match redis.open_window(key, interval, 1).await {
             Ok(WindowOpen::Opened) => None,
             Ok(WindowOpen::Closed(left)) => {

@@ -210,7 +210,7 @@ pub(crate) struct Inner {
     commands: crate::stats::Counter,
     pinned_now: AtomicU64,
     /// The server's clock as estimated here.
-    clock: server_clock::ServerClock,
+    pub(crate) clock: server_clock::ServerClock,
     nodes: Vec<String>,
     waiters: notify::Waiters,
     /// Who hears debounce notices.
@@ -526,96 +526,10 @@ where
     }
 }
 
-/// What [`Redis::open_window`] found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WindowOpen {
-    /// This call opened the window: run.
-    Opened,
-    /// The window is open for this long still: throttled.
-    Closed(Duration),
-}
-
 impl Redis {
-    /// Opens the leading-throttle window of `key` for `window`, or learns
-    /// how long the open one has left, in one round trip of one plain
-    /// command: `SET key "<end_ms>:<token>" NX PX window GET`. Who opens is
-    /// decided by the server's expiry, so instances with skewed clocks
-    /// agree; the value carries the window's end on the server's clock (as
-    /// estimated here, see [`Redis::sync_clock`]), so a loser reads the time
-    /// left from the holder's reply without a second command.
-    ///
-    /// A server older than Redis 7.0 refuses `NX` with `GET`: from then on
-    /// this sends `SET NX PX` and `PTTL` pipelined (still one round trip).
-    /// A value that carries no end (written by an older version of this
-    /// crate) costs one `PTTL` more.
-    pub(crate) async fn open_window(
-        &self,
-        key: &str,
-        window: Duration,
-        token: u64,
-    ) -> Result<WindowOpen, StoreError> {
-        let px = ms(window);
-        let key = self.key(key, ":t");
-        let now = self.server_now_ms();
-        let value = window_value(now.saturating_add(px), token);
-        if self.inner.clock.takes_set_nx_get() {
-            // Sized up front: the command's buffers never grow (no reallocation per decision).
-            let mut cmd = redis::Cmd::with_capacity(7, key.len() + value.len() + 32);
-            cmd.arg("SET")
-                .arg(&key)
-                .arg(&value)
-                .arg("NX")
-                .arg("PX")
-                .arg(px)
-                .arg("GET");
-            match self.query::<Option<String>>(&cmd).await {
-                Ok(None) => return Ok(WindowOpen::Opened),
-                Ok(Some(held)) => {
-                    return match window_end(&held) {
-                        Some(end) => Ok(WindowOpen::Closed(Duration::from_millis(
-                            end.saturating_sub(now).clamp(1, px),
-                        ))),
-                        None => self.time_left(&key).await,
-                    };
-                }
-                Err(StoreError::Protocol(reply)) if reply.contains("syntax") => {
-                    if self.inner.clock.refuse_set_nx_get() {
-                        tracing::info!(
-                            %reply,
-                            "Redis refuses SET with NX and GET (before 7.0): \
-                             leading windows use SET NX PX and PTTL pipelined"
-                        );
-                    }
-                }
-                Err(error) => return Err(error),
-            }
-        }
-        let mut pipe = redis::pipe();
-        pipe.cmd("SET")
-            .arg(&key)
-            .arg(&value)
-            .arg("NX")
-            .arg("PX")
-            .arg(px)
-            .cmd("PTTL")
-            .arg(&key);
-        let (opened, left): (Option<String>, i64) = self.query_pipe(&pipe).await?;
-        Ok(if opened.is_some() {
-            WindowOpen::Opened
-        } else {
-            closed_for(left)
-        })
-    }
-
-    /// The time left on a window key, asked with `PTTL`.
-    async fn time_left(&self, key: &str) -> Result<WindowOpen, StoreError> {
-        let left: i64 = self.query(redis::cmd("PTTL").arg(key)).await?;
-        Ok(closed_for(left))
-    }
-
     /// The server's time in ms: pinned by a test, or this instance's
     /// estimate, which is measured again (in the background) once a minute.
-    fn server_now_ms(&self) -> u64 {
+    pub(crate) fn server_now_ms(&self) -> u64 {
         if let Some(pinned) = self.pinned_ms() {
             return pinned;
         }
@@ -645,29 +559,6 @@ impl Redis {
     }
 }
 
-/// A leading window's value: `"<end_ms>:<token>"`.
-fn window_value(end_ms: u64, token: u64) -> String {
-    let (mut end, mut owner) = (itoa::Buffer::new(), itoa::Buffer::new());
-    let (end, owner) = (end.format(end_ms), owner.format(token));
-    let mut value = String::with_capacity(end.len() + 1 + owner.len());
-    value.push_str(end);
-    value.push(':');
-    value.push_str(owner);
-    value
-}
-
-/// The end (ms on the server's clock) a leading window's value carries:
-/// `"<end_ms>:<token>"`.
-fn window_end(value: &str) -> Option<u64> {
-    value.split_once(':')?.0.parse().ok()
-}
-
-/// A `PTTL` reply as a closed window; below 1 ms (the key expired between
-/// the commands) it is over in 1 ms.
-fn closed_for(left_ms: i64) -> WindowOpen {
-    WindowOpen::Closed(Duration::from_millis(left_ms.max(1).unsigned_abs()))
-}
-
 /// Server time in ms, or the pinned time a test passed as the last ARGV.
 const NOW: &str = r"
 local function now_ms(pinned)
@@ -676,61 +567,6 @@ local function now_ms(pinned)
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 ";
-
-/// Coalescing-throttle window claim: `SET NX PX` of `"<end_ms>:<token>"`
-/// (end on the server's clock); on a lost race, what the holder stores and
-/// its time left, in the same round trip.
-const WINDOW_CLAIM: &str = r"
-local now = now_ms(ARGV[3])
-local value = string.format('%.0f', now + tonumber(ARGV[2])) .. ':' .. ARGV[1]
-if redis.call('SET', KEYS[1], value, 'NX', 'PX', ARGV[2]) then return {1, 0, ''} end
-local held = redis.call('GET', KEYS[1])
-local left = redis.call('PTTL', KEYS[1])
-return {0, left, held or ''}
-";
-
-/// Compare-and-set on the owner's token: write `"<end_ms>:<token>"` for
-/// `ttl` unless another token holds the key.
-const WINDOW_CAS: &str = r"
-local held = redis.call('GET', KEYS[1])
-if held then
-  local token = string.match(held, ':(%d+)$') or '0'
-  if token ~= ARGV[1] then return 0 end
-end
-local now = now_ms(ARGV[3])
-local value = string.format('%.0f', now + tonumber(ARGV[2])) .. ':' .. ARGV[1]
-redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
-return 1
-";
-
-/// The live value of a window and its time left.
-const WINDOW_READ: &str = r"
-local held = redis.call('GET', KEYS[1])
-if not held then return {0, 0, ''} end
-return {1, redis.call('PTTL', KEYS[1]), held}
-";
-
-/// What a window key holds, from the Redis side.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct HeldWindow {
-    /// Time left on the key, by the server's clock.
-    pub(crate) left: Duration,
-    /// The owner's token, when the value is readable.
-    pub(crate) token: Option<u64>,
-    /// The stored text.
-    pub(crate) raw: String,
-}
-
-impl HeldWindow {
-    fn parse(left: i64, raw: String) -> Self {
-        let token = raw.rsplit_once(':').and_then(|(_, t)| t.parse().ok());
-        Self {
-            left: Duration::from_millis(left.max(0).unsigned_abs()),
-            token,
-            raw,
-        }
-    }
-}
 
 pub(crate) fn cached(
     cell: &'static std::sync::OnceLock<LuaScript>,
@@ -790,45 +626,6 @@ impl Redis {
     pub fn unpin_time(&self) {
         self.inner.pinned_now.store(0, Ordering::Relaxed);
     }
-
-    /// Takes a coalescing-throttle window for `token` if it is free.
-    /// `Ok(None)`: won; `Ok(Some(held))`: lost to `held`.
-    pub(crate) async fn window_claim(
-        &self,
-        key: &str,
-        token: u64,
-        ttl: Duration,
-    ) -> Result<Option<HeldWindow>, StoreError> {
-        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
-        let mut call = cached(&SCRIPT, WINDOW_CLAIM, true).prepare_invoke();
-        call.key(key).arg(token).arg(ms(ttl)).arg(self.pinned());
-        let (won, left, raw): (i64, i64, String) = self.invoke(&call).await?;
-        Ok((won != 1).then(|| HeldWindow::parse(left, raw)))
-    }
-
-    /// Extends or records the window of `key` for `token`, unless another
-    /// token holds it. `true` if written.
-    pub(crate) async fn window_cas(
-        &self,
-        key: &str,
-        token: u64,
-        ttl: Duration,
-    ) -> Result<bool, StoreError> {
-        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
-        let mut call = cached(&SCRIPT, WINDOW_CAS, true).prepare_invoke();
-        call.key(key).arg(token).arg(ms(ttl)).arg(self.pinned());
-        let written: i64 = self.invoke(&call).await?;
-        Ok(written == 1)
-    }
-
-    /// What the window key holds, if it is live.
-    pub(crate) async fn window_read(&self, key: &str) -> Result<Option<HeldWindow>, StoreError> {
-        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
-        let mut call = cached(&SCRIPT, WINDOW_READ, false).prepare_invoke();
-        call.key(key);
-        let (found, left, raw): (i64, i64, String) = self.invoke(&call).await?;
-        Ok((found == 1).then(|| HeldWindow::parse(left, raw)))
-    }
 }
 
 #[cfg(test)]
@@ -879,91 +676,6 @@ pub(crate) async fn each_server_bounded(
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_window_value_carries_its_end_then_its_token() {
-        assert_eq!(window_value(1_700_000_000_123, 42), "1700000000123:42");
-        assert_eq!(window_value(0, 0), "0:0");
-        let widest = window_value(u64::MAX, u64::MAX);
-        assert_eq!(widest, format!("{}:{}", u64::MAX, u64::MAX));
-        assert_eq!(window_end(&widest), Some(u64::MAX));
-        assert_eq!(window_end("17:3"), Some(17));
-        assert_eq!(window_end("legacy"), None);
-    }
-
-    #[tokio::test]
-    async fn leading_window_opens_once_then_reports_its_time_left() {
-        each_server("leading_window_opens_once", async |redis: Redis| {
-            for key in ["a", "b", "c", "d"] {
-                let w = Duration::from_secs(10);
-                assert_eq!(
-                    redis.open_window(key, w, 1).await.unwrap(),
-                    WindowOpen::Opened
-                );
-                match redis.open_window(key, w, 2).await.unwrap() {
-                    WindowOpen::Closed(left) => assert!(left > Duration::from_secs(9) && left <= w),
-                    other => panic!("{other:?}"),
-                }
-            }
-        })
-        .await;
-    }
-
-    #[tokio::test]
-    async fn a_lost_leading_window_reads_the_holders_end_from_one_command() {
-        each_server("leading_window_end", async |redis: Redis| {
-            let w = Duration::from_secs(10);
-            let closed = |s: u64| WindowOpen::Closed(Duration::from_secs(s));
-            redis.pin_time(1_000_000);
-            assert_eq!(
-                redis.open_window("e", w, 1).await.unwrap(),
-                WindowOpen::Opened
-            );
-            // Another instance, 4 s later on the server's clock.
-            redis.pin_time(1_004_000);
-            let sent = redis.stats().commands;
-            assert_eq!(redis.open_window("e", w, 2).await.unwrap(), closed(6));
-            assert_eq!(redis.stats().commands - sent, 1, "one command");
-            // A caller with a shorter window asks again after its own.
-            let short = Duration::from_secs(2);
-            assert_eq!(redis.open_window("e", short, 2).await.unwrap(), closed(2));
-            redis.unpin_time();
-
-            // A value carrying no end (an older version's token): one PTTL more.
-            let legacy = redis.key("legacy", ":t");
-            let () = redis
-                .query(redis::cmd("SET").arg(&legacy).arg(1).arg("PX").arg(5000))
-                .await
-                .unwrap();
-            let sent = redis.stats().commands;
-            match redis.open_window("legacy", w, 3).await.unwrap() {
-                WindowOpen::Closed(left) => {
-                    assert!(left > Duration::from_secs(4) && left <= Duration::from_secs(5));
-                }
-                other => panic!("{other:?}"),
-            }
-            assert_eq!(redis.stats().commands - sent, 2);
-
-            // A server that refuses NX with GET (before 7.0): the pipeline.
-            redis.inner.clock.refuse_set_nx_get();
-            assert_eq!(
-                redis.open_window("old", w, 1).await.unwrap(),
-                WindowOpen::Opened
-            );
-            match redis.open_window("old", w, 2).await.unwrap() {
-                WindowOpen::Closed(left) => assert!(left > Duration::from_secs(9) && left <= w),
-                other => panic!("{other:?}"),
-            }
-            // What the pipeline wrote carries its end: a reader that uses
-            // `GET` finds it.
-            redis.inner.clock.set_nx_get.store(true, Ordering::Relaxed);
-            match redis.open_window("old", w, 3).await.unwrap() {
-                WindowOpen::Closed(left) => assert!(left > Duration::from_secs(8) && left <= w),
-                other => panic!("{other:?}"),
-            }
-        })
-        .await;
-    }
-
     #[tokio::test]
     async fn the_server_clock_estimate_is_measured_at_connect_and_corrected_by_a_resync() {
         each_server("server_clock", async |redis: Redis| {
@@ -982,44 +694,6 @@ mod tests {
             assert!(off(redis.server_now_ms(), server_ms().await) > 3_000_000);
             redis.sync_clock().await.unwrap();
             assert!(off(redis.server_now_ms(), server_ms().await) < 1000);
-        })
-        .await;
-    }
-
-    #[tokio::test]
-    async fn window_claim_and_compare_and_set_on_the_token() {
-        each_server("window_claim_and_cas", async |redis: Redis| {
-            let lease = Duration::from_secs(30);
-            for k in ["w1", "w2", "w3"] {
-                redis.pin_time(1_000_000);
-                let key = redis.key(k, "");
-                assert_eq!(redis.window_claim(&key, 7, lease).await.unwrap(), None);
-                let held = redis
-                    .window_claim(&key, 8, lease)
-                    .await
-                    .unwrap()
-                    .expect("lost");
-                assert_eq!(held.token, Some(7));
-                assert_eq!(held.raw, "1030000:7");
-                assert!(held.left > Duration::from_secs(29));
-                // Another token can neither extend nor record.
-                assert!(!redis.window_cas(&key, 8, lease).await.unwrap());
-                // The owner can; the stored end follows the (pinned) server time.
-                redis.pin_time(2_000_000);
-                assert!(
-                    redis
-                        .window_cas(&key, 7, Duration::from_secs(5))
-                        .await
-                        .unwrap()
-                );
-                let held = redis.window_read(&key).await.unwrap().expect("live");
-                assert_eq!(held.raw, "2005000:7");
-                assert!(held.left <= Duration::from_secs(5));
-                assert_eq!(
-                    redis.window_read(&redis.key("missing", "")).await.unwrap(),
-                    None
-                );
-            }
         })
         .await;
     }

@@ -19,7 +19,7 @@ pub(crate) struct ServerClock {
     synced_s: AtomicU64,
     /// Whether the server takes `SET … NX … GET` (Redis 7.0 and later);
     /// cleared the first time it refuses it.
-    pub(super) set_nx_get: AtomicBool,
+    pub(crate) set_nx_get: AtomicBool,
 }
 
 impl Default for ServerClock {
