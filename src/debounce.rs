@@ -7,6 +7,8 @@
 #[cfg(feature = "redis")]
 pub(crate) mod redis;
 #[cfg(feature = "redis")]
+mod seam;
+#[cfg(feature = "redis")]
 mod shared;
 
 use std::any::{Any, TypeId};

@@ -10,7 +10,11 @@ use tokio::time::Instant;
 
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(feature = "redis")]
+mod seam;
 
+#[cfg(feature = "redis")]
+use self::seam::{SharedWindows, WindowOpen};
 use crate::clock::{WindowClock, duration_ns};
 use crate::error::Error;
 use crate::key::{InlineKey, check_key, check_timer, shown, update_slot};
@@ -212,12 +216,11 @@ impl State {
     /// then. A store failure decides per instance (fail open): `None`.
     async fn open_shared(
         &self,
-        redis: &crate::store::Redis,
+        store: &impl SharedWindows,
         key: &str,
         interval: Duration,
     ) -> Option<Duration> {
-        use redis::WindowOpen;
-        match redis.open_window(key, interval, 1).await {
+        match store.open_window(key, interval, 1).await {
             Ok(WindowOpen::Opened) => None,
             Ok(WindowOpen::Closed(left)) => {
                 let until = Window::from(self.windows.clock.now_ns(), left);

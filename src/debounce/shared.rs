@@ -76,13 +76,13 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::redis::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
+use super::seam::BurstStore;
 use super::{
     Burst, CLOSING_DROP, CLOSING_FLUSH, Cell, DebounceHandle, DebounceOptions, Job, OPEN, State,
     Value,
 };
 use crate::error::Error;
 use crate::key::{InlineKey, shown, update_slot};
-use crate::store::Redis;
 use crate::wire;
 
 /// How long past a burst's deadline a waiter elsewhere waits for its
@@ -308,22 +308,25 @@ impl Slot {
 
 /// The shared debounce of one runtime.
 pub(super) struct Shared {
-    redis: Redis,
+    store: Arc<dyn BurstStore>,
     instance: Arc<str>,
     seq: AtomicU64,
     registry: Registry<InlineKey, Slot>,
 }
 
 impl Shared {
-    pub(super) fn new(redis: Redis, registry: Registry<InlineKey, Slot>) -> Arc<Self> {
+    pub(super) fn new(
+        store: Arc<dyn BurstStore>,
+        registry: Registry<InlineKey, Slot>,
+    ) -> Arc<Self> {
         let shared = Arc::new(Self {
-            redis,
+            store,
             instance: instance_id(),
             seq: AtomicU64::new(0),
             registry,
         });
         let listener: Arc<dyn BurstListener> = shared.clone();
-        shared.redis.listen_bursts(Arc::downgrade(&listener));
+        shared.store.listen_bursts(Arc::downgrade(&listener));
         shared
     }
 
@@ -421,7 +424,7 @@ impl DebounceHandle {
         Some(self.state.shared.get_or_init(|| {
             let core = &self.runtime.core;
             let shared = Shared::new(
-                redis.clone(),
+                Arc::new(redis.clone()),
                 Registry::new(Arc::clone(&core.counters), core.cap),
             );
             let sweep: Arc<dyn Sweep> = shared.clone();
@@ -501,7 +504,7 @@ impl DebounceHandle {
 
     /// The shared path of [`DebounceHandle::cancel_shared`].
     pub(super) async fn cancel_everywhere(&self, shared: &Shared, key: &str) -> bool {
-        let remote = match shared.redis.burst_cancel(key).await {
+        let remote = match shared.store.burst_cancel(key).await {
             Ok(burst) => burst,
             Err(error) => {
                 tracing::warn!(key = %shown(key), %error, "debounce: Redis unreachable; cancelling on this instance only");
@@ -546,7 +549,7 @@ impl DebounceHandle {
 
     /// The shared path of [`DebounceHandle::flush_shared`].
     pub(super) async fn flush_everywhere(&self, shared: &Shared, key: &str) -> bool {
-        let remote = match shared.redis.burst_flush(key).await {
+        let remote = match shared.store.burst_flush(key).await {
             Ok(flushed) => flushed,
             Err(error) => {
                 tracing::warn!(key = %shown(key), %error, "debounce: Redis unreachable; flushing on this instance only");
@@ -610,7 +613,7 @@ impl Driver {
 
     async fn run(mut self) {
         // Subscribes if the first shared call came from outside tokio.
-        self.shared.redis.subscribe();
+        self.shared.store.subscribe();
         loop {
             let now = Instant::now();
             let closing = self.state().closing.load(Ordering::Acquire);
@@ -700,7 +703,7 @@ impl Driver {
                 } => {
                     let fired = self
                         .shared
-                        .redis
+                        .store
                         .burst_fire(
                             &self.key,
                             &self.shared.instance,
@@ -720,7 +723,7 @@ impl Driver {
                 } => {
                     let probed = if rescue {
                         self.shared
-                            .redis
+                            .store
                             .burst_fire(
                                 &self.key,
                                 &self.shared.instance,
@@ -732,7 +735,7 @@ impl Driver {
                             )
                             .await
                     } else {
-                        self.shared.redis.burst_probe(&self.key, &burst).await
+                        self.shared.store.burst_probe(&self.key, &burst).await
                     };
                     self.found(&burst, probed).await;
                 }
@@ -779,7 +782,7 @@ impl Driver {
         self.held.push(Arc::clone(&cell));
         let joined = self
             .shared
-            .redis
+            .store
             .burst_call(
                 &self.key,
                 &self.shared.instance,
@@ -1022,11 +1025,11 @@ impl Driver {
         self.held.extend(cells.iter().cloned());
         self.state().runs.incr();
         let renewal = burst.map(|burst| {
-            let (redis, key, burst) = (self.shared.redis.clone(), Arc::clone(&self.key), Arc::clone(burst));
+            let (store, key, burst) = (Arc::clone(&self.shared.store), Arc::clone(&self.key), Arc::clone(burst));
             AbortOnDrop(tokio::spawn(async move {
                 loop {
                     tokio::time::sleep(RUN_LEASE / 3).await;
-                    if let Err(error) = redis.burst_renew(&key, &burst).await {
+                    if let Err(error) = store.burst_renew(&key, &burst).await {
                         tracing::debug!(key = %shown(&key), %error, "debounce: lease renewal failed");
                     }
                 }
@@ -1060,7 +1063,7 @@ impl Driver {
         if let Some(burst) = burst
             && let Err(error) = self
                 .shared
-                .redis
+                .store
                 .burst_publish(&self.key, burst, wire)
                 .await
         {

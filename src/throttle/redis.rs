@@ -1,19 +1,12 @@
 //! The leading throttle on Redis: a window is one `SET NX PX GET` on the
 //! server's clock, so every instance sharing the store agrees on who runs.
 
+use std::future::Future;
 use std::time::Duration;
 
+use super::seam::{SharedWindows, WindowOpen};
 use crate::store::StoreError;
 use crate::store::redis::{Redis, ms};
-
-/// What [`Redis::open_window`] found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WindowOpen {
-    /// This call opened the window: run.
-    Opened,
-    /// The window is open for this long still: throttled.
-    Closed(Duration),
-}
 
 impl Redis {
     /// Opens the leading-throttle window of `key` for `window`, or learns
@@ -28,7 +21,7 @@ impl Redis {
     /// this sends `SET NX PX` and `PTTL` pipelined (still one round trip).
     /// A value that carries no end (written by an older version of this
     /// crate) costs one `PTTL` more.
-    pub(crate) async fn open_window(
+    async fn open_window_now(
         &self,
         key: &str,
         window: Duration,
@@ -91,6 +84,17 @@ impl Redis {
     async fn time_left(&self, key: &str) -> Result<WindowOpen, StoreError> {
         let left: i64 = self.query(redis::cmd("PTTL").arg(key)).await?;
         Ok(closed_for(left))
+    }
+}
+
+impl SharedWindows for Redis {
+    fn open_window(
+        &self,
+        key: &str,
+        window: Duration,
+        token: u64,
+    ) -> impl Future<Output = Result<WindowOpen, StoreError>> + Send {
+        self.open_window_now(key, window, token)
     }
 }
 
