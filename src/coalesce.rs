@@ -43,7 +43,8 @@ pub use self::store::{
     WindowStoreError, WindowStoreFuture, WindowStoreStats,
 };
 use crate::error::Error;
-use crate::key::{MAX_TIMER, check_key, check_timer, shown};
+use crate::error::{check_key, check_timer};
+use crate::key::{MAX_TIMER, shown};
 use crate::runtime::Runtime;
 
 /// Default window of a coalescing throttle.

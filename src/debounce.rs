@@ -29,7 +29,8 @@ use tokio::time::Instant;
 
 use crate::cell::RunCell;
 use crate::error::Error;
-use crate::key::{InlineKey, check_key, check_timer, shown, update_slot};
+use crate::error::{check_key, check_timer};
+use crate::key::{InlineKey, shown, update_slot};
 use crate::runtime::{Core, Runtime, Service, ServiceFuture, ShutdownPolicy};
 use crate::stats::{Counter, Stats};
 

@@ -233,3 +233,44 @@ fn setting_message(prefix: &str, what: &str, reason: &str) -> String {
         format!("invalid {what} for prefix {prefix:?}: {reason}")
     }
 }
+
+/// Checks a key: not empty, at most [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
+pub(crate) fn check_key(key: &str) -> Result<(), Error> {
+    match crate::key::key_problem(key) {
+        None => Ok(()),
+        Some(reason) => Err(Error::InvalidKey {
+            key: crate::key::shown(key),
+            reason,
+        }),
+    }
+}
+
+/// Checks a duration that arms a timer: within the one duration range,
+/// `MIN_DURATION ..= MAX_TIMER`.
+pub(crate) fn check_timer(key: &str, what: &'static str, d: Duration) -> Result<(), Error> {
+    match crate::key::duration_problem(d) {
+        None => Ok(()),
+        Some(reason) => Err(Error::InvalidArgument {
+            key: crate::key::shown(key),
+            what,
+            reason,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_key_and_timer_checks_name_what_is_wrong() {
+        assert!(matches!(check_key(""), Err(Error::InvalidKey { .. })));
+        assert!(matches!(
+            check_timer("k", "delay", Duration::from_micros(50)),
+            Err(Error::InvalidArgument {
+                reason: "must be at least 1 ms",
+                ..
+            })
+        ));
+    }
+}

@@ -42,7 +42,8 @@ pub use self::seam::{
 use self::store::ResultTable;
 use crate::cell::RunCell;
 use crate::error::Error;
-use crate::key::{check_key, shown};
+use crate::error::check_key;
+use crate::key::shown;
 use crate::runtime::{Core, Runtime, Service};
 use crate::stats::Stats;
 

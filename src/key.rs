@@ -4,9 +4,6 @@ use std::borrow::Borrow;
 use std::hash::{Hash, Hasher};
 use std::time::Duration;
 
-#[cfg(feature = "runtime")]
-use crate::error::Error;
-
 /// Longest key accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 1024;
 
@@ -56,32 +53,6 @@ pub(crate) fn duration_problem(d: Duration) -> Option<&'static str> {
         Some("too large to schedule (over 2^36 - 1 ms)")
     } else {
         None
-    }
-}
-
-/// Checks a key: not empty, at most [`MAX_KEY_LEN`] bytes.
-#[cfg(feature = "runtime")]
-pub(crate) fn check_key(key: &str) -> Result<(), Error> {
-    match key_problem(key) {
-        None => Ok(()),
-        Some(reason) => Err(Error::InvalidKey {
-            key: shown(key),
-            reason,
-        }),
-    }
-}
-
-/// Checks a duration that arms a timer: within the one duration range,
-/// [`MIN_DURATION`] ..= [`MAX_TIMER`].
-#[cfg(feature = "runtime")]
-pub(crate) fn check_timer(key: &str, what: &'static str, d: Duration) -> Result<(), Error> {
-    match duration_problem(d) {
-        None => Ok(()),
-        Some(reason) => Err(Error::InvalidArgument {
-            key: shown(key),
-            what,
-            reason,
-        }),
     }
 }
 
@@ -194,16 +165,6 @@ mod tests {
             key_problem(&"k".repeat(MAX_KEY_LEN + 1)),
             Some("key is longer than 1024 bytes")
         );
-        #[cfg(feature = "runtime")]
-        assert!(matches!(check_key(""), Err(Error::InvalidKey { .. })));
-        #[cfg(feature = "runtime")]
-        assert!(matches!(
-            check_timer("k", "delay", Duration::from_micros(50)),
-            Err(Error::InvalidArgument {
-                reason: "must be at least 1 ms",
-                ..
-            })
-        ));
     }
 
     #[test]

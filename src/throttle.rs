@@ -17,7 +17,8 @@ mod seam;
 use self::seam::{SharedWindows, WindowOpen};
 use crate::clock::{WindowClock, duration_ns};
 use crate::error::Error;
-use crate::key::{InlineKey, check_key, check_timer, shown, update_slot};
+use crate::error::{check_key, check_timer};
+use crate::key::{InlineKey, shown, update_slot};
 use crate::runtime::{Core, Runtime, Service};
 use crate::stats::{Counter, Stats};
 

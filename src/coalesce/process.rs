@@ -25,7 +25,9 @@ use throttlebeam_supervisors::{Generation, catch_panic};
 use tokio::time::Instant;
 
 use super::Phase;
-use super::state::{DESTROYED, DRAINING, Job, Shared, UserFn, Waiters};
+use super::state::{
+    DESTROYED, DRAINING, Decision, Job, Leading, Shared, Stale, Submitted, UserFn, Waiters, Wakeup,
+};
 use crate::error::Error;
 use crate::key::{InlineKey, shown};
 
@@ -440,5 +442,91 @@ impl<T: Clone + Send + Sync + 'static> Drop for Driver<T> {
             }
         }
         shared.unlive(1);
+    }
+}
+
+/// Where the throttle's state hands a key to its process: a decision
+/// that leads, or a wake-up that is due, starts a [`Driver`].
+impl<T: Clone + Send + Sync + 'static> Shared<T> {
+    pub(super) fn settle<J: UserFn<T>>(
+        self: &Arc<Self>,
+        key: &str,
+        decision: Decision<T, J>,
+    ) -> Result<Submitted<T>, Error> {
+        let core = &self.runtime.core;
+        match decision {
+            Decision::Refused(error, job) => {
+                drop(job);
+                Err(error)
+            }
+            Decision::Coalesced { cell, stale } => {
+                // The replaced closure may run user code when dropped: never
+                // under the shard lock.
+                match stale {
+                    Some(Stale::Same(f)) => drop(f),
+                    Some(Stale::Boxed(job)) => drop(job),
+                    None => {}
+                }
+                self.gauges.coalesced.incr();
+                tracing::trace!(throttle = %self.name, key, "call coalesced");
+                Ok(Submitted::Coalesced(cell))
+            }
+            Decision::Schedule(generation, epoch, at, cell) => {
+                self.gauges.coalesced.incr();
+                tracing::trace!(throttle = %self.name, key, "call coalesced");
+                self.schedule(key, generation, epoch, at);
+                Ok(Submitted::Coalesced(cell))
+            }
+            Decision::Start(generation, epoch, job) => {
+                self.gauges.leads.incr();
+                let driver = Driver::new(self.clone(), key, generation, epoch, true);
+                // The caller's task: the run finishes elsewhere only if the
+                // caller left.
+                let caller = tokio::task::try_id();
+                Ok(Submitted::Started(
+                    core.run_here(key, driver.lead(job, caller))?,
+                ))
+            }
+            Decision::Lead(generation, epoch, rx) => {
+                self.gauges.leads.incr();
+                let driver = Driver::new(self.clone(), key, generation, epoch, true);
+                let run = core.run_here(key, driver.drive(true))?;
+                Ok(Submitted::Lead(Leading {
+                    told: rx,
+                    run: Some(run),
+                }))
+            }
+        }
+    }
+
+    /// Starts the process of a scheduled key, if its slot is still the one
+    /// that was scheduled.
+    pub(super) fn fire(self: &Arc<Self>, wakeup: Wakeup) {
+        let Wakeup {
+            key,
+            generation,
+            epoch,
+            ..
+        } = wakeup;
+        let started = self
+            .registry
+            .with_slot(key.as_bytes(), |slot| {
+                let same = slot.generation() == generation;
+                let state = &mut slot.state;
+                let ours = same && state.epoch == epoch && state.scheduled;
+                if ours {
+                    state.scheduled = false;
+                    state.busy = true;
+                }
+                ours
+            })
+            .unwrap_or(false);
+        if started {
+            let key = key.as_str();
+            let driver = Driver::new(self.clone(), key, generation, epoch, false);
+            // On failure the driver is dropped: it releases the slot and
+            // fails the callers.
+            let _ = self.runtime.core.start_process(key, driver.drive(false));
+        }
     }
 }

@@ -21,7 +21,8 @@ use super::store::{WindowClaim, WindowEntry, WindowStore, WindowStoreFuture};
 use crate::cell::RunCell;
 use crate::clock::{WindowClock, duration_ns};
 use crate::error::Error;
-use crate::key::{InlineKey, check_key, shown, update_slot};
+use crate::error::check_key;
+use crate::key::{InlineKey, shown, update_slot};
 use crate::runtime::{Runtime, Service, ServiceFuture, ShutdownPolicy};
 use crate::stats::{Counter, Gauge, STRIPES, stripe};
 use crate::store::{Fault, guard};
@@ -79,7 +80,7 @@ impl<T, F: UserFn<T>> BoxedFn<T> for Boxed<F> {
 
 /// The function a coalesced call replaced, dropped once the shard lock is
 /// released (dropping it may run user code).
-enum Stale<T, J> {
+pub(super) enum Stale<T, J> {
     /// Of the same type, overwritten in place.
     Same(J),
     /// Of another type, with its box.
@@ -114,8 +115,8 @@ pub(super) enum Submitted<T: Send + 'static> {
 /// race), and everything if the caller leaves first, goes on in a process
 /// of its own: dropping the caller's future never cancels the run.
 pub(super) struct Leading<T> {
-    told: oneshot::Receiver<Led<T>>,
-    run: Option<RunHere<()>>,
+    pub(super) told: oneshot::Receiver<Led<T>>,
+    pub(super) run: Option<RunHere<()>>,
 }
 
 impl<T> Future for Leading<T> {
@@ -267,13 +268,13 @@ pub(super) struct KeyState<T> {
 }
 
 /// A key whose next run waits for its window to end, in the sleeper.
-struct Wakeup {
+pub(super) struct Wakeup {
     /// When it is due, in nanoseconds after the epoch clock's base: half
     /// the size of an `Instant`, and a heap may hold one per key.
     at: u64,
-    key: InlineKey,
-    generation: Generation,
-    epoch: u32,
+    pub(super) key: InlineKey,
+    pub(super) generation: Generation,
+    pub(super) epoch: u32,
 }
 
 // Ordered by when it is due only.
@@ -520,7 +521,7 @@ pub(super) struct Shared<T> {
     adopt: Notify,
 }
 
-enum Decision<T, J> {
+pub(super) enum Decision<T, J> {
     /// Leads; with no store the run starts now (the slot is the claim), so
     /// its function comes straight back rather than through the slot.
     Start(Generation, u32, J),
@@ -740,59 +741,6 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         })
     }
 
-    fn settle<J: UserFn<T>>(
-        self: &Arc<Self>,
-        key: &str,
-        decision: Decision<T, J>,
-    ) -> Result<Submitted<T>, Error> {
-        let core = &self.runtime.core;
-        match decision {
-            Decision::Refused(error, job) => {
-                drop(job);
-                Err(error)
-            }
-            Decision::Coalesced { cell, stale } => {
-                // The replaced closure may run user code when dropped: never
-                // under the shard lock.
-                match stale {
-                    Some(Stale::Same(f)) => drop(f),
-                    Some(Stale::Boxed(job)) => drop(job),
-                    None => {}
-                }
-                self.gauges.coalesced.incr();
-                tracing::trace!(throttle = %self.name, key, "call coalesced");
-                Ok(Submitted::Coalesced(cell))
-            }
-            Decision::Schedule(generation, epoch, at, cell) => {
-                self.gauges.coalesced.incr();
-                tracing::trace!(throttle = %self.name, key, "call coalesced");
-                self.schedule(key, generation, epoch, at);
-                Ok(Submitted::Coalesced(cell))
-            }
-            Decision::Start(generation, epoch, job) => {
-                self.gauges.leads.incr();
-                let driver =
-                    super::process::Driver::new(self.clone(), key, generation, epoch, true);
-                // The caller's task: the run finishes elsewhere only if the
-                // caller left.
-                let caller = tokio::task::try_id();
-                Ok(Submitted::Started(
-                    core.run_here(key, driver.lead(job, caller))?,
-                ))
-            }
-            Decision::Lead(generation, epoch, rx) => {
-                self.gauges.leads.incr();
-                let driver =
-                    super::process::Driver::new(self.clone(), key, generation, epoch, true);
-                let run = core.run_here(key, driver.drive(true))?;
-                Ok(Submitted::Lead(Leading {
-                    told: rx,
-                    run: Some(run),
-                }))
-            }
-        }
-    }
-
     /// The error for callers a process leaves behind when it exits early.
     pub(super) fn exit_error(&self, key: &str) -> Error {
         if self.mode() == DESTROYED {
@@ -1008,37 +956,6 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             self.fire(wakeup);
         }
         self.unlive(n);
-    }
-
-    /// Starts the process of a scheduled key, if its slot is still the one
-    /// that was scheduled.
-    fn fire(self: &Arc<Self>, wakeup: Wakeup) {
-        let Wakeup {
-            key,
-            generation,
-            epoch,
-            ..
-        } = wakeup;
-        let started = self
-            .registry
-            .with_slot(key.as_bytes(), |slot| {
-                let same = slot.generation() == generation;
-                let state = &mut slot.state;
-                let ours = same && state.epoch == epoch && state.scheduled;
-                if ours {
-                    state.scheduled = false;
-                    state.busy = true;
-                }
-                ours
-            })
-            .unwrap_or(false);
-        if started {
-            let key = key.as_str();
-            let driver = super::process::Driver::new(self.clone(), key, generation, epoch, false);
-            // On failure the driver is dropped: it releases the slot and
-            // fails the callers.
-            let _ = self.runtime.core.start_process(key, driver.drive(false));
-        }
     }
 
     /// Runs one store call through the store guard every seam uses

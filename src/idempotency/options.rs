@@ -6,7 +6,8 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 
 use crate::error::Error;
-use crate::key::{MAX_KEY_LEN, check_timer, shown};
+use crate::error::check_timer;
+use crate::key::{MAX_KEY_LEN, shown};
 
 /// What a duplicate does when it finds its key in flight (another call
 /// holds it and is still running).

@@ -28,11 +28,12 @@ use tokio::time::Instant;
 
 use super::pool::{Class, Conn, store_error};
 use super::{Inner, PostgresStore, claim_reply, millis, notify, protocol};
+use crate::error::check_key;
 use crate::error::{BoxError, Error};
 use crate::idempotency::claim::with_full_key;
 use crate::idempotency::options::Fingerprint;
 use crate::idempotency::store::{Record, stored_result};
-use crate::key::{check_key, shown};
+use crate::key::shown;
 use crate::store::StoreError;
 use crate::{ClaimReply, ClaimToken, IdempotencyOptions, IdempotencyOutcome, InFlight};
 
