@@ -24,7 +24,7 @@
 //! `<kind><burst> <key length> <key><payload>`: kind `R` (the outcome,
 //! payload encoded by the caller), `C` (cancelled) or `F` (flush asked).
 
-use std::sync::{Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use redis::Value;
@@ -238,6 +238,9 @@ pub(crate) trait BurstListener: Send + Sync + 'static {
     fn notice(&self, notice: BurstNotice);
 }
 
+/// The debounce's slice of a connection (see `Redis::slice`).
+struct Holder(Arc<BurstListeners>);
+
 /// The listeners of one backend value, held weakly: a runtime that goes
 /// away stops listening.
 #[derive(Default)]
@@ -339,7 +342,16 @@ impl Redis {
     /// Starts delivering this backend's debounce notices to `listener`
     /// (subscribing if nobody did yet).
     pub(crate) fn listen_bursts(&self, listener: Weak<dyn BurstListener>) {
-        self.inner.bursts.add(listener);
+        let channel = self.debounce_channel();
+        let listeners = self.slice(|| {
+            let listeners = Arc::new(BurstListeners::default());
+            let heard = Arc::clone(&listeners);
+            self.inner
+                .subscribers
+                .register(channel, Arc::new(move |bytes: &[u8]| heard.deliver(bytes)));
+            Holder(listeners)
+        });
+        listeners.0.add(listener);
         self.subscribe();
     }
 

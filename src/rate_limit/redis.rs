@@ -332,7 +332,7 @@ impl RedisBuilder {
     /// # Ok(()) }
     /// ```
     pub fn with_rate_limit_queue(mut self, max: NonZeroUsize) -> Self {
-        self.rate_limit_queue = max;
+        self.rate_limit_queue = Some(max);
         self
     }
 }
@@ -407,6 +407,13 @@ impl Batcher {
     }
 }
 
+impl Redis {
+    /// This connection's batcher (made on first use).
+    fn batcher(&self) -> std::sync::Arc<Batcher> {
+        self.slice(|| Batcher::new(self.inner.rate_limit_queue.unwrap_or(DEFAULT_QUEUE)))
+    }
+}
+
 /// An operation sent alone holds a slot until its call ends (or its caller gives up); then,
 /// if operations queued meanwhile and no task is sending, it starts one for them.
 struct AloneFlight {
@@ -416,7 +423,8 @@ struct AloneFlight {
 impl Drop for AloneFlight {
     fn drop(&mut self) {
         let start = {
-            let mut state = self.redis.inner.batches.lock();
+            let batcher = self.redis.batcher();
+            let mut state = batcher.lock();
             state.alone -= 1;
             let idle_queue = !state.queue.is_empty() && state.tasks == 0;
             state.claim_task(idle_queue)
@@ -443,7 +451,8 @@ impl Drop for Draining {
             return;
         }
         let left = {
-            let mut state = self.redis.inner.batches.lock();
+            let batcher = self.redis.batcher();
+            let mut state = batcher.lock();
             state.tasks -= 1;
             if state.tasks + state.alone > 0 {
                 // Whoever is still in flight sends what is queued (or starts a task for it).
@@ -474,7 +483,8 @@ impl Draining {
         static SCRIPT: OnceLock<LuaScript> = OnceLock::new();
         loop {
             let batch: Vec<Queued> = {
-                let mut state = self.redis.inner.batches.lock();
+                let batcher = self.redis.batcher();
+                let mut state = batcher.lock();
                 let mut batch = Vec::with_capacity(state.queue.len().min(MAX_BATCH));
                 while batch.len() < MAX_BATCH
                     && let Some(queued) = state.queue.pop_front()
@@ -625,7 +635,7 @@ impl Redis {
     /// queues it for the next batch (starting a task to send it if a slot is free) and waits
     /// for its reply, at most the command timeout. Refuses it, unsent, when the queue is full.
     async fn batched(&self, operation: Operation) -> Result<RateLimitReply, StoreError> {
-        let batches = &self.inner.batches;
+        let batches = self.batcher();
         let queued = {
             let mut state = batches.lock();
             if state.queue.is_empty() && state.slot_free() {
@@ -1204,13 +1214,15 @@ mod tests {
                         for call in &mut calls {
                             assert!(futures_util::FutureExt::now_or_never(call).is_none());
                         }
-                        let state = redis.inner.batches.lock();
+                        let batcher = redis.batcher();
+                        let state = batcher.lock();
                         assert_eq!((state.alone, state.tasks, state.queue.len()), (2, 0, 1));
                     });
                 })
                 .join()
                 .unwrap();
-                let state = redis.inner.batches.lock();
+                let batcher = redis.batcher();
+                let state = batcher.lock();
                 assert_eq!((state.alone, state.tasks, state.queue.len()), (0, 0, 0));
             }
             tokio::time::sleep_until(paused_at + Duration::from_millis(500)).await;

@@ -18,9 +18,6 @@ mod notify;
 pub(crate) mod script;
 mod server_clock;
 
-use crate::debounce::redis as debounce;
-use crate::rate_limit::redis as rate_limit;
-
 /// Environment variable read by [`Redis::from_env`]: the URL of a single
 /// Redis node, e.g. `redis://127.0.0.1:6379/0`.
 pub const REDIS_URL_ENV: &str = "THROTTLEBEAM_REDIS_URL";
@@ -58,8 +55,8 @@ pub struct RedisBuilder {
     connect_timeout: Duration,
     command_timeout: Duration,
     breaker: BreakerConfig,
-    /// See `RedisBuilder::with_rate_limit_queue`.
-    pub(crate) rate_limit_queue: std::num::NonZeroUsize,
+    /// See `RedisBuilder::with_rate_limit_queue` (`None`: the rate limiter's default).
+    pub(crate) rate_limit_queue: Option<std::num::NonZeroUsize>,
 }
 
 impl RedisBuilder {
@@ -71,7 +68,7 @@ impl RedisBuilder {
             connect_timeout: Duration::from_secs(1),
             command_timeout: Duration::from_millis(500),
             breaker: BreakerConfig::default(),
-            rate_limit_queue: rate_limit::DEFAULT_QUEUE,
+            rate_limit_queue: None,
         }
     }
 
@@ -182,8 +179,9 @@ impl RedisBuilder {
                 clock: server_clock::ServerClock::default(),
                 nodes: self.nodes,
                 waiters: notify::Waiters::default(),
-                bursts: debounce::BurstListeners::default(),
-                batches: rate_limit::Batcher::new(self.rate_limit_queue),
+                subscribers: Subscribers::default(),
+                slices: Slices::default(),
+                rate_limit_queue: self.rate_limit_queue,
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
@@ -213,10 +211,80 @@ pub(crate) struct Inner {
     pub(crate) clock: server_clock::ServerClock,
     nodes: Vec<String>,
     waiters: notify::Waiters,
-    /// Who hears debounce notices.
-    pub(crate) bursts: debounce::BurstListeners,
-    /// Rate-limit operations waiting to go out together (single node).
-    pub(crate) batches: rate_limit::Batcher,
+    /// Who hears which pub/sub channel, besides the idempotency waiters.
+    pub(crate) subscribers: Subscribers,
+    /// What each primitive keeps per connection, found by type.
+    slices: Slices,
+    /// The rate limiter's queue cap, as the builder was given it.
+    pub(crate) rate_limit_queue: Option<std::num::NonZeroUsize>,
+}
+
+/// A handler of the messages of one pub/sub channel.
+pub(crate) type Subscriber = Arc<dyn Fn(&[u8]) + Send + Sync>;
+
+/// The typed subscriber registry of the pub/sub multiplexer: a primitive
+/// registers its channel and a handler; the listener hands each message of
+/// that channel to it.
+#[derive(Default)]
+pub(crate) struct Subscribers(std::sync::RwLock<Vec<(String, Subscriber)>>);
+
+impl Subscribers {
+    /// Hands the messages of `channel` to `handler` (replacing an earlier one).
+    pub(crate) fn register(&self, channel: String, handler: Subscriber) {
+        let mut list = self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        list.retain(|(c, _)| *c != channel);
+        list.push((channel, handler));
+    }
+
+    /// Hands `payload` to the handler of `channel`; whether there is one.
+    pub(crate) fn deliver(&self, channel: &str, payload: &[u8]) -> bool {
+        let handler = self
+            .0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .find(|(c, _)| c == channel)
+            .map(|(_, h)| Arc::clone(h));
+        handler.is_some_and(|handler| {
+            handler(payload);
+            true
+        })
+    }
+}
+
+/// State each primitive keeps per connection (the rate limiter's batcher, the
+/// debounce's listeners), one value per type: the connection holds it
+/// without knowing it.
+#[derive(Default)]
+struct Slices(std::sync::RwLock<Vec<Arc<dyn std::any::Any + Send + Sync>>>);
+
+impl Redis {
+    /// This connection's value of type `T`, made by `make` on first use.
+    pub(crate) fn slice<T: std::any::Any + Send + Sync>(&self, make: impl FnOnce() -> T) -> Arc<T> {
+        let slices = &self.inner.slices.0;
+        let found = |list: &[Arc<dyn std::any::Any + Send + Sync>]| {
+            list.iter().find_map(|v| Arc::clone(v).downcast::<T>().ok())
+        };
+        if let Some(value) = found(
+            &slices
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        ) {
+            return value;
+        }
+        let mut list = slices
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(value) = found(&list) {
+            return value;
+        }
+        let value = Arc::new(make());
+        list.push(value.clone());
+        value
+    }
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -718,8 +786,9 @@ mod tests {
             clock: server_clock::ServerClock::default(),
             nodes: vec![],
             waiters: notify::Waiters::default(),
-            bursts: debounce::BurstListeners::default(),
-            batches: rate_limit::Batcher::default(),
+            subscribers: Subscribers::default(),
+            slices: Slices::default(),
+            rate_limit_queue: None,
         };
         let redis = Redis {
             inner: Arc::new(inner),

@@ -229,7 +229,7 @@ async fn listen(guard: Listening, channel: String, bursts: String) {
                     };
                     inner.waiters.notices.fetch_add(1, Ordering::Relaxed);
                     if msg.get_channel_name() == bursts {
-                        inner.bursts.deliver(msg.get_payload_bytes());
+                        inner.subscribers.deliver(&bursts, msg.get_payload_bytes());
                     } else if let Ok(key) = msg.get_payload::<String>() {
                         inner.waiters.wake(&key);
                     }
