@@ -9,7 +9,10 @@
 //! runtime's sweeper), and a replay is a lookup and a clone: no process, no
 //! message.
 
+#[cfg(feature = "redis")]
+mod backend;
 mod claim;
+mod config;
 mod options;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
@@ -169,17 +172,18 @@ impl State {
     fn new(core: &Core) -> Self {
         let counters = Arc::clone(&core.counters);
         let sweeper = core.tree.sweeper();
+        let config = config::IdempotencyConfig::of(core);
         let store = ResultTable::new(
             Arc::clone(&counters),
             sweeper,
-            core.max_idempotency_results,
-            core.max_idempotency_bytes,
+            config.max_results,
+            config.max_bytes as u64,
         );
         let ledger = Arc::new(Ledger::new(
             counters,
             core.cap,
             Box::new(store),
-            core.idempotency_store.clone(),
+            config.shared_store(core),
         ));
         Self { ledger }
     }

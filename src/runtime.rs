@@ -17,11 +17,13 @@ use crate::stats::Stats;
 #[cfg(feature = "redis")]
 mod redis;
 mod service;
+mod settings;
 
 #[cfg(feature = "redis")]
-use self::redis::{Backend, BackendStore};
+pub(crate) use self::redis::Backend;
 use self::service::Services;
 pub(crate) use self::service::{Service, ServiceFuture};
+pub(crate) use self::settings::{Setting, Settings};
 pub use crate::clock::RuntimeClock;
 
 /// What [`Runtime::shutdown`] does with debounced calls still waiting for
@@ -68,10 +70,9 @@ pub struct RuntimeBuilder {
     policy: ShutdownPolicy,
     partitions: Option<usize>,
     clock: RuntimeClock,
-    max_idempotency_results: usize,
-    max_idempotency_bytes: usize,
     name: Arc<str>,
-    idempotency_store: Option<SharedStore>,
+    /// The primitives' own settings, which the runtime carries for them.
+    pub(crate) settings: Settings,
     #[cfg(feature = "redis")]
     redis: Option<RedisChoice>,
 }
@@ -86,16 +87,6 @@ enum RedisChoice {
     Connecting(crate::store::RedisBuilder),
 }
 
-/// A shared idempotency store, as the builder holds it.
-#[derive(Clone)]
-struct SharedStore(Arc<dyn crate::IdempotencyStore>);
-
-impl std::fmt::Debug for SharedStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("IdempotencyStore")
-    }
-}
-
 impl Default for RuntimeBuilder {
     fn default() -> Self {
         Self {
@@ -105,9 +96,7 @@ impl Default for RuntimeBuilder {
             policy: ShutdownPolicy::Flush,
             partitions: None,
             clock: RuntimeClock::Auto,
-            max_idempotency_results: crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS,
-            max_idempotency_bytes: crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_BYTES,
-            idempotency_store: None,
+            settings: Settings::default(),
             #[cfg(feature = "redis")]
             redis: None,
         }
@@ -134,79 +123,6 @@ impl RuntimeBuilder {
     /// and each coalescing throttle its own registry and window store caps.
     pub fn with_max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = Some(max_keys);
-        self
-    }
-
-    /// Caps the completed idempotency results kept (default
-    /// [`DEFAULT_MAX_IDEMPOTENCY_RESULTS`](crate::DEFAULT_MAX_IDEMPOTENCY_RESULTS)):
-    /// past it the oldest are evicted first, an early expiry that is
-    /// counted in [`IdempotencyStats::evictions`](crate::IdempotencyStats)
-    /// and logged at warn at most once a minute. Keys in flight are capped
-    /// by [`with_max_keys`](Self::with_max_keys) instead. The results' bytes
-    /// have a budget too ([`with_max_idempotency_bytes`](Self::with_max_idempotency_bytes)).
-    pub fn with_max_idempotency_results(mut self, max_results: usize) -> Self {
-        self.max_idempotency_results = max_results;
-        self
-    }
-
-    /// Caps the bytes the completed idempotency results kept may weigh
-    /// (default [`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::DEFAULT_MAX_IDEMPOTENCY_BYTES),
-    /// 256 MiB): past it the oldest are evicted first, as past
-    /// [`with_max_idempotency_results`](Self::with_max_idempotency_results)
-    /// (counted in [`IdempotencyStats::evictions`](crate::IdempotencyStats),
-    /// logged at warn at most once a minute), so large results cannot
-    /// exhaust memory however few they are. A result weighs its key, its
-    /// value's bincode-encoded size (the measure of a value's size that
-    /// works for every type) and about 200 bytes for its entry; a result
-    /// heavier than the whole budget is not kept (a retry runs again). What
-    /// the results weigh now is [`IdempotencyStats::stored_bytes`](crate::IdempotencyStats).
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
-    /// use throttlebeam::Runtime;
-    ///
-    /// let runtime = Runtime::builder()
-    ///     .with_max_idempotency_results(10_000)
-    ///     .with_max_idempotency_bytes(64 << 20)
-    ///     .start()
-    ///     .await?;
-    /// let idempotency = runtime.idempotency();
-    /// let _ = idempotency.run("report:1", || async { Ok::<_, std::io::Error>(vec![0u8; 1000]) }).await?;
-    /// assert!(idempotency.stats().stored_bytes > 1000);
-    /// # Ok(()) }
-    /// ```
-    pub fn with_max_idempotency_bytes(mut self, max_bytes: usize) -> Self {
-        self.max_idempotency_bytes = max_bytes;
-        self
-    }
-
-    /// Keeps idempotency claims and results in `store`, shared with every
-    /// runtime given the same store: one execution per key across all of
-    /// them (see [`IdempotencyStore`](crate::IdempotencyStore)). Callers on
-    /// this runtime still join one local claim per key, so a key costs one
-    /// claim round trip per runtime, not per caller. Results travel
-    /// bincode-encoded with their type name. Without a shared store (the
-    /// default) results stay in this runtime's own table as typed values.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use throttlebeam::{MemoryIdempotencyStore, Runtime};
-    ///
-    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
-    /// let shared = MemoryIdempotencyStore::new();
-    /// let a = Runtime::builder().with_idempotency_store(shared.clone()).start().await?;
-    /// let b = Runtime::builder().with_idempotency_store(shared).start().await?;
-    /// let first = a.idempotency().run("pay:1", || async { Ok::<_, std::io::Error>(7u32) }).await?;
-    /// let again = b.idempotency().run("pay:1", || async { Ok::<_, std::io::Error>(8u32) }).await?;
-    /// assert!(first.is_fresh() && again.is_replay());
-    /// assert_eq!(again.into_inner(), 7);
-    /// # Ok(()) }
-    /// ```
-    pub fn with_idempotency_store(mut self, store: impl crate::IdempotencyStore) -> Self {
-        self.idempotency_store = Some(SharedStore(Arc::new(store)));
         self
     }
 
@@ -291,38 +207,6 @@ impl RuntimeBuilder {
         }
     }
 
-    /// Shares this runtime's idempotency keys with every other runtime using
-    /// the same PostgreSQL table: one execution per key across all
-    /// instances, results replayed from the table (see
-    /// [`postgres`](crate::postgres) for the table and the guarantees).
-    /// While the database is unreachable idempotent calls fail with
-    /// [`Error::StoreUnavailable`] (fail closed). The same as
-    /// [`with_idempotency_store`](Self::with_idempotency_store) with the
-    /// store; with Redis configured too, idempotency goes to PostgreSQL and
-    /// the throttles and debounce to Redis.
-    ///
-    /// The default runtime picks PostgreSQL up from
-    /// [`POSTGRES_URL_ENV`](crate::postgres::POSTGRES_URL_ENV), connecting
-    /// and migrating in the background.
-    ///
-    /// # Examples
-    ///
-    /// ```no_run
-    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-    /// use throttlebeam::Runtime;
-    /// use throttlebeam::postgres::PostgresStore;
-    ///
-    /// let store = PostgresStore::builder("postgres://app@127.0.0.1/app").connect().await?;
-    /// store.migrate().await?;
-    /// let runtime = Runtime::builder().with_postgres(store).start().await?;
-    /// # Ok(()) }
-    /// ```
-    #[cfg(feature = "postgres")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-    pub fn with_postgres(self, store: crate::postgres::PostgresStore) -> Self {
-        self.with_idempotency_store(store)
-    }
-
     /// What shutdown does with pending debounced work (default flush).
     pub fn with_shutdown_policy(mut self, policy: ShutdownPolicy) -> Self {
         self.policy = policy;
@@ -380,18 +264,7 @@ impl RuntimeBuilder {
                 reason: "must be between 1 ns and 2^36 - 1 ms",
             });
         }
-        if self.max_idempotency_results == 0 {
-            return Err(Error::InvalidConfig {
-                what: "max idempotency results",
-                reason: "must be greater than zero",
-            });
-        }
-        if self.max_idempotency_bytes == 0 {
-            return Err(Error::InvalidConfig {
-                what: "max idempotency bytes",
-                reason: "must be greater than zero",
-            });
-        }
+        self.settings.check()?;
         if self.max_keys == Some(0) {
             return Err(Error::InvalidConfig {
                 what: "max keys",
@@ -424,18 +297,7 @@ impl RuntimeBuilder {
             policy: self.policy,
             clock: self.clock,
             name: self.name,
-            max_idempotency_results: self.max_idempotency_results,
-            max_idempotency_bytes: self.max_idempotency_bytes as u64,
-            idempotency_store: match self.idempotency_store {
-                Some(SharedStore(store)) => Some(store),
-                #[cfg(feature = "redis")]
-                None => redis.as_ref().map(|backend| match backend.get() {
-                    Some(redis) => Arc::new(redis.clone()) as Arc<dyn crate::IdempotencyStore>,
-                    None => Arc::new(BackendStore(backend.clone())),
-                }),
-                #[cfg(not(feature = "redis"))]
-                None => None,
-            },
+            settings: self.settings,
             #[cfg(feature = "redis")]
             redis,
             closed: AtomicBool::new(false),
@@ -465,12 +327,8 @@ pub(crate) struct Core {
     pub(crate) clock: RuntimeClock,
     /// The name metrics and logs know the runtime by.
     name: Arc<str>,
-    /// The cap on completed idempotency results, read by that service.
-    pub(crate) max_idempotency_results: usize,
-    /// The byte budget of completed idempotency results, read by that service.
-    pub(crate) max_idempotency_bytes: u64,
-    /// Where idempotency claims and results are shared, if anywhere.
-    pub(crate) idempotency_store: Option<Arc<dyn crate::IdempotencyStore>>,
+    /// The primitives' own settings (see [`Settings`]).
+    pub(crate) settings: Settings,
     /// The shared store every primitive of this runtime agrees through
     /// (see [`Core::redis`]).
     #[cfg(feature = "redis")]
@@ -506,6 +364,12 @@ impl Core {
     #[inline]
     pub(crate) fn redis(&self) -> Option<&crate::store::Redis> {
         self.redis.as_ref().and_then(Backend::get)
+    }
+
+    /// The Redis backend, connected or not.
+    #[cfg(feature = "redis")]
+    pub(crate) fn backend(&self) -> Option<&Backend> {
+        self.redis.as_ref()
     }
 
     /// This runtime's instance of service `S`, created by `make` on first use.

@@ -285,7 +285,7 @@ impl IdempotencyStore for Redis {
     }
 
     fn watch(&self, key: &str) -> KeyChanged {
-        Redis::watch(self, key).into_changed()
+        KeyChanged::new(Redis::watch(self, key).into_changed())
     }
 }
 

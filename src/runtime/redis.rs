@@ -3,7 +3,7 @@
 //!
 //! A runtime configured with Redis never silently stops sharing: while the
 //! backend is not connected yet, idempotency fails closed
-//! ([`StoreError::Unavailable`], so the caller sees
+//! (`StoreError::Unavailable`, so the caller sees
 //! [`Error::StoreUnavailable`](crate::Error::StoreUnavailable)) and the
 //! throttles and debounce decide per instance (fail open), as during an
 //! outage; a task keeps connecting, and once it succeeds every primitive
@@ -15,11 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
-use crate::idempotency::{
-    ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture, KeyChanged,
-    StoredResult,
-};
-use crate::store::{Redis, RedisBuilder, StoreError};
+use crate::store::{Redis, RedisBuilder};
 
 /// The first pause between two connection attempts.
 const FIRST_PAUSE: Duration = Duration::from_millis(100);
@@ -39,11 +35,6 @@ struct Inner {
     /// The runtime shut down: stop connecting.
     closed: AtomicBool,
 }
-
-/// Why a call found the backend not connected yet.
-#[derive(Debug, thiserror::Error)]
-#[error("redis is not connected yet (unreachable at start; connecting in the background)")]
-struct NotConnected;
 
 impl Backend {
     /// A backend already connected.
@@ -162,67 +153,5 @@ async fn connect(guard: Connecting, builder: RedisBuilder) {
         drop(inner);
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(MAX_PAUSE);
-    }
-}
-
-/// Idempotency through a backend that may not be connected yet: fails
-/// closed until it is.
-pub(crate) struct BackendStore(pub(crate) Backend);
-
-fn not_connected<'a, T: Send + 'a>() -> IdempotencyStoreFuture<'a, T> {
-    Box::pin(std::future::ready(Err(StoreError::unavailable(
-        NotConnected,
-    ))))
-}
-
-impl IdempotencyStore for BackendStore {
-    fn claim<'a>(
-        &'a self,
-        key: &'a str,
-        request: ClaimRequest<'a>,
-    ) -> IdempotencyStoreFuture<'a, ClaimReply> {
-        match self.0.get() {
-            Some(redis) => redis.claim(key, request),
-            None => not_connected(),
-        }
-    }
-
-    fn complete<'a>(
-        &'a self,
-        key: &'a str,
-        token: ClaimToken,
-        result: &'a StoredResult,
-        ttl: Duration,
-    ) -> IdempotencyStoreFuture<'a, bool> {
-        match self.0.get() {
-            Some(redis) => redis.complete(key, token, result, ttl),
-            None => not_connected(),
-        }
-    }
-
-    fn release<'a>(&'a self, key: &'a str, token: ClaimToken) -> IdempotencyStoreFuture<'a, bool> {
-        match self.0.get() {
-            Some(redis) => redis.release(key, token),
-            None => not_connected(),
-        }
-    }
-
-    fn renew<'a>(
-        &'a self,
-        key: &'a str,
-        token: ClaimToken,
-        lease: Duration,
-    ) -> IdempotencyStoreFuture<'a, bool> {
-        match self.0.get() {
-            Some(redis) => redis.renew(key, token, lease),
-            None => not_connected(),
-        }
-    }
-
-    fn watch(&self, key: &str) -> KeyChanged {
-        match self.0.get() {
-            Some(redis) => IdempotencyStore::watch(redis, key),
-            None => KeyChanged::never(),
-        }
     }
 }

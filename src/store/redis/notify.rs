@@ -89,13 +89,13 @@ impl Watch {
     /// The next change as a future that owns this registration; it listens
     /// from now on, before it is first polled, so a notice that lands
     /// before the wait begins still wakes it.
-    pub(crate) fn into_changed(self) -> crate::KeyChanged {
+    pub(crate) fn into_changed(self) -> impl Future<Output = ()> + Send + 'static {
         let mut notified = Box::pin(Arc::clone(&self.notify).notified_owned());
         notified.as_mut().enable();
-        crate::KeyChanged::new(async move {
+        async move {
             let _registered = self;
             notified.await;
-        })
+        }
     }
 }
 
