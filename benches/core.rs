@@ -19,7 +19,7 @@ use criterion::Criterion;
 use dashmap::DashMap;
 use governor::{Quota, RateLimiter};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use throttlebeam::{IdempotencyOutcome, Runtime, RuntimeClock, ThrottleOutcome};
+use throttlebeam::{IdempotencyOutcome, Runtime, ThrottleOutcome, runtime::RuntimeClock};
 
 const KEYS: usize = 100_000;
 const HOUR: Duration = Duration::from_secs(3600);

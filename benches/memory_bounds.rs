@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use throttlebeam::rate_limit::{Gcra, Limiter};
-use throttlebeam::{DEFAULT_MAX_KEYS, Error, Runtime, ShutdownPolicy};
+use throttlebeam::{Error, Runtime, runtime::DEFAULT_MAX_KEYS, runtime::ShutdownPolicy};
 
 /// Resident set size of this process, bytes.
 fn rss() -> u64 {
@@ -115,9 +115,9 @@ async fn idempotency(keys: u64) -> bool {
     }
     tally.sample(base);
     let stats = idempotency.stats();
-    assert!(stats.stored_results <= throttlebeam::DEFAULT_MAX_IDEMPOTENCY_RESULTS);
+    assert!(stats.stored_results <= throttlebeam::idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS);
     // Stored results are capped (about 200 B each, 1 KiB allowed here).
-    let bound = throttlebeam::DEFAULT_MAX_IDEMPOTENCY_RESULTS as u64 * 1024 + 64 * MIB;
+    let bound = throttlebeam::idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS as u64 * 1024 + 64 * MIB;
     runtime.shutdown(Duration::from_secs(5)).await;
     report("idempotency", keys, &tally, bound, started)
 }
@@ -149,7 +149,7 @@ fn rate_limiter(keys: u64) -> bool {
 async fn coalescing_throttle(keys: u64) -> bool {
     let runtime = Runtime::start().await.expect("runtime");
     let throttle = runtime
-        .trailing_throttle("c:")
+        .coalesce("c:")
         .with_window(Duration::from_secs(3600))
         .build::<u64>()
         .expect("throttle");

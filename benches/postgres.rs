@@ -43,10 +43,10 @@ use std::time::Instant;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime as PoolRuntime};
 use figures::{median, selected};
 use support_postgres::PgSchema;
-use throttlebeam::postgres::{PostgresStore, tokio_postgres};
+use throttlebeam::idempotency::postgres::{PostgresStore, tokio_postgres};
 use throttlebeam::{
-    ClaimReply, ClaimRequest, ClaimToken, IdempotencyHandle, IdempotencyOptions, IdempotencyStore,
-    Runtime,
+    IdempotencyHandle, IdempotencyOptions, Runtime, idempotency::ClaimReply,
+    idempotency::ClaimRequest, idempotency::ClaimToken, idempotency::IdempotencyStore,
 };
 
 /// Rounds of the writing comparisons (each call a commit: milliseconds).

@@ -485,7 +485,7 @@ const GCRA_ARGS: [&str; 9] = [
 async fn raw_script(url: &str, callers: usize, total: u64) -> f64 {
     // The library (its own `TIME` reader included), then the store's entry point for one
     // operation.
-    let body = include_str!("../src/store/redis/rate_limit.lua");
+    let body = include_str!("../src/rate_limit/rate_limit.lua");
     let src = format!(
         "{body}\nlocal now = clock(now_us(ARGV[1]))\nlocal out = {{}}\n\
          decide(KEYS[1], params(2), now, redis.call('GET', KEYS[1]), out, 1)\nreturn out\n"

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use throttlebeam::rate_limit::{Enforcer, FailMode, Gcra, Limiter};
 use throttlebeam::store::{BreakerConfig, REDIS_URL_ENV, Redis};
-use throttlebeam::{Phase, Runtime, ThrottleOutcome};
+use throttlebeam::{Runtime, ThrottleOutcome, coalesce::Phase};
 
 /// A `redis-server` this example started, killed when dropped.
 struct OwnServer {
@@ -122,12 +122,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("\n== coalescing throttle across instances ==");
     let window = Duration::from_millis(500);
     let ta = a
-        .trailing_throttle("sync:")
+        .coalesce("sync:")
         .with_window(window)
         .with_store(redis_a.clone())
         .build::<String>()?;
     let tb = b
-        .trailing_throttle("sync:")
+        .coalesce("sync:")
         .with_window(window)
         .with_store(redis_b.clone())
         .build::<String>()?;

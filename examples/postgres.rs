@@ -14,7 +14,7 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
-use throttlebeam::postgres::{POSTGRES_URL_ENV, PostgresStore, tokio_postgres};
+use throttlebeam::idempotency::postgres::{POSTGRES_URL_ENV, PostgresStore, tokio_postgres};
 use throttlebeam::{Error, IdempotencyOptions, IdempotencyOutcome, Runtime};
 
 /// What a payment returns, and what a retry replays.

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use throttlebeam::rate_limit::{Gcra, HeaderOptions, Limiter};
 use throttlebeam::{
-    Debounce, Idempotency, IdempotencyOptions, IdempotencyOutcome, Phase, Runtime, Throttle,
-    ThrottleOutcome,
+    Debounce, Idempotency, IdempotencyOptions, IdempotencyOutcome, Runtime, Throttle,
+    ThrottleOutcome, coalesce::Phase,
 };
 
 #[derive(Debug)]
@@ -99,7 +99,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Coalescing throttle: the first call runs now; calls inside the window
     // coalesce into one trailing run whose value every waiter gets.
     let sync = Runtime::global()?
-        .trailing_throttle("sync:")
+        .coalesce("sync:")
         .with_window(Duration::from_millis(200))
         .build::<String>()?;
     let leading = sync

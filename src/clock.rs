@@ -20,6 +20,7 @@ mod window;
 pub use self::window::RuntimeClock;
 #[cfg(feature = "runtime")]
 pub(crate) use self::window::WindowClock;
+pub use crate::key::MAX_TIMER;
 
 /// Microseconds per millisecond.
 const US_PER_MS: u64 = 1_000;

@@ -62,7 +62,7 @@ pub enum Phase {
     Trailing,
 }
 
-/// Figures of one [`TrailingThrottle`], from [`TrailingThrottle::stats`].
+/// Figures of one [`Coalesce`], from [`Coalesce::stats`].
 ///
 /// The gauges (`active`, `pending`, `timers`) are zero once the throttle is
 /// idle; `keys` once its windows are over (not waiting for the runtime's
@@ -70,7 +70,7 @@ pub enum Phase {
 /// grow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[non_exhaustive]
-pub struct TrailingStats {
+pub struct CoalesceStats {
     /// Keys with a run in progress, including runs still claiming their
     /// window in the store.
     pub active: usize,
@@ -110,7 +110,7 @@ pub struct TrailingStats {
     pub unobserved_failures: u64,
 }
 
-impl TrailingStats {
+impl CoalesceStats {
     /// Adds `other`'s figures to these (for a runtime's total).
     pub(crate) fn add(&mut self, other: &Self) {
         self.active += other.active;
@@ -129,11 +129,11 @@ impl TrailingStats {
     }
 }
 
-/// Configures a [`TrailingThrottle`]; from [`Runtime::trailing_throttle`] or
-/// [`TrailingThrottleBuilder::new`] (default runtime).
+/// Configures a [`Coalesce`]; from [`Runtime::coalesce`] or
+/// [`CoalesceBuilder::new`] (default runtime).
 #[derive(Debug)]
 #[must_use]
-pub struct TrailingThrottleBuilder {
+pub struct CoalesceBuilder {
     runtime: Option<Runtime>,
     prefix: String,
     window: Duration,
@@ -145,15 +145,15 @@ pub struct TrailingThrottleBuilder {
 impl Runtime {
     /// A coalescing (leading + trailing) throttle on this runtime, namespaced
     /// by `prefix`: store keys are `prefix + key`.
-    pub fn trailing_throttle(&self, prefix: &str) -> TrailingThrottleBuilder {
-        TrailingThrottleBuilder {
+    pub fn coalesce(&self, prefix: &str) -> CoalesceBuilder {
+        CoalesceBuilder {
             runtime: Some(self.clone()),
-            ..TrailingThrottleBuilder::new(prefix)
+            ..CoalesceBuilder::new(prefix)
         }
     }
 }
 
-impl TrailingThrottleBuilder {
+impl CoalesceBuilder {
     /// A builder on the default runtime ([`Runtime::global`]).
     ///
     /// # Examples
@@ -161,9 +161,9 @@ impl TrailingThrottleBuilder {
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
     /// use std::time::Duration;
-    /// use throttlebeam::{TrailingThrottle, TrailingThrottleBuilder};
+    /// use throttlebeam::{Coalesce, coalesce::CoalesceBuilder};
     ///
-    /// let reindex: TrailingThrottle<usize> = TrailingThrottleBuilder::new("reindex:")
+    /// let reindex: Coalesce<usize> = CoalesceBuilder::new("reindex:")
     ///     .with_window(Duration::from_secs(5))
     ///     .build()?;
     /// assert!(reindex.call("catalog", |_| async { Ok::<_, std::io::Error>(120) }).await?);
@@ -181,7 +181,7 @@ impl TrailingThrottleBuilder {
     }
 
     /// The window that follows every run (default 1000 ms; 1 ms to
-    /// [`MAX_TIMER`](crate::MAX_TIMER), 2^36 − 1 ms).
+    /// [`MAX_TIMER`], 2^36 − 1 ms).
     pub fn with_window(mut self, window: Duration) -> Self {
         self.window = window;
         self
@@ -198,7 +198,7 @@ impl TrailingThrottleBuilder {
     }
 
     /// Bounds every window store call (default [`DEFAULT_WINDOW_STORE_TIMEOUT`],
-    /// 1 s; 1 ms to [`MAX_TIMER`](crate::MAX_TIMER)). A call that takes
+    /// 1 s; 1 ms to [`MAX_TIMER`]). A call that takes
     /// longer is abandoned and counts as a store failure: the throttle fails
     /// open, as for an error.
     pub fn with_store_timeout(mut self, timeout: Duration) -> Self {
@@ -218,10 +218,10 @@ impl TrailingThrottleBuilder {
     /// # Errors
     ///
     /// [`Error::InvalidSetting`] naming the prefix for an empty prefix or
-    /// one over [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes, or for a window or
-    /// store timeout outside 1 ms ..= [`MAX_TIMER`](crate::MAX_TIMER);
+    /// one over [`MAX_KEY_LEN`](crate::store::MAX_KEY_LEN) bytes, or for a window or
+    /// store timeout outside 1 ms ..= [`MAX_TIMER`];
     /// [`Error::Start`] if the default runtime could not start.
-    pub fn build<T: Clone + Send + Sync + 'static>(self) -> Result<TrailingThrottle<T>, Error> {
+    pub fn build<T: Clone + Send + Sync + 'static>(self) -> Result<Coalesce<T>, Error> {
         let invalid = |what, reason| Error::InvalidSetting {
             prefix: shown(&self.prefix),
             what,
@@ -263,7 +263,7 @@ impl TrailingThrottleBuilder {
             store: self.store,
             store_timeout: self.store_timeout,
         });
-        Ok(TrailingThrottle { shared })
+        Ok(Coalesce { shared })
     }
 }
 
@@ -320,8 +320,8 @@ impl TrailingThrottleBuilder {
 ///
 /// A misbehaving store never stops a run (fail open): an error, a panic or
 /// a call slower than the store timeout
-/// ([`TrailingThrottleBuilder::with_store_timeout`]) counts as a failure
-/// ([`TrailingStats::store_errors`], [`TrailingStats::store_timeouts`]) and
+/// ([`CoalesceBuilder::with_store_timeout`]) counts as a failure
+/// ([`CoalesceStats::store_errors`], [`CoalesceStats::store_timeouts`]) and
 /// in-memory state keeps throttling per instance, so runs of a key never
 /// come closer than the window. Store calls still in flight are abandoned
 /// when the throttle is destroyed (at a shutdown's deadline).
@@ -333,11 +333,11 @@ impl TrailingThrottleBuilder {
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
 /// use std::time::Duration;
-/// use throttlebeam::{Phase, Runtime};
+/// use throttlebeam::{coalesce::Phase, Runtime};
 ///
 /// let runtime = Runtime::start().await?;
 /// let sync = runtime
-///     .trailing_throttle("sync:")
+///     .coalesce("sync:")
 ///     .with_window(Duration::from_millis(500))
 ///     .build::<&'static str>()?;
 ///
@@ -356,11 +356,11 @@ impl TrailingThrottleBuilder {
 /// runtime.shutdown(Duration::from_secs(1)).await;
 /// # Ok(()) }
 /// ```
-pub struct TrailingThrottle<T> {
+pub struct Coalesce<T> {
     shared: Arc<Shared<T>>,
 }
 
-impl<T> Clone for TrailingThrottle<T> {
+impl<T> Clone for Coalesce<T> {
     fn clone(&self) -> Self {
         Self {
             shared: Arc::clone(&self.shared),
@@ -368,9 +368,9 @@ impl<T> Clone for TrailingThrottle<T> {
     }
 }
 
-impl<T: Clone + Send + Sync + 'static> std::fmt::Debug for TrailingThrottle<T> {
+impl<T: Clone + Send + Sync + 'static> std::fmt::Debug for Coalesce<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TrailingThrottle")
+        f.debug_struct("Coalesce")
             .field("name", &self.shared.name)
             .field("prefix", &self.shared.prefix)
             .field("window", &self.shared.window)
@@ -379,13 +379,13 @@ impl<T: Clone + Send + Sync + 'static> std::fmt::Debug for TrailingThrottle<T> {
     }
 }
 
-impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
+impl<T: Clone + Send + Sync + 'static> Coalesce<T> {
     /// Runs `f` now if `key` is idle and resolves `true` once it has
     /// finished; otherwise coalesces the call into the key's trailing run
     /// and resolves `false` at once.
     ///
     /// A coalesced call never sees the trailing run's outcome; use
-    /// [`TrailingThrottle::call_and_wait`] for that. A leading call that
+    /// [`Coalesce::call_and_wait`] for that. A leading call that
     /// loses the window race to another instance sharing the store is
     /// coalesced too (`false`).
     ///
@@ -412,7 +412,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
         }
     }
 
-    /// Like [`TrailingThrottle::call`], then waits for the run that covers
+    /// Like [`Coalesce::call`], then waits for the run that covers
     /// this call (its own leading run, or the trailing run it was coalesced
     /// into) and resolves with that run's value or error.
     ///
@@ -423,7 +423,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
     ///
     /// # Errors
     ///
-    /// As [`TrailingThrottle::call`], plus the covering run's
+    /// As [`Coalesce::call`], plus the covering run's
     /// [`Error::Failed`] or [`Error::Panicked`], and [`Error::Discarded`]
     /// when the throttle is destroyed (or loses the window race to other
     /// instances 10 times in a row) before that run starts.
@@ -437,12 +437,12 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
         self.covering(key, submitted).await
     }
 
-    /// [`TrailingThrottle::call_and_wait`] giving up after `timeout`. The run
+    /// [`Coalesce::call_and_wait`] giving up after `timeout`. The run
     /// is not cancelled: it still happens and still covers the call.
     ///
     /// # Errors
     ///
-    /// As [`TrailingThrottle::call_and_wait`], plus [`Error::Timeout`] naming
+    /// As [`Coalesce::call_and_wait`], plus [`Error::Timeout`] naming
     /// the key and the timeout, and [`Error::InvalidArgument`] for a zero
     /// timeout or one too large to schedule (checked before anything runs).
     pub async fn call_and_wait_timeout<F, Fut, E>(
@@ -493,7 +493,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
     /// use throttlebeam::Runtime;
     ///
     /// let runtime = Runtime::start().await?;
-    /// let sync = runtime.trailing_throttle("sync:").build::<u8>()?;
+    /// let sync = runtime.coalesce("sync:").build::<u8>()?;
     /// assert!(sync.call("a", |_| async { Ok::<_, std::io::Error>(1) }).await?);
     /// assert!(!sync.call("a", |_| async { Ok::<_, std::io::Error>(2) }).await?);
     /// let stats = sync.stats();
@@ -501,7 +501,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
     /// # Ok(()) }
     /// ```
     #[must_use]
-    pub fn stats(&self) -> TrailingStats {
+    pub fn stats(&self) -> CoalesceStats {
         self.shared.snapshot()
     }
 
@@ -529,8 +529,8 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
         self.shared.window
     }
 
-    /// Whether [`destroy`](TrailingThrottle::destroy) or
-    /// [`shutdown`](TrailingThrottle::shutdown) has begun.
+    /// Whether [`destroy`](Coalesce::destroy) or
+    /// [`shutdown`](Coalesce::shutdown) has begun.
     #[must_use]
     pub fn is_shut_down(&self) -> bool {
         self.shared.mode() != OPEN
@@ -549,7 +549,7 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
     /// cancelled and their waiters still get their values; every timer is
     /// cleared; later calls fail at once with [`Error::ShutDown`]. Its
     /// windows are forgotten; a store passed to
-    /// [`TrailingThrottleBuilder::with_store`] is left alone. Calling it
+    /// [`CoalesceBuilder::with_store`] is left alone. Calling it
     /// again is harmless.
     pub async fn destroy(&self) {
         self.shared.destroy().await;
@@ -560,10 +560,10 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
     /// Later calls fail at once with [`Error::ShutDown`]; trailing runs
     /// already pending still run when their windows end (windows are kept,
     /// so runs of a key still never come closer than the window); then, or at
-    /// the deadline, the throttle is [destroyed](TrailingThrottle::destroy):
+    /// the deadline, the throttle is [destroyed](Coalesce::destroy):
     /// whatever is still pending fails with [`Error::Discarded`].
     /// [`Runtime::shutdown`] does this for every throttle of the runtime
-    /// (or a plain destroy under [`ShutdownPolicy::Drop`](crate::ShutdownPolicy::Drop)).
+    /// (or a plain destroy under [`ShutdownPolicy::Drop`](crate::runtime::ShutdownPolicy::Drop)).
     pub async fn shutdown(&self, grace: Duration) {
         let now = Instant::now();
         let deadline = now
@@ -574,14 +574,14 @@ impl<T: Clone + Send + Sync + 'static> TrailingThrottle<T> {
 }
 
 impl<T: Clone + Send + Sync + 'static> Shared<T> {
-    /// The figures of [`TrailingThrottle::stats`].
-    pub(crate) fn snapshot(&self) -> TrailingStats {
+    /// The figures of [`Coalesce::stats`].
+    pub(crate) fn snapshot(&self) -> CoalesceStats {
         self.snapshot_with(self.wakeups())
     }
 
     /// [`Shared::snapshot`] with the sleepers' wake-ups already counted
     /// (counting locks every sleeper).
-    pub(crate) fn snapshot_with(&self, wakeups: usize) -> TrailingStats {
+    pub(crate) fn snapshot_with(&self, wakeups: usize) -> CoalesceStats {
         let gauges = &self.gauges;
         let store = self
             .store
@@ -589,7 +589,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
             .map(WindowStore::stats)
             .unwrap_or_default();
         let count = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
-        TrailingStats {
+        CoalesceStats {
             active: gauges.active.get(),
             pending: gauges.pending.get(),
             keys: self.live_keys(),

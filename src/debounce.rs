@@ -11,6 +11,8 @@ mod seam;
 #[cfg(feature = "redis")]
 mod shared;
 
+pub use crate::stats::DebounceStats;
+
 use std::any::{Any, TypeId};
 use std::future::{Future, IntoFuture};
 use std::marker::PhantomData;

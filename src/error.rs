@@ -134,7 +134,7 @@ pub enum Error {
     },
     /// Another call holds this idempotency key and is still running, and
     /// this call asked not to wait
-    /// ([`InFlight::Reject`](crate::InFlight::Reject)); try again after
+    /// ([`InFlight::Reject`](crate::idempotency::InFlight::Reject)); try again after
     /// `retry_after` (Stripe's `idempotency_key_in_use`, HTTP 409).
     #[error("idempotency key {key:?} is in flight; retry after {retry_after:?}")]
     InFlight {
@@ -234,7 +234,7 @@ fn setting_message(prefix: &str, what: &str, reason: &str) -> String {
     }
 }
 
-/// Checks a key: not empty, at most [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
+/// Checks a key: not empty, at most [`MAX_KEY_LEN`](crate::store::MAX_KEY_LEN) bytes.
 pub(crate) fn check_key(key: &str) -> Result<(), Error> {
     match crate::key::key_problem(key) {
         None => Ok(()),

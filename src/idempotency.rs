@@ -301,7 +301,7 @@ impl IdempotencyHandle {
     /// # Errors
     ///
     /// - [`Error::InvalidKey`], [`Error::InvalidArgument`] (zero or over
-    ///   [`MAX_TIMER`](crate::MAX_TIMER) TTL, lease or wait timeout; empty or
+    ///   [`MAX_TIMER`](crate::clock::MAX_TIMER) TTL, lease or wait timeout; empty or
     ///   over-long scope): nothing runs.
     /// - [`Error::FingerprintMismatch`]: the key completed or is in flight
     ///   with another fingerprint; `f` does not run.
@@ -416,7 +416,7 @@ impl IdempotencyHandle {
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
-    /// use throttlebeam::{IdempotencyOptions, IdempotencyReserved, Runtime};
+    /// use throttlebeam::{IdempotencyOptions, idempotency::IdempotencyReserved, Runtime};
     ///
     /// let idempotency = Runtime::start().await?.idempotency();
     /// let IdempotencyReserved::Fresh(reservation) =

@@ -25,7 +25,7 @@
 //! |---|---|
 //! | [`Debounce`] / [`DebounceHandle`] | run once a key has been quiet for a delay; latest function wins; `max_wait`, leading edge, cancel, flush |
 //! | [`Throttle`] / [`ThrottleHandle`] | leading edge: run now, or [`ThrottleOutcome::Throttled`] with the time left |
-//! | [`TrailingThrottle`] | leading + trailing throttle: calls in a window coalesce into one trailing run whose value every covered caller can await |
+//! | [`Coalesce`] | leading + trailing throttle: calls in a window coalesce into one trailing run whose value every covered caller can await |
 //! | [`Idempotency`] / [`IdempotencyHandle`] | run at most once per key; duplicates in flight wait and share the result (or fail fast with a retry hint); a live run is never taken over; results replayed for a TTL, capped |
 //! | [`rate_limit`] | pure strategies (GCRA, token bucket, fixed and sliding window, leaky-bucket shaper), decisions, forecasts, the decision algebra, headers, an enforcer, client-IP and HMAC keys |
 //! | `http` (feature `http`) | tower layers: `RateLimitLayer`, and `IdempotencyLayer` (`Idempotency-Key`; needs `runtime` too) |
@@ -62,7 +62,7 @@
 //!
 //! In memory, decisions for one key are linearizable within one runtime
 //! instance. Two runtimes in one process never share keys, unless they share
-//! a store: a [`MemoryIdempotencyStore`] or, with the `redis` feature, Redis
+//! a store: a [`MemoryIdempotencyStore`](idempotency::MemoryIdempotencyStore) or, with the `redis` feature, Redis
 //! (see the README's "Across instances" for what holds across instances and
 //! what falls back to per-instance decisions when the store is unreachable).
 //!
@@ -79,7 +79,7 @@
 //! # Observability
 //!
 //! [`Runtime::stats`] returns a [`Stats`] (`serde::Serialize`) with one
-//! struct per primitive ([`DebounceStats`], [`ThrottleStats`]), and what the
+//! struct per primitive ([`DebounceStats`](debounce::DebounceStats), [`ThrottleStats`](throttle::ThrottleStats)), and what the
 //! HTTP layers answered (`http::HttpStats`: replays, fresh runs, 409, 422, 413,
 //! 400, 429, store failures); with the `metrics` feature,
 //! `Runtime::export_metrics` publishes them through the `metrics` facade. ractor logs a span per actor
@@ -102,68 +102,54 @@
 mod cell;
 pub mod clock;
 #[cfg(feature = "runtime")]
-mod coalesce;
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+pub mod coalesce;
 #[cfg(feature = "runtime")]
-mod debounce;
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+pub mod debounce;
 #[cfg(feature = "runtime")]
 mod error;
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http;
 #[cfg(feature = "runtime")]
-mod idempotency;
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+pub mod idempotency;
 mod key;
 pub mod rate_limit;
 #[cfg(feature = "runtime")]
-mod runtime;
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+pub mod runtime;
 #[cfg(feature = "runtime")]
 mod stats;
 pub mod store;
 #[cfg(feature = "runtime")]
-mod throttle;
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+pub mod throttle;
 #[cfg(feature = "runtime")]
 mod wire;
 
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
-pub use coalesce::{
-    DEFAULT_WINDOW_STORE_KEYS, DEFAULT_WINDOW_STORE_TIMEOUT, MemoryWindowStore, Phase,
-    TrailingStats, TrailingThrottle, TrailingThrottleBuilder, WindowClaim, WindowEntry,
-    WindowStore, WindowStoreError, WindowStoreFuture, WindowStoreStats,
-};
+pub use coalesce::Coalesce;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
-pub use debounce::{Debounce, DebounceHandle, DebounceOptions, Debounced};
+pub use debounce::{Debounce, DebounceHandle, DebounceOptions};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use error::{BoxError, Error};
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use idempotency::postgres;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
-pub use idempotency::{
-    ClaimReply, ClaimRequest, ClaimToken, DEFAULT_MAX_IDEMPOTENCY_BYTES,
-    DEFAULT_MAX_IDEMPOTENCY_RESULTS, DEFAULT_SHARED_MEMORY_KEYS, Idempotency, IdempotencyHandle,
-    IdempotencyOptions, IdempotencyOutcome, IdempotencyReservation, IdempotencyReserved,
-    IdempotencyStats, IdempotencyStore, IdempotencyStoreFuture, InFlight, KeyChanged,
-    MemoryIdempotencyStore, StoredResult,
-};
-pub use key::{MAX_KEY_LEN, MAX_TIMER};
+pub use idempotency::{Idempotency, IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
-pub use runtime::{
-    DEFAULT_MAX_KEYS, Runtime, RuntimeBuilder, RuntimeClock, ShutdownPolicy, ShutdownReport,
-};
+pub use runtime::{Runtime, RuntimeBuilder};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
-pub use stats::{DebounceStats, Stats, ThrottleStats};
+pub use stats::Stats;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use throttle::{Throttle, ThrottleHandle, ThrottleOutcome};
-#[cfg(feature = "runtime")]
-#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
-pub use wire::WireError;
 
 #[cfg(all(doctest, feature = "runtime", feature = "http"))]
 #[doc = include_str!("../README.md")]

@@ -27,8 +27,8 @@
 //!   headers, `Retry-After`), an [`Enforcer`] with a [`FailMode`], [`ClientIp`] and
 //!   [`KeyHasher`] keys.
 //!
-//! Keys follow the crate's one rule (not empty, at most [`MAX_KEY_LEN`](crate::MAX_KEY_LEN)
-//! bytes), and durations its one range (1 ms ..= [`MAX_TIMER`](crate::MAX_TIMER)).
+//! Keys follow the crate's one rule (not empty, at most [`MAX_KEY_LEN`](crate::store::MAX_KEY_LEN)
+//! bytes), and durations its one range (1 ms ..= [`MAX_TIMER`](crate::clock::MAX_TIMER)).
 //!
 //! # Time
 //!

@@ -51,7 +51,7 @@ pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
 /// use std::time::Duration;
-/// use throttlebeam::{Runtime, ShutdownPolicy};
+/// use throttlebeam::{Runtime, runtime::ShutdownPolicy};
 ///
 /// let runtime = Runtime::builder()
 ///     .with_sweep_interval(Duration::from_secs(10))
@@ -511,7 +511,7 @@ impl Runtime {
     /// unreachable at start is connected to once it answers (until then
     /// idempotency fails closed and throttles decide per instance). With the
     /// `postgres` feature it keeps idempotency in the PostgreSQL
-    /// [`POSTGRES_URL_ENV`](crate::postgres::POSTGRES_URL_ENV) names, the
+    /// [`POSTGRES_URL_ENV`](crate::idempotency::postgres::POSTGRES_URL_ENV) names, the
     /// same way: connecting and migrating on its own thread, failing closed
     /// until then.
     ///
@@ -662,14 +662,14 @@ impl Runtime {
     /// | `throttlebeam_ttl_entries` | gauge | entries in TTL tables |
     /// | `throttlebeam_down` | gauge | 1 while the root is down |
     /// | `throttlebeam_restarts_total` | counter | restarts after a failed root |
-    /// | `throttlebeam_debounce_keys`, `throttlebeam_debounce_capacity` | gauge | [`crate::DebounceStats`] |
-    /// | `throttlebeam_debounce_{calls,runs,coalesced,cancelled,flushed,failed}_total` | counter | [`crate::DebounceStats`] |
-    /// | `throttlebeam_throttle_windows`, `throttlebeam_throttle_capacity` | gauge | [`crate::ThrottleStats`] |
-    /// | `throttlebeam_throttle_{executed,throttled,throttled_remotely,store_errors}_total` | counter | [`crate::ThrottleStats`] |
-    /// | `throttlebeam_idempotency_stored_results`, `throttlebeam_idempotency_stored_bytes` | gauge | [`crate::IdempotencyStats`] |
-    /// | `throttlebeam_idempotency_{fresh,replays,fingerprint_mismatches,takeovers,in_flight_rejections,timeouts,evictions}_total` | counter | [`crate::IdempotencyStats`] |
-    /// | `throttlebeam_trailing_{active,pending,keys,store_keys}` | gauge | [`crate::TrailingStats`], every coalescing throttle added up |
-    /// | `throttlebeam_trailing_{calls,leading_runs,trailing_runs,coalesced,store_errors,evictions}_total` | counter | [`crate::TrailingStats`] |
+    /// | `throttlebeam_debounce_keys`, `throttlebeam_debounce_capacity` | gauge | [`crate::debounce::DebounceStats`] |
+    /// | `throttlebeam_debounce_{calls,runs,coalesced,cancelled,flushed,failed}_total` | counter | [`crate::debounce::DebounceStats`] |
+    /// | `throttlebeam_throttle_windows`, `throttlebeam_throttle_capacity` | gauge | [`crate::throttle::ThrottleStats`] |
+    /// | `throttlebeam_throttle_{executed,throttled,throttled_remotely,store_errors}_total` | counter | [`crate::throttle::ThrottleStats`] |
+    /// | `throttlebeam_idempotency_stored_results`, `throttlebeam_idempotency_stored_bytes` | gauge | [`crate::idempotency::IdempotencyStats`] |
+    /// | `throttlebeam_idempotency_{fresh,replays,fingerprint_mismatches,takeovers,in_flight_rejections,timeouts,evictions}_total` | counter | [`crate::idempotency::IdempotencyStats`] |
+    /// | `throttlebeam_trailing_{active,pending,keys,store_keys}` | gauge | [`crate::coalesce::CoalesceStats`], every coalescing throttle added up |
+    /// | `throttlebeam_trailing_{calls,leading_runs,trailing_runs,coalesced,store_errors,evictions}_total` | counter | [`crate::coalesce::CoalesceStats`] |
     /// | `throttlebeam_http_{replays,fresh,in_flight,reused,too_large,invalid,rate_limited,store_failures,no_peer}_total` | counter | `http::HttpStats` (feature `http`): the HTTP layers counting in this runtime |
     ///
     /// # Examples

@@ -53,9 +53,9 @@ pub struct Stats {
     /// The leading-edge throttle.
     pub throttle: ThrottleStats,
     /// Idempotency (counts since the runtime started; a restart keeps them).
-    pub idempotency: crate::IdempotencyStats,
+    pub idempotency: crate::idempotency::IdempotencyStats,
     /// Every coalescing throttle of the runtime, added up.
-    pub trailing: crate::TrailingStats,
+    pub trailing: crate::coalesce::CoalesceStats,
     /// The HTTP layers that count in this runtime (feature `http`).
     #[cfg(feature = "http")]
     #[cfg_attr(docsrs, doc(cfg(feature = "http")))]

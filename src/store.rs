@@ -2,7 +2,7 @@
 //! that guards a remote store, and (feature `redis`) the Redis backend.
 //!
 //! The in-memory stores live beside the seam they implement
-//! ([`crate::MemoryWindowStore`], the rate limiter's memory store, the
+//! ([`crate::coalesce::MemoryWindowStore`], the rate limiter's memory store, the
 //! idempotency result table). A remote store is guarded by a circuit
 //! breaker ([`BreakerConfig`]): after a run of consecutive failures it stops
 //! sending commands for a cooldown, then lets one probe decide whether the
@@ -25,6 +25,10 @@ pub(crate) use self::guard::{Fault, guard};
 #[cfg(feature = "redis")]
 #[cfg(feature = "redis")]
 pub use self::redis::{REDIS_CLUSTER_ENV, REDIS_URL_ENV, Redis, RedisBuilder, RedisStats};
+pub use crate::key::MAX_KEY_LEN;
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+pub use crate::wire::WireError;
 
 /// Why a store could not answer.
 ///

@@ -13,6 +13,8 @@ mod redis;
 #[cfg(feature = "redis")]
 mod seam;
 
+pub use crate::stats::ThrottleStats;
+
 #[cfg(feature = "redis")]
 use self::seam::{SharedWindows, WindowOpen};
 use crate::clock::{WindowClock, duration_ns};
@@ -305,7 +307,7 @@ impl ThrottleHandle {
     /// of its own and finishes there. Its error or panic is returned to this
     /// caller, and the window stays open either way; if the caller has left
     /// by then, it is logged at warn level and counted
-    /// ([`ThrottleStats::unobserved_failures`](crate::ThrottleStats::unobserved_failures)).
+    /// ([`ThrottleStats::unobserved_failures`](crate::throttle::ThrottleStats::unobserved_failures)).
     ///
     /// With a shared store (a runtime on Redis), opening the window there
     /// and running the function are one unit: a caller dropped while the

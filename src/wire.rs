@@ -30,7 +30,7 @@ const HEADER: usize = MAGIC.len() + 1;
 
 /// The most an envelope's payload may hold, and the most memory decoding
 /// one may claim: 256 MiB, what a runtime keeps of results by default
-/// ([`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::DEFAULT_MAX_IDEMPOTENCY_BYTES)).
+/// ([`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_BYTES)).
 pub(crate) const MAX_DECODED: usize = 256 << 20;
 
 /// bincode settings of version 1. Part of the format: changing them means

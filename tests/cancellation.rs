@@ -23,8 +23,9 @@ use throttlebeam::rate_limit::{
     Gcra, LeakyBucket, Limiter, MemoryRateLimitStore, ShaperReservation,
 };
 use throttlebeam::{
-    DebounceOptions, Error, IdempotencyOptions, IdempotencyOutcome, IdempotencyReserved,
-    MemoryIdempotencyStore, MemoryWindowStore, Runtime, ThrottleOutcome,
+    DebounceOptions, Error, IdempotencyOptions, IdempotencyOutcome, Runtime, ThrottleOutcome,
+    coalesce::MemoryWindowStore, idempotency::IdempotencyReserved,
+    idempotency::MemoryIdempotencyStore,
 };
 use tokio::time::{Instant, sleep};
 
@@ -105,8 +106,10 @@ mod laggy {
         RateLimitReply, RateLimitRequest, RateLimitStore, Strategy,
     };
     use throttlebeam::{
-        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture, KeyChanged,
-        StoredResult, WindowClaim, WindowEntry, WindowStore, WindowStoreFuture,
+        coalesce::WindowClaim, coalesce::WindowEntry, coalesce::WindowStore,
+        coalesce::WindowStoreFuture, idempotency::ClaimReply, idempotency::ClaimRequest,
+        idempotency::ClaimToken, idempotency::IdempotencyStore,
+        idempotency::IdempotencyStoreFuture, idempotency::KeyChanged, idempotency::StoredResult,
     };
     use tokio::time::sleep;
 
@@ -238,7 +241,7 @@ mod laggy {
             self.inner.sweep()
         }
 
-        fn stats(&self) -> throttlebeam::WindowStoreStats {
+        fn stats(&self) -> throttlebeam::coalesce::WindowStoreStats {
             self.inner.stats()
         }
     }
@@ -426,7 +429,7 @@ async fn a_throttled_call_dropped_at_every_await_opens_its_window_with_its_run_o
 }
 
 // ---------------------------------------------------------------------------------------------
-// Coalescing throttle: `TrailingThrottle::call` and `call_and_wait`.
+// Coalescing throttle: `Coalesce::call` and `call_and_wait`.
 // ---------------------------------------------------------------------------------------------
 
 const WINDOW: Duration = Duration::from_millis(500);
@@ -435,7 +438,7 @@ const WINDOW: Duration = Duration::from_millis(500);
 /// next call is covered by a trailing run (inside the window) or leads.
 async fn leading_trailing_call_dropped(wait: bool, store: Option<Duration>) {
     let rt = runtime().await;
-    let mut builder = rt.trailing_throttle("c:").with_window(WINDOW);
+    let mut builder = rt.coalesce("c:").with_window(WINDOW);
     if let Some(lag) = store {
         builder = builder.with_store(Laggy {
             inner: MemoryWindowStore::new(),
@@ -517,7 +520,7 @@ async fn a_leading_call_and_wait_on_a_slow_window_store_dropped_at_every_await_s
 async fn a_coalesced_waiter_dropped_at_every_await_leaves_one_trailing_run() {
     let rt = runtime().await;
     let tt = rt
-        .trailing_throttle("w:")
+        .coalesce("w:")
         .with_window(WINDOW)
         .build::<usize>()
         .expect("builds");

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use support::{Oops, Runs, ms, runtime, settle};
-use throttlebeam::{DebounceOptions, Error, Runtime, ShutdownPolicy};
+use throttlebeam::{DebounceOptions, Error, Runtime, runtime::ShutdownPolicy};
 use tokio::time::{Instant, advance, sleep};
 
 type Log = Arc<Mutex<Vec<(u64, &'static str)>>>;
@@ -163,7 +163,7 @@ async fn d5_leading_runs_first_call_now_and_one_trailing_run() {
 }
 
 async fn futures_join<T: Clone + Send + Sync + 'static>(
-    handles: Vec<throttlebeam::Debounced<T>>,
+    handles: Vec<throttlebeam::debounce::Debounced<T>>,
 ) -> Vec<T> {
     let mut out = Vec::new();
     for h in handles {

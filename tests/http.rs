@@ -1415,7 +1415,9 @@ async fn a_client_that_hangs_up_does_not_cancel_the_handler_and_its_retry_replay
 /// Two instances of one service behind a load balancer, sharing `store`:
 /// a request on one and its retry on the other run once, and the retry gets
 /// the stored response, flagged replayed.
-async fn two_instances_share_one_response(store: impl throttlebeam::IdempotencyStore + Clone) {
+async fn two_instances_share_one_response(
+    store: impl throttlebeam::idempotency::IdempotencyStore + Clone,
+) {
     let shop = Shop::new();
     let mut servers = Vec::new();
     for _ in 0..2 {
@@ -1440,7 +1442,8 @@ async fn two_instances_share_one_response(store: impl throttlebeam::IdempotencyS
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_sharing_a_store_answer_a_retry_with_the_stored_response() {
-    two_instances_share_one_response(throttlebeam::MemoryIdempotencyStore::new()).await;
+    two_instances_share_one_response(throttlebeam::idempotency::MemoryIdempotencyStore::new())
+        .await;
 }
 
 #[cfg(feature = "redis")]

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use throttlebeam::{
-    Error, IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, IdempotencyReserved,
-    InFlight, MAX_KEY_LEN, MAX_TIMER, Runtime,
+    Error, IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, Runtime, clock::MAX_TIMER,
+    idempotency::IdempotencyReserved, idempotency::InFlight, store::MAX_KEY_LEN,
 };
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
@@ -1223,7 +1223,10 @@ async fn past_the_byte_budget_the_oldest_results_are_evicted_first_and_counted()
 
 #[tokio::test(start_paused = true)]
 async fn the_byte_budget_has_a_documented_default_and_rejects_zero() {
-    assert_eq!(throttlebeam::DEFAULT_MAX_IDEMPOTENCY_BYTES, 256 << 20);
+    assert_eq!(
+        throttlebeam::idempotency::DEFAULT_MAX_IDEMPOTENCY_BYTES,
+        256 << 20
+    );
     let zero = Runtime::builder()
         .with_max_idempotency_bytes(0)
         .start()
@@ -1242,7 +1245,10 @@ async fn the_byte_budget_has_a_documented_default_and_rejects_zero() {
 
 #[tokio::test(start_paused = true)]
 async fn the_results_cap_has_a_documented_default_and_rejects_zero() {
-    assert_eq!(throttlebeam::DEFAULT_MAX_IDEMPOTENCY_RESULTS, 100_000);
+    assert_eq!(
+        throttlebeam::idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS,
+        100_000
+    );
     let zero = Runtime::builder()
         .with_max_idempotency_results(0)
         .start()
@@ -1310,7 +1316,7 @@ async fn ten_million_distinct_keys_stay_within_the_default_results_cap() {
     for caller in callers {
         caller.await.unwrap();
     }
-    let cap = throttlebeam::DEFAULT_MAX_IDEMPOTENCY_RESULTS;
+    let cap = throttlebeam::idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS;
     let stats = idem.stats();
     assert_eq!(stats.stored_results, cap, "{stats:?}");
     assert_eq!(stats.evictions, KEYS - cap as u64);
@@ -1377,8 +1383,9 @@ fn resident_bytes() -> Option<usize> {
 #[tokio::test(start_paused = true)]
 async fn the_memory_store_saturates_a_lease_or_ttl_of_duration_max() {
     use throttlebeam::{
-        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
-        StoredResult,
+        idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
+        idempotency::IdempotencyStore, idempotency::MemoryIdempotencyStore,
+        idempotency::StoredResult,
     };
     let store = MemoryIdempotencyStore::new();
     let (owner, other) = (ClaimToken::new(), ClaimToken::new());
@@ -1419,8 +1426,9 @@ async fn the_memory_store_saturates_a_lease_or_ttl_of_duration_max() {
 async fn a_huge_lease_left_from_a_shared_store_caps_the_retry_hint() {
     use throttlebeam::store::StoreError;
     use throttlebeam::{
-        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture,
-        StoredResult,
+        idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
+        idempotency::IdempotencyStore, idempotency::IdempotencyStoreFuture,
+        idempotency::StoredResult,
     };
 
     /// Every key is held elsewhere, for ever.
@@ -1490,7 +1498,8 @@ async fn a_huge_lease_left_from_a_shared_store_caps_the_retry_hint() {
 async fn a_full_memory_store_drops_only_what_expired_and_never_scans() {
     use throttlebeam::store::StoreError;
     use throttlebeam::{
-        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
+        idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
+        idempotency::IdempotencyStore, idempotency::MemoryIdempotencyStore,
     };
     const CAP: usize = 50_000;
     let store = MemoryIdempotencyStore::with_max_keys(CAP);
@@ -1554,14 +1563,15 @@ async fn a_full_memory_store_drops_only_what_expired_and_never_scans() {
 #[tokio::test(start_paused = true)]
 async fn the_memory_store_evicts_its_oldest_results_past_its_byte_budget() {
     use throttlebeam::{
-        ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
-        StoredResult,
+        idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
+        idempotency::IdempotencyStore, idempotency::MemoryIdempotencyStore,
+        idempotency::StoredResult,
     };
     // "k:0" + "v" + 1,000 bytes + 200 for the entry.
     const ONE: usize = 3 + 1 + 1_000 + 200;
     assert_eq!(
         MemoryIdempotencyStore::new().max_bytes(),
-        throttlebeam::DEFAULT_MAX_IDEMPOTENCY_BYTES
+        throttlebeam::idempotency::DEFAULT_MAX_IDEMPOTENCY_BYTES
     );
     let store = MemoryIdempotencyStore::new().with_max_bytes(3 * ONE);
     let hour = 3600 * SEC;

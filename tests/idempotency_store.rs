@@ -8,7 +8,10 @@ mod support;
 use std::sync::Arc;
 
 use support::contract::{LEASE, contract, request};
-use throttlebeam::{ClaimReply, ClaimToken, IdempotencyStore, MemoryIdempotencyStore};
+use throttlebeam::{
+    idempotency::ClaimReply, idempotency::ClaimToken, idempotency::IdempotencyStore,
+    idempotency::MemoryIdempotencyStore,
+};
 
 #[tokio::test]
 async fn the_memory_store_keeps_the_contract() {

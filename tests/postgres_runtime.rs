@@ -14,11 +14,13 @@ use std::time::Duration;
 
 use support::postgres::{PgSchema, Proxy};
 use support::{Oops, Runs};
-use throttlebeam::postgres::{POSTGRES_URL_ENV, PostgresBuilder, PostgresStore, tokio_postgres};
+use throttlebeam::idempotency::postgres::{
+    POSTGRES_URL_ENV, PostgresBuilder, PostgresStore, tokio_postgres,
+};
 use throttlebeam::store::BreakerConfig;
 use throttlebeam::{
-    Error, Idempotency, IdempotencyOptions, IdempotencyOutcome, IdempotencyReserved, InFlight,
-    Runtime,
+    Error, Idempotency, IdempotencyOptions, IdempotencyOutcome, Runtime,
+    idempotency::IdempotencyReserved, idempotency::InFlight,
 };
 use tokio::sync::Semaphore;
 use tokio::time::Instant;

@@ -12,9 +12,12 @@ use std::time::Duration;
 
 use support::contract::{LEASE, TTL, contract, request};
 use support::postgres::{PgSchema, Proxy};
-use throttlebeam::postgres::PostgresStore;
+use throttlebeam::idempotency::postgres::PostgresStore;
 use throttlebeam::store::StoreError;
-use throttlebeam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, StoredResult};
+use throttlebeam::{
+    idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
+    idempotency::IdempotencyStore, idempotency::StoredResult,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn p1_postgres_keeps_the_store_contract() {

@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use support::postgres::PgSchema;
-use throttlebeam::postgres::{PostgresStore, TransactionFuture, tokio_postgres};
-use throttlebeam::{Error, IdempotencyOptions, IdempotencyOutcome, InFlight, Runtime};
+use throttlebeam::idempotency::postgres::{PostgresStore, TransactionFuture, tokio_postgres};
+use throttlebeam::{Error, IdempotencyOptions, IdempotencyOutcome, Runtime, idempotency::InFlight};
 use tokio::sync::{Semaphore, oneshot};
 use tokio::time::Instant;
 

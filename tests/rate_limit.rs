@@ -1016,7 +1016,7 @@ fn r14_bad_config_is_a_typed_error() {
         .unwrap_err();
     assert_eq!(err.to_string(), "invalid trusted proxy `10.0.0.0/33`");
     assert!(matches!(
-        Gcra::new(1, throttlebeam::MAX_TIMER + Duration::from_millis(1)),
+        Gcra::new(1, throttlebeam::clock::MAX_TIMER + Duration::from_millis(1)),
         Err(RateLimitError::InvalidDuration { what: "period", .. })
     ));
     assert!(SlidingWindow::new(1, Duration::from_micros(1_500)).is_ok());
@@ -1225,7 +1225,7 @@ fn a_sweeper_outside_a_runtime_is_a_typed_error() {
 #[test]
 fn r14_keys_follow_the_one_key_rule() {
     let (limiter, _clock) = manual(Gcra::new(5, Duration::from_secs(1)).unwrap());
-    let long = "k".repeat(throttlebeam::MAX_KEY_LEN + 1);
+    let long = "k".repeat(throttlebeam::store::MAX_KEY_LEN + 1);
     let err = limiter.check("").unwrap_err();
     assert_eq!(err.to_string(), r#"invalid key "": key is empty"#);
     let err = limiter.check_n(&long, 1).unwrap_err();
@@ -1247,7 +1247,7 @@ fn r14_keys_follow_the_one_key_rule() {
     assert_eq!(limiter.store().len(), 1); // "ok" from check_many
     assert!(
         limiter
-            .check(&"k".repeat(throttlebeam::MAX_KEY_LEN))
+            .check(&"k".repeat(throttlebeam::store::MAX_KEY_LEN))
             .unwrap()
             .allowed
     );

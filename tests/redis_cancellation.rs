@@ -19,7 +19,8 @@ use support::{Oops, Runs, ms};
 use throttlebeam::rate_limit::{Gcra, LeakyBucket, Limiter, ShaperReservation};
 use throttlebeam::store::{BreakerState, Redis};
 use throttlebeam::{
-    IdempotencyOptions, IdempotencyOutcome, IdempotencyReserved, Runtime, ThrottleOutcome,
+    IdempotencyOptions, IdempotencyOutcome, Runtime, ThrottleOutcome,
+    idempotency::IdempotencyReserved,
 };
 use tokio::time::{Instant, sleep};
 
@@ -213,7 +214,7 @@ async fn shared_trailing_call_dropped(test: &str, wait: bool) {
     };
     let window = ms(300);
     let throttle = |rt: &Runtime, redis: &Redis| {
-        rt.trailing_throttle("c:")
+        rt.coalesce("c:")
             .with_window(window)
             .with_store(redis.clone())
             .build::<usize>()

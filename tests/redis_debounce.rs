@@ -53,7 +53,7 @@ fn call(
     runs: &Runs,
     i: usize,
     n: usize,
-) -> throttlebeam::Debounced<String> {
+) -> throttlebeam::debounce::Debounced<String> {
     let runs = runs.clone();
     debounce
         .call_shared_with(key, delay, options, move || async move {
@@ -63,7 +63,7 @@ fn call(
         .expect("scheduled")
 }
 
-async fn settle<T>(call: throttlebeam::Debounced<T>) -> Result<T, Error>
+async fn settle<T>(call: throttlebeam::debounce::Debounced<T>) -> Result<T, Error>
 where
     T: Clone + Send + Sync + 'static,
 {
@@ -142,7 +142,7 @@ async fn one_run_per_burst_on_the_last_caller(urls: Vec<String>, cluster: bool) 
 }
 
 /// Awaits every call, concurrently.
-async fn futures_join<T>(calls: Vec<throttlebeam::Debounced<T>>) -> Vec<Result<T, Error>>
+async fn futures_join<T>(calls: Vec<throttlebeam::debounce::Debounced<T>>) -> Vec<Result<T, Error>>
 where
     T: Clone + Send + Sync + 'static,
 {

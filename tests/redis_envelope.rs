@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use support::redis::RedisNode;
 use throttlebeam::store::Redis;
-use throttlebeam::{Error, IdempotencyOutcome, Runtime, WireError};
+use throttlebeam::{Error, IdempotencyOutcome, Runtime, store::WireError};
 
 async fn instance(node: &RedisNode) -> Runtime {
     let redis = Redis::builder(node.url())

@@ -12,8 +12,8 @@ use std::time::Duration;
 use support::redis::{RedisCluster, RedisNode};
 use throttlebeam::store::{BreakerConfig, Redis};
 use throttlebeam::{
-    Error, IdempotencyOptions, IdempotencyOutcome, IdempotencyReserved, InFlight,
-    MemoryIdempotencyStore, Runtime,
+    Error, IdempotencyOptions, IdempotencyOutcome, Runtime, idempotency::IdempotencyReserved,
+    idempotency::InFlight, idempotency::MemoryIdempotencyStore,
 };
 use tokio::sync::Semaphore;
 use tokio::time::Instant;

@@ -10,7 +10,10 @@ use std::time::Duration;
 
 use support::redis::{RedisCluster, RedisNode};
 use throttlebeam::store::Redis;
-use throttlebeam::{IdempotencyOptions, IdempotencyOutcome, IdempotencyReserved, Phase, Runtime};
+use throttlebeam::{
+    IdempotencyOptions, IdempotencyOutcome, Runtime, coalesce::Phase,
+    idempotency::IdempotencyReserved,
+};
 use tokio::time::Instant;
 
 /// Each "instance": its own connection to Redis and its own runtime,
@@ -40,13 +43,13 @@ async fn s5_one_leads_the_other_trails_never_overlapping(urls: Vec<String>, clus
     let (rt_a, redis_a) = instance(&urls, cluster).await;
     let (rt_b, redis_b) = instance(&urls, cluster).await;
     let a = rt_a
-        .trailing_throttle("sync:")
+        .coalesce("sync:")
         .with_window(window)
         .with_store(redis_a.clone())
         .build::<u32>()
         .expect("throttle a");
     let b = rt_b
-        .trailing_throttle("sync:")
+        .coalesce("sync:")
         .with_window(window)
         .with_store(redis_b.clone())
         .build::<u32>()
@@ -519,7 +522,7 @@ async fn s15_a_leading_caller_dropped_once_its_window_is_claimed_still_runs_its_
     let urls = vec![node.url()];
     let (rt, redis) = instance(&urls, false).await;
     let t = rt
-        .trailing_throttle("sync:")
+        .coalesce("sync:")
         .with_window(Duration::from_secs(60))
         .with_store(redis)
         .build::<u32>()

@@ -428,11 +428,7 @@ async fn a_failed_root_fails_calls_fast_until_the_host_restarts_it() {
     let throttle = rt.throttle();
     let debounce = rt.debounce();
     let idempotency = rt.idempotency();
-    let trailing = rt
-        .trailing_throttle("t:")
-        .with_window(ms(10))
-        .build::<u8>()
-        .unwrap();
+    let trailing = rt.coalesce("t:").with_window(ms(10)).build::<u8>().unwrap();
     let ok = || async { Ok::<_, Oops>(1u8) };
     assert!(
         throttle
@@ -600,7 +596,7 @@ fn pending_keys(rt: &Runtime, n: usize) {
 }
 
 /// How long `shutdown(1 ms)` takes with `n` pending keys, on real time.
-async fn shutdown_time(policy: throttlebeam::ShutdownPolicy, n: usize) -> Duration {
+async fn shutdown_time(policy: throttlebeam::runtime::ShutdownPolicy, n: usize) -> Duration {
     let rt = Runtime::builder()
         .with_shutdown_policy(policy)
         .start()
@@ -624,8 +620,8 @@ async fn shutdown_time(policy: throttlebeam::ShutdownPolicy, n: usize) -> Durati
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_keeps_its_deadline_with_fifty_thousand_pending_keys() {
     for policy in [
-        throttlebeam::ShutdownPolicy::Drop,
-        throttlebeam::ShutdownPolicy::Flush,
+        throttlebeam::runtime::ShutdownPolicy::Drop,
+        throttlebeam::runtime::ShutdownPolicy::Flush,
     ] {
         let took = shutdown_time(policy, 50_000).await;
         // Debug build on a shared 2-vCPU machine: 4 to 60 ms now (the
@@ -639,7 +635,7 @@ async fn shutdown_keeps_its_deadline_with_fifty_thousand_pending_keys() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "slow to set up 200,000 pending keys in a debug build; run with --ignored"]
 async fn shutdown_keeps_its_deadline_with_two_hundred_thousand_pending_keys() {
-    let took = shutdown_time(throttlebeam::ShutdownPolicy::Drop, 200_000).await;
+    let took = shutdown_time(throttlebeam::runtime::ShutdownPolicy::Drop, 200_000).await;
     assert!(took < Duration::from_millis(25), "{took:?}");
 }
 
@@ -649,7 +645,7 @@ async fn shutdown_keeps_its_deadline_with_two_hundred_thousand_pending_keys() {
 #[tokio::test(start_paused = true)]
 async fn shutdown_leaves_no_window_or_key_tracked() {
     let rt = Runtime::builder()
-        .with_shutdown_policy(throttlebeam::ShutdownPolicy::Drop)
+        .with_shutdown_policy(throttlebeam::runtime::ShutdownPolicy::Drop)
         .start()
         .await
         .unwrap();

@@ -22,10 +22,12 @@ use throttlebeam::rate_limit::{
 };
 use throttlebeam::store::StoreError;
 use throttlebeam::{
-    ClaimReply, ClaimRequest, ClaimToken, Error, IdempotencyOptions, IdempotencyOutcome,
-    IdempotencyReserved, IdempotencyStore, IdempotencyStoreFuture, KeyChanged,
-    MemoryIdempotencyStore, Runtime, StoredResult, WindowClaim, WindowEntry, WindowStore,
-    WindowStoreFuture,
+    Error, IdempotencyOptions, IdempotencyOutcome, Runtime, coalesce::WindowClaim,
+    coalesce::WindowEntry, coalesce::WindowStore, coalesce::WindowStoreFuture,
+    idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
+    idempotency::IdempotencyReserved, idempotency::IdempotencyStore,
+    idempotency::IdempotencyStoreFuture, idempotency::KeyChanged,
+    idempotency::MemoryIdempotencyStore, idempotency::StoredResult,
 };
 use tokio::time::Instant;
 
@@ -718,7 +720,7 @@ fn limit_store_error_or_plain(e: &RateLimitError) -> Option<&StoreError> {
 // The coalescing throttle's window store, through the same guard.
 // ---------------------------------------------------------------------------------------------
 
-/// A [`MemoryWindowStore`](throttlebeam::MemoryWindowStore) whose claims,
+/// A [`MemoryWindowStore`](throttlebeam::coalesce::MemoryWindowStore) whose claims,
 /// extensions and records panic while their call is being built, before
 /// any future exists.
 struct PanicsBuilding {
@@ -774,7 +776,7 @@ async fn w_a_window_store_that_panics_building_its_calls_is_a_store_failure() {
     let runtime = Runtime::builder().start().await.expect("runtime starts");
     let calls = Arc::new(AtomicUsize::new(0));
     let throttle = runtime
-        .trailing_throttle("bug:")
+        .coalesce("bug:")
         .with_window(ms(100))
         .with_store(PanicsBuilding {
             calls: Arc::clone(&calls),

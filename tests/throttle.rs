@@ -347,7 +347,7 @@ fn tight_loops_of_fresh_keys_never_hit_a_cap_full_of_windows_that_are_over() {
 #[tokio::test]
 async fn windows_on_the_timestamp_counter_behave_the_same() {
     let rt = throttlebeam::Runtime::builder()
-        .with_clock(throttlebeam::RuntimeClock::Tsc)
+        .with_clock(throttlebeam::runtime::RuntimeClock::Tsc)
         .start()
         .await
         .unwrap();

@@ -38,7 +38,7 @@ pub const DEFAULT_WINDOW_STORE_KEYS: usize = 1_000_000;
 /// # Examples
 ///
 /// ```
-/// use throttlebeam::WindowEntry;
+/// use throttlebeam::coalesce::WindowEntry;
 ///
 /// let entry = WindowEntry::new(1_733_040_000_000, 42);
 /// assert_eq!(entry.encode(), "1733040000000:42");
@@ -100,7 +100,7 @@ pub enum WindowClaim {
     },
 }
 
-/// Figures a [`WindowStore`] may report; part of [`crate::TrailingStats`].
+/// Figures a [`WindowStore`] may report; part of [`crate::coalesce::CoalesceStats`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[non_exhaustive]
 pub struct WindowStoreStats {
@@ -129,7 +129,7 @@ pub struct WindowStoreStats {
 /// Fail by returning an error. The throttle fails open (the run still
 /// happens and in-memory state keeps throttling per instance), never
 /// retries inside a call, bounds every call by its store timeout
-/// ([`TrailingThrottleBuilder::with_store_timeout`](crate::TrailingThrottleBuilder::with_store_timeout))
+/// ([`CoalesceBuilder::with_store_timeout`](crate::coalesce::CoalesceBuilder::with_store_timeout))
 /// and treats a panic as a failure.
 ///
 /// # Examples
@@ -138,7 +138,7 @@ pub struct WindowStoreStats {
 ///
 /// ```
 /// use std::time::Duration;
-/// use throttlebeam::{WindowClaim, WindowEntry, WindowStore, WindowStoreFuture};
+/// use throttlebeam::{coalesce::WindowClaim, coalesce::WindowEntry, coalesce::WindowStore, coalesce::WindowStoreFuture};
 ///
 /// #[derive(Debug)]
 /// struct Down;
@@ -200,7 +200,7 @@ pub trait WindowStore: Send + Sync + 'static {
         0
     }
 
-    /// Figures for [`crate::TrailingStats`]; all zero by default.
+    /// Figures for [`crate::coalesce::CoalesceStats`]; all zero by default.
     fn stats(&self) -> WindowStoreStats {
         WindowStoreStats::default()
     }
@@ -297,7 +297,7 @@ const WARN_EVERY: Duration = Duration::from_secs(60);
 /// ```
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)] async fn main() {
 /// use std::time::Duration;
-/// use throttlebeam::{MemoryWindowStore, WindowClaim, WindowEntry, WindowStore};
+/// use throttlebeam::{coalesce::MemoryWindowStore, coalesce::WindowClaim, coalesce::WindowEntry, coalesce::WindowStore};
 ///
 /// let store = MemoryWindowStore::new();
 /// let ttl = Duration::from_millis(100);
@@ -348,7 +348,7 @@ impl MemoryWindowStore {
     /// # Examples
     ///
     /// ```
-    /// use throttlebeam::MemoryWindowStore;
+    /// use throttlebeam::coalesce::MemoryWindowStore;
     ///
     /// assert_eq!(MemoryWindowStore::with_max_keys(10_000)?.max_keys(), 10_000);
     /// assert!(MemoryWindowStore::with_max_keys(0).is_err());

@@ -3,8 +3,8 @@
 //!
 //! # The protocol
 //!
-//! A key's open burst is one record in Redis (see the store's debounce
-//! module for its fields). Every call is one script on the server's clock:
+//! A key's open burst is one record in Redis (see `debounce/redis.rs`
+//! for its fields). Every call is one script on the server's clock:
 //! it bumps the burst's generation, makes the calling instance the owner
 //! and returns the deadline (`min(now + delay, first call + max_wait)`). The
 //! owner arms a local timer for it; at the deadline one script fires the
@@ -58,7 +58,7 @@
 //! Runs of successive bursts of one key may overlap across instances when a
 //! run lasts longer than the delay (in one process they never do). A
 //! leading-edge run covers the calls of the opening instance's first round
-//! trip. With [`ShutdownPolicy::Drop`](crate::ShutdownPolicy::Drop) a burst
+//! trip. With [`ShutdownPolicy::Drop`](crate::runtime::ShutdownPolicy::Drop) a burst
 //! this instance owns is not run here; a waiter elsewhere rescues it after
 //! the grace.
 
@@ -173,7 +173,7 @@ impl Codec {
     /// the run ended with. Bytes that do not decode are a
     /// [`Error::TypeMismatch`]; an envelope this build cannot read (another
     /// format version, say) is a [`Error::StoreUnavailable`] whose source is
-    /// the [`WireError`](crate::WireError): never misread.
+    /// the [`WireError`](crate::store::WireError): never misread.
     fn outcome(&self, key: &str, bytes: &[u8]) -> Result<Value, Error> {
         let mismatch = || Error::TypeMismatch { key: shown(key) };
         let wire = match wire::open::<Wire>(bytes) {

@@ -484,7 +484,7 @@ impl IdempotencyLayerBuilder {
     /// # Errors
     ///
     /// [`ConfigError`] naming the setting: no guarded method; a TTL, lease or wait timeout
-    /// that is zero, under 1 ms or over [`MAX_TIMER`](crate::MAX_TIMER); a kept header that
+    /// that is zero, under 1 ms or over [`MAX_TIMER`](crate::clock::MAX_TIMER); a kept header that
     /// must not be replayed (`Set-Cookie`, `Connection`, `Transfer-Encoding`, …).
     pub fn build(self) -> Result<IdempotencyLayer, ConfigError> {
         let c = &self.config;

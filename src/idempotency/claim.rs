@@ -92,7 +92,7 @@ enum Joined<T> {
     Wait(Step<T>),
 }
 
-/// Counters of what the ledger decided, for [`crate::IdempotencyStats`].
+/// Counters of what the ledger decided, for [`crate::idempotency::IdempotencyStats`].
 #[derive(Debug, Default)]
 pub(crate) struct Tally {
     pub(crate) fresh: AtomicU64,

@@ -74,9 +74,9 @@ impl IdempotencyConfig {
 
 impl RuntimeBuilder {
     /// Caps the completed idempotency results kept (default
-    /// [`DEFAULT_MAX_IDEMPOTENCY_RESULTS`](crate::DEFAULT_MAX_IDEMPOTENCY_RESULTS)):
+    /// [`DEFAULT_MAX_IDEMPOTENCY_RESULTS`]):
     /// past it the oldest are evicted first, an early expiry that is
-    /// counted in [`IdempotencyStats::evictions`](crate::IdempotencyStats)
+    /// counted in [`IdempotencyStats::evictions`](crate::idempotency::IdempotencyStats)
     /// and logged at warn at most once a minute. Keys in flight are capped
     /// by [`with_max_keys`](Self::with_max_keys) instead. The results' bytes
     /// have a budget too ([`with_max_idempotency_bytes`](Self::with_max_idempotency_bytes)).
@@ -86,16 +86,16 @@ impl RuntimeBuilder {
     }
 
     /// Caps the bytes the completed idempotency results kept may weigh
-    /// (default [`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::DEFAULT_MAX_IDEMPOTENCY_BYTES),
+    /// (default [`DEFAULT_MAX_IDEMPOTENCY_BYTES`],
     /// 256 MiB): past it the oldest are evicted first, as past
     /// [`with_max_idempotency_results`](Self::with_max_idempotency_results)
-    /// (counted in [`IdempotencyStats::evictions`](crate::IdempotencyStats),
+    /// (counted in [`IdempotencyStats::evictions`](crate::idempotency::IdempotencyStats),
     /// logged at warn at most once a minute), so large results cannot
     /// exhaust memory however few they are. A result weighs its key, its
     /// value's bincode-encoded size (the measure of a value's size that
     /// works for every type) and about 200 bytes for its entry; a result
     /// heavier than the whole budget is not kept (a retry runs again). What
-    /// the results weigh now is [`IdempotencyStats::stored_bytes`](crate::IdempotencyStats).
+    /// the results weigh now is [`IdempotencyStats::stored_bytes`](crate::idempotency::IdempotencyStats).
     ///
     /// # Examples
     ///
@@ -120,7 +120,7 @@ impl RuntimeBuilder {
 
     /// Keeps idempotency claims and results in `store`, shared with every
     /// runtime given the same store: one execution per key across all of
-    /// them (see [`IdempotencyStore`](crate::IdempotencyStore)). Callers on
+    /// them (see [`IdempotencyStore`]). Callers on
     /// this runtime still join one local claim per key, so a key costs one
     /// claim round trip per runtime, not per caller. Results travel
     /// bincode-encoded with their type name. Without a shared store (the
@@ -129,7 +129,7 @@ impl RuntimeBuilder {
     /// # Examples
     ///
     /// ```
-    /// use throttlebeam::{MemoryIdempotencyStore, Runtime};
+    /// use throttlebeam::{idempotency::MemoryIdempotencyStore, Runtime};
     ///
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
     /// let shared = MemoryIdempotencyStore::new();
@@ -149,7 +149,7 @@ impl RuntimeBuilder {
     /// Shares this runtime's idempotency keys with every other runtime using
     /// the same PostgreSQL table: one execution per key across all
     /// instances, results replayed from the table (see
-    /// [`postgres`](crate::postgres) for the table and the guarantees).
+    /// [`postgres`](crate::idempotency::postgres) for the table and the guarantees).
     /// While the database is unreachable idempotent calls fail with
     /// [`Error::StoreUnavailable`] (fail closed). The same as
     /// [`with_idempotency_store`](Self::with_idempotency_store) with the
@@ -157,7 +157,7 @@ impl RuntimeBuilder {
     /// the throttles and debounce to Redis.
     ///
     /// The default runtime picks PostgreSQL up from
-    /// [`POSTGRES_URL_ENV`](crate::postgres::POSTGRES_URL_ENV), connecting
+    /// [`POSTGRES_URL_ENV`](crate::idempotency::postgres::POSTGRES_URL_ENV), connecting
     /// and migrating in the background.
     ///
     /// # Examples
@@ -165,7 +165,7 @@ impl RuntimeBuilder {
     /// ```no_run
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
     /// use throttlebeam::Runtime;
-    /// use throttlebeam::postgres::PostgresStore;
+    /// use throttlebeam::idempotency::postgres::PostgresStore;
     ///
     /// let store = PostgresStore::builder("postgres://app@127.0.0.1/app").connect().await?;
     /// store.migrate().await?;
@@ -174,7 +174,7 @@ impl RuntimeBuilder {
     /// ```
     #[cfg(feature = "postgres")]
     #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-    pub fn with_postgres(self, store: crate::postgres::PostgresStore) -> Self {
+    pub fn with_postgres(self, store: crate::idempotency::postgres::PostgresStore) -> Self {
         self.with_idempotency_store(store)
     }
 }

@@ -15,7 +15,7 @@ use crate::key::{MAX_KEY_LEN, shown};
 /// # Examples
 ///
 /// ```
-/// use throttlebeam::{IdempotencyOptions, InFlight};
+/// use throttlebeam::{IdempotencyOptions, idempotency::InFlight};
 ///
 /// // An HTTP handler answers 409 with `Retry-After` instead of holding the request.
 /// let options = IdempotencyOptions::new().with_in_flight(InFlight::Reject);
@@ -49,7 +49,7 @@ pub(crate) type Fingerprint = [u8; 32];
 ///
 /// ```
 /// use std::time::Duration;
-/// use throttlebeam::{IdempotencyOptions, InFlight};
+/// use throttlebeam::{IdempotencyOptions, idempotency::InFlight};
 ///
 /// let options = IdempotencyOptions::new()
 ///     .with_scope("tenant-7")
@@ -148,7 +148,7 @@ impl IdempotencyOptions {
     /// function that blocks its worker thread for longer than the lease
     /// keeps it from renewing.
     ///
-    /// [`IdempotencyReservation`]: crate::IdempotencyReservation
+    /// [`IdempotencyReservation`]: crate::idempotency::IdempotencyReservation
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self

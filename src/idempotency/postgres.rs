@@ -16,7 +16,7 @@
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use throttlebeam::Runtime;
-//! use throttlebeam::postgres::PostgresStore;
+//! use throttlebeam::idempotency::postgres::PostgresStore;
 //!
 //! let store = PostgresStore::builder("postgres://app@db.internal/app").connect().await?;
 //! store.migrate().await?; // idempotent: creates the table once
@@ -38,7 +38,7 @@
 //! happens exactly once, with no window between the effect and its record.
 //!
 //! ```no_run
-//! # async fn demo(store: throttlebeam::postgres::PostgresStore) -> Result<(), throttlebeam::Error> {
+//! # async fn demo(store: throttlebeam::idempotency::postgres::PostgresStore) -> Result<(), throttlebeam::Error> {
 //! use throttlebeam::IdempotencyOptions;
 //!
 //! #[derive(Clone, serde::Serialize, serde::Deserialize)]
@@ -76,7 +76,7 @@
 //! // same receipt, and the card is charged once.
 //! println!("charge {}", receipt.into_inner().charge_id);
 //! # Ok(()) }
-//! # use throttlebeam::postgres::tokio_postgres;
+//! # use throttlebeam::idempotency::postgres::tokio_postgres;
 //! ```
 //!
 //! # The table
@@ -97,7 +97,7 @@
 //! same versioned envelope as in Redis (`tb`, a format version, then bincode
 //! 2), with their Rust type name, so another build reads them or refuses them
 //! ([`Error::StoreUnavailable`](crate::Error::StoreUnavailable) with a
-//! [`WireError`](crate::WireError)), never misreads them.
+//! [`WireError`](crate::store::WireError)), never misreads them.
 //!
 //! # One statement per operation
 //!
@@ -168,8 +168,9 @@ use self::sql::{Sql, TableName};
 pub use self::transaction::TransactionFuture;
 use crate::store::{BreakerConfig, BreakerStats, StoreError};
 use crate::{
-    ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture, KeyChanged,
-    StoredResult,
+    idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
+    idempotency::IdempotencyStore, idempotency::IdempotencyStoreFuture, idempotency::KeyChanged,
+    idempotency::StoredResult,
 };
 
 /// The PostgreSQL driver this module speaks, re-exported so that the types
@@ -197,7 +198,7 @@ const MAX_MILLIS: u128 = 1_000 * 365 * 24 * 60 * 60 * 1_000;
 ///
 /// ```
 /// use std::time::Duration;
-/// use throttlebeam::postgres::PostgresStore;
+/// use throttlebeam::idempotency::postgres::PostgresStore;
 ///
 /// let builder = PostgresStore::builder("postgres://app@127.0.0.1:5432/app")
 ///     .with_table("billing.idempotency_keys")
@@ -332,7 +333,7 @@ impl PostgresBuilder {
             ("connect timeout", self.connect_timeout),
             ("sweep interval", self.sweep_interval),
         ] {
-            if d.is_zero() || d > crate::MAX_TIMER {
+            if d.is_zero() || d > crate::clock::MAX_TIMER {
                 return Err(StoreError::Config(format!(
                     "postgres {what} {d:?} is out of range (1 ns to 2^36 - 1 ms)"
                 )));
@@ -742,7 +743,7 @@ impl PostgresStore {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), throttlebeam::store::StoreError> {
-    /// use throttlebeam::postgres::PostgresStore;
+    /// use throttlebeam::idempotency::postgres::PostgresStore;
     ///
     /// let store = PostgresStore::builder("postgres://app@127.0.0.1/app").connect().await?;
     /// store.migrate().await?;

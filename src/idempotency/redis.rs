@@ -26,8 +26,9 @@ use crate::store::StoreError;
 use crate::store::redis::script::LuaScript;
 use crate::store::redis::{Redis, cached, ms};
 use crate::{
-    ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture, KeyChanged,
-    StoredResult,
+    idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
+    idempotency::IdempotencyStore, idempotency::IdempotencyStoreFuture, idempotency::KeyChanged,
+    idempotency::StoredResult,
 };
 
 const CLAIM: &str = r"

@@ -26,7 +26,7 @@ pub enum IdempotencyReserved<T> {
 /// than one function call.
 ///
 /// While it exists, the key is held: duplicates wait for it (or are
-/// rejected, see [`InFlight`](crate::InFlight)), and its lease is renewed
+/// rejected, see [`InFlight`](crate::idempotency::InFlight)), and its lease is renewed
 /// in the background every third of the lease, so it is never taken over
 /// however long it is held. End it with [`complete`](Self::complete) or
 /// [`release`](Self::release); dropping it unfinished releases the key, so
@@ -39,7 +39,7 @@ pub enum IdempotencyReserved<T> {
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
-/// use throttlebeam::{IdempotencyOptions, IdempotencyOutcome, IdempotencyReserved, Runtime};
+/// use throttlebeam::{IdempotencyOptions, IdempotencyOutcome, idempotency::IdempotencyReserved, Runtime};
 ///
 /// let idempotency = Runtime::start().await?.idempotency();
 /// match idempotency.reserve::<u64>("refund:31", IdempotencyOptions::new()).await? {

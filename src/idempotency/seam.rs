@@ -38,7 +38,7 @@ pub type IdempotencyStoreFuture<'a, T> =
 /// # Examples
 ///
 /// ```
-/// use throttlebeam::ClaimToken;
+/// use throttlebeam::idempotency::ClaimToken;
 ///
 /// let (a, b) = (ClaimToken::new(), ClaimToken::new());
 /// assert_ne!(a, b);
@@ -110,7 +110,7 @@ fn process_seed() -> u64 {
 ///
 /// A value this build cannot read (another format version, no envelope,
 /// over 256 MiB) is refused with [`Error::StoreUnavailable`](crate::Error::StoreUnavailable),
-/// whose source is a [`WireError`](crate::WireError): fail closed, never
+/// whose source is a [`WireError`](crate::store::WireError): fail closed, never
 /// misread.
 ///
 /// The type tag is the Rust type name of the value. A replay as another
@@ -261,9 +261,8 @@ impl std::fmt::Debug for KeyChanged {
 ///
 /// ```
 /// use std::time::Duration;
-/// use throttlebeam::{
-///     ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
-///     StoredResult,
+/// use throttlebeam::idempotency::{
+///     ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore, StoredResult,
 /// };
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::store::StoreError> {
@@ -373,7 +372,7 @@ const WARN_EVERY: Duration = Duration::from_secs(60);
 /// [`DEFAULT_SHARED_MEMORY_KEYS`] keys (expired ones are dropped first);
 /// past the cap a claim fails with [`StoreError::Full`]. Its completed
 /// results may weigh at most
-/// [`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::DEFAULT_MAX_IDEMPOTENCY_BYTES)
+/// [`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_BYTES)
 /// together ([`MemoryIdempotencyStore::with_max_bytes`]): past that the
 /// oldest are evicted first, an early expiry, counted
 /// ([`MemoryIdempotencyStore::evictions`]) and logged at warn at most once
@@ -576,7 +575,7 @@ impl MemoryIdempotencyStore {
     }
 
     /// Caps the bytes this store's completed results may weigh together
-    /// (default [`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::DEFAULT_MAX_IDEMPOTENCY_BYTES),
+    /// (default [`DEFAULT_MAX_IDEMPOTENCY_BYTES`](crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_BYTES),
     /// 256 MiB), for it and every clone of it: past the budget the oldest
     /// results are evicted first. A result weighs its key, type tag and
     /// encoded value, plus about 200 bytes for its entry.
@@ -585,7 +584,7 @@ impl MemoryIdempotencyStore {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use throttlebeam::{ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore, StoredResult};
+    /// use throttlebeam::{idempotency::ClaimRequest, idempotency::ClaimToken, idempotency::IdempotencyStore, idempotency::MemoryIdempotencyStore, idempotency::StoredResult};
     ///
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::store::StoreError> {
     /// let store = MemoryIdempotencyStore::new().with_max_bytes(1_000);

@@ -15,7 +15,7 @@ pub enum RateLimitError {
     #[error("limit must be at least 1")]
     ZeroLimit,
     /// A period, window, queue length or sweep interval outside the crate's one duration
-    /// range, 1 ms ..= 2^36 - 1 ms ([`MAX_TIMER`](crate::MAX_TIMER)).
+    /// range, 1 ms ..= 2^36 - 1 ms ([`MAX_TIMER`](crate::clock::MAX_TIMER)).
     #[error("invalid {what}: {reason}")]
     InvalidDuration {
         /// Which setting.
@@ -46,7 +46,7 @@ pub enum RateLimitError {
         /// Which setting is out of range.
         what: &'static str,
     },
-    /// An empty key, or one longer than [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
+    /// An empty key, or one longer than [`MAX_KEY_LEN`](crate::store::MAX_KEY_LEN) bytes.
     #[error("invalid key {key:?}: {reason}")]
     InvalidKey {
         /// The key (truncated to 64 bytes).

@@ -28,10 +28,10 @@ pub const X_RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("x-ratelim
 /// `X-RateLimit-Reset` (legacy): epoch seconds when full, rounded up.
 pub const X_RATELIMIT_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 
-/// The largest number of seconds any header carries: [`MAX_TIMER`](crate::MAX_TIMER) in whole
+/// The largest number of seconds any header carries: [`MAX_TIMER`](crate::clock::MAX_TIMER) in whole
 /// seconds (about 2.2 years). A longer reset or retry-after (a token bucket that refills very
 /// slowly) is written as this, so no header ever carries an absurd value.
-pub const MAX_HEADER_SECS: u64 = crate::MAX_TIMER.as_secs();
+pub const MAX_HEADER_SECS: u64 = crate::clock::MAX_TIMER.as_secs();
 
 const POLICY_NAME_MAX_LEN: usize = 64;
 const DEFAULT_POLICY_NAME: &sfv::StringRef = sfv::StringRef::constant("default");

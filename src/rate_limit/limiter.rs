@@ -26,7 +26,7 @@ type Gate = Arc<tokio::sync::Mutex<()>>;
 /// the time instead, in epoch microseconds. Denials are
 /// [`Decision`]s; errors are bad input (an empty or over-long key, a cost of zero or above
 /// the strategy's capacity) or a failing store. Keys follow the crate's one key rule: not
-/// empty, at most [`MAX_KEY_LEN`](crate::MAX_KEY_LEN) bytes.
+/// empty, at most [`MAX_KEY_LEN`](crate::store::MAX_KEY_LEN) bytes.
 ///
 /// # Examples
 ///

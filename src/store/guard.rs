@@ -11,7 +11,7 @@
 //! A call that answers at its first poll (an in-memory store) costs no timer
 //! and needs no tokio runtime.
 //!
-//! [`IdempotencyStore`]: crate::IdempotencyStore
+//! [`IdempotencyStore`]: crate::idempotency::IdempotencyStore
 //! [`AsyncRateLimitStore`]: crate::rate_limit::AsyncRateLimitStore
 
 use std::any::Any;

@@ -5,7 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use throttlebeam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, StoredResult};
+use throttlebeam::{
+    idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
+    idempotency::IdempotencyStore, idempotency::StoredResult,
+};
 
 pub const LEASE: Duration = Duration::from_secs(30);
 pub const TTL: Duration = Duration::from_secs(3600);

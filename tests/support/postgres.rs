@@ -10,8 +10,8 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use throttlebeam::postgres::tokio_postgres::{self, NoTls};
-use throttlebeam::postgres::{PostgresBuilder, PostgresStore};
+use throttlebeam::idempotency::postgres::tokio_postgres::{self, NoTls};
+use throttlebeam::idempotency::postgres::{PostgresBuilder, PostgresStore};
 
 /// Where the tests' server is.
 pub fn url() -> String {

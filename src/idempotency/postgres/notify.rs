@@ -21,7 +21,7 @@ use tokio::sync::Notify;
 use tokio_postgres::{AsyncMessage, NoTls};
 
 use super::Inner;
-use crate::KeyChanged;
+use crate::idempotency::KeyChanged;
 
 /// How long connecting and subscribing may take before the listener tries
 /// again.

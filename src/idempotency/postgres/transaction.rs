@@ -35,7 +35,10 @@ use crate::idempotency::options::Fingerprint;
 use crate::idempotency::store::{Record, stored_result};
 use crate::key::shown;
 use crate::store::StoreError;
-use crate::{ClaimReply, ClaimToken, IdempotencyOptions, IdempotencyOutcome, InFlight};
+use crate::{
+    IdempotencyOptions, IdempotencyOutcome, idempotency::ClaimReply, idempotency::ClaimToken,
+    idempotency::InFlight,
+};
 
 /// What a transactional run's closure returns: its future, boxed, borrowing
 /// the transaction.
@@ -133,7 +136,7 @@ impl PostgresStore {
     /// ```no_run
     /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
     /// use throttlebeam::IdempotencyOptions;
-    /// use throttlebeam::postgres::{PostgresStore, tokio_postgres};
+    /// use throttlebeam::idempotency::postgres::{PostgresStore, tokio_postgres};
     ///
     /// let store = PostgresStore::builder("postgres://app@127.0.0.1/shop").connect().await?;
     /// store.migrate().await?;

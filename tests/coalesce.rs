@@ -8,8 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use throttlebeam::{
-    Error, MemoryWindowStore, Phase, Runtime, ShutdownPolicy, TrailingThrottle, WindowClaim,
-    WindowEntry, WindowStore, WindowStoreFuture,
+    Coalesce, Error, Runtime, coalesce::MemoryWindowStore, coalesce::Phase, coalesce::WindowClaim,
+    coalesce::WindowEntry, coalesce::WindowStore, coalesce::WindowStoreFuture,
+    runtime::ShutdownPolicy,
 };
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, sleep_until};
@@ -26,12 +27,9 @@ async fn runtime() -> Runtime {
     Runtime::builder().start().await.expect("runtime starts")
 }
 
-async fn throttle<T: Clone + Send + Sync + 'static>(
-    runtime: &Runtime,
-    window: u64,
-) -> TrailingThrottle<T> {
+async fn throttle<T: Clone + Send + Sync + 'static>(runtime: &Runtime, window: u64) -> Coalesce<T> {
     runtime
-        .trailing_throttle("sync:")
+        .coalesce("sync:")
         .with_window(ms(window))
         .build()
         .expect("valid throttle")
@@ -152,7 +150,7 @@ impl Log {
 
 /// Spawns `call` (plain form) and returns its outcome with the instant it resolved.
 fn spawn_call(
-    t: &TrailingThrottle<&'static str>,
+    t: &Coalesce<&'static str>,
     key: &'static str,
     f: impl FnOnce(Phase) -> Fut<&'static str> + Send + 'static,
 ) -> JoinHandle<(Result<bool, Error>, Instant)> {
@@ -165,7 +163,7 @@ fn spawn_call(
 
 /// Spawns `call_and_wait` and returns its outcome with the instant it resolved.
 fn spawn_wait(
-    t: &TrailingThrottle<&'static str>,
+    t: &Coalesce<&'static str>,
     key: &'static str,
     f: impl FnOnce(Phase) -> Fut<&'static str> + Send + 'static,
 ) -> JoinHandle<(Result<&'static str, Error>, Instant)> {
@@ -177,9 +175,7 @@ fn spawn_wait(
 }
 
 /// The gauges of a throttle: (active, pending, keys, timers).
-fn gauges<T: Clone + Send + Sync + 'static>(
-    t: &TrailingThrottle<T>,
-) -> (usize, usize, usize, usize) {
+fn gauges<T: Clone + Send + Sync + 'static>(t: &Coalesce<T>) -> (usize, usize, usize, usize) {
     let s = t.stats();
     (s.active, s.pending, s.keys, s.timers)
 }
@@ -189,7 +185,7 @@ const IDLE: (usize, usize, usize, usize) = (0, 0, 0, 0);
 /// The gauges once the runtime swept windows that are over.
 fn swept<T: Clone + Send + Sync + 'static>(
     rt: &Runtime,
-    t: &TrailingThrottle<T>,
+    t: &Coalesce<T>,
 ) -> (usize, usize, usize, usize) {
     rt.sweep_now();
     gauges(t)
@@ -422,8 +418,8 @@ async fn w3_call_during_a_run_is_covered_by_the_next_run() {
 #[tokio::test(start_paused = true)]
 async fn w3_calls_while_the_leading_run_claims_its_window_are_covered_by_it() {
     let rt = runtime().await;
-    let t: TrailingThrottle<&'static str> = rt
-        .trailing_throttle("slow:")
+    let t: Coalesce<&'static str> = rt
+        .coalesce("slow:")
         .with_window(ms(1000))
         .with_store(scripted(|op| match op {
             "claim" => Act::Delay(ms(50)),
@@ -699,7 +695,7 @@ async fn w5_ten_thousand_calls_in_one_tick() {
 #[tokio::test(start_paused = true)]
 async fn w6_ten_thousand_keys() {
     let rt = runtime().await;
-    let t: TrailingThrottle<usize> = throttle(&rt, 1000).await;
+    let t: Coalesce<usize> = throttle(&rt, 1000).await;
     let runs = Arc::new(AtomicUsize::new(0));
     let mut handles = Vec::new();
     for i in 0..10_000usize {
@@ -841,8 +837,8 @@ async fn failures_nobody_hears_are_logged_and_counted() {
     let _guard = captured.install();
     let rt = runtime().await;
     let plain = throttle(&rt, 100).await;
-    let stored: TrailingThrottle<&'static str> = rt
-        .trailing_throttle("stored:")
+    let stored: Coalesce<&'static str> = rt
+        .coalesce("stored:")
         .with_window(ms(100))
         .with_store(MemoryWindowStore::new())
         .build()
@@ -890,7 +886,7 @@ async fn panicking_functions_fail_their_waiters_and_the_key_recovers() {
     let captured = Captured::default();
     let _guard = captured.install();
     let rt = runtime().await;
-    let t: TrailingThrottle<u32> = throttle(&rt, 100).await;
+    let t: Coalesce<u32> = throttle(&rt, 100).await;
     let err = t
         .call("p", |_| async {
             panic!("lead went wrong") as Result<u32, Oops>
@@ -989,8 +985,8 @@ async fn w9_counters_return_to_zero() {
 async fn a_long_run_extends_its_lease_in_the_store() {
     let rt = runtime().await;
     let store = MemoryWindowStore::new();
-    let t: TrailingThrottle<&'static str> = rt
-        .trailing_throttle("lease:")
+    let t: Coalesce<&'static str> = rt
+        .coalesce("lease:")
         .with_window(ms(1000))
         .with_store(store.clone())
         .build()
@@ -1127,8 +1123,8 @@ async fn w10_destroy_during_a_pending_trailing_run() {
 #[tokio::test(start_paused = true)]
 async fn w10_destroy_while_claiming() {
     let rt = runtime().await;
-    let t: TrailingThrottle<&'static str> = rt
-        .trailing_throttle("slow:")
+    let t: Coalesce<&'static str> = rt
+        .coalesce("slow:")
         .with_store(scripted(|_| Act::Delay(ms(50))))
         .build()
         .unwrap();
@@ -1158,8 +1154,8 @@ async fn w10_destroy_while_claiming() {
 async fn w10_destroy_clears_only_an_owned_store() {
     let rt = runtime().await;
     let shared = MemoryWindowStore::new();
-    let passed: TrailingThrottle<u8> = rt
-        .trailing_throttle("passed:")
+    let passed: Coalesce<u8> = rt
+        .coalesce("passed:")
         .with_store(shared.clone())
         .build()
         .unwrap();
@@ -1175,11 +1171,7 @@ async fn w10_destroy_clears_only_an_owned_store() {
     // A store passed in is never cleared, whoever else holds it.
     let recorder = scripted(|_| Act::Pass);
     let cleared = recorder.cleared.clone();
-    let kept: TrailingThrottle<u8> = rt
-        .trailing_throttle("kept:")
-        .with_store(recorder)
-        .build()
-        .unwrap();
+    let kept: Coalesce<u8> = rt.coalesce("kept:").with_store(recorder).build().unwrap();
     kept.destroy().await;
     assert!(
         !cleared.load(Ordering::SeqCst),
@@ -1188,7 +1180,7 @@ async fn w10_destroy_clears_only_an_owned_store() {
 
     // Without a store, windows live in the throttle's registry only (no
     // store call per run), and are gone with it.
-    let owned: TrailingThrottle<u8> = rt.trailing_throttle("own:").build().unwrap();
+    let owned: Coalesce<u8> = rt.coalesce("own:").build().unwrap();
     owned
         .call("k", |_| async { Ok::<_, Oops>(1) })
         .await
@@ -1350,7 +1342,7 @@ async fn eventually(what: &str, done: impl Fn() -> bool) {
 fn a_sleeper_whose_runtime_ended_hands_its_wake_ups_back() {
     let home = tokio_runtime(1);
     let rt = home.block_on(runtime());
-    let t: TrailingThrottle<&'static str> = home.block_on(async { throttle(&rt, 200).await });
+    let t: Coalesce<&'static str> = home.block_on(async { throttle(&rt, 200).await });
 
     // Runtime A: a leading run, then a call that leaves a trailing run
     // pending in the sleeper A's runtime started.
@@ -1413,7 +1405,7 @@ fn a_sleeper_whose_runtime_ended_hands_its_wake_ups_back() {
 fn the_next_call_from_another_runtime_restarts_an_ended_sleeper() {
     let home = tokio_runtime(1);
     let rt = home.block_on(runtime());
-    let t: TrailingThrottle<&'static str> = home.block_on(async { throttle(&rt, 200).await });
+    let t: Coalesce<&'static str> = home.block_on(async { throttle(&rt, 200).await });
     let ran = Arc::new(Mutex::new(Vec::new()));
     let a = tokio_runtime(0);
     a.block_on(async {
@@ -1460,11 +1452,11 @@ async fn bad_input_is_a_typed_error_and_schedules_nothing() {
     for window in [
         ms(0),
         Duration::from_micros(999),
-        throttlebeam::MAX_TIMER + ms(1),
+        throttlebeam::clock::MAX_TIMER + ms(1),
         Duration::MAX,
     ] {
         let err = rt
-            .trailing_throttle("w:")
+            .coalesce("w:")
             .with_window(window)
             .build::<u8>()
             .unwrap_err();
@@ -1477,7 +1469,7 @@ async fn bad_input_is_a_typed_error_and_schedules_nothing() {
             "invalid window for prefix \"w:\": must be between 1 ms and 2^36 - 1 ms"
         );
         let err = rt
-            .trailing_throttle("w:")
+            .coalesce("w:")
             .with_store_timeout(window)
             .build::<u8>()
             .unwrap_err();
@@ -1493,23 +1485,23 @@ async fn bad_input_is_a_typed_error_and_schedules_nothing() {
         );
     }
     // The old 2^31 - 1 ms limit is gone.
-    for window in [ms(1), ms(1 << 31), throttlebeam::MAX_TIMER] {
+    for window in [ms(1), ms(1 << 31), throttlebeam::clock::MAX_TIMER] {
         let t = rt
-            .trailing_throttle("w:")
+            .coalesce("w:")
             .with_window(window)
             .with_store_timeout(window)
             .build::<u8>()
             .unwrap();
         assert_eq!((t.window(), t.store_timeout()), (window, window));
     }
-    let err = rt.trailing_throttle("").build::<u8>().unwrap_err();
+    let err = rt.coalesce("").build::<u8>().unwrap_err();
     assert!(
         matches!(&err, Error::InvalidSetting { prefix, what: "prefix", .. } if prefix.is_empty()),
         "{err:?}"
     );
     assert_eq!(err.to_string(), "invalid prefix \"\": must not be empty");
     let long = "p".repeat(1025);
-    let err = rt.trailing_throttle(&long).build::<u8>().unwrap_err();
+    let err = rt.coalesce(&long).build::<u8>().unwrap_err();
     assert_eq!(
         err.to_string(),
         format!(
@@ -1517,9 +1509,9 @@ async fn bad_input_is_a_typed_error_and_schedules_nothing() {
             format!("{}…", &long[..64])
         )
     );
-    assert!(rt.trailing_throttle(&long[..1024]).build::<u8>().is_ok());
+    assert!(rt.coalesce(&long[..1024]).build::<u8>().is_ok());
 
-    let t: TrailingThrottle<u8> = throttle(&rt, 100).await;
+    let t: Coalesce<u8> = throttle(&rt, 100).await;
     let ran = Arc::new(AtomicBool::new(false));
     let job = |ran: &Arc<AtomicBool>| {
         let ran = ran.clone();
@@ -1562,15 +1554,11 @@ async fn bad_input_is_a_typed_error_and_schedules_nothing() {
 #[tokio::test(start_paused = true)]
 async fn defaults_and_names() {
     let rt = runtime().await;
-    let t: TrailingThrottle<u8> = rt.trailing_throttle("sync:room:").build().unwrap();
+    let t: Coalesce<u8> = rt.coalesce("sync:room:").build().unwrap();
     assert_eq!(t.window(), ms(1000));
     assert_eq!(t.prefix(), "sync:room:");
     assert_eq!(t.name(), "sync:room");
-    let named: TrailingThrottle<u8> = rt
-        .trailing_throttle("x:")
-        .with_name("rooms")
-        .build()
-        .unwrap();
+    let named: Coalesce<u8> = rt.coalesce("x:").with_name("rooms").build().unwrap();
     assert_eq!(named.name(), "rooms");
     assert!(format!("{named:?}").contains("rooms"));
 }
@@ -1578,7 +1566,7 @@ async fn defaults_and_names() {
 #[tokio::test(start_paused = true)]
 async fn the_runtime_key_cap_applies() {
     let rt = Runtime::builder().with_max_keys(2).start().await.unwrap();
-    let t: TrailingThrottle<u8> = throttle(&rt, 100).await;
+    let t: Coalesce<u8> = throttle(&rt, 100).await;
     for key in ["a", "b"] {
         assert!(t.call(key, |_| async { Ok::<_, Oops>(1) }).await.unwrap());
     }
@@ -1667,8 +1655,8 @@ async fn the_runtime_sweeps_the_window_store() {
         .await
         .unwrap();
     let store = MemoryWindowStore::new();
-    let t: TrailingThrottle<u8> = rt
-        .trailing_throttle("s:")
+    let t: Coalesce<u8> = rt
+        .coalesce("s:")
         .with_window(ms(100))
         .with_store(store.clone())
         .build()
@@ -1704,8 +1692,8 @@ async fn a_failing_store_never_stops_a_run() {
     let captured = Captured::default();
     let _guard = captured.install();
     let rt = runtime().await;
-    let t: TrailingThrottle<&'static str> = rt
-        .trailing_throttle("down:")
+    let t: Coalesce<&'static str> = rt
+        .coalesce("down:")
         .with_window(ms(1000))
         .with_store(scripted(|_| Act::Fail))
         .build()
@@ -1744,8 +1732,8 @@ async fn a_failing_store_never_stops_a_run() {
 #[tokio::test(start_paused = true)]
 async fn a_store_that_never_answers_is_timed_out_and_shutdown_keeps_its_deadline() {
     let rt = runtime().await;
-    let t: TrailingThrottle<&'static str> = rt
-        .trailing_throttle("hang:")
+    let t: Coalesce<&'static str> = rt
+        .coalesce("hang:")
         .with_window(ms(1000))
         .with_store_timeout(ms(20))
         .with_store(scripted(|_| Act::Hang))
@@ -1767,14 +1755,14 @@ async fn a_store_that_never_answers_is_timed_out_and_shutdown_keeps_its_deadline
 
     // With the default timeout (1 s), a shutdown whose grace is shorter
     // still returns at its deadline, with nothing left running.
-    let slow: TrailingThrottle<&'static str> = rt
-        .trailing_throttle("hang2:")
+    let slow: Coalesce<&'static str> = rt
+        .coalesce("hang2:")
         .with_store(scripted(|_| Act::Hang))
         .build()
         .unwrap();
     assert_eq!(
         slow.store_timeout(),
-        throttlebeam::DEFAULT_WINDOW_STORE_TIMEOUT
+        throttlebeam::coalesce::DEFAULT_WINDOW_STORE_TIMEOUT
     );
     let lead = spawn_call(&slow, "k", log.work("never", 10));
     let waiting = spawn_wait(&slow, "k", log.work("never", 10));
@@ -1806,8 +1794,8 @@ async fn a_store_that_panics_is_a_store_failure() {
     let captured = Captured::default();
     let _guard = captured.install();
     let rt = runtime().await;
-    let t: TrailingThrottle<&'static str> = rt
-        .trailing_throttle("bug:")
+    let t: Coalesce<&'static str> = rt
+        .coalesce("bug:")
         .with_window(ms(500))
         .with_store(scripted(|_| Act::Panic))
         .build()
@@ -1849,8 +1837,8 @@ async fn a_lapsed_holder_never_overwrites_the_new_holder() {
     let store = MemoryWindowStore::new();
     let (rt_a, rt_b) = (runtime().await, runtime().await);
     // A cannot extend its lease (its link to the store is flaky then).
-    let a: TrailingThrottle<&'static str> = rt_a
-        .trailing_throttle("s:")
+    let a: Coalesce<&'static str> = rt_a
+        .coalesce("s:")
         .with_window(ms(1000))
         .with_store(scripted_on(store.clone(), |op| match op {
             "extend" => Act::Fail,
@@ -1859,8 +1847,8 @@ async fn a_lapsed_holder_never_overwrites_the_new_holder() {
         .build()
         .unwrap();
     // B's lease: 2000 ms, extended every 1000 ms.
-    let b: TrailingThrottle<&'static str> = rt_b
-        .trailing_throttle("s:")
+    let b: Coalesce<&'static str> = rt_b
+        .coalesce("s:")
         .with_window(ms(2000))
         .with_store(store.clone())
         .build()
@@ -1900,7 +1888,7 @@ async fn the_memory_window_store_is_capped() {
     let _guard = captured.install();
     assert_eq!(
         MemoryWindowStore::new().max_keys(),
-        throttlebeam::DEFAULT_WINDOW_STORE_KEYS
+        throttlebeam::coalesce::DEFAULT_WINDOW_STORE_KEYS
     );
     let store = MemoryWindowStore::with_max_keys(32).unwrap();
     let entry = |n: u64| WindowEntry::new(n, n + 1);
@@ -1946,8 +1934,8 @@ async fn the_memory_window_store_is_capped() {
     // Seen through a throttle's stats.
     let rt = runtime().await;
     let small = MemoryWindowStore::with_max_keys(16).unwrap();
-    let t: TrailingThrottle<u8> = rt
-        .trailing_throttle("c:")
+    let t: Coalesce<u8> = rt
+        .coalesce("c:")
         .with_window(ms(1000))
         .with_store(small.clone())
         .build()
@@ -1992,8 +1980,8 @@ async fn two_instances_sharing_a_store_never_overlap() {
     let rt_a = runtime().await;
     let rt_b = runtime().await;
     let store = MemoryWindowStore::new();
-    let build = |rt: &Runtime| -> TrailingThrottle<&'static str> {
-        rt.trailing_throttle("s:")
+    let build = |rt: &Runtime| -> Coalesce<&'static str> {
+        rt.coalesce("s:")
             .with_window(ms(1000))
             .with_store(store.clone())
             .build()
@@ -2027,8 +2015,8 @@ async fn two_instances_sharing_a_store_never_overlap() {
 #[tokio::test(start_paused = true)]
 async fn a_store_slower_than_the_window_never_blocks_its_own_instance() {
     let rt = runtime().await;
-    let t: TrailingThrottle<&'static str> = rt
-        .trailing_throttle("slow:")
+    let t: Coalesce<&'static str> = rt
+        .coalesce("slow:")
         .with_window(ms(1))
         .with_store(scripted(|_| Act::Delay(ms(3))))
         .build()
@@ -2055,8 +2043,8 @@ async fn a_store_slower_than_the_window_never_blocks_its_own_instance() {
 async fn two_busy_instances_take_turns() {
     let store = MemoryWindowStore::new();
     let (rt_a, rt_b) = (runtime().await, runtime().await);
-    let build = |rt: &Runtime| -> TrailingThrottle<&'static str> {
-        rt.trailing_throttle("s:")
+    let build = |rt: &Runtime| -> Coalesce<&'static str> {
+        rt.coalesce("s:")
             .with_window(ms(100))
             .with_store(store.clone())
             .build()
@@ -2088,8 +2076,8 @@ async fn two_busy_instances_take_turns() {
 #[tokio::test(start_paused = true)]
 async fn ten_lost_races_in_a_row_drop_the_pending_calls() {
     let rt = runtime().await;
-    let t: TrailingThrottle<&'static str> = rt
-        .trailing_throttle("taken:")
+    let t: Coalesce<&'static str> = rt
+        .coalesce("taken:")
         .with_window(ms(100))
         .with_store(scripted(|_| Act::Taken))
         .build()
@@ -2156,7 +2144,10 @@ fn scripted_on<F: Fn(&'static str) -> Act + Send + Sync + 'static>(
 }
 
 impl<F: Fn(&'static str) -> Act + Send + Sync + 'static> Scripted<F> {
-    async fn gate(&self, op: &'static str) -> Result<bool, throttlebeam::WindowStoreError> {
+    async fn gate(
+        &self,
+        op: &'static str,
+    ) -> Result<bool, throttlebeam::coalesce::WindowStoreError> {
         match (self.act)(op) {
             Act::Pass => Ok(true),
             Act::Fail => Err("connection refused".into()),

@@ -14,7 +14,7 @@
 //!   the registry and the store's entry, no process. Target: at most 256
 //!   bytes, against the leading-only throttle's open window.
 //!
-//! Run: `cargo bench --bench trailing`
+//! Run: `cargo bench --bench coalesce`
 
 #[path = "support/figures.rs"]
 #[allow(dead_code)]
@@ -27,7 +27,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
-use throttlebeam::{Runtime, TrailingThrottle};
+use throttlebeam::{Coalesce, Runtime};
 
 const KEYS: usize = 100_000;
 const TASKS: usize = 2;
@@ -151,7 +151,7 @@ fn main() {
 
 /// A key kept inside its window with a pending trailing run.
 struct Coalesced {
-    throttle: TrailingThrottle<u64>,
+    throttle: Coalesce<u64>,
 }
 
 impl Coalesced {
@@ -171,7 +171,7 @@ impl Coalesced {
 
 async fn coalesced_call(runtime: &Runtime) -> Coalesced {
     let throttle = runtime
-        .trailing_throttle("bench:")
+        .coalesce("bench:")
         .with_window(Duration::from_secs(3600))
         .build()
         .expect("throttle");
@@ -340,7 +340,7 @@ fn keys_child(side: &str) {
 }
 
 /// Waits until every window of `t` is over and swept.
-async fn closed(runtime: &Runtime, t: &TrailingThrottle<u64>) {
+async fn closed(runtime: &Runtime, t: &Coalesce<u64>) {
     loop {
         let s = t.stats();
         if s.active + s.pending + s.keys == 0 {
@@ -358,9 +358,9 @@ async fn ours_keys(
     prefix: &str,
     coalesce: bool,
     window: Duration,
-) -> Option<TrailingThrottle<u64>> {
-    let throttle: TrailingThrottle<u64> = runtime
-        .trailing_throttle(prefix)
+) -> Option<Coalesce<u64>> {
+    let throttle: Coalesce<u64> = runtime
+        .coalesce(prefix)
         .with_window(window)
         .build()
         .expect("throttle");
@@ -394,7 +394,7 @@ async fn ours_keys(
 async fn anchor_keys(
     runtime: &Runtime,
     keys: &std::sync::Arc<Vec<String>>,
-) -> Option<TrailingThrottle<u64>> {
+) -> Option<Coalesce<u64>> {
     let throttler = runtime.throttle();
     let mut tasks = Vec::new();
     for part in 0..TASKS {

@@ -1,4 +1,4 @@
-// Run: cargo run --example trailing
+// Run: cargo run --example coalesce
 //! A coalescing (leading + trailing) throttle in front of a slow sync job.
 //!
 //! Change events for a room arrive in bursts; each should lead to a sync of
@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use throttlebeam::{Error, Phase, Runtime, TrailingThrottle};
+use throttlebeam::{Coalesce, Error, Runtime, coalesce::Phase};
 
 /// Stands in for "read the room from the database and push it to clients".
 async fn sync_room(room: &str, phase: Phase, version: Arc<AtomicU64>) -> Result<u64, Error> {
@@ -25,8 +25,8 @@ async fn main() -> Result<(), Error> {
     let started = Instant::now();
     let at = move || started.elapsed().as_millis();
     let runtime = Runtime::builder().start().await?;
-    let rooms: TrailingThrottle<u64> = runtime
-        .trailing_throttle("sync:room:")
+    let rooms: Coalesce<u64> = runtime
+        .coalesce("sync:room:")
         .with_window(Duration::from_millis(300))
         .build()?;
     let version = Arc::new(AtomicU64::new(0));
