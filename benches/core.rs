@@ -145,7 +145,7 @@ fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
 
     // The same windows on tokio's clock (the vDSO) instead of the TSC.
     let on_tokio = rt
-        .block_on(Runtime::builder().with_clock(RuntimeClock::Tokio).start())
+        .block_on(Runtime::builder().with_clock(RuntimeClock::Auto).start())
         .expect("runtime");
     let tokio_throttle = on_tokio.throttle();
     rt.block_on(async {

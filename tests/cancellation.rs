@@ -233,10 +233,6 @@ mod laggy {
             })
         }
 
-        fn clear(&self) -> WindowStoreFuture<'_, ()> {
-            self.inner.clear()
-        }
-
         fn sweep(&self) -> usize {
             self.inner.sweep()
         }

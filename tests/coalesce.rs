@@ -1639,10 +1639,6 @@ async fn memory_store_contract() {
     // A free key may be recorded by anyone (a lapsed lease nobody took).
     assert!(store.record("free", a, ttl).await.unwrap());
 
-    // clear; the store keeps working afterwards.
-    store.clear().await.unwrap();
-    assert!(store.is_empty());
-    assert_eq!(store.claim("k", a, ttl).await.unwrap(), WindowClaim::Won);
 }
 
 /// S1: expired keys are swept by the runtime's sweeper through every
@@ -2203,9 +2199,5 @@ impl<F: Fn(&'static str) -> Act + Send + Sync + 'static> WindowStore for Scripte
             self.gate("read").await?;
             self.memory.read(key).await
         })
-    }
-    fn clear(&self) -> WindowStoreFuture<'_, ()> {
-        self.cleared.store(true, Ordering::SeqCst);
-        self.memory.clear()
     }
 }

@@ -762,9 +762,6 @@ impl WindowStore for PanicsBuilding {
     fn read<'a>(&'a self, _: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
         self.panic("read")
     }
-    fn clear(&self) -> WindowStoreFuture<'_, ()> {
-        Box::pin(async { Ok(()) })
-    }
 }
 
 /// A window store call goes through the one store guard too: a store that

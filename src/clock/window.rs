@@ -35,11 +35,6 @@ pub enum RuntimeClock {
     /// then tokio's clock itself, so `tokio::time::advance` moves windows.
     #[default]
     Auto,
-    /// Tokio's clock: read directly when it is paused at start (and then
-    /// follows `tokio::time::pause` and `advance`), otherwise read through
-    /// the timestamp counter like [`RuntimeClock::Auto`], so choosing it
-    /// costs nothing on the hot path.
-    Tokio,
     /// Always the timestamp counter (through `quanta`), even on a paused
     /// tokio clock.
     Tsc,
@@ -61,7 +56,7 @@ impl WindowClock {
     pub(crate) fn new(choice: RuntimeClock) -> Self {
         let tsc = match choice {
             RuntimeClock::Tsc => true,
-            RuntimeClock::Auto | RuntimeClock::Tokio => !tokio_paused(),
+            RuntimeClock::Auto => !tokio_paused(),
         };
         if !tsc {
             return Self::Tokio {

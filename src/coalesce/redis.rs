@@ -74,11 +74,6 @@ impl WindowStore for Redis {
                 .and_then(local))
         })
     }
-
-    /// A shared store keeps its keys: they expire on their own.
-    fn clear(&self) -> WindowStoreFuture<'_, ()> {
-        Box::pin(async { Ok(()) })
-    }
 }
 
 /// Coalescing-throttle window claim: `SET NX PX` of `"<end_ms>:<token>"`

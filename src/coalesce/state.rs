@@ -970,10 +970,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         what: &'static str,
         call: impl FnOnce() -> WindowStoreFuture<'s, R>,
     ) -> StoreOutcome<R> {
-        // `clear` runs after the mode went to destroyed: bounded by the
-        // timeout only.
-        let abandonable = what != "clear";
-        if abandonable && self.mode() == DESTROYED {
+        if self.mode() == DESTROYED {
             return StoreOutcome::Failed;
         }
         // Boxed: the guard's timer stays out of every process's future.
@@ -982,7 +979,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
         let out = match first {
             Poll::Ready(out) => Some(out),
-            Poll::Pending => self.store_wait(abandonable, call).await,
+            Poll::Pending => self.store_wait(call).await,
         };
         let gauges = &self.gauges;
         match out {
@@ -1011,20 +1008,20 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
 
     /// The rest of a guarded store call that did not answer at once; `None`
     /// if the throttle was destroyed first (the call is abandoned).
-    async fn store_wait<F: Future + Unpin>(&self, abandonable: bool, call: F) -> Option<F::Output> {
-        let _in_store = abandonable.then(|| InStore::new(&self.gauges));
+    async fn store_wait<F: Future + Unpin>(&self, call: F) -> Option<F::Output> {
+        let _in_store = InStore::new(&self.gauges);
         let mut call = call;
         loop {
             let stopped = self.wake.notified();
             tokio::pin!(stopped);
             stopped.as_mut().enable();
-            if abandonable && self.mode() == DESTROYED {
+            if self.mode() == DESTROYED {
                 return None;
             }
             tokio::select! {
                 biased;
                 out = &mut call => return Some(out),
-                () = stopped, if abandonable => {}
+                () = stopped => {}
             }
         }
     }

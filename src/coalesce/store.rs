@@ -121,7 +121,6 @@ pub struct WindowStoreStats {
 /// | [`extend`](WindowStore::extend) | store `entry` for `ttl` unless another token holds the key; `true` if written | compare-and-set script |
 /// | [`record`](WindowStore::record) | same as `extend`, writing the window that follows a run | compare-and-set script |
 /// | [`read`](WindowStore::read) | the live entry, if any; never creates anything | `GET` |
-/// | [`clear`](WindowStore::clear) | remove every key the store owns (called only on a store the throttle created) | a no-op for a shared store |
 ///
 /// Because `extend` and `record` compare the token first, a run whose lease
 /// lapsed can never overwrite the window of the run that took the key over.
@@ -156,9 +155,6 @@ pub struct WindowStoreStats {
 ///     fn read<'a>(&'a self, _: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
 ///         Box::pin(async { Err("connection refused".into()) })
 ///     }
-///     fn clear(&self) -> WindowStoreFuture<'_, ()> {
-///         Box::pin(async { Ok(()) })
-///     }
 /// }
 /// ```
 pub trait WindowStore: Send + Sync + 'static {
@@ -188,9 +184,6 @@ pub trait WindowStore: Send + Sync + 'static {
 
     /// The live entry of `key`, if any.
     fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>>;
-
-    /// Removes every key this store owns.
-    fn clear(&self) -> WindowStoreFuture<'_, ()>;
 
     /// Removes expired keys and returns the keys left. Called by the
     /// runtime's sweeper of every throttle using the store (and by
@@ -242,10 +235,6 @@ impl<S: WindowStore + ?Sized> WindowStore for Arc<S> {
 
     fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
         (**self).read(key)
-    }
-
-    fn clear(&self) -> WindowStoreFuture<'_, ()> {
-        (**self).clear()
     }
 
     fn sweep(&self) -> usize {
@@ -504,12 +493,6 @@ impl WindowStore for MemoryWindowStore {
     fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
         let out = self.inner.table.get(key.as_bytes());
         Box::pin(std::future::ready(Ok(out)))
-    }
-
-    fn clear(&self) -> WindowStoreFuture<'_, ()> {
-        self.inner.table.clear();
-        self.inner.table.shrink_to_fit();
-        Box::pin(std::future::ready(Ok(())))
     }
 
     fn sweep(&self) -> usize {
