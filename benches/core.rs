@@ -222,10 +222,10 @@ fn debounce_burst(c: &mut Criterion, lines: &mut Vec<Line>) {
         b.iter_custom(|n| parallel(1, n, &anchor))
     });
     g.finish();
-    let wakeups_during_bench = debounce.timer_wakeups();
+    let wakeups_during_bench = runtime.stats().debounce.timer_wakeups;
 
     // Wakeups per burst, on real time: 50 bursts of 1,000 calls, 2 ms delay.
-    let before = debounce.timer_wakeups();
+    let before = runtime.stats().debounce.timer_wakeups;
     rt.block_on(async {
         for burst in 0..50 {
             let key = format!("wake:{burst}");
@@ -242,7 +242,7 @@ fn debounce_burst(c: &mut Criterion, lines: &mut Vec<Line>) {
             assert_eq!(last.expect("calls").await.expect("run"), 999);
         }
     });
-    let per_burst = (debounce.timer_wakeups() - before) as f64 / 50.0;
+    let per_burst = (runtime.stats().debounce.timer_wakeups - before) as f64 / 50.0;
     let (ours_ns, anchor_ns) = paired(
         7,
         2_000_000,

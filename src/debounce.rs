@@ -314,6 +314,7 @@ impl Service for State {
             d.keys += shared.len();
         }
         d.capacity = self.registry.capacity();
+        d.timer_wakeups = self.wakeups.load(Ordering::Relaxed);
     }
 }
 
@@ -950,13 +951,6 @@ impl DebounceHandle {
             .registry
             .with_slot(key.as_bytes(), |slot| slot.state.pending.is_some())
             .unwrap_or(false)
-    }
-
-    /// Timer wakeups of debounce processes so far (lazily re-armed timers
-    /// make a burst of calls cost about one wakeup).
-    #[must_use]
-    pub fn timer_wakeups(&self) -> u64 {
-        self.state.wakeups.load(Ordering::Relaxed)
     }
 }
 

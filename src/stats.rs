@@ -89,6 +89,9 @@ pub struct DebounceStats {
     /// Slots the key map holds memory for (it gives memory back after a
     /// flood once swept).
     pub capacity: usize,
+    /// Timer wakeups of debounce processes so far (lazily re-armed timers
+    /// make a burst of calls cost about one wakeup).
+    pub timer_wakeups: u64,
 }
 
 /// Counters of the leading-edge throttle of one runtime.

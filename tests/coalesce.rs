@@ -1638,7 +1638,6 @@ async fn memory_store_contract() {
     assert_eq!(store.read("k").await.unwrap(), Some(b2));
     // A free key may be recorded by anyone (a lapsed lease nobody took).
     assert!(store.record("free", a, ttl).await.unwrap());
-
 }
 
 /// S1: expired keys are swept by the runtime's sweeper through every

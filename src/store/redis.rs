@@ -675,14 +675,16 @@ impl Redis {
 
     /// Pins the time scripts read (ms since the epoch, 0 included) instead
     /// of the server's `TIME`. For tests that need exact instants.
-    #[doc(hidden)]
+    #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     pub fn pin_time(&self, now_ms: u64) {
         self.pin_time_us(now_ms.saturating_mul(1_000));
     }
 
     /// [`Redis::pin_time`] to the microsecond, which rate limiting reads
     /// (other scripts read its milliseconds).
-    #[doc(hidden)]
+    #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     pub fn pin_time_us(&self, now_us: u64) {
         // Stored plus one, so that 0 can mean "not pinned".
         let stored = now_us.saturating_add(1);
@@ -690,7 +692,8 @@ impl Redis {
     }
 
     /// Goes back to the server's `TIME` after [`Redis::pin_time`].
-    #[doc(hidden)]
+    #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     pub fn unpin_time(&self) {
         self.inner.pinned_now.store(0, Ordering::Relaxed);
     }
