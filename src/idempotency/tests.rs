@@ -1,0 +1,456 @@
+//! Unit tests of the idempotency ledger: the paths only a store of its own reaches.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+use throttlebeam_supervisors::Counters;
+use tokio::time::Instant;
+
+use super::store::{Form, Pending, Record, ResultStore};
+use super::*;
+use crate::error::BoxError;
+use crate::key::InlineKey;
+
+/// Behaves like a store shared across processes: takes encoded values
+/// and answers after a round trip.
+#[derive(Default)]
+struct RemoteLike {
+    records: Mutex<HashMap<String, (Record, Instant)>>,
+    fail_puts: AtomicBool,
+    /// Holds the next lookup's answer (read at call time) until fired.
+    stall_next_get: Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
+}
+
+impl ResultStore for RemoteLike {
+    fn form(&self) -> Form {
+        Form::Encoded
+    }
+
+    fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>> {
+        let found = self
+            .records
+            .lock()
+            .unwrap()
+            .get(key)
+            .filter(|(_, expires_at)| *expires_at > now)
+            .map(|(record, _)| record.clone());
+        let stall = self.stall_next_get.lock().unwrap().take();
+        Pending::Later(Box::pin(async move {
+            if let Some(stall) = stall {
+                let _ = stall.await;
+            }
+            tokio::task::yield_now().await;
+            Ok(found)
+        }))
+    }
+
+    fn put(
+        &self,
+        key: &InlineKey,
+        record: Record,
+        ttl: Duration,
+    ) -> Pending<'_, Result<(), BoxError>> {
+        let key = key.as_str().to_owned();
+        Pending::Later(Box::pin(async move {
+            tokio::task::yield_now().await;
+            if self.fail_puts.load(Ordering::SeqCst) {
+                return Err(Arc::new(std::io::Error::other("connection refused")) as BoxError);
+            }
+            let expires_at = Instant::now() + ttl;
+            self.records
+                .lock()
+                .unwrap()
+                .insert(key, (record, expires_at));
+            Ok(())
+        }))
+    }
+
+    fn close(&self) {}
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+struct Charge {
+    id: u64,
+    note: String,
+}
+
+fn counted(
+    runs: &Arc<AtomicUsize>,
+    id: u64,
+) -> impl FnOnce() -> std::pin::Pin<Box<dyn Future<Output = Result<Charge, std::io::Error>> + Send>>
++ Send
++ 'static {
+    let runs = Arc::clone(runs);
+    move || {
+        Box::pin(async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            Ok(Charge {
+                id,
+                note: "paid".to_owned(),
+            })
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_encoded_store_on_round_trips_runs_once_and_replays() {
+    let runtime = Runtime::builder().start().await.unwrap();
+    let core = &runtime.core;
+    let store = Arc::new(RemoteLike::default());
+    let ledger = Arc::new(Ledger::new(
+        Arc::new(Counters::new()),
+        usize::MAX,
+        Box::new(Shared(Arc::clone(&store))),
+        None,
+    ));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let options = IdempotencyOptions::new().with_fingerprint("fp");
+
+    let (a, b) = tokio::join!(
+        run_in(core, &ledger, "k", counted(&runs, 1), options.clone()),
+        run_in(core, &ledger, "k", counted(&runs, 2), options.clone()),
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(a.is_fresh(), !b.is_fresh());
+    assert_eq!(a.value(), b.value());
+
+    let again = run_in(core, &ledger, "k", counted(&runs, 3), options.clone())
+        .await
+        .unwrap();
+    assert_eq!(again, IdempotencyOutcome::Replay(a.into_inner()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let other_type = run_in(
+        core,
+        &ledger,
+        "k",
+        || async { Ok::<_, std::io::Error>(String::new()) },
+        options.clone(),
+    )
+    .await;
+    assert!(matches!(other_type, Err(Error::TypeMismatch { .. })));
+
+    let mismatch = run_in(
+        core,
+        &ledger,
+        "k",
+        counted(&runs, 4),
+        options.with_fingerprint("other"),
+    )
+    .await;
+    assert!(matches!(mismatch, Err(Error::FingerprintMismatch { .. })));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_store_that_refuses_the_result_fails_closed_and_releases_the_key() {
+    let runtime = Runtime::builder().start().await.unwrap();
+    let core = &runtime.core;
+    let store = Arc::new(RemoteLike::default());
+    store.fail_puts.store(true, Ordering::SeqCst);
+    let counters = Arc::new(Counters::new());
+    let ledger = Arc::new(Ledger::new(
+        Arc::clone(&counters),
+        usize::MAX,
+        Box::new(Shared(Arc::clone(&store))),
+        None,
+    ));
+    let runs = Arc::new(AtomicUsize::new(0));
+
+    let refused = run_in(
+        core,
+        &ledger,
+        "k",
+        counted(&runs, 1),
+        IdempotencyOptions::new(),
+    )
+    .await;
+    assert!(matches!(refused, Err(Error::StoreUnavailable { .. })));
+    assert_eq!(counters.keys(), 0, "the key is released");
+
+    store.fail_puts.store(false, Ordering::SeqCst);
+    let retry = run_in(
+        core,
+        &ledger,
+        "k",
+        counted(&runs, 2),
+        IdempotencyOptions::new(),
+    )
+    .await
+    .unwrap();
+    assert!(retry.is_fresh());
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_between_lookup_and_claim_is_replayed_not_run_again() {
+    let runtime = Runtime::builder().start().await.unwrap();
+    let store = Arc::new(RemoteLike::default());
+    let ledger = Arc::new(Ledger::new(
+        Arc::new(Counters::new()),
+        usize::MAX,
+        Box::new(Shared(Arc::clone(&store))),
+        None,
+    ));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (fire, stalled) = tokio::sync::oneshot::channel();
+    *store.stall_next_get.lock().unwrap() = Some(stalled);
+
+    // Late looks first (and sees nothing), then stalls before claiming.
+    let late = {
+        let (runtime, ledger, f) = (runtime.clone(), Arc::clone(&ledger), counted(&runs, 2));
+        tokio::spawn(async move {
+            run_in(&runtime.core, &ledger, "k", f, IdempotencyOptions::new()).await
+        })
+    };
+    tokio::task::yield_now().await;
+    // Meanwhile another caller claims, runs, stores and frees the key.
+    let first = run_in(
+        &runtime.core,
+        &ledger,
+        "k",
+        counted(&runs, 1),
+        IdempotencyOptions::new(),
+    )
+    .await
+    .unwrap();
+    fire.send(()).unwrap();
+
+    assert!(first.is_fresh());
+    let late = late.await.unwrap().unwrap();
+    assert_eq!(late, IdempotencyOutcome::Replay(first.into_inner()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_after_the_fast_path_missed_is_replayed_by_the_claim() {
+    let runtime = Runtime::builder().start().await.unwrap();
+    let idempotency = runtime.idempotency();
+    let options = IdempotencyOptions::new();
+    let runs = Arc::new(AtomicUsize::new(0));
+    // The replay fast path finds nothing...
+    let ledger = State::of(&runtime.core).ledger();
+    let missed = fast_replay::<Charge>(&runtime.core, &ledger, "k", &options).unwrap();
+    assert_eq!(missed, None);
+    // ...then another caller runs the key and stores its result...
+    let first = idempotency
+        .run_with("k", options.clone(), counted(&runs, 1))
+        .await
+        .unwrap();
+    assert!(first.is_fresh());
+    // ...and the run that missed, claiming without looking again first, replays it.
+    let late = idempotency
+        .run_after_miss("k", options, counted(&runs, 2))
+        .await
+        .unwrap();
+    assert_eq!(late, IdempotencyOutcome::Replay(first.into_inner()));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+const SEC: Duration = Duration::from_secs(1);
+
+#[tokio::test(start_paused = true)]
+async fn a_holder_that_stops_renewing_is_taken_over_once_and_its_late_completion_is_fenced() {
+    let runtime = Runtime::builder().start().await.unwrap();
+    let ledger = State::of(&runtime.core).ledger();
+    let options = IdempotencyOptions::new().with_lease(SEC);
+    // A holder that claimed the key, then stopped renewing without
+    // releasing it: what a cut-off instance of a shared store looks like.
+    let Step::Owner(gone) = ledger
+        .attempt::<Charge>("k", &options, Instant::now(), Instant::now())
+        .await
+        .unwrap()
+    else {
+        panic!("k is new");
+    };
+    let start = Instant::now();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let duplicates: Vec<_> = (1..=3)
+        .map(|id| {
+            let (runtime, ledger, f) = (runtime.clone(), Arc::clone(&ledger), counted(&runs, id));
+            let options = options.clone();
+            tokio::spawn(async move { run_in(&runtime.core, &ledger, "k", f, options).await })
+        })
+        .collect();
+    tokio::time::sleep(SEC + Duration::from_millis(5)).await;
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "one duplicate took over at 1 s"
+    );
+
+    // The old holder wakes up while the new one runs: fenced off.
+    let late = gone
+        .complete(Charge {
+            id: 9,
+            note: "stale".to_owned(),
+        })
+        .await;
+    assert!(
+        matches!(late, Err(Error::LeaseLost { ref key }) if key == "k"),
+        "{late:?}"
+    );
+
+    let mut outcomes = Vec::new();
+    for duplicate in duplicates {
+        outcomes.push(duplicate.await.unwrap().unwrap());
+    }
+    assert_eq!(start.elapsed(), SEC + Duration::from_millis(10));
+    assert_eq!(outcomes.iter().filter(|o| o.is_fresh()).count(), 1);
+    assert!(
+        outcomes.iter().all(|o| o.value().id != 9),
+        "the stale value was not handed out"
+    );
+    let value = outcomes[0].value().clone();
+    assert!(outcomes.iter().all(|o| *o.value() == value));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let stats = stats_of(&ledger);
+    assert_eq!(
+        (stats.takeovers, stats.fresh, stats.replays),
+        (1, 1, 2),
+        "{stats:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_one_mib_fingerprint_is_kept_as_its_32_byte_digest() {
+    use sha2::{Digest, Sha256};
+
+    let runtime = Runtime::builder().start().await.unwrap();
+    let core = &runtime.core;
+    let ledger = State::of(core).ledger();
+    let body = vec![b'x'; 1 << 20];
+    let options = IdempotencyOptions::new().with_fingerprint(&body);
+    assert!(std::mem::size_of_val(&options) <= 128);
+
+    let fresh = run_in(
+        core,
+        &ledger,
+        "k",
+        || async { Ok::<_, std::io::Error>(7_u64) },
+        options.clone(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(fresh, IdempotencyOutcome::Fresh(7));
+
+    let record = claim::with_full_key(None, "k", |full| ledger.store.get(full, Instant::now()))
+        .resolve()
+        .await
+        .unwrap()
+        .unwrap();
+    let digest: [u8; 32] = Sha256::digest(&body).into();
+    assert_eq!(record.fingerprint(), Some(&digest));
+    // Digest and value in one allocation: 33 + 8 bytes, padded.
+    assert!(record.footprint() <= 48, "{} bytes", record.footprint());
+}
+
+/// Collects what a `tracing` subscriber writes.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn evictions_are_logged_at_warn_at_most_once_a_minute() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let warnings = || {
+        String::from_utf8(captured.0.lock().unwrap().clone())
+            .unwrap()
+            .matches("idempotency results evicted")
+            .count()
+    };
+    let idem = Runtime::builder()
+        .with_max_idempotency_results(1)
+        .start()
+        .await
+        .unwrap()
+        .idempotency();
+    let run = |key: String| {
+        let idem = idem.clone();
+        async move {
+            idem.run(&key, || async { Ok::<_, std::io::Error>(1_u8) })
+                .await
+                .unwrap()
+        }
+    };
+
+    for i in 0..10 {
+        let _ = run(format!("a{i}")).await;
+    }
+    assert_eq!((idem.stats().evictions, warnings()), (9, 1));
+    tokio::time::sleep(Duration::from_secs(59)).await;
+    let _ = run("b".to_owned()).await;
+    assert_eq!((idem.stats().evictions, warnings()), (10, 1));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _ = run("c".to_owned()).await;
+    assert_eq!((idem.stats().evictions, warnings()), (11, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn evictions_by_the_byte_budget_are_logged_with_the_bytes() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let idem = Runtime::builder()
+        .with_max_idempotency_bytes(1_000)
+        .start()
+        .await
+        .unwrap()
+        .idempotency();
+    for key in ["a", "b"] {
+        let run = idem.run(key, || async { Ok::<_, std::io::Error>(vec![0u8; 600]) });
+        assert!(run.await.unwrap().is_fresh());
+    }
+    assert_eq!(idem.stats().evictions, 1);
+    let logged = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert!(logged.contains("idempotency results evicted"), "{logged}");
+    assert!(logged.contains("max_bytes=1000"), "{logged}");
+    assert!(logged.contains("stored_bytes=805"), "{logged}");
+}
+
+/// Lets a test keep a handle on the store it gives the ledger.
+struct Shared(Arc<RemoteLike>);
+
+impl ResultStore for Shared {
+    fn form(&self) -> Form {
+        self.0.form()
+    }
+    fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>> {
+        self.0.get(key, now)
+    }
+    fn put(
+        &self,
+        key: &InlineKey,
+        record: Record,
+        ttl: Duration,
+    ) -> Pending<'_, Result<(), BoxError>> {
+        self.0.put(key, record, ttl)
+    }
+    fn close(&self) {
+        self.0.close();
+    }
+}
