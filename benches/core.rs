@@ -143,7 +143,8 @@ fn throttle_reject(c: &mut Criterion, lines: &mut Vec<Line>) {
         extra: String::new(),
     });
 
-    // The same windows on tokio's clock (the vDSO) instead of the TSC.
+    // The same windows on a second runtime (this row had `RuntimeClock::Tokio`, removed: it
+    // was the same clock as the default `Auto`).
     let on_tokio = rt
         .block_on(Runtime::builder().with_clock(RuntimeClock::Auto).start())
         .expect("runtime");
