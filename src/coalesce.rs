@@ -46,6 +46,7 @@ use crate::error::Error;
 use crate::error::{check_key, check_timer};
 use crate::key::{MAX_TIMER, shown};
 use crate::runtime::Runtime;
+pub use crate::stats::CoalesceStats;
 
 /// Default window of a coalescing throttle.
 const DEFAULT_WINDOW: Duration = Duration::from_millis(1000);
@@ -60,54 +61,6 @@ pub enum Phase {
     Leading,
     /// The run at the end of a window, covering the calls coalesced into it.
     Trailing,
-}
-
-/// Figures of one [`Coalesce`], from [`Coalesce::stats`].
-///
-/// The gauges (`active`, `pending`, `timers`) are zero once the throttle is
-/// idle; `keys` once its windows are over (not waiting for the runtime's
-/// sweep); `store_keys` once the store has swept them; the counters only
-/// grow.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-#[non_exhaustive]
-pub struct CoalesceStats {
-    /// Keys with a run in progress, including runs still claiming their
-    /// window in the store.
-    pub active: usize,
-    /// Keys with coalesced calls waiting for a trailing run.
-    pub pending: usize,
-    /// Keys live now: running, pending, or inside a window (an open window
-    /// with nothing pending is a timestamp with no process). A window that
-    /// is over counts no more, even before the runtime's sweeper forgets it.
-    pub keys: usize,
-    /// Per-key timers scheduled now (one per key at most: a window with a
-    /// trailing run pending, held by the throttle's sleeper, or a lease).
-    pub timers: usize,
-    /// Keys held by the window store, as it reports them
-    /// ([`WindowStore::stats`]; 0 for a store that does not say, and without
-    /// a store).
-    pub store_keys: usize,
-    /// Calls accepted.
-    pub calls: u64,
-    /// Leading runs started.
-    pub leading_runs: u64,
-    /// Trailing runs started.
-    pub trailing_runs: u64,
-    /// Calls coalesced into a run they did not start (`calls` minus the
-    /// calls that led).
-    pub coalesced: u64,
-    /// Window store calls that failed or panicked (the throttle failed open).
-    pub store_errors: u64,
-    /// Window store calls that timed out (the throttle failed open).
-    pub store_timeouts: u64,
-    /// Live windows the store evicted early because it was full
-    /// ([`WindowStore::stats`]).
-    pub evictions: u64,
-    /// Runs that failed (error or panic) with nobody left to hear it: a
-    /// leading run whose caller dropped its future (also logged at warn
-    /// level), a trailing run no caller waits for (logged at error level,
-    /// as every failed trailing run).
-    pub unobserved_failures: u64,
 }
 
 impl CoalesceStats {

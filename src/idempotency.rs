@@ -48,6 +48,7 @@ use crate::error::Error;
 use crate::error::check_key;
 use crate::key::shown;
 use crate::runtime::{Core, Runtime, Service};
+pub use crate::stats::IdempotencyStats;
 use crate::stats::Stats;
 
 /// Completed results a runtime keeps by default, see
@@ -106,55 +107,6 @@ impl<T> IdempotencyOutcome<T> {
     pub fn is_replay(&self) -> bool {
         matches!(self, Self::Replay(_))
     }
-}
-
-/// Counters of a runtime's idempotent calls, from
-/// [`IdempotencyHandle::stats`]. Counts are since the runtime started;
-/// `stored_results` is a level.
-///
-/// # Examples
-///
-/// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
-/// use throttlebeam::Runtime;
-///
-/// let idempotency = Runtime::start().await?.idempotency();
-/// for _ in 0..2 {
-///     let _ = idempotency.run("job:1", || async { Ok::<_, std::io::Error>(1) }).await?;
-/// }
-/// let stats = idempotency.stats();
-/// assert_eq!((stats.fresh, stats.replays, stats.stored_results), (1, 1, 1));
-/// # Ok(()) }
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
-#[non_exhaustive]
-pub struct IdempotencyStats {
-    /// Calls that claimed their key and ran their function, or got an
-    /// [`IdempotencyReservation`].
-    pub fresh: u64,
-    /// Calls answered with a stored result.
-    pub replays: u64,
-    /// Calls refused with [`Error::FingerprintMismatch`].
-    pub fingerprint_mismatches: u64,
-    /// Keys taken over from a holder whose lease lapsed (a holder gone
-    /// without releasing its key).
-    pub takeovers: u64,
-    /// Duplicates refused at once with [`Error::InFlight`].
-    pub in_flight_rejections: u64,
-    /// Duplicates that gave up with [`Error::Timeout`].
-    pub timeouts: u64,
-    /// Runs that ended in an error (their function failed or panicked, or
-    /// their result could not be stored) after their caller had left, so
-    /// that nobody received it; each is also logged at warn.
-    pub failures_after_caller_left: u64,
-    /// Results evicted by the cap or the byte budget before their TTL.
-    pub evictions: u64,
-    /// Results held now, expired ones not yet swept included.
-    pub stored_results: usize,
-    /// What the results held now weigh against the byte budget
-    /// ([`RuntimeBuilder::with_max_idempotency_bytes`](crate::RuntimeBuilder::with_max_idempotency_bytes)).
-    /// Zero with a shared store, which keeps results elsewhere.
-    pub stored_bytes: u64,
 }
 
 /// The idempotency part of a runtime: its ledger of keys in flight and its

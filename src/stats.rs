@@ -53,9 +53,9 @@ pub struct Stats {
     /// The leading-edge throttle.
     pub throttle: ThrottleStats,
     /// Idempotency (counts since the runtime started; a restart keeps them).
-    pub idempotency: crate::idempotency::IdempotencyStats,
+    pub idempotency: IdempotencyStats,
     /// Every coalescing throttle of the runtime, added up.
-    pub trailing: crate::coalesce::CoalesceStats,
+    pub trailing: CoalesceStats,
     /// The HTTP layers that count in this runtime (feature `http`).
     #[cfg(feature = "http")]
     #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
@@ -347,6 +347,103 @@ impl std::fmt::Debug for Counter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_tuple("Counter").field(&self.get()).finish()
     }
+}
+
+/// Counters of a runtime's idempotent calls, from
+/// [`IdempotencyHandle::stats`](crate::IdempotencyHandle::stats). Counts are since the runtime started;
+/// `stored_results` is a level.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+/// use throttlebeam::Runtime;
+///
+/// let idempotency = Runtime::start().await?.idempotency();
+/// for _ in 0..2 {
+///     let _ = idempotency.run("job:1", || async { Ok::<_, std::io::Error>(1) }).await?;
+/// }
+/// let stats = idempotency.stats();
+/// assert_eq!((stats.fresh, stats.replays, stats.stored_results), (1, 1, 1));
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[non_exhaustive]
+pub struct IdempotencyStats {
+    /// Calls that claimed their key and ran their function, or got an
+    /// [`IdempotencyReservation`](crate::idempotency::IdempotencyReservation).
+    pub fresh: u64,
+    /// Calls answered with a stored result.
+    pub replays: u64,
+    /// Calls refused with [`Error::FingerprintMismatch`](crate::Error::FingerprintMismatch).
+    pub fingerprint_mismatches: u64,
+    /// Keys taken over from a holder whose lease lapsed (a holder gone
+    /// without releasing its key).
+    pub takeovers: u64,
+    /// Duplicates refused at once with [`Error::InFlight`](crate::Error::InFlight).
+    pub in_flight_rejections: u64,
+    /// Duplicates that gave up with [`Error::Timeout`](crate::Error::Timeout).
+    pub timeouts: u64,
+    /// Runs that ended in an error (their function failed or panicked, or
+    /// their result could not be stored) after their caller had left, so
+    /// that nobody received it; each is also logged at warn.
+    pub failures_after_caller_left: u64,
+    /// Results evicted by the cap or the byte budget before their TTL.
+    pub evictions: u64,
+    /// Results held now, expired ones not yet swept included.
+    pub stored_results: usize,
+    /// What the results held now weigh against the byte budget
+    /// ([`RuntimeBuilder::with_max_idempotency_bytes`](crate::RuntimeBuilder::with_max_idempotency_bytes)).
+    /// Zero with a shared store, which keeps results elsewhere.
+    pub stored_bytes: u64,
+}
+
+/// Figures of one [`Coalesce`](crate::Coalesce), from [`Coalesce::stats`](crate::Coalesce::stats).
+///
+/// The gauges (`active`, `pending`, `timers`) are zero once the throttle is
+/// idle; `keys` once its windows are over (not waiting for the runtime's
+/// sweep); `store_keys` once the store has swept them; the counters only
+/// grow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[non_exhaustive]
+pub struct CoalesceStats {
+    /// Keys with a run in progress, including runs still claiming their
+    /// window in the store.
+    pub active: usize,
+    /// Keys with coalesced calls waiting for a trailing run.
+    pub pending: usize,
+    /// Keys live now: running, pending, or inside a window (an open window
+    /// with nothing pending is a timestamp with no process). A window that
+    /// is over counts no more, even before the runtime's sweeper forgets it.
+    pub keys: usize,
+    /// Per-key timers scheduled now (one per key at most: a window with a
+    /// trailing run pending, held by the throttle's sleeper, or a lease).
+    pub timers: usize,
+    /// Keys held by the window store, as it reports them
+    /// ([`WindowStore::stats`](crate::coalesce::WindowStore::stats); 0 for a store that does not say, and without
+    /// a store).
+    pub store_keys: usize,
+    /// Calls accepted.
+    pub calls: u64,
+    /// Leading runs started.
+    pub leading_runs: u64,
+    /// Trailing runs started.
+    pub trailing_runs: u64,
+    /// Calls coalesced into a run they did not start (`calls` minus the
+    /// calls that led).
+    pub coalesced: u64,
+    /// Window store calls that failed or panicked (the throttle failed open).
+    pub store_errors: u64,
+    /// Window store calls that timed out (the throttle failed open).
+    pub store_timeouts: u64,
+    /// Live windows the store evicted early because it was full
+    /// ([`WindowStore::stats`](crate::coalesce::WindowStore::stats)).
+    pub evictions: u64,
+    /// Runs that failed (error or panic) with nobody left to hear it: a
+    /// leading run whose caller dropped its future (also logged at warn
+    /// level), a trailing run no caller waits for (logged at error level,
+    /// as every failed trailing run).
+    pub unobserved_failures: u64,
 }
 
 #[cfg(test)]
