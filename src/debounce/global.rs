@@ -1,0 +1,172 @@
+//! [`Debounce`]: debounce on the default runtime, one call away.
+
+use std::future::Future;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::{DebounceHandle, DebounceOptions, Debounced};
+use crate::error::Error;
+use crate::runtime::Runtime;
+
+/// Debounce on the default runtime.
+///
+/// Every call for a key resets its timer; the function runs once the key has
+/// been quiet for the delay, and the latest function passed wins. Each key
+/// has its own process, so keys never delay each other.
+///
+/// # Examples
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+/// use std::time::Duration;
+/// use throttlebeam::Debounce;
+///
+/// // Fire and forget: runs 50 ms after the last call for the key.
+/// let _ = Debounce::call("autosave:doc_9", Duration::from_millis(50), || async {
+///     Ok::<_, std::io::Error>(())
+/// })?;
+/// // Or await the run that covers the call.
+/// let saved = Debounce::call("autosave:doc_9", Duration::from_millis(50), || async {
+///     Ok::<_, std::io::Error>(())
+/// })?
+/// .await;
+/// assert!(saved.is_ok());
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Debounce;
+
+impl Debounce {
+    /// [`DebounceHandle::call`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::call_with`], plus [`Error::Start`].
+    pub fn call<F, Fut, T, E>(key: &str, delay: Duration, f: F) -> Result<Debounced<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        global()?.call(key, delay, f)
+    }
+
+    /// [`DebounceHandle::call_with`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::call_with`], plus [`Error::Start`].
+    pub fn call_with<F, Fut, T, E>(
+        key: &str,
+        delay: Duration,
+        options: DebounceOptions,
+        f: F,
+    ) -> Result<Debounced<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        global()?.call_with(key, delay, options, f)
+    }
+
+    /// [`DebounceHandle::cancel`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Start`] if the default runtime could not start.
+    pub fn cancel(key: &str) -> Result<bool, Error> {
+        Ok(global()?.cancel(key))
+    }
+
+    /// [`DebounceHandle::flush`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Start`] if the default runtime could not start.
+    pub fn flush(key: &str) -> Result<bool, Error> {
+        Ok(global()?.flush(key))
+    }
+
+    /// [`DebounceHandle::call_shared`] on the default runtime (which shares
+    /// Redis when [`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV) or
+    /// [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV) is set).
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::call_shared_with`], plus [`Error::Start`].
+    pub fn call_shared<F, Fut, T, E>(
+        key: &str,
+        delay: Duration,
+        f: F,
+    ) -> Result<Debounced<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        global()?.call_shared(key, delay, f)
+    }
+
+    /// [`DebounceHandle::call_shared_with`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::call_shared_with`], plus [`Error::Start`].
+    pub fn call_shared_with<F, Fut, T, E>(
+        key: &str,
+        delay: Duration,
+        options: DebounceOptions,
+        f: F,
+    ) -> Result<Debounced<T>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        global()?.call_shared_with(key, delay, options, f)
+    }
+
+    /// [`DebounceHandle::cancel_shared`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::cancel_shared`], plus [`Error::Start`].
+    pub async fn cancel_shared(key: &str) -> Result<bool, Error> {
+        global()?.cancel_shared(key).await
+    }
+
+    /// [`DebounceHandle::flush_shared`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// As [`DebounceHandle::flush_shared`], plus [`Error::Start`].
+    pub async fn flush_shared(key: &str) -> Result<bool, Error> {
+        global()?.flush_shared(key).await
+    }
+
+    /// [`DebounceHandle::is_pending`] on the default runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Start`] if the default runtime could not start.
+    pub fn is_pending(key: &str) -> Result<bool, Error> {
+        Ok(global()?.is_pending(key))
+    }
+}
+
+/// The default runtime's debounce, looked up once.
+fn global() -> Result<&'static DebounceHandle, Error> {
+    static GLOBAL: OnceLock<Result<DebounceHandle, Error>> = OnceLock::new();
+    GLOBAL
+        .get_or_init(|| Runtime::global().map(|rt| rt.debounce()))
+        .as_ref()
+        .map_err(Clone::clone)
+}
