@@ -343,16 +343,19 @@ impl Clock for ManualClock {
 
 /// The system clock in epoch µs (0 if it is set before 1970).
 fn wall_clock_us() -> u64 {
+    duration_us(since_epoch())
+}
+
+/// The system clock: time since the Unix epoch (zero if it is set before
+/// 1970). The crate's one read of the wall clock.
+pub(crate) fn since_epoch() -> Duration {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, duration_us)
+        .unwrap_or(Duration::ZERO)
 }
 
 /// Whole milliseconds in `d`, saturating at `u64::MAX`.
-#[allow(
-    dead_code,
-    reason = "the ms helper of primitives that keep windows in ms, beside `duration_ns`"
-)]
+#[cfg(feature = "runtime")]
 pub(crate) fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

@@ -1,7 +1,7 @@
 //! [`WindowStore`] on Redis: the coalescing throttle's windows shared by
 //! every instance, each operation one script call on the server's clock.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use crate::coalesce::{WindowClaim, WindowEntry, WindowStore, WindowStoreFuture};
 use crate::store::StoreError;
@@ -12,9 +12,7 @@ use crate::store::redis::{Redis, cached, ms};
 /// server's time left added to our now, so clock skew between instances
 /// never shifts a retry.
 fn local(held: HeldWindow) -> Option<WindowEntry> {
-    let now_ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let now_ms = crate::clock::duration_ms(crate::clock::since_epoch());
     let left = u64::try_from(held.left.as_millis()).unwrap_or(u64::MAX);
     held.token
         .map(|token| WindowEntry::new(now_ms.saturating_add(left), token))

@@ -9,7 +9,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use sync_wrapper::SyncWrapper;
 use throttlebeam_supervisors::{Counters, Generation, Registry, RunHere, SlotEntry, Sweep};
@@ -446,9 +446,7 @@ pub(super) struct EpochClock {
 
 impl EpochClock {
     fn new() -> Self {
-        let base_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let base_ms = crate::clock::duration_ms(crate::clock::since_epoch());
         Self {
             base_ms,
             base: Instant::now(),

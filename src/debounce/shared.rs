@@ -249,9 +249,7 @@ fn instance_id() -> Arc<str> {
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u32(std::process::id());
     h.write_u64(N.fetch_add(1, Ordering::Relaxed));
-    if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
-        h.write_u128(t.as_nanos());
-    }
+    h.write_u128(crate::clock::since_epoch().as_nanos());
     Arc::from(format!("{:016x}", h.finish()))
 }
 

@@ -97,9 +97,7 @@ fn process_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u32(std::process::id());
-    if let Ok(since) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
-        hasher.write_u128(since.as_nanos());
-    }
+    hasher.write_u128(crate::clock::since_epoch().as_nanos());
     hasher.finish()
 }
 

@@ -5,7 +5,6 @@
 //! once a minute; accurate to half a round trip plus a minute's drift.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Seconds between two measurements.
 const RESYNC_S: u64 = 60;
@@ -34,9 +33,7 @@ impl Default for ServerClock {
 
 /// This host's wall time in µs since the epoch (0 before it).
 pub(crate) fn wall_us() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+    i64::try_from(crate::clock::since_epoch().as_micros()).unwrap_or(i64::MAX)
 }
 
 impl ServerClock {
