@@ -755,22 +755,31 @@ mod tls {
     /// Whether rustls failed the handshake (a certificate not trusted, or
     /// refused by the server) somewhere in `e`'s causes.
     pub(super) fn is_handshake_failure(e: &redis::RedisError) -> bool {
-        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
-        while let Some(c) = cause {
-            if c.is::<rustls::Error>() {
-                return true;
-            }
-            // `io::Error::source` skips the error it wraps: look inside.
-            if let Some(io) = c.downcast_ref::<std::io::Error>()
-                && io
-                    .get_ref()
-                    .is_some_and(|inner| inner.is::<rustls::Error>())
-            {
-                return true;
-            }
-            cause = c.source();
+        is_rustls(e, 0)
+    }
+
+    fn is_rustls(e: &(dyn std::error::Error + 'static), depth: usize) -> bool {
+        type Shared = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+        if depth > 16 {
+            return false;
         }
-        false
+        if e.is::<rustls::Error>() {
+            return true;
+        }
+        // Neither an `io::Error` nor an `Arc` of an error shows what it wraps
+        // through `source`: look inside.
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && let Some(inner) = io.get_ref()
+            && is_rustls(inner, depth + 1)
+        {
+            return true;
+        }
+        if let Some(shared) = e.downcast_ref::<Shared>()
+            && is_rustls(&**shared, depth + 1)
+        {
+            return true;
+        }
+        e.source().is_some_and(|c| is_rustls(c, depth + 1))
     }
 }
 
