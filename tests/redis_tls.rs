@@ -10,7 +10,7 @@ mod support;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use support::managed::TlsNode;
+use support::managed::{SentinelSetup, TlsCluster, TlsNode};
 use support::{Oops, Runs};
 use throttlebeam::store::{
     REDIS_CA_FILE_ENV, REDIS_CLIENT_CERT_FILE_ENV, REDIS_CLIENT_KEY_FILE_ENV, REDIS_CLUSTER_ENV,
@@ -251,4 +251,57 @@ async fn from_env_in_a_process_of_its_own() {
         (text, other) => panic!("expected a configuration error holding {text:?}: {other:?}"),
     }
     println!("from_env found what it should");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_cluster_is_reached_with_its_ca_and_a_client_certificate() {
+    let test = "a_tls_cluster_is_reached_with_its_ca_and_a_client_certificate";
+    let Some(cluster) = TlsCluster::start(test) else {
+        return;
+    };
+    let certs = &cluster.certs;
+    let redis = Redis::builder(cluster.url())
+        .with_ca_pem(certs.ca.clone())
+        .with_client_cert_pem(certs.client_cert.clone(), certs.client_key.clone())
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("connects to the TLS cluster: {}", chain(&e)));
+    assert!(redis.is_cluster());
+    shares_through(redis).await;
+
+    let started = Instant::now();
+    let e = Redis::builder(cluster.url())
+        .with_ca_pem(certs.other_ca.clone())
+        .with_client_cert_pem(certs.client_cert.clone(), certs.client_key.clone())
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(started.elapsed() < REFUSED_WITHIN, "hung: {}", chain(&e));
+    assert!(is_auth(&e), "{}", chain(&e));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_primary_is_found_through_tls_sentinels() {
+    let test = "a_tls_primary_is_found_through_tls_sentinels";
+    let Some(setup) = SentinelSetup::start_tls(test) else {
+        return;
+    };
+    let certs = setup.certs.as_ref().expect("a TLS setup");
+    let redis = Redis::builder(setup.url())
+        .with_ca_pem(certs.ca.clone())
+        .with_client_cert_pem(certs.client_cert.clone(), certs.client_key.clone())
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("connects through TLS Sentinels: {}", chain(&e)));
+    shares_through(redis).await;
+
+    let started = Instant::now();
+    let e = Redis::builder(setup.url())
+        .with_ca_pem(certs.other_ca.clone())
+        .with_client_cert_pem(certs.client_cert.clone(), certs.client_key.clone())
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(started.elapsed() < REFUSED_WITHIN, "hung: {}", chain(&e));
+    assert!(is_auth(&e), "{}", chain(&e));
 }

@@ -323,12 +323,20 @@ impl RedisBuilder {
                     .map(|n| connection::client(n, &self.security))
                     .collect::<Result<Vec<_>, _>>()?;
                 let connecting = client.get_async_connection();
-                let conn = tokio::time::timeout(self.connect_timeout, connecting)
+                let conn = match tokio::time::timeout(self.connect_timeout, connecting)
                     .await
                     .map_err(|_| StoreError::Timeout {
                         after: self.connect_timeout,
-                    })?
-                    .map_err(connection::connect_error)?;
+                    })? {
+                    Ok(conn) => conn,
+                    Err(e) => {
+                        // The cluster client folds its nodes' errors into
+                        // one message: ask a seed node directly why.
+                        let diagnosed =
+                            connection::diagnose(&subscribers, self.connect_timeout).await;
+                        return Err(diagnosed.unwrap_or_else(|| connection::connect_error(e)));
+                    }
+                };
                 Link::Fixed {
                     conn: Conn::Cluster(conn),
                     subscribers,

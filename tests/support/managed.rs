@@ -153,24 +153,29 @@ impl Certs {
         };
         let authority = ca("throttlebeam test CA");
         let other = ca("throttlebeam unrelated CA");
-        let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose| {
+        let leaf = |names: Vec<String>, usages: Vec<ExtendedKeyUsagePurpose>| {
             let mut params = CertificateParams::new(names).unwrap();
             params
                 .distinguished_name
                 .push(DnType::CommonName, "throttlebeam test");
-            params.extended_key_usages = vec![usage];
+            params.extended_key_usages = usages;
             params.use_authority_key_identifier_extension = true;
             let key = KeyPair::generate().unwrap();
             let cert = params.signed_by(&key, &authority).unwrap();
             (cert.pem(), key.serialize_pem())
         };
+        // Servers are clients of each other too (replication, the cluster
+        // bus, Sentinels): their certificate serves both ways.
         let (server_cert, server_key) = leaf(
             vec!["127.0.0.1".to_owned(), "localhost".to_owned()],
-            ExtendedKeyUsagePurpose::ServerAuth,
+            vec![
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ],
         );
         let (client_cert, client_key) = leaf(
             vec!["client".to_owned()],
-            ExtendedKeyUsagePurpose::ClientAuth,
+            vec![ExtendedKeyUsagePurpose::ClientAuth],
         );
         Self {
             ca: authority.pem(),
@@ -198,6 +203,47 @@ impl Certs {
     }
 }
 
+/// `redis-server` arguments to speak only TLS on `port` (with `--port 0`),
+/// with the files [`Certs::write`] wrote to `dir`, replication and the
+/// cluster bus over TLS too.
+fn tls_args(port: u16, dir: &Path, clients_need_certs: bool) -> Vec<String> {
+    let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    [
+        "--tls-port",
+        &port.to_string(),
+        "--tls-cert-file",
+        &file("server.crt"),
+        "--tls-key-file",
+        &file("server.key"),
+        "--tls-ca-cert-file",
+        &file("ca.crt"),
+        "--tls-auth-clients",
+        if clients_need_certs { "yes" } else { "no" },
+        "--tls-replication",
+        "yes",
+        "--tls-cluster",
+        "yes",
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+/// `redis-cli` arguments to reach a TLS node with the client certificate.
+fn tls_cli(dir: &Path) -> Vec<String> {
+    let file = |name: &str| dir.join(name).to_string_lossy().into_owned();
+    [
+        "--tls",
+        "--cacert",
+        &file("ca.crt"),
+        "--cert",
+        &file("client.crt"),
+        "--key",
+        &file("client.key"),
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
 /// A node that speaks only TLS (`--port 0 --tls-port P`).
 pub struct TlsNode {
     pub server: Server,
@@ -221,36 +267,10 @@ impl TlsNode {
         certs
             .write(&dir.0)
             .map_err(|e| format!("cannot write the certificates: {e}"))?;
-        let file = |name: &str| dir.0.join(name).to_string_lossy().into_owned();
         let port = free_port(false);
         let mut args = plain(0, &dir.0);
-        args.extend(
-            [
-                "--tls-port",
-                &port.to_string(),
-                "--tls-cert-file",
-                &file("server.crt"),
-                "--tls-key-file",
-                &file("server.key"),
-                "--tls-ca-cert-file",
-                &file("ca.crt"),
-                "--tls-auth-clients",
-                if clients_need_certs { "yes" } else { "no" },
-            ]
-            .map(str::to_owned),
-        );
-        let cli = [
-            "--tls",
-            "--cacert",
-            &file("ca.crt"),
-            "--cert",
-            &file("client.crt"),
-            "--key",
-            &file("client.key"),
-        ]
-        .map(str::to_owned)
-        .to_vec();
-        let server = Server::spawn(port, &args, cli)
+        args.extend(tls_args(port, &dir.0, clients_need_certs));
+        let server = Server::spawn(port, &args, tls_cli(&dir.0))
             .map_err(|e| format!("{e} (is redis-server built with TLS?)"))?;
         Ok(Self { server, certs, dir })
     }
@@ -263,6 +283,85 @@ impl TlsNode {
     /// The path of one of the files [`Certs::write`] wrote.
     pub fn file(&self, name: &str) -> PathBuf {
         self.dir.0.join(name)
+    }
+}
+
+/// A 3-node Redis Cluster that speaks only TLS (clients, cluster bus),
+/// clients presenting a certificate.
+pub struct TlsCluster {
+    pub nodes: Vec<Server>,
+    pub certs: Certs,
+    pub dir: TempDir,
+}
+
+impl TlsCluster {
+    /// Starts and joins three TLS nodes, or skips.
+    pub fn start(test: &str) -> Option<Self> {
+        match Self::spawn() {
+            Ok(cluster) => Some(cluster),
+            Err(e) => unavailable(test, &e),
+        }
+    }
+
+    fn spawn() -> Result<Self, String> {
+        let dir = TempDir::new("tls-cluster").map_err(|e| format!("no temp dir: {e}"))?;
+        let certs = Certs::make();
+        certs
+            .write(&dir.0)
+            .map_err(|e| format!("cannot write the certificates: {e}"))?;
+        let mut nodes = Vec::new();
+        for i in 0..3 {
+            let port = free_port(true);
+            let data = dir.0.join(format!("node{i}"));
+            std::fs::create_dir_all(&data).map_err(|e| format!("cannot create {data:?}: {e}"))?;
+            let mut args = plain(0, &data);
+            args.extend(tls_args(port, &dir.0, true));
+            args.extend(
+                [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ]
+                .map(str::to_owned),
+            );
+            nodes.push(Server::spawn(port, &args, tls_cli(&dir.0))?);
+        }
+        let created = Command::new("redis-cli")
+            .args(tls_cli(&dir.0))
+            .args(["--cluster", "create"])
+            .args(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)))
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !created.is_ok_and(|s| s.success()) {
+            return Err("redis-cli --tls --cluster create failed".to_owned());
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if nodes.iter().all(|n| {
+                n.cli(&["CLUSTER", "INFO"])
+                    .is_some_and(|info| info.contains("cluster_state:ok"))
+            }) {
+                return Ok(Self { nodes, certs, dir });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Err("the TLS cluster did not reach cluster_state:ok within 20 s".to_owned())
+    }
+
+    /// `rediss+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,127.0.0.1:<p3>`.
+    pub fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("rediss+cluster://{}", hosts.join(","))
     }
 }
 
@@ -291,6 +390,8 @@ pub struct SentinelSetup {
     pub primary: Server,
     pub replica: Server,
     pub sentinels: Vec<Server>,
+    /// The certificates, when every process speaks only TLS.
+    pub certs: Option<Certs>,
     pub dir: TempDir,
 }
 
@@ -298,32 +399,69 @@ impl SentinelSetup {
     /// Starts every process and waits until the replica is in sync and
     /// every Sentinel knows the replica and the two other Sentinels.
     pub fn start(test: &str) -> Option<Self> {
-        match Self::spawn() {
+        match Self::spawn(false) {
             Ok(setup) => Some(setup),
             Err(e) => unavailable(test, &e),
         }
     }
 
-    fn spawn() -> Result<Self, String> {
+    /// [`SentinelSetup::start`] with every process speaking only TLS
+    /// (Sentinels included), clients presenting a certificate.
+    pub fn start_tls(test: &str) -> Option<Self> {
+        match Self::spawn(true) {
+            Ok(setup) => Some(setup),
+            Err(e) => unavailable(test, &e),
+        }
+    }
+
+    fn spawn(tls: bool) -> Result<Self, String> {
         let dir = TempDir::new("sentinel").map_err(|e| format!("no temp dir: {e}"))?;
+        let certs = tls.then(Certs::make);
+        if let Some(certs) = &certs {
+            certs
+                .write(&dir.0)
+                .map_err(|e| format!("cannot write the certificates: {e}"))?;
+        }
         let data = |name: &str| -> Result<PathBuf, String> {
             let d = dir.0.join(name);
             std::fs::create_dir_all(&d).map_err(|e| format!("cannot create {d:?}: {e}"))?;
             Ok(d)
         };
+        let node_args = |port: u16, data: &Path| {
+            if tls {
+                let mut args = plain(0, data);
+                args.extend(tls_args(port, &dir.0, true));
+                args
+            } else {
+                plain(port, data)
+            }
+        };
+        let cli = || if tls { tls_cli(&dir.0) } else { Vec::new() };
         let p = free_port(false);
-        let primary = Server::spawn(p, &plain(p, &data("primary")?), Vec::new())?;
+        let primary = Server::spawn(p, &node_args(p, &data("primary")?), cli())?;
         let r = free_port(false);
-        let mut args = plain(r, &data("replica")?);
+        let mut args = node_args(r, &data("replica")?);
         args.extend(["--replicaof", "127.0.0.1", &p.to_string()].map(str::to_owned));
-        let replica = Server::spawn(r, &args, Vec::new())?;
+        let replica = Server::spawn(r, &args, cli())?;
         let mut sentinels = Vec::new();
         for i in 0..3 {
             let port = free_port(false);
             let sdir = data(&format!("sentinel{i}"))?;
             let conf = sdir.join("sentinel.conf");
+            let listen = if tls {
+                let file = |name: &str| dir.0.join(name).display().to_string();
+                format!(
+                    "port 0\ntls-port {port}\ntls-cert-file {}\ntls-key-file {}\n\
+                     tls-ca-cert-file {}\ntls-auth-clients yes\ntls-replication yes\n",
+                    file("server.crt"),
+                    file("server.key"),
+                    file("ca.crt"),
+                )
+            } else {
+                format!("port {port}\n")
+            };
             let text = format!(
-                "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {dir}\n\
+                "{listen}bind 127.0.0.1\nprotected-mode no\ndir {dir}\n\
                  sentinel monitor {MASTER} 127.0.0.1 {p} 2\n\
                  sentinel down-after-milliseconds {MASTER} {down}\n\
                  sentinel failover-timeout {MASTER} 5000\n\
@@ -333,12 +471,13 @@ impl SentinelSetup {
             );
             std::fs::write(&conf, text).map_err(|e| format!("cannot write {conf:?}: {e}"))?;
             let args = [conf.to_string_lossy().into_owned(), "--sentinel".to_owned()];
-            sentinels.push(Server::spawn(port, &args, Vec::new())?);
+            sentinels.push(Server::spawn(port, &args, cli())?);
         }
         let setup = Self {
             primary,
             replica,
             sentinels,
+            certs,
             dir,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -380,7 +519,12 @@ impl SentinelSetup {
             .iter()
             .map(|s| format!("127.0.0.1:{}", s.port))
             .collect();
-        format!("redis+sentinel://{}/{MASTER}", hosts.join(","))
+        let scheme = if self.certs.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}+sentinel://{}/{MASTER}", hosts.join(","))
     }
 
     /// The primary's port as the first Sentinel names it now.

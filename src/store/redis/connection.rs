@@ -468,6 +468,16 @@ pub(super) fn connect_error(e: redis::RedisError) -> StoreError {
     }
 }
 
+/// Why connecting to the first of `clients` fails, if it fails on
+/// credentials or trust ([`StoreError::Auth`]); `None` otherwise.
+pub(super) async fn diagnose(clients: &[redis::Client], timeout: Duration) -> Option<StoreError> {
+    let client = clients.first()?;
+    match tokio::time::timeout(timeout, client.get_multiplexed_async_connection()).await {
+        Ok(Err(e)) if is_auth_error(&e) => Some(StoreError::Auth(Arc::new(e))),
+        _ => None,
+    }
+}
+
 /// Whether `e` says the server refused the credentials (wrong password,
 /// unknown user, no permission) or the TLS handshake failed on trust.
 pub(super) fn is_auth_error(e: &redis::RedisError) -> bool {
