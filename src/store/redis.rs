@@ -419,6 +419,32 @@ struct Inner {
 /// outage shorter than its lease, so those always go out, as probes (one
 /// that succeeds closes the breaker).
 ///
+/// # Connections
+///
+/// There is no pool: every connection is multiplexed (commands from every
+/// task are pipelined on it, replies matched in order), so one connection
+/// per node carries all the traffic of a `Redis` value and its clones.
+/// Each [`RedisBuilder::connect`] makes its own connections.
+///
+/// | deployment | data connections | when one fails |
+/// |---|---|---|
+/// | one node (`redis://`, `rediss://`) | one, through redis-rs's `ConnectionManager` | it reconnects by itself (one retry per attempt, pauses up to 200 ms); the failed command is an error |
+/// | cluster (`redis+cluster://`, [`Redis::cluster`]) | one per node, through redis-rs's cluster client: commands routed by slot, `MOVED`/`ASK` followed | the client refreshes its slot map and retries once within the command timeout |
+/// | Sentinel (`redis+sentinel://`, [`Redis::sentinel`]) | one to the primary the Sentinels name, and one to a Sentinel for lookups | a command that fails on the store's side (or finds the primary demoted, `READONLY`) starts a lookup: the Sentinels are asked every 100 ms until the primary answers again or they name another, which is connected to and used from then on (the breaker closed: its failures were the old primary's); [`RedisStats::failovers`] counts the moves |
+///
+/// Besides, the first idempotency waiter or debounce call starts one pub/sub
+/// connection (completion and debounce notices) to one seed node (behind
+/// Sentinel, the primary), moving to the next node when it fails, with
+/// polling meanwhile. TLS and ACL credentials apply to every connection,
+/// the Sentinels' included.
+///
+/// | setting | default |
+/// |---|---|
+/// | [`with_connect_timeout`](RedisBuilder::with_connect_timeout) | 1 s per connection attempt (behind Sentinel: the lookup, then the connection) |
+/// | [`with_command_timeout`](RedisBuilder::with_command_timeout) | 500 ms for each call, a client's retry included; also a cluster node's response timeout |
+/// | [`with_breaker`](RedisBuilder::with_breaker) | 5 consecutive failures open it for 10 s |
+/// | [`with_rate_limit_queue`](RedisBuilder::with_rate_limit_queue) | 16,384 rate-limit operations waiting for a batch (single node and Sentinel; two batch calls in flight) |
+///
 /// # Rate limiting
 ///
 /// `Redis` is an [`AsyncRateLimitStore`](crate::rate_limit::AsyncRateLimitStore)
