@@ -85,7 +85,8 @@ const DEFAULT_PREFIX: &str = "throttlebeam";
 pub struct RedisBuilder {
     nodes: Vec<String>,
     topology: Topology,
-    security: Security,
+    /// Boxed: most builders carry none, and builders move by value.
+    security: Box<Security>,
     /// What was wrong with the URL or the environment, reported by `connect`.
     problem: Option<String>,
     prefix: String,
@@ -134,7 +135,7 @@ impl RedisBuilder {
         Self {
             nodes,
             topology,
-            security: Security::default(),
+            security: Box::default(),
             problem: None,
             prefix: DEFAULT_PREFIX.to_owned(),
             connect_timeout: Duration::from_secs(1),
