@@ -119,8 +119,11 @@ impl RedisBuilder {
         match connection::parse(&url) {
             Ok(parsed) => {
                 let mut builder = Self::new(parsed.nodes, parsed.topology);
-                builder.security.sentinel_username = parsed.sentinel_username;
-                builder.security.sentinel_password = parsed.sentinel_password;
+                let security = &mut builder.security;
+                security.username = parsed.username;
+                security.password = parsed.password;
+                security.sentinel_username = parsed.sentinel_username;
+                security.sentinel_password = parsed.sentinel_password;
                 builder
             }
             Err(problem) => {
@@ -573,8 +576,10 @@ impl Redis {
     /// A builder for the primary that `sentinels` (Sentinel URLs,
     /// `redis://host:26379`, or `rediss://` over TLS) monitor under
     /// `master`: the same as the URL
-    /// `redis+sentinel://host1:26379,host2:26379/<master>`. Credentials set
-    /// on the builder are the data nodes'.
+    /// `redis+sentinel://host1:26379,host2:26379/<master>`. Credentials in
+    /// these URLs are the Sentinels' own (the first URL's, for all);
+    /// [`with_username`](RedisBuilder::with_username) and
+    /// [`with_password`](RedisBuilder::with_password) set the data nodes'.
     ///
     /// # Examples
     ///

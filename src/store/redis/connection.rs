@@ -78,11 +78,14 @@ impl Security {
 }
 
 /// What one URL string names: the topology, the node (or Sentinel) URLs,
-/// and the Sentinels' credentials its query carried.
+/// and, for Sentinel, the data nodes' credentials (the URL's userinfo) and
+/// the Sentinels' (its query).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Parsed {
     pub(super) topology: Topology,
     pub(super) nodes: Vec<String>,
+    pub(super) username: Option<String>,
+    pub(super) password: Option<String>,
     pub(super) sentinel_username: Option<String>,
     pub(super) sentinel_password: Option<String>,
 }
@@ -104,6 +107,8 @@ pub(super) fn parse(url: &str) -> Result<Parsed, String> {
     let single = |nodes| Parsed {
         topology: Topology::Single,
         nodes,
+        username: None,
+        password: None,
         sentinel_username: None,
         sentinel_password: None,
     };
@@ -172,8 +177,19 @@ pub(super) fn parse(url: &str) -> Result<Parsed, String> {
                     redact(url)
                 ));
             }
-            // The URL's credentials are the data nodes'; they travel on the
-            // Sentinels' URLs only to be read back (see `Security`).
+            // The URL's credentials are the data nodes', not the Sentinels'.
+            let (username, password) = if userinfo.is_empty() {
+                (None, None)
+            } else {
+                let info = format!("redis://{userinfo}127.0.0.1")
+                    .into_connection_info()
+                    .map_err(|e| format!("{:?}: {e}", redact(url)))?;
+                let settings = info.redis_settings();
+                (
+                    settings.username().map(str::to_owned),
+                    settings.password().map(str::to_owned),
+                )
+            };
             let nodes = hosts
                 .iter()
                 .map(|h| {
@@ -182,7 +198,7 @@ pub(super) fn parse(url: &str) -> Result<Parsed, String> {
                     } else {
                         format!("{h}:{SENTINEL_PORT}")
                     };
-                    format!("{base}://{userinfo}{h}")
+                    format!("{base}://{h}")
                 })
                 .collect();
             let mut parsed = Parsed {
@@ -191,6 +207,8 @@ pub(super) fn parse(url: &str) -> Result<Parsed, String> {
                     db,
                 },
                 nodes,
+                username,
+                password,
                 sentinel_username: None,
                 sentinel_password: None,
             };
@@ -531,31 +549,31 @@ fn sentinel_client(
         tls |= is_tls(info.addr());
         addrs.push(info.addr().clone());
     }
-    // The URL's credentials belong to the data nodes (see `parse`).
+    // A Sentinel URL's own credentials are the Sentinels' (the first
+    // URL's, for all), unless the builder names others.
     let first = sentinels
         .first()
         .map(|u| u.as_str().into_connection_info())
         .transpose()
         .map_err(|e| StoreError::Config(e.to_string()))?;
-    let url_user = first
-        .as_ref()
-        .and_then(|i| i.redis_settings().username().map(str::to_owned));
-    let url_password = first
-        .as_ref()
-        .and_then(|i| i.redis_settings().password().map(str::to_owned));
+    let first = first.as_ref().map(ConnectionInfo::redis_settings);
+    let sentinel_user =
+        (security.sentinel_username.as_deref()).or_else(|| first.and_then(|s| s.username()));
+    let sentinel_password =
+        (security.sentinel_password.as_deref()).or_else(|| first.and_then(|s| s.password()));
     let mut builder = SentinelClientBuilder::new(addrs, master, SentinelServerType::Master)
         .map_err(|e| StoreError::Config(format!("Sentinel settings: {e}")))?
         .set_client_to_redis_db(db);
-    if let Some(user) = security.username.clone().or(url_user) {
+    if let Some(user) = &security.username {
         builder = builder.set_client_to_redis_username(user);
     }
-    if let Some(password) = security.password.clone().or(url_password) {
+    if let Some(password) = &security.password {
         builder = builder.set_client_to_redis_password(password);
     }
-    if let Some(user) = &security.sentinel_username {
+    if let Some(user) = sentinel_user {
         builder = builder.set_client_to_sentinel_username(user);
     }
-    if let Some(password) = &security.sentinel_password {
+    if let Some(password) = sentinel_password {
         builder = builder.set_client_to_sentinel_password(password);
     }
     if tls {
@@ -834,11 +852,10 @@ mod tests {
         );
         assert_eq!(
             p.nodes,
-            vec![
-                "redis://u:p%40w@s1:26379".to_owned(),
-                "redis://u:p%40w@s2:5000".to_owned()
-            ]
+            vec!["redis://s1:26379".to_owned(), "redis://s2:5000".to_owned()]
         );
+        assert_eq!(p.username.as_deref(), Some("u"));
+        assert_eq!(p.password.as_deref(), Some("p@w"));
         assert_eq!(p.sentinel_password.as_deref(), Some("x+y"));
         assert_eq!(p.sentinel_username, None);
     }
