@@ -130,6 +130,42 @@ async fn an_acl_user_connects_with_its_password_and_is_refused_with_another() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_needs_a_password_is_found_through_sentinel() {
+    let test = "a_primary_that_needs_a_password_is_found_through_sentinel";
+    let Some(setup) = SentinelSetup::start_with_password(test, "s3cret") else {
+        return;
+    };
+    // The URL's password is the data nodes' (these Sentinels need none).
+    let redis = Redis::builder(setup.url())
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("connects: {}", chain(&e)));
+    redis.ping().await.unwrap();
+    let limiter = Limiter::builder(Gcra::per_minute(NonZeroU32::new(1).unwrap()))
+        .with_store(redis)
+        .build();
+    assert!(limiter.check_async("k").await.unwrap().allowed);
+    assert!(!limiter.check_async("k").await.unwrap().allowed);
+
+    // The same as builder options, and a wrong one: a typed error, at once.
+    let plain = setup.url().replace(":s3cret@", "");
+    let redis = Redis::builder(plain.clone())
+        .with_password("s3cret")
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("connects: {}", chain(&e)));
+    redis.ping().await.unwrap();
+    let started = Instant::now();
+    let e = Redis::builder(plain)
+        .with_password("wrong")
+        .connect()
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::Auth(_)), "{}", chain(&e));
+    assert!(started.elapsed() < REFUSED_WITHIN, "hung");
+}
+
 /// Per-key runs of an idempotent function, shared by the flood's tasks.
 #[derive(Clone, Default)]
 struct RunsByKey(Arc<Mutex<HashMap<String, u32>>>);

@@ -392,6 +392,8 @@ pub struct SentinelSetup {
     pub sentinels: Vec<Server>,
     /// The certificates, when every process speaks only TLS.
     pub certs: Option<Certs>,
+    /// The data nodes' password (`requirepass`), when they need one.
+    pub password: Option<String>,
     pub dir: TempDir,
 }
 
@@ -399,7 +401,7 @@ impl SentinelSetup {
     /// Starts every process and waits until the replica is in sync and
     /// every Sentinel knows the replica and the two other Sentinels.
     pub fn start(test: &str) -> Option<Self> {
-        match Self::spawn(false) {
+        match Self::spawn(false, None) {
             Ok(setup) => Some(setup),
             Err(e) => unavailable(test, &e),
         }
@@ -408,13 +410,22 @@ impl SentinelSetup {
     /// [`SentinelSetup::start`] with every process speaking only TLS
     /// (Sentinels included), clients presenting a certificate.
     pub fn start_tls(test: &str) -> Option<Self> {
-        match Self::spawn(true) {
+        match Self::spawn(true, None) {
             Ok(setup) => Some(setup),
             Err(e) => unavailable(test, &e),
         }
     }
 
-    fn spawn(tls: bool) -> Result<Self, String> {
+    /// [`SentinelSetup::start`] with data nodes that need `password`
+    /// (`requirepass`; the replica and the Sentinels are told it).
+    pub fn start_with_password(test: &str, password: &str) -> Option<Self> {
+        match Self::spawn(false, Some(password)) {
+            Ok(setup) => Some(setup),
+            Err(e) => unavailable(test, &e),
+        }
+    }
+
+    fn spawn(tls: bool, password: Option<&str>) -> Result<Self, String> {
         let dir = TempDir::new("sentinel").map_err(|e| format!("no temp dir: {e}"))?;
         let certs = tls.then(Certs::make);
         if let Some(certs) = &certs {
@@ -428,21 +439,32 @@ impl SentinelSetup {
             Ok(d)
         };
         let node_args = |port: u16, data: &Path| {
-            if tls {
+            let mut args = if tls {
                 let mut args = plain(0, data);
                 args.extend(tls_args(port, &dir.0, true));
                 args
             } else {
                 plain(port, data)
+            };
+            if let Some(pw) = password {
+                args.extend(["--requirepass", pw, "--masterauth", pw].map(str::to_owned));
             }
+            args
         };
         let cli = || if tls { tls_cli(&dir.0) } else { Vec::new() };
+        let data_cli = || {
+            let mut args = cli();
+            if let Some(pw) = password {
+                args.extend(["-a", pw, "--no-auth-warning"].map(str::to_owned));
+            }
+            args
+        };
         let p = free_port(false);
-        let primary = Server::spawn(p, &node_args(p, &data("primary")?), cli())?;
+        let primary = Server::spawn(p, &node_args(p, &data("primary")?), data_cli())?;
         let r = free_port(false);
         let mut args = node_args(r, &data("replica")?);
         args.extend(["--replicaof", "127.0.0.1", &p.to_string()].map(str::to_owned));
-        let replica = Server::spawn(r, &args, cli())?;
+        let replica = Server::spawn(r, &args, data_cli())?;
         let mut sentinels = Vec::new();
         for i in 0..3 {
             let port = free_port(false);
@@ -465,9 +487,12 @@ impl SentinelSetup {
                  sentinel monitor {MASTER} 127.0.0.1 {p} 2\n\
                  sentinel down-after-milliseconds {MASTER} {down}\n\
                  sentinel failover-timeout {MASTER} 5000\n\
-                 sentinel parallel-syncs {MASTER} 1\n",
+                 sentinel parallel-syncs {MASTER} 1\n{auth}",
                 dir = sdir.display(),
                 down = DOWN_AFTER.as_millis(),
+                auth = password
+                    .map(|pw| format!("sentinel auth-pass {MASTER} {pw}\n"))
+                    .unwrap_or_default(),
             );
             std::fs::write(&conf, text).map_err(|e| format!("cannot write {conf:?}: {e}"))?;
             let args = [conf.to_string_lossy().into_owned(), "--sentinel".to_owned()];
@@ -478,6 +503,7 @@ impl SentinelSetup {
             replica,
             sentinels,
             certs,
+            password: password.map(str::to_owned),
             dir,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -512,7 +538,7 @@ impl SentinelSetup {
         }
     }
 
-    /// `redis+sentinel://127.0.0.1:<s1>,…/mymaster`.
+    /// `redis+sentinel://[:<password>@]127.0.0.1:<s1>,…/mymaster`.
     pub fn url(&self) -> String {
         let hosts: Vec<String> = self
             .sentinels
@@ -524,7 +550,12 @@ impl SentinelSetup {
         } else {
             "redis"
         };
-        format!("{scheme}+sentinel://{}/{MASTER}", hosts.join(","))
+        let auth = self
+            .password
+            .as_ref()
+            .map(|pw| format!(":{pw}@"))
+            .unwrap_or_default();
+        format!("{scheme}+sentinel://{auth}{}/{MASTER}", hosts.join(","))
     }
 
     /// The primary's port as the first Sentinel names it now.
