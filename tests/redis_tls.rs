@@ -14,7 +14,7 @@ use support::managed::{SentinelSetup, TlsCluster, TlsNode};
 use support::{Oops, Runs};
 use throttlebeam::store::{
     REDIS_CA_FILE_ENV, REDIS_CLIENT_CERT_FILE_ENV, REDIS_CLIENT_KEY_FILE_ENV, REDIS_CLUSTER_ENV,
-    REDIS_URL_ENV, Redis, StoreError,
+    REDIS_PASSWORD_ENV, REDIS_URL_ENV, REDIS_USERNAME_ENV, Redis, StoreError,
 };
 use throttlebeam::{IdempotencyOutcome, Runtime};
 
@@ -209,6 +209,8 @@ fn from_env_reads_the_url_and_the_certificate_files() {
             Some(path("client.key")),
         ),
         ("go together", path("ca.crt"), None),
+        // A password the server (which has none) refuses.
+        ("auth", path("ca.crt"), Some(path("client.key"))),
     ];
     for (expect, ca, key) in cases {
         let test = "from_env_in_a_process_of_its_own";
@@ -223,6 +225,11 @@ fn from_env_reads_the_url_and_the_certificate_files() {
         match key {
             Some(key) => child.env(REDIS_CLIENT_KEY_FILE_ENV, key),
             None => child.env_remove(REDIS_CLIENT_KEY_FILE_ENV),
+        };
+        child.env_remove(REDIS_USERNAME_ENV);
+        match expect {
+            "auth" => child.env(REDIS_PASSWORD_ENV, "not this one"),
+            _ => child.env_remove(REDIS_PASSWORD_ENV),
         };
         let out = child.output().unwrap();
         let (stdout, stderr) = (
@@ -247,6 +254,7 @@ async fn from_env_in_a_process_of_its_own() {
     match (expect.as_str(), connected) {
         ("ok", Ok(redis)) => redis.ping().await.expect("PING"),
         ("ok", Err(e)) => panic!("{}", chain(&e)),
+        ("auth", Err(StoreError::Auth(_))) => {}
         (text, Err(StoreError::Config(m))) if m.contains(text) => {}
         (text, other) => panic!("expected a configuration error holding {text:?}: {other:?}"),
     }
