@@ -421,3 +421,68 @@ async fn a_primary_behind_sentinel_is_followed_across_a_kill_mid_flood() {
 fn outcome_ok_recently(seen: &Seen) -> bool {
     seen.runs.last().is_some_and(|(_, ok)| *ok)
 }
+
+/// `SENTINEL FAILOVER`: the old primary stays up and answers (as a primary
+/// until Sentinel demotes it, up to 10 s later, then `READONLY`), so no
+/// command fails to tell the backend: its once-a-second lookup finds the new
+/// primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manual_sentinel_failover_is_followed() {
+    let Some(setup) = SentinelSetup::start("a_manual_sentinel_failover_is_followed") else {
+        return;
+    };
+    let redis = Redis::builder(setup.url())
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("connects through Sentinel: {}", chain(&e)));
+    let limiter = Limiter::builder(Gcra::per_second(NonZeroU32::new(1_000_000).unwrap()))
+        .with_store(redis.clone())
+        .build();
+    assert!(limiter.check_async("m:0").await.unwrap().allowed);
+    let old = setup.primary.port;
+    assert_eq!(
+        setup.sentinels[0]
+            .cli(&["SENTINEL", "FAILOVER", support::managed::MASTER])
+            .as_deref(),
+        Some("OK")
+    );
+    let began = Instant::now();
+    let bound = Duration::from_secs(30);
+    let mut failed = 0_u64;
+    let mut i = 0_u64;
+    let followed = loop {
+        i += 1;
+        let checked = limiter.check_async(&format!("m:{i}")).await;
+        if redis.stats().failovers >= 1 && checked.is_ok() {
+            break began.elapsed();
+        }
+        if checked.is_err() {
+            failed += 1;
+        }
+        assert!(
+            began.elapsed() < bound,
+            "not followed within {bound:?}: the Sentinels name port {:?}, {failed} checks failed",
+            setup.named_primary()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_eq!(setup.named_primary(), Some(setup.replica.port));
+    assert_ne!(setup.named_primary(), Some(old));
+    // The old primary, now a replica, is not written to any more.
+    for n in 0..50 {
+        assert!(
+            limiter
+                .check_async(&format!("after:{n}"))
+                .await
+                .unwrap()
+                .allowed
+        );
+    }
+    println!(
+        "manual sentinel failover: followed after {followed:?}, {failed} rate-limit checks \
+         failed meanwhile"
+    );
+    // Within the lookup's period, not Sentinel's 10 s demotion (a busy
+    // machine's delays on top).
+    assert!(followed < Duration::from_secs(8), "{followed:?}");
+}

@@ -434,7 +434,7 @@ struct Inner {
 /// |---|---|---|
 /// | one node (`redis://`, `rediss://`) | one, through redis-rs's `ConnectionManager` | it reconnects by itself (one retry per attempt, pauses up to 200 ms); the failed command is an error |
 /// | cluster (`redis+cluster://`, [`Redis::cluster`]) | one per node, through redis-rs's cluster client: commands routed by slot, `MOVED`/`ASK` followed | the client refreshes its slot map and retries once within the command timeout |
-/// | Sentinel (`redis+sentinel://`, [`Redis::sentinel`]) | one to the primary the Sentinels name, and one to a Sentinel for lookups | a command that fails on the store's side (or finds the primary demoted, `READONLY`) starts a lookup: the Sentinels are asked every 100 ms until the primary answers again or they name another, which is connected to and used from then on (the breaker closed: its failures were the old primary's); [`RedisStats::failovers`] counts the moves |
+/// | Sentinel (`redis+sentinel://`, [`Redis::sentinel`]) | one to the primary the Sentinels name, and one to a Sentinel for lookups | the primary is looked up once a second, and every 100 ms after a command fails on the store's side (or finds the primary demoted, `READONLY`) until it answers again; when the Sentinels name another, it is connected to and used from then on (the breaker closed: its failures were the old primary's); [`RedisStats::failovers`] counts the moves |
 ///
 /// Besides, the first idempotency waiter or debounce call starts one pub/sub
 /// connection (completion and debounce notices) to one seed node (behind

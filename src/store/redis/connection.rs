@@ -23,6 +23,13 @@ const SENTINEL_PORT: u16 = 26379;
 /// commands fail.
 const LOOKUP_INTERVAL: Duration = Duration::from_millis(100);
 
+/// How often the primary is looked up while all is well: a failover that
+/// leaves the old primary up (`SENTINEL FAILOVER`, a partition) is noticed
+/// within this, not when the old primary, demoted, first refuses a write
+/// (which Sentinel does up to 10 s later), so fewer writes land on it and
+/// are lost.
+const WATCH_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Which deployment a builder names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Topology {
@@ -606,14 +613,32 @@ impl Follower {
         let client = lookup(&mut sentinel, connect_timeout).await?;
         let addr = client.get_connection_info().addr().to_string();
         let conn = manage(client.clone(), connect_timeout).await?;
-        Ok(Arc::new(Self {
+        let follower = Arc::new(Self {
             sentinel: tokio::sync::Mutex::new(sentinel),
             primary: ArcSwap::from_pointee(Primary { addr, client, conn }),
             looking: AtomicBool::new(false),
             moved: AtomicBool::new(false),
             failovers: AtomicU64::new(0),
             connect_timeout,
-        }))
+        });
+        // On the connecting caller's runtime; it ends with the follower (or
+        // with that runtime, leaving lookups to failed commands).
+        let watched = Arc::downgrade(&follower);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Ok(follower);
+        };
+        runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(WATCH_INTERVAL).await;
+                let Some(follower) = watched.upgrade() else {
+                    return;
+                };
+                if let Err(error) = follower.follow().await {
+                    tracing::debug!(%error, "looking the Redis primary up through Sentinel failed");
+                }
+            }
+        });
+        Ok(follower)
     }
 
     /// Whether the primary moved since the last call that asked.
