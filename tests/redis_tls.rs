@@ -291,7 +291,7 @@ async fn a_tls_cluster_is_reached_with_its_ca_and_a_client_certificate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_primary_is_found_through_tls_sentinels() {
     let test = "a_tls_primary_is_found_through_tls_sentinels";
-    let Some(setup) = SentinelSetup::start_tls(test) else {
+    let Some(mut setup) = SentinelSetup::start_tls(test) else {
         return;
     };
     let certs = setup.certs.as_ref().expect("a TLS setup");
@@ -301,15 +301,23 @@ async fn a_tls_primary_is_found_through_tls_sentinels() {
         .connect()
         .await
         .unwrap_or_else(|e| panic!("connects through TLS Sentinels: {}", chain(&e)));
-    shares_through(redis).await;
+    shares_through(redis.clone()).await;
+
+    // The primary dies: the new one is found and reached over TLS too.
+    let wrong_ca = Redis::builder(setup.url())
+        .with_ca_pem(certs.other_ca.clone())
+        .with_client_cert_pem(certs.client_cert.clone(), certs.client_key.clone());
+    setup.primary.kill();
+    let killed = Instant::now();
+    let bound = Duration::from_secs(30);
+    while redis.stats().failovers == 0 || redis.ping().await.is_err() {
+        assert!(killed.elapsed() < bound, "not followed within {bound:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(setup.named_primary(), Some(setup.replica.port));
 
     let started = Instant::now();
-    let e = Redis::builder(setup.url())
-        .with_ca_pem(certs.other_ca.clone())
-        .with_client_cert_pem(certs.client_cert.clone(), certs.client_key.clone())
-        .connect()
-        .await
-        .unwrap_err();
+    let e = wrong_ca.connect().await.unwrap_err();
     assert!(started.elapsed() < REFUSED_WITHIN, "hung: {}", chain(&e));
     assert!(is_auth(&e), "{}", chain(&e));
 }
