@@ -23,8 +23,10 @@ pub use self::breaker::{BreakerConfig, BreakerState, BreakerStats};
 pub(crate) use self::guard::store_call;
 pub(crate) use self::guard::{Fault, guard};
 #[cfg(feature = "redis")]
-#[cfg(feature = "redis")]
-pub use self::redis::{REDIS_CLUSTER_ENV, REDIS_URL_ENV, Redis, RedisBuilder, RedisStats};
+pub use self::redis::{
+    REDIS_CA_FILE_ENV, REDIS_CLIENT_CERT_FILE_ENV, REDIS_CLIENT_KEY_FILE_ENV, REDIS_CLUSTER_ENV,
+    REDIS_PASSWORD_ENV, REDIS_URL_ENV, REDIS_USERNAME_ENV, Redis, RedisBuilder, RedisStats,
+};
 pub use crate::key::MAX_KEY_LEN;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
@@ -67,6 +69,14 @@ pub enum StoreError {
     /// The store's configuration is invalid.
     #[error("invalid store configuration: {0}")]
     Config(String),
+    /// The store and this client did not trust each other: the server
+    /// refused the username or password (an ACL user, `requirepass`) or a
+    /// command the ACL user may not run, or the TLS handshake failed on
+    /// trust (the server's certificate not signed by the CA given, or not
+    /// naming the host; the client's certificate refused). Retrying does
+    /// not help until the configuration changes; the cause says which.
+    #[error("store authentication failed")]
+    Auth(#[source] Arc<dyn std::error::Error + Send + Sync + 'static>),
     /// The store holds as many keys as it may.
     #[error("store is full: it holds its cap of {cap} keys")]
     Full {
@@ -97,7 +107,7 @@ impl StoreError {
     pub fn is_store_fault(&self) -> bool {
         matches!(
             self,
-            Self::Timeout { .. } | Self::Unavailable(_) | Self::Panicked { .. }
+            Self::Timeout { .. } | Self::Unavailable(_) | Self::Panicked { .. } | Self::Auth(_)
         )
     }
 }

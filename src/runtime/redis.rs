@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
-use crate::store::{Redis, RedisBuilder};
+use crate::store::{Redis, RedisBuilder, StoreError};
 
 /// The first pause between two connection attempts.
 const FIRST_PAUSE: Duration = Duration::from_millis(100);
@@ -137,8 +137,17 @@ async fn connect(guard: Connecting, builder: RedisBuilder) {
             }
             Err(error) => {
                 failures += 1;
+                let lasting = matches!(error, StoreError::Config(_) | StoreError::Auth(_));
                 let error: &(dyn std::error::Error + 'static) = &error;
-                if failures == 1 {
+                if failures == 1 && lasting {
+                    tracing::error!(
+                        error,
+                        "redis refuses this configuration (a bad URL or certificate, refused \
+                         credentials): until it changes, idempotency fails closed \
+                         (StoreUnavailable) and throttles and debounce decide per instance; \
+                         retrying in the background"
+                    );
+                } else if failures == 1 {
                     tracing::warn!(
                         error,
                         "redis is unreachable: until it connects, idempotency fails closed \
