@@ -24,9 +24,11 @@
 //! ends. Coalescing a call is a
 //! registry update: no message, no wake-up.
 
+mod lease;
 mod process;
 #[cfg(feature = "redis")]
 mod redis;
+mod sleeper;
 mod state;
 mod store;
 

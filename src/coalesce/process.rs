@@ -25,8 +25,9 @@ use throttlebeam_supervisors::{Generation, catch_panic};
 use tokio::time::Instant;
 
 use super::Phase;
+use super::sleeper::Wakeup;
 use super::state::{
-    DESTROYED, DRAINING, Decision, Job, Leading, Shared, Stale, Submitted, UserFn, Waiters, Wakeup,
+    DESTROYED, DRAINING, Decision, Job, Leading, Shared, Stale, Submitted, UserFn, Waiters,
 };
 use crate::error::Error;
 use crate::key::{InlineKey, shown};

@@ -2,12 +2,10 @@
 //! processes: the registry of key slots, the store, the mode and the gauges.
 
 use std::any::Any;
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -17,15 +15,15 @@ use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
 use super::Phase;
-use super::store::{WindowClaim, WindowEntry, WindowStore, WindowStoreFuture};
+use super::sleeper::SleeperShard;
+use super::store::WindowStore;
 use crate::cell::RunCell;
 use crate::clock::{WindowClock, duration_ns};
 use crate::error::Error;
 use crate::error::check_key;
 use crate::key::{InlineKey, shown, update_slot};
 use crate::runtime::{Runtime, Service, ServiceFuture, ShutdownPolicy};
-use crate::stats::{Counter, Gauge, STRIPES, stripe};
-use crate::store::{Fault, guard};
+use crate::stats::{Counter, Gauge, STRIPES};
 
 /// A user function, boxed so the latest one can replace an older one.
 pub(super) type Job<T> = Box<dyn BoxedFn<T>>;
@@ -267,97 +265,6 @@ pub(super) struct KeyState<T> {
     pub(super) scheduled: bool,
 }
 
-/// A key whose next run waits for its window to end, in the sleeper.
-pub(super) struct Wakeup {
-    /// When it is due, in nanoseconds after the epoch clock's base: half
-    /// the size of an `Instant`, and a heap may hold one per key.
-    at: u64,
-    pub(super) key: InlineKey,
-    pub(super) generation: Generation,
-    pub(super) epoch: u32,
-}
-
-// Ordered by when it is due only.
-impl PartialEq for Wakeup {
-    fn eq(&self, other: &Self) -> bool {
-        self.at == other.at
-    }
-}
-
-impl Eq for Wakeup {}
-
-impl PartialOrd for Wakeup {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Wakeup {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.at.cmp(&other.at)
-    }
-}
-
-/// One timer for the keys of a throttle whose trailing run waits for its
-/// window: a pending trailing run costs a heap entry, not a process.
-#[derive(Default)]
-struct Sleeper {
-    heap: BinaryHeap<Reverse<Wakeup>>,
-    /// The sleeper process is alive.
-    running: bool,
-}
-
-/// A throttle has one sleeper per stripe of threads ([`stripe`]), each
-/// with its own process while it holds wake-ups: callers on different
-/// workers never share its lock or its heap, which would bounce their
-/// cache lines between cores on every coalesced call.
-#[repr(align(128))]
-#[derive(Default)]
-struct SleeperShard {
-    sleeper: Mutex<Sleeper>,
-    /// Wakes the shard's process for an earlier wake-up or a destroy.
-    wake: Notify,
-}
-
-impl SleeperShard {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Sleeper> {
-        self.sleeper.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-/// Holds a sleeper shard's `running` mark for its process. A process that
-/// ends without handing the shard back itself (its tokio runtime ended, or
-/// it never started) is dropped with wake-ups still in the heap: the guard
-/// clears the mark and flags them as orphaned, so the next call or waiter
-/// on a live runtime starts a sleeper there ([`Shared::adopt_orphans`]).
-struct SleeperGuard<T: Clone + Send + Sync + 'static> {
-    shared: Arc<Shared<T>>,
-    index: usize,
-    /// The process emptied its heap and cleared the mark itself.
-    done: bool,
-}
-
-impl<T: Clone + Send + Sync + 'static> Drop for SleeperGuard<T> {
-    fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        let shared = &self.shared;
-        let left = {
-            let mut sleeper = shared.sleepers[self.index].lock();
-            sleeper.running = false;
-            sleeper.heap.len()
-        };
-        if left > 0 {
-            // Flagged after the shard is handed back, so an adopter that
-            // sees the flag sees the shard free.
-            shared.orphaned.store(true, Ordering::Release);
-            shared.adopt.notify_waiters();
-            tracing::debug!(throttle = %shared.name, shard = self.index, left, "sleeper ended with wake-ups pending; handed back");
-        }
-    }
-}
-
 pub(super) const OPEN: u8 = 0;
 pub(super) const DRAINING: u8 = 1;
 pub(super) const DESTROYED: u8 = 2;
@@ -385,8 +292,8 @@ pub(super) struct Gauges {
     /// Runs that failed with nobody left to hear it.
     pub(super) unobserved_failures: Counter,
     /// Store calls in flight that a destroy abandons, and who waits for them.
-    in_store: AtomicUsize,
-    store_idle: Notify,
+    pub(super) in_store: AtomicUsize,
+    pub(super) store_idle: Notify,
 }
 
 /// A counter on a cache line of its own: the gauges are written from every
@@ -398,24 +305,6 @@ impl<A> std::ops::Deref for Padded<A> {
     type Target = A;
     fn deref(&self) -> &A {
         &self.0
-    }
-}
-
-/// Counts a store call in flight while it lives.
-struct InStore<'a>(&'a Gauges);
-
-impl<'a> InStore<'a> {
-    fn new(gauges: &'a Gauges) -> Self {
-        gauges.in_store.fetch_add(1, Ordering::AcqRel);
-        Self(gauges)
-    }
-}
-
-impl Drop for InStore<'_> {
-    fn drop(&mut self) {
-        if self.0.in_store.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.store_idle.notify_waiters();
-        }
     }
 }
 
@@ -459,7 +348,7 @@ impl EpochClock {
     }
 
     /// The instant `nanos` after the base.
-    fn instant(&self, nanos: u64) -> Instant {
+    pub(super) fn instant(&self, nanos: u64) -> Instant {
         self.base + Duration::from_nanos(nanos)
     }
 
@@ -508,15 +397,15 @@ pub(super) struct Shared<T> {
     /// the timestamp counter unless it is paused (as the leading-edge
     /// throttle's windows). Timers and store entries stay on tokio's clock;
     /// the two differ by parts per million.
-    clock: WindowClock,
+    pub(super) clock: WindowClock,
     /// Owner tokens: random per throttle, distinct per claim.
     tokens: ahash::RandomState,
     next_token: AtomicU64,
-    sleepers: Box<[SleeperShard]>,
+    pub(super) sleepers: Box<[SleeperShard]>,
     /// A sleeper's process ended (its runtime ended) with wake-ups left.
-    orphaned: AtomicBool,
+    pub(super) orphaned: AtomicBool,
     /// Wakes waiters when that happens, so they adopt them.
-    adopt: Notify,
+    pub(super) adopt: Notify,
 }
 
 pub(super) enum Decision<T, J> {
@@ -533,13 +422,6 @@ pub(super) enum Decision<T, J> {
     },
     /// Not accepted; the function comes back out to be dropped unlocked.
     Refused(Error, J),
-}
-
-/// What a store call came to once bounded and guarded.
-pub(super) enum StoreOutcome<R> {
-    Done(R),
-    /// Failed, panicked, timed out or abandoned: fail open.
-    Failed,
 }
 
 impl<T: Clone + Send + Sync + 'static> Shared<T> {
@@ -596,7 +478,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     }
 
     /// The store to call, if the throttle has one.
-    fn shared_store(&self) -> Option<&dyn WindowStore> {
+    pub(super) fn shared_store(&self) -> Option<&dyn WindowStore> {
         self.store.as_deref()
     }
 
@@ -608,7 +490,7 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
 
     /// The key as the store sees it: prefix + key. Built per store command
     /// rather than kept, so an idle window costs less.
-    fn store_key(&self, key: &str) -> String {
+    pub(super) fn store_key(&self, key: &str) -> String {
         let mut store_key = String::with_capacity(self.prefix.len() + key.len());
         store_key.push_str(&self.prefix);
         store_key.push_str(key);
@@ -772,95 +654,6 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
         }
     }
 
-    /// Hands a key whose next run waits for `at` to the sleeper of this
-    /// thread's stripe (its slot is marked scheduled): one heap entry,
-    /// counted as a timer until it fires.
-    pub(super) fn schedule(
-        self: &Arc<Self>,
-        key: &str,
-        generation: Generation,
-        epoch: u32,
-        at: Instant,
-    ) {
-        let index = stripe() % self.sleepers.len();
-        let shard = &self.sleepers[index];
-        let at = self.epoch.nanos(at);
-        let (start, earlier) = {
-            let mut sleeper = shard.lock();
-            let earlier = sleeper.heap.peek().is_some_and(|top| at < top.0.at);
-            sleeper.heap.push(Reverse(Wakeup {
-                at,
-                key: InlineKey::new(key),
-                generation,
-                epoch,
-            }));
-            let start = !sleeper.running;
-            sleeper.running = true;
-            (start, earlier)
-        };
-        if start {
-            self.start_sleeper(index);
-        } else if earlier {
-            shard.wake.notify_one();
-        }
-    }
-
-    /// Starts the process of sleeper shard `index` on the caller's tokio
-    /// runtime; its shard was just marked running.
-    fn start_sleeper(self: &Arc<Self>, index: usize) {
-        let guard = SleeperGuard {
-            shared: Arc::clone(self),
-            index,
-            done: false,
-        };
-        if self
-            .runtime
-            .core
-            .start_process(&self.prefix, Self::sleep_loop(guard))
-            .is_err()
-        {
-            // (The unpolled guard handed the shard back as it was dropped.)
-            // No runtime to sleep on: fire now; the processes fail their
-            // callers as they cannot start either.
-            let shard = &self.sleepers[index];
-            let due = {
-                let mut sleeper = shard.lock();
-                if sleeper.running {
-                    // Another caller started a sleeper meanwhile.
-                    return;
-                }
-                let due = std::mem::take(&mut sleeper.heap).into_vec();
-                self.gauges.live.fetch_add(due.len(), Ordering::SeqCst);
-                due
-            };
-            self.fire_all(due.into_iter().map(|Reverse(wakeup)| wakeup));
-        }
-    }
-
-    /// Restarts, on the caller's tokio runtime, the sleepers whose own
-    /// runtime ended while they held wake-ups. Costs one load while there
-    /// are none; outside a tokio runtime it leaves them to the next caller.
-    pub(super) fn adopt_orphans(self: &Arc<Self>) {
-        if !self.orphaned.load(Ordering::Acquire)
-            || tokio::runtime::Handle::try_current().is_err()
-            || !self.orphaned.swap(false, Ordering::AcqRel)
-        {
-            return;
-        }
-        for (index, shard) in self.sleepers.iter().enumerate() {
-            let start = {
-                let mut sleeper = shard.lock();
-                let start = !sleeper.running && !sleeper.heap.is_empty();
-                sleeper.running |= start;
-                start
-            };
-            if start {
-                tracing::debug!(throttle = %self.name, shard = index, "sleeper restarted on this runtime");
-                self.start_sleeper(index);
-            }
-        }
-    }
-
     /// Waits for `cell`, adopting wake-ups whose sleeper's runtime ended
     /// meanwhile: a waiter on a live runtime drives the run it waits for.
     pub(super) async fn wait_cell(self: &Arc<Self>, cell: &RunCell<T>) -> Result<T, Error> {
@@ -902,235 +695,6 @@ impl<T: Clone + Send + Sync + 'static> Shared<T> {
     /// window with no process.
     pub(super) fn wakeups(&self) -> usize {
         self.sleepers.iter().map(|s| s.lock().heap.len()).sum()
-    }
-
-    /// The process of the guard's sleeper shard: starts each scheduled key's
-    /// process when its window ends; exits when nothing is scheduled.
-    ///
-    /// Due wake-ups leave the heap counted as live work (under the shard's
-    /// lock, so a drain never sees them in neither place) until their
-    /// processes have started.
-    async fn sleep_loop(mut guard: SleeperGuard<T>) {
-        let this = Arc::clone(&guard.shared);
-        let index = guard.index;
-        let shard = &this.sleepers[index];
-        loop {
-            let woken = shard.wake.notified();
-            tokio::pin!(woken);
-            woken.as_mut().enable();
-            let now = this.epoch.nanos(Instant::now());
-            let (due, next) = {
-                let mut sleeper = shard.lock();
-                let mut due = Vec::new();
-                while sleeper.heap.peek().is_some_and(|top| top.0.at <= now) {
-                    if let Some(Reverse(wakeup)) = sleeper.heap.pop() {
-                        due.push(wakeup);
-                    }
-                }
-                if !due.is_empty() {
-                    this.gauges.live.fetch_add(due.len(), Ordering::SeqCst);
-                }
-                let next = sleeper.heap.peek().map(|top| top.0.at);
-                if next.is_none() {
-                    sleeper.running = false;
-                    guard.done = true;
-                }
-                (due, next)
-            };
-            this.fire_all(due.into_iter());
-            let Some(at) = next else { return };
-            tokio::select! {
-                () = tokio::time::sleep_until(this.epoch.instant(at)) => {}
-                () = woken => {}
-            }
-        }
-    }
-
-    /// Fires wake-ups taken from a heap, which counted them as live work
-    /// under its lock; uncounts them once their processes have started.
-    fn fire_all(self: &Arc<Self>, due: impl ExactSizeIterator<Item = Wakeup>) {
-        let n = due.len();
-        for wakeup in due {
-            self.fire(wakeup);
-        }
-        self.unlive(n);
-    }
-
-    /// Runs one store call through the store guard every seam uses
-    /// ([`crate::store::guard`]: bounded by the store timeout, a panic while
-    /// building or polling the call caught), abandoned at once when the
-    /// throttle is destroyed (a shutdown's deadline). Every failure is
-    /// counted and logged at debug level (a panic at warn): the caller
-    /// fails open.
-    pub(super) async fn store_call<'s, R>(
-        &self,
-        key: &str,
-        what: &'static str,
-        call: impl FnOnce() -> WindowStoreFuture<'s, R>,
-    ) -> StoreOutcome<R> {
-        if self.mode() == DESTROYED {
-            return StoreOutcome::Failed;
-        }
-        // Boxed: the guard's timer stays out of every process's future.
-        let mut call = Box::pin(guard(self.store_timeout, call));
-        // An in-memory store answers on the first poll: no timer for it.
-        let first = std::future::poll_fn(|cx| Poll::Ready(call.as_mut().poll(cx))).await;
-        let out = match first {
-            Poll::Ready(out) => Some(out),
-            Poll::Pending => self.store_wait(call).await,
-        };
-        let gauges = &self.gauges;
-        match out {
-            Some(Ok(Ok(value))) => StoreOutcome::Done(value),
-            Some(Ok(Err(error))) => {
-                gauges.store_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(throttle = %self.name, key, what, %error, "window store failed");
-                StoreOutcome::Failed
-            }
-            Some(Err(Fault::Panicked(panic))) => {
-                gauges.store_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(throttle = %self.name, key, what, panic, "window store panicked; treated as a store failure");
-                StoreOutcome::Failed
-            }
-            Some(Err(Fault::TimedOut(_))) => {
-                gauges.store_timeouts.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(throttle = %self.name, key, what, timeout = ?self.store_timeout, "window store failed: timed out");
-                StoreOutcome::Failed
-            }
-            None => {
-                tracing::debug!(throttle = %self.name, key, what, "window store call abandoned: destroyed");
-                StoreOutcome::Failed
-            }
-        }
-    }
-
-    /// The rest of a guarded store call that did not answer at once; `None`
-    /// if the throttle was destroyed first (the call is abandoned).
-    async fn store_wait<F: Future + Unpin>(&self, call: F) -> Option<F::Output> {
-        let _in_store = InStore::new(&self.gauges);
-        let mut call = call;
-        loop {
-            let stopped = self.wake.notified();
-            tokio::pin!(stopped);
-            stopped.as_mut().enable();
-            if self.mode() == DESTROYED {
-                return None;
-            }
-            tokio::select! {
-                biased;
-                out = &mut call => return Some(out),
-                () = stopped => {}
-            }
-        }
-    }
-
-    /// Claims the key's window in the store for `token`.
-    ///
-    /// `Ok(())` to run now, including on a store failure (fail open);
-    /// `Err(wait)` when another owner holds the window.
-    pub(super) async fn claim(&self, key: &str, token: u64) -> Result<(), Duration> {
-        let Some(store) = self.shared_store() else {
-            // The registry's slot is the claim.
-            return Ok(());
-        };
-        let store_key = &*self.store_key(key);
-        // A claim is a lease: it lapses at its end unless extended.
-        let entry = WindowEntry::new(self.epoch.at(Instant::now() + self.lease_ttl), token);
-        let claim = || store.claim(store_key, entry, self.lease_ttl);
-        match self.store_call(store_key, "claim", claim).await {
-            StoreOutcome::Done(WindowClaim::Lost { holder }) => Err(self.retry_after(holder)),
-            StoreOutcome::Done(_) | StoreOutcome::Failed => Ok(()),
-        }
-    }
-
-    /// How long to wait after losing a window race: until just past the end
-    /// the holder reported (a window's end, or a lease's lapse), capped at
-    /// the lease TTL; the window length if unreadable.
-    fn retry_after(&self, holder: Option<WindowEntry>) -> Duration {
-        match holder {
-            Some(entry) => {
-                let now = self.epoch.at(Instant::now());
-                // One millisecond past the end: values are truncated to
-                // milliseconds and instances' clocks differ by as much.
-                Duration::from_millis(entry.end_ms.saturating_sub(now).saturating_add(1))
-                    .min(self.lease_ttl)
-            }
-            None => self.window,
-        }
-    }
-
-    /// Extends a running function's lease for as long as it runs, and only
-    /// while it still holds it.
-    pub(super) async fn hold_lease(&self, key: &str, token: u64) {
-        let Some(store) = self.shared_store() else {
-            // Nothing to extend: the registry's slot stays busy while it runs.
-            return std::future::pending().await;
-        };
-        let store_key = &*self.store_key(key);
-        loop {
-            {
-                let _timer = Armed::new(&self.gauges);
-                tokio::time::sleep(self.lease_every).await;
-            }
-            let entry = WindowEntry::new(self.epoch.at(Instant::now() + self.lease_ttl), token);
-            let extend = || store.extend(store_key, entry, self.lease_ttl);
-            if let StoreOutcome::Done(false) = self.store_call(store_key, "extend", extend).await {
-                tracing::debug!(throttle = %self.name, key = store_key, "lease taken over by another owner; no longer extended");
-                std::future::pending::<()>().await;
-            }
-        }
-    }
-
-    /// Records the window that starts now that a run finished (replacing the
-    /// run's lease, if still ours) and returns when it ends in memory.
-    ///
-    /// The store's expiry is the window in whole milliseconds (rounded up),
-    /// counted from the write; the in-memory window is counted from after
-    /// the write returns, so it never ends before the store key expires and
-    /// this instance's next claim is not refused by its own window. On a
-    /// store that may be shared (one passed in), it ends a little later
-    /// still ([`Shared::courtesy`]).
-    pub(super) async fn write_window(&self, key: &str, token: u64) -> Instant {
-        let Some(store) = self.shared_store() else {
-            return self.window_end();
-        };
-        let px = self.window_px();
-        let entry = WindowEntry::new(self.epoch.at(Instant::now() + px), token);
-        let store_key = self.store_key(key);
-        let record = || store.record(&store_key, entry, px);
-        match self.store_call(&store_key, "record", record).await {
-            StoreOutcome::Done(written) => {
-                if !written {
-                    tracing::debug!(throttle = %self.name, key = store_key, "window held by another owner; kept in memory only");
-                }
-                Instant::now() + px + self.courtesy()
-            }
-            StoreOutcome::Failed => Instant::now() + self.window,
-        }
-    }
-
-    /// The end of a window that starts now, kept in memory only.
-    pub(super) fn window_end(&self) -> Instant {
-        self.clock.now() + self.window
-    }
-
-    /// How long after its window ends an instance re-claims a key on a
-    /// store other instances may share: an instance that lost the race waits
-    /// for the same end (1 ms past it, at millisecond precision) and so
-    /// claims first, instead of losing every race to a holder that always
-    /// has calls pending. Only called with a store.
-    fn courtesy(&self) -> Duration {
-        Duration::from_millis(5)
-    }
-
-    /// The window in whole milliseconds, rounded up.
-    fn window_px(&self) -> Duration {
-        let ms = Duration::from_millis(u64::try_from(self.window.as_millis()).unwrap_or(u64::MAX));
-        if ms < self.window {
-            ms + Duration::from_millis(1)
-        } else {
-            ms
-        }
     }
 
     /// Fails every call not yet run, forgets idle windows, wakes every
