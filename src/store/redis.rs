@@ -63,6 +63,8 @@ pub struct RedisBuilder {
     breaker: BreakerConfig,
     /// See `RedisBuilder::with_rate_limit_queue`.
     rate_limit_queue: std::num::NonZeroUsize,
+    /// See `RedisBuilder::with_durable_claims`.
+    durable_claims: Option<claims::Durability>,
 }
 
 impl RedisBuilder {
@@ -75,6 +77,7 @@ impl RedisBuilder {
             command_timeout: Duration::from_millis(500),
             breaker: BreakerConfig::default(),
             rate_limit_queue: rate_limit::DEFAULT_QUEUE,
+            durable_claims: None,
         }
     }
 
@@ -126,7 +129,7 @@ impl RedisBuilder {
                 "connect and command timeouts must be greater than zero".to_owned(),
             ));
         }
-        Ok(())
+        self.validate_durable_claims()
     }
 
     /// Connects. A single node is reached through a reconnecting connection
@@ -174,6 +177,7 @@ impl RedisBuilder {
                 .map_err(StoreError::unavailable)?;
             Conn::Single(conn)
         };
+        let durable = self.durable_connection().await?;
         let redis = Redis {
             inner: Arc::new(Inner {
                 conn,
@@ -187,6 +191,7 @@ impl RedisBuilder {
                 waiters: notify::Waiters::default(),
                 bursts: debounce::BurstListeners::default(),
                 batches: rate_limit::Batcher::new(self.rate_limit_queue),
+                durable,
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
@@ -220,6 +225,8 @@ struct Inner {
     bursts: debounce::BurstListeners,
     /// Rate-limit operations waiting to go out together (single node).
     batches: rate_limit::Batcher,
+    /// Durable idempotency claims, if on.
+    durable: Option<claims::Durable>,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -464,6 +471,21 @@ impl Redis {
     where
         Fut: Future<Output = redis::RedisResult<T>>,
     {
+        let after = self.inner.command_timeout;
+        self.guarded_on(class, &self.inner.conn, after, call).await
+    }
+
+    /// [`Redis::guarded`] on another connection than the main one, bounded by `after`.
+    async fn guarded_on<T, Fut>(
+        &self,
+        class: Class,
+        conn: &Conn,
+        after: Duration,
+        call: impl FnOnce(Conn) -> Fut,
+    ) -> Result<T, StoreError>
+    where
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
         let breaker = &self.inner.breaker;
         // Dropped with this future (its caller went away mid-command), the
         // permit is no event: a cancelled probe never wedges the breaker.
@@ -474,23 +496,22 @@ impl Redis {
             Class::MustTry => breaker.admit_anyway(),
         };
         self.inner.commands.incr();
-        let result = self.bounded(call(self.inner.conn.clone())).await;
+        let result = bounded(after, call(conn.clone())).await;
         permit.record(!matches!(&result, Err(e) if e.is_store_fault()));
         result
     }
+}
 
-    async fn bounded<T>(
-        &self,
-        fut: impl Future<Output = redis::RedisResult<T>>,
-    ) -> Result<T, StoreError> {
-        let after = self.inner.command_timeout;
-        match crate::store::guard(after, || fut).await {
-            Err(fault) => Err(fault.into()),
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout { after }),
-            Ok(Err(e)) if is_reply_error(&e) => Err(StoreError::Protocol(e.to_string())),
-            Ok(Err(e)) => Err(StoreError::unavailable(e)),
-        }
+async fn bounded<T>(
+    after: Duration,
+    fut: impl Future<Output = redis::RedisResult<T>>,
+) -> Result<T, StoreError> {
+    match crate::store::guard(after, || fut).await {
+        Err(fault) => Err(fault.into()),
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout { after }),
+        Ok(Err(e)) if is_reply_error(&e) => Err(StoreError::Protocol(e.to_string())),
+        Ok(Err(e)) => Err(StoreError::unavailable(e)),
     }
 }
 
@@ -1049,6 +1070,7 @@ mod tests {
             waiters: notify::Waiters::default(),
             bursts: debounce::BurstListeners::default(),
             batches: rate_limit::Batcher::default(),
+            durable: None,
         };
         let redis = Redis {
             inner: Arc::new(inner),

@@ -17,13 +17,33 @@
 //! `{prefix:key}:in` and only ever grows, so a claim's counter orders it
 //! after every earlier claim of the key. Completion and release publish the
 //! key on one channel per prefix, so waiters elsewhere wake at once.
+//!
+//! A claim's fence is the larger of the last one plus one and the server's
+//! `TIME` in microseconds. A plain `INCR` would go backwards across a
+//! failover: replication is asynchronous, so a replica promoted after its
+//! primary died can lack the last increments, and hand out a fence already
+//! issued. The server's clock does not go back that way: every fence the dead
+//! primary issued is at most its clock (fences run ahead of the clock only
+//! for claims of one key less than a microsecond apart), and the promoted
+//! replica reads its own clock at least a failure-detection time later
+//! (`cluster-node-timeout`, or Sentinel's `down-after-milliseconds`), so its
+//! fences are larger unless the two hosts' clocks disagree by more than that.
+//!
+//! With durable claims (`RedisBuilder::with_durable_claims`), a claim and a
+//! completion each go out pipelined with `WAIT <replicas> <timeout>` on a
+//! connection of their own (`WAIT` blocks its connection while it waits, so it
+//! never holds up other commands), on the node that owns the key's slot: a
+//! claim is acknowledged only once replicated (or refused with
+//! `StoreError::NotReplicated`, and released), a completion is retried until
+//! replicated. A replica promoted after a failover then holds every claim
+//! that was acknowledged, and its fence counter with it.
 
 use std::time::Duration;
 
-use redis::Value;
+use redis::{FromRedisValue, Value};
 
-use super::script::LuaScript;
-use super::{Redis, cached, ms};
+use super::script::{LuaScript, ScriptCall};
+use super::{Class, Conn, Redis, RedisBuilder, cached, ms};
 use crate::store::StoreError;
 use crate::{
     ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, IdempotencyStoreFuture, KeyChanged,
@@ -37,9 +57,14 @@ if rec[1] then
   if rec[1] == 'c' then return {'replay', rec[3] or '', rec[4] or ''} end
   return {'busy', redis.call('PTTL', KEYS[1])}
 end
-local fence = redis.call('INCR', KEYS[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('HSET', KEYS[1], 's', 'f', 't', ARGV[1], 'n', fence, 'fp', ARGV[2])
+-- Monotonic across a failover (see the module docs): never below the server's clock in µs.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local fence = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)
+-- Written as digits: Lua would print a number this large as 1.7e+15.
+local digits = string.format('%.0f', fence)
+redis.call('SET', KEYS[2], digits, 'PX', ARGV[4])
+redis.call('HSET', KEYS[1], 's', 'f', 't', ARGV[1], 'n', digits, 'fp', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {'won', fence}
 ";
@@ -47,8 +72,12 @@ return {'won', fence}
 const COMPLETE: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 't', 'v')
 if rec[1] == 'c' then
-  -- The same completion retried after its reply was lost: stored.
-  if rec[2] == ARGV[1] and rec[3] == ARGV[3] then return 1 end
+  -- The same completion retried after its reply was lost: stored. Written again (its TTL),
+  -- so that a `WAIT` after it, on any connection, covers the first write too.
+  if rec[2] == ARGV[1] and rec[3] == ARGV[3] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[5])
+    return 1
+  end
   return 0
 end
 if rec[1] == 'f' and rec[2] ~= ARGV[1] then return 0 end
@@ -141,7 +170,19 @@ impl Redis {
             .arg(fingerprint_arg(request.fingerprint))
             .arg(px(request.lease))
             .arg(px(request.ttl.max(request.lease)));
-        let reply: Vec<Value> = self.invoke(&call).await?;
+        let reply: Vec<Value> = match &self.inner.durable {
+            None => self.invoke(&call).await?,
+            Some(durable) => {
+                let (reply, acknowledged) = self
+                    .invoke_durable::<Vec<Value>>(Class::Refusable, &call, durable)
+                    .await?;
+                // Only a won claim wrote anything.
+                if bytes(reply.first()) == b"won" {
+                    durable.check(acknowledged)?;
+                }
+                reply
+            }
+        };
         let kind = bytes(reply.first());
         match kind.as_slice() {
             b"won" => Ok(ClaimReply::Won {
@@ -181,7 +222,46 @@ impl Redis {
             .arg(self.claims_channel())
             .arg(key);
         // The owner's run happened: never refused by an open breaker.
-        Ok(self.invoke_must_try::<i64>(&call).await? == 1)
+        let Some(durable) = &self.inner.durable else {
+            return Ok(self.invoke_must_try::<i64>(&call).await? == 1);
+        };
+        let (stored, acknowledged) = self
+            .invoke_durable::<i64>(Class::MustTry, &call, durable)
+            .await?;
+        if stored == 1 {
+            durable.check(acknowledged)?;
+        }
+        Ok(stored == 1)
+    }
+
+    /// Calls a script and `WAIT`s for the replicas of durable claims, pipelined on the
+    /// durable connection (see the module docs): the script's reply and how many replicas
+    /// acknowledged every write made on that connection so far. Bounded by the command
+    /// timeout plus the replicas' time.
+    async fn invoke_durable<T: FromRedisValue>(
+        &self,
+        class: Class,
+        call: &ScriptCall<'_>,
+        durable: &Durable,
+    ) -> Result<(T, u32), StoreError> {
+        let after = self
+            .inner
+            .command_timeout
+            .saturating_add(durable.durability.timeout);
+        let replies = self
+            .guarded_on(class, &durable.conn, after, |conn| async move {
+                match conn {
+                    Conn::Single(mut c) => evaluate_durable(call, durable.durability, &mut c).await,
+                    Conn::Cluster(mut c) => {
+                        evaluate_durable(call, durable.durability, &mut c).await
+                    }
+                }
+            })
+            .await?;
+        let (reply, acknowledged) = replies;
+        let reply = T::from_redis_value(reply)
+            .map_err(|e| StoreError::Protocol(format!("unexpected script reply: {e}")))?;
+        Ok((reply, acknowledged))
     }
 
     pub(crate) async fn release_key(
@@ -236,6 +316,157 @@ impl Redis {
             ))),
         }
     }
+}
+
+/// How many replicas must acknowledge a claim or a completion, and how long to wait for them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Durability {
+    replicas: u32,
+    timeout: Duration,
+}
+
+/// Durable claims: their setting and the connection their writes and `WAIT`s go on.
+pub(super) struct Durable {
+    durability: Durability,
+    conn: Conn,
+}
+
+impl Durable {
+    /// `Ok` if `acknowledged` replicas are enough.
+    fn check(&self, acknowledged: u32) -> Result<(), StoreError> {
+        let Durability { replicas, timeout } = self.durability;
+        if acknowledged >= replicas {
+            return Ok(());
+        }
+        Err(StoreError::NotReplicated {
+            wanted: replicas,
+            acknowledged,
+            within: timeout,
+        })
+    }
+}
+
+impl RedisBuilder {
+    /// Durable idempotency claims: a claim and a completion are acknowledged only once
+    /// `replicas` replicas of the key's primary have them (`WAIT replicas timeout`, on the node
+    /// that owns the key's slot), so a failover that promotes one of them loses no
+    /// acknowledged claim and runs no key twice. Off by default: Redis replicates
+    /// asynchronously, and a primary that dies right after acknowledging a claim can take it
+    /// with it, so that a duplicate sent to the promoted replica runs the key again.
+    ///
+    /// A claim not replicated within `timeout` is released and refused: its caller gets
+    /// [`Error::StoreUnavailable`](crate::Error::StoreUnavailable) whose source is
+    /// [`StoreError::NotReplicated`], and nothing runs (idempotency fails closed). A
+    /// completion not replicated in time is retried like any completion the store did not
+    /// take, until it is or the claim has lapsed. Meanwhile the primary is up: these do not
+    /// count against the circuit breaker, and throttles and rate limits on the same backend
+    /// are not slowed (the claims' writes and `WAIT`s go on a connection of their own; a
+    /// claim waits for its replicas, about one round trip to them).
+    ///
+    /// Replicas must be there: a primary with fewer than `replicas` replicas refuses every
+    /// claim, e.g. after a failover until the old primary comes back as a replica. The
+    /// lease (`IdempotencyOptions::with_lease`) should outlast a failover (detection,
+    /// election, and the clients' move to the new primary) with room to spare, since
+    /// renewals are not waited for: about 1.5 times that or more.
+    ///
+    /// [`RedisBuilder::connect`] fails with [`StoreError::Config`] if `replicas` or
+    /// `timeout` is zero.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), throttlebeam::store::StoreError> {
+    /// use std::time::Duration;
+    /// use throttlebeam::store::Redis;
+    ///
+    /// // Every claim and completion on at least one replica within 250 ms.
+    /// let redis = Redis::cluster(["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"])
+    ///     .with_durable_claims(1, Duration::from_millis(250))
+    ///     .connect()
+    ///     .await?;
+    /// # drop(redis);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_durable_claims(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.durable_claims = Some(Durability { replicas, timeout });
+        self
+    }
+
+    /// Checks the durable-claims setting.
+    pub(super) fn validate_durable_claims(&self) -> Result<(), StoreError> {
+        match self.durable_claims {
+            Some(Durability { replicas: 0, .. }) => Err(StoreError::Config(
+                "durable claims need at least one replica to wait for".to_owned(),
+            )),
+            Some(Durability { timeout, .. }) if timeout.is_zero() => Err(StoreError::Config(
+                "durable claims need a replication timeout greater than zero \
+                 (WAIT with 0 would wait for ever)"
+                    .to_owned(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The connection of durable claims, if they are on: one more connection made like the
+    /// main one, whose command timeout leaves room for the replicas' time.
+    pub(super) async fn durable_connection(&self) -> Result<Option<Durable>, StoreError> {
+        let Some(durability) = self.durable_claims else {
+            return Ok(None);
+        };
+        let mut twin = self.clone();
+        twin.durable_claims = None;
+        twin.command_timeout = twin.command_timeout.saturating_add(durability.timeout);
+        let redis = Box::pin(twin.connect()).await?;
+        Ok(Some(Durable {
+            durability,
+            conn: redis.inner.conn.clone(),
+        }))
+    }
+}
+
+/// `call` pipelined with `WAIT`, as `EVALSHA` then as `EVAL` if the server does not know its
+/// script: the script's reply, and how many replicas acknowledged.
+async fn evaluate_durable<C>(
+    call: &ScriptCall<'_>,
+    durability: Durability,
+    conn: &mut C,
+) -> redis::RedisResult<(Value, u32)>
+where
+    C: redis::aio::ConnectionLike + Send,
+{
+    let pipe = |script: redis::Cmd| {
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors()
+            .add_command(script)
+            .cmd("WAIT")
+            .arg(durability.replicas)
+            .arg(ms(durability.timeout));
+        pipe
+    };
+    let mut replies: Vec<Value> = pipe(call.evalsha()).query_async(conn).await?;
+    if replies.len() == 2 && matches!(&replies[0], Value::ServerError(e) if e.code() == "NOSCRIPT")
+    {
+        replies = pipe(call.eval()).query_async(conn).await?;
+    }
+    let mut replies = replies.into_iter();
+    let (Some(reply), Some(acks)) = (replies.next(), replies.next()) else {
+        return Err(redis::RedisError::from((
+            redis::ErrorKind::Client,
+            "a script call and WAIT pipelined did not get two replies",
+        )));
+    };
+    let reply = reply.extract_error()?;
+    let acks = match acks.extract_error()? {
+        Value::Int(n) => u32::try_from(n.max(0)).unwrap_or(u32::MAX),
+        other => {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "WAIT did not answer an integer",
+                format!("{other:?}"),
+            )));
+        }
+    };
+    Ok((reply, acks))
 }
 
 /// A lease or TTL as a `PEXPIRE` argument, saturated at 2^53 ms (about
@@ -313,10 +544,10 @@ mod tests {
             let fp = [7u8; 32];
             let other = [8u8; 32];
             for key in ["pay:1", "pay:2", "pay:3"] {
-                assert_eq!(
+                assert!(matches!(
                     r.claim(key, request(11, Some(&fp), LEASE)).await.unwrap(),
-                    ClaimReply::Won { fence: 1 }
-                );
+                    ClaimReply::Won { .. }
+                ));
                 match r.claim(key, request(12, Some(&fp), LEASE)).await.unwrap() {
                     ClaimReply::Busy { lease_left } => {
                         assert!(lease_left > Duration::from_secs(29));
@@ -365,7 +596,7 @@ mod tests {
             let key = "forever:1";
             let max = Duration::MAX;
             let won = r.claim(key, ClaimRequest::new(token(1), None, max, max));
-            assert_eq!(won.await.unwrap(), ClaimReply::Won { fence: 1 });
+            assert!(matches!(won.await.unwrap(), ClaimReply::Won { .. }));
             assert!(r.renew(key, token(1), max).await.unwrap());
             let result = StoredResult::new(None, "u8", vec![1]);
             assert!(r.complete(key, token(1), &result, max).await.unwrap());
@@ -382,10 +613,11 @@ mod tests {
         each_server("claims_takeover_fencing", async |r: Redis| {
             let key = "order:9";
             let short = Duration::from_millis(50);
-            assert_eq!(
-                r.claim(key, request(1, None, short)).await.unwrap(),
-                ClaimReply::Won { fence: 1 }
-            );
+            let ClaimReply::Won { fence: first } =
+                r.claim(key, request(1, None, short)).await.unwrap()
+            else {
+                panic!("a free key is won")
+            };
             tokio::time::sleep(Duration::from_millis(80)).await;
             assert_eq!(r.read_record(key).await.unwrap(), RecordReply::Missing);
             // Two duplicates race for the lapsed key: exactly one wins.
@@ -393,11 +625,15 @@ mod tests {
                 r.claim(key, request(2, None, LEASE)),
                 r.claim(key, request(3, None, LEASE))
             );
-            let wins = [a.unwrap(), b.unwrap()]
+            let wins: Vec<u64> = [a.unwrap(), b.unwrap()]
                 .into_iter()
-                .filter(|c| matches!(c, ClaimReply::Won { fence: 2 }))
-                .count();
-            assert_eq!(wins, 1);
+                .filter_map(|c| match c {
+                    ClaimReply::Won { fence } => Some(fence),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(wins.len(), 1);
+            assert!(wins[0] > first, "fences grow");
             // The old owner can neither renew, release nor complete.
             assert!(!r.renew(key, token(1), LEASE).await.unwrap());
             assert!(!r.release(key, token(1)).await.unwrap());
@@ -410,10 +646,10 @@ mod tests {
                 3
             };
             assert!(r.release(key, token(owner)).await.unwrap());
-            assert_eq!(
-                r.claim(key, request(4, None, LEASE)).await.unwrap(),
-                ClaimReply::Won { fence: 3 }
-            );
+            match r.claim(key, request(4, None, LEASE)).await.unwrap() {
+                ClaimReply::Won { fence } => assert!(fence > wins[0], "fences grow"),
+                other => panic!("{other:?}"),
+            }
         })
         .await;
     }
