@@ -471,15 +471,14 @@ impl Redis {
     where
         Fut: Future<Output = redis::RedisResult<T>>,
     {
-        let after = self.inner.command_timeout;
-        self.guarded_on(class, &self.inner.conn, after, call).await
+        self.guarded_for(class, self.inner.command_timeout, call)
+            .await
     }
 
-    /// [`Redis::guarded`] on another connection than the main one, bounded by `after`.
-    async fn guarded_on<T, Fut>(
+    /// [`Redis::guarded`] bounded by `after` rather than the command timeout.
+    async fn guarded_for<T, Fut>(
         &self,
         class: Class,
-        conn: &Conn,
         after: Duration,
         call: impl FnOnce(Conn) -> Fut,
     ) -> Result<T, StoreError>
@@ -496,7 +495,7 @@ impl Redis {
             Class::MustTry => breaker.admit_anyway(),
         };
         self.inner.commands.incr();
-        let result = bounded(after, call(conn.clone())).await;
+        let result = bounded(after, call(self.inner.conn.clone())).await;
         permit.record(!matches!(&result, Err(e) if e.is_store_fault()));
         result
     }

@@ -31,8 +31,10 @@
 //!
 //! With durable claims (`RedisBuilder::with_durable_claims`), a claim and a
 //! completion each go out pipelined with `WAIT <replicas> <timeout>` on a
-//! connection of their own (`WAIT` blocks its connection while it waits, so it
-//! never holds up other commands), on the node that owns the key's slot: a
+//! connection of their own, with a breaker of its own (`WAIT` blocks its
+//! connection while it waits, so it never holds up other commands, and calls
+//! queued behind it never open the breaker of the throttles and limits), on
+//! the node that owns the key's slot: a
 //! claim is acknowledged only once replicated (or refused with
 //! `StoreError::NotReplicated`, and released), a completion is retried until
 //! replicated. A replica promoted after a failover then holds every claim
@@ -237,7 +239,7 @@ impl Redis {
     /// Calls a script and `WAIT`s for the replicas of durable claims, pipelined on the
     /// durable connection (see the module docs): the script's reply and how many replicas
     /// acknowledged every write made on that connection so far. Bounded by the command
-    /// timeout plus the replicas' time.
+    /// timeout plus the replicas' time, guarded by the durable connection's breaker.
     async fn invoke_durable<T: FromRedisValue>(
         &self,
         class: Class,
@@ -248,8 +250,11 @@ impl Redis {
             .inner
             .command_timeout
             .saturating_add(durable.durability.timeout);
-        let replies = self
-            .guarded_on(class, &durable.conn, after, |conn| async move {
+        // Counted here too: the backend's stats count every command it sends.
+        self.inner.commands.incr();
+        let replies = durable
+            .twin
+            .guarded_for(class, after, |conn| async move {
                 match conn {
                     Conn::Single(mut c) => evaluate_durable(call, durable.durability, &mut c).await,
                     Conn::Cluster(mut c) => {
@@ -325,10 +330,12 @@ pub(super) struct Durability {
     timeout: Duration,
 }
 
-/// Durable claims: their setting and the connection their writes and `WAIT`s go on.
+/// Durable claims: their setting, and the backend whose connection their writes and `WAIT`s
+/// go on. Its own breaker too: claims that time out waiting behind `WAIT`s on a primary left
+/// without replicas must not open the breaker of the throttles and limits.
 pub(super) struct Durable {
     durability: Durability,
-    conn: Conn,
+    twin: Redis,
 }
 
 impl Durable {
@@ -359,9 +366,12 @@ impl RedisBuilder {
     /// [`StoreError::NotReplicated`], and nothing runs (idempotency fails closed). A
     /// completion not replicated in time is retried like any completion the store did not
     /// take, until it is or the claim has lapsed. Meanwhile the primary is up: these do not
-    /// count against the circuit breaker, and throttles and rate limits on the same backend
-    /// are not slowed (the claims' writes and `WAIT`s go on a connection of their own; a
-    /// claim waits for its replicas, about one round trip to them).
+    /// count against the circuit breaker. Throttles and rate limits on the same backend are
+    /// neither slowed nor failed by them: the claims' writes and `WAIT`s go on a connection of
+    /// their own, with a circuit breaker of its own (same settings), since `WAIT` holds up the
+    /// commands behind it on its connection. A claim waits for its replicas (about one round
+    /// trip to them, in turn with the other claims on its node); on a primary left without
+    /// enough replicas, each waits out `timeout`.
     ///
     /// Replicas must be there: a primary with fewer than `replicas` replicas refuses every
     /// claim, e.g. after a failover until the old primary comes back as a replica. The
@@ -419,7 +429,7 @@ impl RedisBuilder {
         let redis = Box::pin(twin.connect()).await?;
         Ok(Some(Durable {
             durability,
-            conn: redis.inner.conn.clone(),
+            twin: redis,
         }))
     }
 }
