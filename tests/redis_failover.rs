@@ -612,3 +612,16 @@ fn with_durable_claims_a_primary_killed_mid_flood_runs_no_key_twice() {
         );
     }
 }
+
+/// Durable claims through a manual failover: the durable connection's pipelines meet the old
+/// primary's `MOVED` and follow the slot to the new one; no key runs twice.
+#[test]
+fn with_durable_claims_a_manual_failover_mid_flood_runs_no_key_twice() {
+    let test = "with_durable_claims_a_manual_failover_mid_flood_runs_no_key_twice";
+    if let Some(twice) = failover_mid_flood(test, Fault::Manual, true) {
+        assert!(
+            twice.is_empty(),
+            "keys not run exactly once (key, runs): {twice:?}"
+        );
+    }
+}

@@ -453,9 +453,22 @@ where
             .arg(ms(durability.timeout));
         pipe
     };
+    let refused = |replies: &[Value], code: &str| {
+        replies.len() == 2 && matches!(&replies[0], Value::ServerError(e) if e.code() == code)
+    };
     let mut replies: Vec<Value> = pipe(call.evalsha()).query_async(conn).await?;
-    if replies.len() == 2 && matches!(&replies[0], Value::ServerError(e) if e.code() == "NOSCRIPT")
-    {
+    if refused(&replies, "MOVED") {
+        // The slot moved (a failover): a cluster client follows a moved command and
+        // refreshes its slot map, but not a reply inside a pipeline. A plain read of the key
+        // makes it; then the pipeline goes to the key's new primary.
+        if let Some(key) = call.first_key() {
+            let moved: redis::RedisResult<Value> =
+                redis::cmd("PTTL").arg(key).query_async(conn).await;
+            moved?;
+            replies = pipe(call.evalsha()).query_async(conn).await?;
+        }
+    }
+    if refused(&replies, "NOSCRIPT") {
         replies = pipe(call.eval()).query_async(conn).await?;
     }
     let mut replies = replies.into_iter();
