@@ -275,6 +275,9 @@ struct Shared {
     runs: Vec<AtomicU32>,
     /// Calls refused for the outage (and tried again).
     unavailable: AtomicU32,
+    /// Owners whose completion was refused because another owner held the key (their claim
+    /// was lost with the dead primary, and a duplicate claimed the key again); tried again.
+    lease_lost: AtomicU32,
     unexpected: std::sync::Mutex<Vec<String>>,
     /// Set by the test once the cluster has recovered: the probes stop.
     stop: std::sync::atomic::AtomicBool,
@@ -353,6 +356,9 @@ fn instance_thread(
                             Ok(outcome) => return (k, *outcome.value()),
                             Err(Error::StoreUnavailable { .. } | Error::Timeout { .. }) => {
                                 shared.unavailable.fetch_add(1, Ordering::Relaxed);
+                            }
+                            Err(Error::LeaseLost { .. }) => {
+                                shared.lease_lost.fetch_add(1, Ordering::Relaxed);
                             }
                             Err(e) => shared
                                 .unexpected
@@ -441,6 +447,7 @@ fn failover_mid_flood(test: &str, fault: Fault, durable: bool) -> Option<Vec<(us
     let shared = Arc::new(Shared {
         runs: (0..KEYS).map(|_| AtomicU32::new(0)).collect(),
         unavailable: AtomicU32::new(0),
+        lease_lost: AtomicU32::new(0),
         unexpected: std::sync::Mutex::default(),
         stop: std::sync::atomic::AtomicBool::new(false),
         give_up: std::time::Instant::now() + Duration::from_secs(240),
@@ -534,12 +541,20 @@ fn failover_mid_flood(test: &str, fault: Fault, durable: bool) -> Option<Vec<(us
         "{test}: {fault:?} after {ran_at_fault} of {KEYS} keys ran; replica promoted after \
          {promoted_after:?}; last failed check after the fault, per instance: {followed:?}; \
          {failed_checks} checks failed in all; longest throttle call or check {longest:?}; \
-         {} idempotency calls saw the outage; breakers opened {:?}; keys not run exactly once \
-         (key, runs): {twice:?}",
+         {} idempotency calls saw the outage; {} completions lost their claim; breakers \
+         opened {:?}; keys not run exactly once (key, runs): {twice:?}",
         shared.unavailable.load(Ordering::Relaxed),
+        shared.lease_lost.load(Ordering::Relaxed),
         seen.iter().map(|s| s.breaker_opened).collect::<Vec<_>>(),
     );
     assert!(ran_at_fault < KEYS, "failed over mid-flood");
+    if durable || fault == Fault::Manual {
+        assert_eq!(
+            shared.lease_lost.load(Ordering::Relaxed),
+            0,
+            "no acknowledged claim was lost"
+        );
+    }
     assert!(
         shared.unexpected.lock().unwrap().is_empty(),
         "{:?}",
