@@ -355,29 +355,31 @@ impl Durable {
 
 impl RedisBuilder {
     /// Durable idempotency claims: a claim and a completion are acknowledged only once
-    /// `replicas` replicas of the key's primary have them (`WAIT replicas timeout`, on the node
-    /// that owns the key's slot), so a failover that promotes one of them loses no
+    /// `replicas` replicas of the key's primary have them (`WAIT replicas timeout` on the node
+    /// that owns the key's slot), so a failover that promotes one of those replicas loses no
     /// acknowledged claim and runs no key twice. Off by default: Redis replicates
-    /// asynchronously, and a primary that dies right after acknowledging a claim can take it
-    /// with it, so that a duplicate sent to the promoted replica runs the key again.
+    /// asynchronously, so a primary that dies right after acknowledging a claim can take it
+    /// along, and a duplicate sent to the promoted replica then runs the key again.
     ///
-    /// A claim not replicated within `timeout` is released and refused: its caller gets
-    /// [`Error::StoreUnavailable`](crate::Error::StoreUnavailable) whose source is
+    /// A claim not on `replicas` replicas within `timeout` is released and refused: its caller
+    /// gets [`Error::StoreUnavailable`](crate::Error::StoreUnavailable) whose source is
     /// [`StoreError::NotReplicated`], and nothing runs (idempotency fails closed). A
-    /// completion not replicated in time is retried like any completion the store did not
-    /// take, until it is or the claim has lapsed. Meanwhile the primary is up: these do not
-    /// count against the circuit breaker. Throttles and rate limits on the same backend are
-    /// neither slowed nor failed by them: the claims' writes and `WAIT`s go on a connection of
-    /// their own, with a circuit breaker of its own (same settings), since `WAIT` holds up the
-    /// commands behind it on its connection. A claim waits for its replicas (about one round
-    /// trip to them, in turn with the other claims on its node); on a primary left without
-    /// enough replicas, each waits out `timeout`.
+    /// completion not replicated in time is retried like a completion the store did not
+    /// answer, until it is replicated or the claim has lapsed.
     ///
-    /// Replicas must be there: a primary with fewer than `replicas` replicas refuses every
-    /// claim, e.g. after a failover until the old primary comes back as a replica. The
-    /// lease (`IdempotencyOptions::with_lease`) should outlast a failover (detection,
-    /// election, and the clients' move to the new primary) with room to spare, since
-    /// renewals are not waited for: about 1.5 times that or more.
+    /// Claims and completions then go on a connection of their own, with a circuit breaker
+    /// of its own (the same settings): `WAIT` holds up every command behind it on its
+    /// connection, and throttles and rate limits on the same backend are neither slowed nor
+    /// failed by it. A refusal for want of replicas does not count against either breaker
+    /// (the primary answered). Each claim and completion waits for its replicas, about one
+    /// round trip to them, in turn with the others on its node; a primary with fewer than
+    /// `replicas` replicas refuses every claim, each after `timeout`, e.g. after a failover
+    /// until the old primary is back as a replica.
+    ///
+    /// Renewals are not waited for, so the lease
+    /// ([`IdempotencyOptions::with_lease`](crate::IdempotencyOptions::with_lease)) should
+    /// outlast a failover (detection, election, and the clients' move to the new primary)
+    /// by half again or more.
     ///
     /// [`RedisBuilder::connect`] fails with [`StoreError::Config`] if `replicas` or
     /// `timeout` is zero.
