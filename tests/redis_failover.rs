@@ -248,15 +248,25 @@ const NODE_TIMEOUT_MS: u32 = 2000;
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 /// What a call may take beyond the command timeout on two busy cores (scheduling).
 const SLACK: Duration = Duration::from_secs(2);
+/// The breaker's cooldown in most failover tests (10 s by default).
+const COOLDOWN: Duration = Duration::from_secs(1);
+
 /// Clients decide against the new primary within this long after the kill: failure
 /// detection (the node timeout), the replica's election, and the clients' move to it, on two
-/// busy cores (measured: promoted after 3 to 4 s, followed after 4.3 to 5.6 s).
-const FOLLOW_BOUND: Duration = Duration::from_secs(12);
+/// busy cores (measured with a 1 s cooldown: promoted after 2.8 to 4.3 s, followed after 2.2
+/// to 5.9 s).
+fn follow_bound(cooldown: Duration) -> Duration {
+    Duration::from_secs(11) + cooldown
+}
+
 /// Clients decide against the new primary within this long after it was promoted: the slot
 /// map refreshed on the next error (each command that meets the dead node refreshes it), and
-/// the breaker's cooldown (1 s here; 10 s by default) for a breaker that opened meanwhile
-/// (measured: 1.2 to 1.6 s).
-const FOLLOW_AFTER_PROMOTION: Duration = Duration::from_secs(4);
+/// the cooldown of a breaker that opened meanwhile (measured with a 1 s cooldown: at most
+/// 1.8 s).
+fn follow_after_promotion(cooldown: Duration) -> Duration {
+    Duration::from_secs(3) + cooldown
+}
+
 const INSTANCES: usize = 3;
 const KEYS: usize = 1_500;
 const DUPS: usize = 2;
@@ -298,12 +308,10 @@ struct Seen {
     breaker_opened: u64,
 }
 
-async fn connect_cluster(urls: &[String], durable: bool) -> Redis {
+async fn connect_cluster(urls: &[String], durable: bool, cooldown: Duration) -> Redis {
     let builder = Redis::cluster(urls.to_vec())
         .with_command_timeout(COMMAND_TIMEOUT)
-        .with_breaker(
-            throttlebeam::store::BreakerConfig::default().with_cooldown(Duration::from_secs(1)),
-        );
+        .with_breaker(throttlebeam::store::BreakerConfig::default().with_cooldown(cooldown));
     let builder = if durable {
         builder.with_durable_claims(1, Duration::from_millis(500))
     } else {
@@ -320,6 +328,7 @@ fn instance_thread(
     i: usize,
     urls: Vec<String>,
     durable: bool,
+    cooldown: Duration,
     shared: Arc<Shared>,
     ready: Arc<std::sync::Barrier>,
 ) -> Seen {
@@ -329,7 +338,7 @@ fn instance_thread(
         .build()
         .unwrap();
     tokio_rt.block_on(async move {
-        let redis = connect_cluster(&urls, durable).await;
+        let redis = connect_cluster(&urls, durable, cooldown).await;
         let rt = instance(redis.clone()).await;
         ready.wait();
         let probes = tokio::spawn(probe(i, rt.clone(), redis.clone(), Arc::clone(&shared)));
@@ -439,9 +448,15 @@ async fn probe(i: usize, rt: Runtime, redis: Redis, shared: Arc<Shared>) -> Seen
 
 /// Floods a 6-node cluster from three instances, fails a primary over mid-flood, and checks
 /// that throttles and limits kept deciding without hanging, that clients followed the new
-/// primary within [`FOLLOW_BOUND`], and that fences stayed monotonic. Returns the keys that
+/// primary within [`follow_bound`] and [`follow_after_promotion`] (`cooldown` is the
+/// breaker's), and that fences stayed monotonic. Returns the keys that
 /// ran more than once.
-fn failover_mid_flood(test: &str, fault: Fault, durable: bool) -> Option<Vec<(usize, u32)>> {
+fn failover_mid_flood(
+    test: &str,
+    fault: Fault,
+    durable: bool,
+    cooldown: Duration,
+) -> Option<Vec<(usize, u32)>> {
     let mut cluster = support::redis::ReplicatedCluster::start(test, NODE_TIMEOUT_MS)?;
     let urls = cluster.urls();
     let shared = Arc::new(Shared {
@@ -456,7 +471,7 @@ fn failover_mid_flood(test: &str, fault: Fault, durable: bool) -> Option<Vec<(us
     let instances: Vec<_> = (0..INSTANCES)
         .map(|i| {
             let (urls, shared, ready) = (urls.clone(), Arc::clone(&shared), Arc::clone(&ready));
-            std::thread::spawn(move || instance_thread(i, urls, durable, shared, ready))
+            std::thread::spawn(move || instance_thread(i, urls, durable, cooldown, shared, ready))
         })
         .collect();
     ready.wait();
@@ -515,7 +530,9 @@ fn failover_mid_flood(test: &str, fault: Fault, durable: bool) -> Option<Vec<(us
         "replicas in sync again"
     );
     // Probe on past the follow bound, then stop.
-    while fault_at.elapsed() < FOLLOW_BOUND + Duration::from_secs(2) {
+    let (follow_bound, follow_after_promotion) =
+        (follow_bound(cooldown), follow_after_promotion(cooldown));
+    while fault_at.elapsed() < follow_bound + Duration::from_secs(2) {
         std::thread::sleep(Duration::from_millis(50));
     }
     shared.stop.store(true, Ordering::SeqCst);
@@ -576,14 +593,14 @@ fn failover_mid_flood(test: &str, fault: Fault, durable: bool) -> Option<Vec<(us
         "a throttle call or rate-limit check took {longest:?}: it hung past the command timeout"
     );
     assert!(
-        followed.iter().all(|&f| f <= FOLLOW_BOUND),
-        "clients followed the new primary within {FOLLOW_BOUND:?} of the fault: {followed:?}"
+        followed.iter().all(|&f| f <= follow_bound),
+        "clients followed the new primary within {follow_bound:?} of the fault: {followed:?}"
     );
     assert!(
         followed
             .iter()
-            .all(|&f| f <= promoted_after + FOLLOW_AFTER_PROMOTION),
-        "clients followed the new primary within {FOLLOW_AFTER_PROMOTION:?} of its promotion \
+            .all(|&f| f <= promoted_after + follow_after_promotion),
+        "clients followed the new primary within {follow_after_promotion:?} of its promotion \
          ({promoted_after:?} after the fault): {followed:?}"
     );
     for s in &seen {
@@ -604,7 +621,7 @@ fn failover_mid_flood(test: &str, fault: Fault, durable: bool) -> Option<Vec<(us
 #[test]
 fn a_primary_killed_mid_flood_is_followed_and_keys_run_twice_only_if_claims_were_lost() {
     let test = "a_primary_killed_mid_flood_is_followed_and_keys_run_twice_only_if_claims_were_lost";
-    if let Some(twice) = failover_mid_flood(test, Fault::Kill, false) {
+    if let Some(twice) = failover_mid_flood(test, Fault::Kill, false, COOLDOWN) {
         println!("without durable claims, {} keys ran twice", twice.len());
     }
 }
@@ -614,7 +631,7 @@ fn a_primary_killed_mid_flood_is_followed_and_keys_run_twice_only_if_claims_were
 #[test]
 fn a_manual_failover_mid_flood_runs_no_key_twice() {
     let test = "a_manual_failover_mid_flood_runs_no_key_twice";
-    if let Some(twice) = failover_mid_flood(test, Fault::Manual, false) {
+    if let Some(twice) = failover_mid_flood(test, Fault::Manual, false, COOLDOWN) {
         assert!(
             twice.is_empty(),
             "keys not run exactly once (key, runs): {twice:?}"
@@ -627,7 +644,7 @@ fn a_manual_failover_mid_flood_runs_no_key_twice() {
 #[test]
 fn with_durable_claims_a_primary_killed_mid_flood_runs_no_key_twice() {
     let test = "with_durable_claims_a_primary_killed_mid_flood_runs_no_key_twice";
-    if let Some(twice) = failover_mid_flood(test, Fault::Kill, true) {
+    if let Some(twice) = failover_mid_flood(test, Fault::Kill, true, COOLDOWN) {
         assert!(
             twice.is_empty(),
             "keys not run exactly once (key, runs): {twice:?}"
@@ -640,10 +657,23 @@ fn with_durable_claims_a_primary_killed_mid_flood_runs_no_key_twice() {
 #[test]
 fn with_durable_claims_a_manual_failover_mid_flood_runs_no_key_twice() {
     let test = "with_durable_claims_a_manual_failover_mid_flood_runs_no_key_twice";
-    if let Some(twice) = failover_mid_flood(test, Fault::Manual, true) {
+    if let Some(twice) = failover_mid_flood(test, Fault::Manual, true, COOLDOWN) {
         assert!(
             twice.is_empty(),
             "keys not run exactly once (key, runs): {twice:?}"
         );
+    }
+}
+
+/// With the default breaker (5 failures open it for 10 s), the dead primary's failures open
+/// it for the whole backend: clients decide against the new primary within the cooldown
+/// after its promotion (and every key, not only the dead primary's, follows the fail policy
+/// while the breaker is open).
+#[test]
+fn with_the_default_breaker_clients_follow_a_killed_primary_within_its_cooldown() {
+    let test = "with_the_default_breaker_clients_follow_a_killed_primary_within_its_cooldown";
+    let cooldown = throttlebeam::store::BreakerConfig::default().cooldown();
+    if let Some(twice) = failover_mid_flood(test, Fault::Kill, false, cooldown) {
+        println!("without durable claims, {} keys ran twice", twice.len());
     }
 }
