@@ -526,8 +526,8 @@ fn failover_mid_flood(
         "the cluster is ok again"
     );
     assert!(
-        cluster.wait_in_sync(Duration::from_secs(60)),
-        "replicas in sync again"
+        cluster.wait_replicating(Duration::from_secs(60)),
+        "every primary has a replica again"
     );
     // Probe on past the follow bound, then stop.
     let (follow_bound, follow_after_promotion) =

@@ -424,9 +424,20 @@ impl RedisNode {
     }
 
     /// Waits until this primary has at least `replicas` replicas online that acknowledged
-    /// its whole replication stream.
+    /// its whole replication stream (at rest).
     #[allow(dead_code, reason = "only the replication tests use it")]
     pub fn wait_replicas_in_sync(&self, replicas: usize, within: Duration) -> bool {
+        self.wait_replicas(replicas, within, true)
+    }
+
+    /// Waits until this primary has at least `replicas` replicas online that acknowledged
+    /// its stream within the last second (under writes, acknowledgements trail by design).
+    #[allow(dead_code, reason = "only the replication tests use it")]
+    pub fn wait_replicas_online(&self, replicas: usize, within: Duration) -> bool {
+        self.wait_replicas(replicas, within, false)
+    }
+
+    fn wait_replicas(&self, replicas: usize, within: Duration, at_rest: bool) -> bool {
         let deadline = Instant::now() + within;
         while Instant::now() < deadline {
             let info = self.replication();
@@ -438,11 +449,14 @@ impl RedisNode {
                 .iter()
                 .filter(|(k, _)| k.starts_with("slave") && k[5..].parse::<u32>().is_ok())
                 .filter(|(_, v)| {
-                    v.contains("state=online")
-                        && v.split(',')
-                            .find_map(|f| f.strip_prefix("offset="))
+                    let field = |name: &str| {
+                        v.split(',')
+                            .find_map(|f| f.strip_prefix(name))
                             .and_then(|o| o.parse::<u64>().ok())
-                            .is_some_and(|o| Some(o) == offset)
+                    };
+                    v.contains("state=online")
+                        && (field("offset=") == offset
+                            || !at_rest && field("lag=").is_some_and(|l| l <= 1))
                 })
                 .count();
             if synced >= replicas {
@@ -572,8 +586,19 @@ impl ReplicatedCluster {
         false
     }
 
-    /// Waits until every primary has a replica online that acknowledged its whole stream.
+    /// Waits until every primary has a replica online that acknowledged its whole stream
+    /// (at rest).
     pub fn wait_in_sync(&self, within: Duration) -> bool {
+        self.wait_replicas(within, true)
+    }
+
+    /// Waits until every primary has a replica online that acknowledged its stream within the
+    /// last second (under writes).
+    pub fn wait_replicating(&self, within: Duration) -> bool {
+        self.wait_replicas(within, false)
+    }
+
+    fn wait_replicas(&self, within: Duration, at_rest: bool) -> bool {
         let deadline = Instant::now() + within;
         loop {
             let primaries = self.primaries();
@@ -581,7 +606,7 @@ impl ReplicatedCluster {
             if primaries.len() == 3
                 && primaries
                     .iter()
-                    .all(|&p| self.nodes[p].wait_replicas_in_sync(1, left))
+                    .all(|&p| self.nodes[p].wait_replicas(1, left, at_rest))
             {
                 return true;
             }
