@@ -16,6 +16,7 @@ use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 
 mod claims;
 mod debounce;
+mod durable;
 mod notify;
 mod rate_limit;
 mod script;
@@ -64,7 +65,7 @@ pub struct RedisBuilder {
     /// See `RedisBuilder::with_rate_limit_queue`.
     rate_limit_queue: std::num::NonZeroUsize,
     /// See `RedisBuilder::with_durable_claims`.
-    durable_claims: Option<claims::Durability>,
+    durable_claims: Option<durable::Durability>,
 }
 
 impl RedisBuilder {
@@ -226,7 +227,7 @@ struct Inner {
     /// Rate-limit operations waiting to go out together (single node).
     batches: rate_limit::Batcher,
     /// Durable idempotency claims, if on.
-    durable: Option<claims::Durable>,
+    durable: Option<durable::Durable>,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
