@@ -1,5 +1,7 @@
-//! Real `redis-server` processes for tests: a single node or a 3-node
-//! cluster on free loopback ports, never the shared server on 6379.
+//! Real `redis-server` processes for tests: a single node (alone or with a
+//! replica), a 3-node cluster, or a 6-node cluster of 3 primaries with a
+//! replica each, on free loopback ports, never the shared server on 6379.
+//! Every process is killed when its value is dropped.
 //!
 //! Under `CI=true` a server that cannot start fails the test; elsewhere the
 //! test prints one line saying it was skipped and why.
