@@ -278,10 +278,17 @@ impl RuntimeBuilder {
 
     /// [`with_redis_connecting`](Self::with_redis_connecting) with the Redis
     /// the environment names ([`Redis::from_env`](crate::store::Redis::from_env):
-    /// [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV) or
-    /// [`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV)); the builder unchanged
-    /// when neither is set. What the default runtime ([`Runtime::global`])
-    /// does.
+    /// [`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV), one variable for a
+    /// node, a cluster or a primary behind Sentinel, over TLS or not, with an
+    /// ACL user or not, or [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV);
+    /// certificates and credentials from their own variables); the builder
+    /// unchanged when neither URL variable is set. What the default runtime
+    /// ([`Runtime::global`]) does.
+    ///
+    /// A configuration the environment gets wrong (a URL that does not
+    /// parse, a certificate file that cannot be read) is retried like an
+    /// unreachable server, each failure logged: idempotency fails closed
+    /// meanwhile.
     #[cfg(feature = "redis")]
     #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     pub fn with_redis_from_env(self) -> Self {
