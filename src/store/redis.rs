@@ -17,6 +17,7 @@ use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 mod claims;
 mod connection;
 mod debounce;
+mod durable;
 mod notify;
 mod rate_limit;
 mod script;
@@ -95,6 +96,8 @@ pub struct RedisBuilder {
     breaker: BreakerConfig,
     /// See `RedisBuilder::with_rate_limit_queue`.
     rate_limit_queue: std::num::NonZeroUsize,
+    /// See `RedisBuilder::with_durable_claims`.
+    durable_claims: Option<durable::Durability>,
 }
 
 impl std::fmt::Debug for RedisBuilder {
@@ -145,6 +148,7 @@ impl RedisBuilder {
             command_timeout: Duration::from_millis(500),
             breaker: BreakerConfig::default(),
             rate_limit_queue: rate_limit::DEFAULT_QUEUE,
+            durable_claims: None,
         }
     }
 
@@ -295,7 +299,7 @@ impl RedisBuilder {
                 "connect and command timeouts must be greater than zero".to_owned(),
             ));
         }
-        Ok(())
+        self.validate_durable_claims()
     }
 
     /// Connects. A single node is reached through a reconnecting connection
@@ -365,6 +369,7 @@ impl RedisBuilder {
                 .await?,
             ),
         };
+        let durable = self.durable_connection().await?;
         let redis = Redis {
             inner: Arc::new(Inner {
                 link,
@@ -377,6 +382,7 @@ impl RedisBuilder {
                 waiters: notify::Waiters::default(),
                 bursts: debounce::BurstListeners::default(),
                 batches: rate_limit::Batcher::new(self.rate_limit_queue),
+                durable,
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
@@ -409,6 +415,8 @@ struct Inner {
     bursts: debounce::BurstListeners,
     /// Rate-limit operations waiting to go out together (single node).
     batches: rate_limit::Batcher,
+    /// Durable idempotency claims, if on.
+    durable: Option<durable::Durable>,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -844,6 +852,20 @@ impl Redis {
     where
         Fut: Future<Output = redis::RedisResult<T>>,
     {
+        self.guarded_for(class, self.inner.command_timeout, call)
+            .await
+    }
+
+    /// [`Redis::guarded`] bounded by `after` rather than the command timeout.
+    async fn guarded_for<T, Fut>(
+        &self,
+        class: Class,
+        after: Duration,
+        call: impl FnOnce(Conn) -> Fut,
+    ) -> Result<T, StoreError>
+    where
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
         let breaker = &self.inner.breaker;
         if self.inner.link.moved() {
             // A new primary, connected: what opened the breaker was the old one.
@@ -858,7 +880,7 @@ impl Redis {
             Class::MustTry => breaker.admit_anyway(),
         };
         self.inner.commands.incr();
-        let result = self.bounded(call(self.inner.link.conn())).await;
+        let result = self.bounded(after, call(self.inner.link.conn())).await;
         let fault = matches!(&result, Err(e) if e.is_store_fault());
         permit.record(!fault);
         if fault {
@@ -870,9 +892,9 @@ impl Redis {
 
     async fn bounded<T>(
         &self,
+        after: Duration,
         fut: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        let after = self.inner.command_timeout;
         match crate::store::guard(after, || fut).await {
             Err(fault) => Err(fault.into()),
             Ok(Ok(v)) => Ok(v),
@@ -1448,6 +1470,7 @@ mod tests {
             waiters: notify::Waiters::default(),
             bursts: debounce::BurstListeners::default(),
             batches: rate_limit::Batcher::default(),
+            durable: None,
         };
         let redis = Redis {
             inner: Arc::new(inner),
