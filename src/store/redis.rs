@@ -63,6 +63,8 @@ pub struct RedisBuilder {
     breaker: BreakerConfig,
     /// See `RedisBuilder::with_rate_limit_queue`.
     rate_limit_queue: std::num::NonZeroUsize,
+    /// See `RedisBuilder::with_local_answers`.
+    local_answers: usize,
 }
 
 impl RedisBuilder {
@@ -75,6 +77,7 @@ impl RedisBuilder {
             command_timeout: Duration::from_millis(500),
             breaker: BreakerConfig::default(),
             rate_limit_queue: rate_limit::DEFAULT_QUEUE,
+            local_answers: rate_limit::DEFAULT_LOCAL_ANSWERS,
         }
     }
 
@@ -186,7 +189,8 @@ impl RedisBuilder {
                 nodes: self.nodes,
                 waiters: notify::Waiters::default(),
                 bursts: debounce::BurstListeners::default(),
-                batches: rate_limit::Batcher::new(self.rate_limit_queue),
+                batches: rate_limit::Batcher::new(self.rate_limit_queue, self.local_answers),
+                ops: OpsCounters::default(),
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
@@ -218,8 +222,22 @@ struct Inner {
     waiters: notify::Waiters,
     /// Who hears debounce notices.
     bursts: debounce::BurstListeners,
-    /// Rate-limit operations waiting to go out together (single node).
+    /// Rate-limit operations waiting to go out together (single node), and
+    /// the denials answered locally.
     batches: rate_limit::Batcher,
+    /// Operational counters beside `commands` (see [`RedisStats`]).
+    ops: OpsCounters,
+}
+
+/// Counters of what happened to the connection and the scripts.
+#[derive(Default)]
+struct OpsCounters {
+    /// Script calls sent again as `EVAL` after `NOSCRIPT`.
+    script_reloads: AtomicU64,
+    /// A call failed for a lost or refused connection since the last success.
+    link_lost: std::sync::atomic::AtomicBool,
+    /// Successes that came after such failures: the client reconnected.
+    reconnects: AtomicU64,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -303,6 +321,20 @@ pub struct RedisStats {
     pub subscriptions: u64,
     /// Pub/sub notices the listener received.
     pub notices: u64,
+    /// Rate-limit checks answered locally, with no round trip: denials of
+    /// keys nothing can admit yet (see `RedisBuilder::with_local_answers`).
+    pub local_answers: u64,
+    /// Keys whose denials are answered locally now (ended ones not yet
+    /// dropped included), at most `RedisBuilder::with_local_answers`.
+    pub local_answer_keys: usize,
+    /// Script calls the server did not know the script of (`NOSCRIPT`: a
+    /// restarted or failed-over node, a flushed script cache), sent again
+    /// with the script's text.
+    pub script_reloads: u64,
+    /// Times a command succeeded after commands had failed for a lost or
+    /// refused connection: the client reconnected (to a restarted server,
+    /// or to the new primary after a failover).
+    pub reconnects: u64,
 }
 
 impl Redis {
@@ -354,11 +386,17 @@ impl Redis {
     #[must_use]
     pub fn stats(&self) -> RedisStats {
         let (subscriptions, notices) = self.inner.waiters.counts();
+        let local = &self.inner.batches.local;
+        let ops = &self.inner.ops;
         RedisStats {
             commands: self.inner.commands.get(),
             breaker: self.inner.breaker.stats(),
             subscriptions,
             notices,
+            local_answers: local.answered(),
+            local_answer_keys: local.len(),
+            script_reloads: ops.script_reloads.load(Ordering::Relaxed),
+            reconnects: ops.reconnects.load(Ordering::Relaxed),
         }
     }
 
@@ -445,9 +483,10 @@ impl Redis {
         call: &ScriptCall<'_>,
     ) -> Result<T, StoreError> {
         self.guarded(class, |conn| async move {
+            let reloads = &self.inner.ops.script_reloads;
             match conn {
-                Conn::Single(mut c) => evaluate(call, &mut c).await,
-                Conn::Cluster(mut c) => evaluate(call, &mut c).await,
+                Conn::Single(mut c) => evaluate(call, &mut c, reloads).await,
+                Conn::Cluster(mut c) => evaluate(call, &mut c, reloads).await,
             }
         })
         .await
@@ -476,6 +515,18 @@ impl Redis {
         self.inner.commands.incr();
         let result = self.bounded(call(self.inner.conn.clone())).await;
         permit.record(!matches!(&result, Err(e) if e.is_store_fault()));
+        let ops = &self.inner.ops;
+        match &result {
+            Ok(_) => {
+                if ops.link_lost.load(Ordering::Relaxed)
+                    && ops.link_lost.swap(false, Ordering::AcqRel)
+                {
+                    ops.reconnects.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Err(StoreError::Unavailable(_)) => ops.link_lost.store(true, Ordering::Release),
+            Err(_) => {}
+        }
         result
     }
 
@@ -518,13 +569,20 @@ fn is_reply_error(e: &redis::RedisError) -> bool {
 }
 
 /// `call` as `EVALSHA`, then as `EVAL` if the server does not know its script.
-async fn evaluate<T, C>(call: &ScriptCall<'_>, conn: &mut C) -> redis::RedisResult<T>
+async fn evaluate<T, C>(
+    call: &ScriptCall<'_>,
+    conn: &mut C,
+    reloads: &AtomicU64,
+) -> redis::RedisResult<T>
 where
     T: FromRedisValue,
     C: redis::aio::ConnectionLike + Send,
 {
     match call.evalsha().query_async(conn).await {
-        Err(e) if script::is_no_script(&e) => call.eval().query_async(conn).await,
+        Err(e) if script::is_no_script(&e) => {
+            reloads.fetch_add(1, Ordering::Relaxed);
+            call.eval().query_async(conn).await
+        }
         done => done,
     }
 }
@@ -1049,6 +1107,7 @@ mod tests {
             waiters: notify::Waiters::default(),
             bursts: debounce::BurstListeners::default(),
             batches: rate_limit::Batcher::default(),
+            ops: OpsCounters::default(),
         };
         let redis = Redis {
             inner: Arc::new(inner),
