@@ -267,6 +267,13 @@ struct OpsCounters {
 /// [`RateLimitError::Store`](crate::rate_limit::RateLimitError::Store), which
 /// an `Enforcer` (feature `http`) turns into its `FailMode`.
 ///
+/// A key the server denied until T is answered on this instance with no
+/// round trip until shortly before T (nothing another instance does can admit
+/// it sooner); a reset or an override on any instance is announced through
+/// pub/sub and ends those answers everywhere, and none are given while the
+/// subscription is down. See [`RedisBuilder::with_local_answers`]; they are
+/// counted in [`RedisStats::local_answers`].
+///
 /// The store is implemented for each strategy type, not for every
 /// `S: ScriptedStrategy`: such an impl would overlap (E0119) the blanket
 /// `impl<S, St: RateLimitStore<S>> AsyncRateLimitStore<S> for St`, since

@@ -30,6 +30,20 @@
 //! the Rust strategies keep it, and expires (`PX`) once it is at rest, when it is equal to no
 //! state at all.
 //!
+//! # Limited keys answered locally
+//!
+//! A check (or a shaper's reservation) the server denies until T is answered by this
+//! instance, with no round trip, for later checks of the same key with the same limit and
+//! at least the same cost, until `retry_after - 1 ms` after the call was sent (never past
+//! T, whatever the latency). Spending only postpones T, so no other instance can make such an
+//! answer wrong; a reset can, and so can an override (other limits on the same state): a
+//! reset's script publishes its key on `<prefix>:rate-limit` in the same call, an override
+//! set or removed on a limiter publishes it too, and every instance forgets that key's local
+//! answer when the notice arrives. Answers are kept only while the subscription that would
+//! carry such a notice is live and the same one as when the denial was sent, and a denial
+//! whose call was sent before a notice arrived is not kept (the notice may overtake the
+//! reply). See `RedisBuilder::with_local_answers`.
+//!
 //! # Bit for bit
 //!
 //! Every value the maths reaches stays an integer below 2^53, so a Lua number (a double)
@@ -585,6 +599,10 @@ impl RedisBuilder {
     /// decides. A key deleted behind the library's back (`DEL`, `FLUSHDB`, eviction under
     /// `maxmemory`) is seen once its local answer ends, before T. While a test pins the
     /// scripts' time ([`Redis::pin_time`]), nothing is answered locally.
+    ///
+    /// The notices travel on the backend's one pub/sub connection (the one idempotency
+    /// waiters and shared debounce use), which the first rate-limit check opens when local
+    /// answers are on.
     ///
     /// Memory is bounded: at most `max_keys` entries of a few hundred bytes; an entry ends
     /// at its T, and a full table first drops the ended ones, then answers new denials from
