@@ -1397,6 +1397,117 @@ mod tests {
         .await;
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_denial_is_kept_only_when_sound_and_answered_until_shortly_before_its_end() {
+        let local = LocalAnswers::new(2);
+        let args = |cost, limit| Args {
+            op: "c",
+            cost,
+            slack: 1,
+            kinds: "f".to_owned(),
+            numbers: vec![limit, 60_000_000, 0, 0],
+            channel: String::new(),
+        };
+        let sent = |key: &str, cost, limit, live| {
+            let args = args(cost, limit);
+            let ticket = local.ticket(&args, live);
+            Operation {
+                key: key.to_owned(),
+                args,
+                ticket,
+            }
+        };
+        let denial = |retry_after_ms| {
+            RateLimitReply::Decision(Decision {
+                allowed: false,
+                limit: 2,
+                remaining: 0,
+                reset_at_ms: 90_000,
+                retry_after_ms,
+            })
+        };
+        let retry = |reply: Option<RateLimitReply>| match reply {
+            Some(RateLimitReply::Decision(d)) => {
+                assert!(
+                    !d.allowed && d.limit == 2 && d.reset_at_ms == 90_000,
+                    "{d:?}"
+                );
+                Some(d.retry_after_ms)
+            }
+            None => None,
+            other => panic!("{other:?}"),
+        };
+        // Sent and answered under subscription 1: kept; counted down on time.
+        let op = sent("k", 2, 2, Some(1));
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(retry(local.answer(&op, Some(1))), Some(30_000));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(retry(local.answer(&op, Some(1))), Some(20_000));
+        // A larger cost is answered; a smaller one, or other limits, go to the server.
+        assert_eq!(
+            retry(local.answer(&sent("k", 2, 2, None), Some(1))),
+            Some(20_000)
+        );
+        assert_eq!(local.answer(&sent("k", 1, 2, None), Some(1)), None);
+        assert_eq!(local.answer(&sent("k", 2, 3, None), Some(1)), None);
+        // Answered until 1 ms before the server's retry-after ended, never after.
+        tokio::time::advance(Duration::from_millis(19_998)).await;
+        assert_eq!(retry(local.answer(&op, Some(1))), Some(2));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(local.answer(&op, Some(1)), None);
+        assert_eq!(local.len(), 0, "an ended answer is dropped");
+        assert_eq!(local.answered(), 4);
+
+        // Under another subscription, or none: not answered (and dropped).
+        let op = sent("k", 1, 2, Some(1));
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(local.answer(&op, None), None);
+        assert_eq!(local.len(), 1);
+        assert_eq!(local.answer(&op, Some(2)), None);
+        assert_eq!(local.len(), 0);
+        // The subscription changed between the call and its reply: not kept.
+        let op = sent("k", 1, 2, Some(1));
+        local.remember(&op, &denial(30_000), Some(2));
+        assert_eq!(local.len(), 0);
+        // A call sent with no live subscription: not kept.
+        let op = sent("k", 1, 2, None);
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(local.len(), 0);
+        // A notice (of any key) between the call and its reply: not kept, it may be this
+        // key's, overtaking the reply.
+        let op = sent("k", 1, 2, Some(1));
+        local.forget("other");
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(local.len(), 0);
+        // A retry-after of 1 ms leaves nothing to answer; an allowed check is never kept.
+        let op = sent("k", 1, 2, Some(1));
+        local.remember(&op, &denial(1), Some(1));
+        let allowed = RateLimitReply::Decision(Decision {
+            allowed: true,
+            limit: 2,
+            remaining: 1,
+            reset_at_ms: 90_000,
+            retry_after_ms: 0,
+        });
+        local.remember(&op, &allowed, Some(1));
+        assert_eq!(local.len(), 0);
+        // A notice forgets its key.
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(local.len(), 1);
+        local.forget("k");
+        assert_eq!(local.answer(&op, Some(1)), None);
+        // At most `max_keys` keys: a full table drops ended answers first, then keeps no more.
+        for key in ["a", "b", "c"] {
+            let op = sent(key, 1, 2, Some(1));
+            local.remember(&op, &denial(30_000), Some(1));
+        }
+        assert_eq!(local.len(), 2);
+        tokio::time::advance(Duration::from_secs(30)).await;
+        let op = sent("c", 1, 2, Some(1));
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(local.len(), 1);
+    }
+
     #[test]
     fn a_batch_reply_is_split_by_its_lengths_and_checked() {
         let flat = [6, 1, 1, 2, 1, 1000, 0, 1, 4, 1, 5];
