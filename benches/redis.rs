@@ -620,6 +620,18 @@ where
 
 async fn vs_peer(redis: &Redis) {
     let (limit, period) = (10, Duration::from_secs(60));
+    // Warm-up, unmeasured: the scripts loaded, the pub/sub listener subscribed, the
+    // runtime's threads and allocator busy.
+    let warm = format!("peer-warm-{}", std::process::id());
+    let window = FixedWindow::new(limit, period).expect("limit");
+    peer_round(redis, window, format!("{warm}-fixed"), false).await;
+    peer_round(
+        redis,
+        Gcra::new(limit, period).expect("limit"),
+        format!("{warm}-gcra"),
+        false,
+    )
+    .await;
     peer_side(
         redis,
         "fixed_window",
