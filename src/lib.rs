@@ -39,7 +39,9 @@
 //! | `http` | yes | rate-limit headers, the [`Enforcer`](rate_limit::Enforcer), client-IP and HMAC keys, and the `http` module: `RateLimitLayer` (on the tower crates only: no runtime, no ractor) and, with `runtime`, `IdempotencyLayer` |
 //! | `tower` | no | the same as `http` (the layers' feature before 0.2) |
 //! | `axum` | no | `IntoResponse` for a rate-limit denial and axum's `ConnectInfo` as the client address (implies `http`) |
-//! | `redis` | no | `store::Redis`: Redis or Redis Cluster as the shared engine, so throttles, debounce (`call_shared`), idempotency and rate limits agree across instances (implies `runtime`) |
+//! | `redis` | no | `store::Redis`: Redis, Redis Cluster or a primary behind Sentinel as the shared engine, so throttles, debounce (`call_shared`), idempotency and rate limits agree across instances (implies `runtime`) |
+//! | `redis-tls` | no | `redis` over TLS (`rediss://`), with a private CA and client certificates (rustls on ring) |
+//! | `postgres` | no | `postgres::PostgresStore`: PostgreSQL as the shared idempotency store, with transactional runs that commit the effect and its record together (implies `runtime`) |
 //! | `metrics` | no | `Runtime::export_metrics` through the `metrics` facade (implies `runtime`) |
 //! | `test-util` | no | tokio's `test-util`, for tests of code that uses throttlebeam |
 //! | `async-trait`, `cluster` | no | forward ractor's modes (imply `runtime`) |
@@ -62,9 +64,11 @@
 //!
 //! In memory, decisions for one key are linearizable within one runtime
 //! instance. Two runtimes in one process never share keys, unless they share
-//! a store: a [`MemoryIdempotencyStore`] or, with the `redis` feature, Redis
-//! (see the README's "Across instances" for what holds across instances and
-//! what falls back to per-instance decisions when the store is unreachable).
+//! a store: a [`MemoryIdempotencyStore`] or, with the `redis` or `postgres`
+//! feature, Redis or PostgreSQL (see the README's "Across instances" for what
+//! holds across instances and what falls back to per-instance decisions when
+//! the store is unreachable, and the repository's `ARCHITECTURE.md` for the
+//! details).
 //!
 //! # Logging
 //!

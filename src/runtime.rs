@@ -278,10 +278,17 @@ impl RuntimeBuilder {
 
     /// [`with_redis_connecting`](Self::with_redis_connecting) with the Redis
     /// the environment names ([`Redis::from_env`](crate::store::Redis::from_env):
-    /// [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV) or
-    /// [`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV)); the builder unchanged
-    /// when neither is set. What the default runtime ([`Runtime::global`])
-    /// does.
+    /// [`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV), one variable for a
+    /// node, a cluster or a primary behind Sentinel, over TLS or not, with an
+    /// ACL user or not, or [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV);
+    /// certificates and credentials from their own variables); the builder
+    /// unchanged when neither URL variable is set. What the default runtime
+    /// ([`Runtime::global`]) does.
+    ///
+    /// A configuration the environment gets wrong (a URL that does not
+    /// parse, a certificate file that cannot be read) is retried like an
+    /// unreachable server, each failure logged: idempotency fails closed
+    /// meanwhile.
     #[cfg(feature = "redis")]
     #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     pub fn with_redis_from_env(self) -> Self {
@@ -809,7 +816,7 @@ impl Runtime {
     /// | `throttlebeam_http_{replays,fresh,in_flight,reused,too_large,invalid,rate_limited,store_failures,no_peer}_total` | counter | `http::HttpStats` (feature `http`): the HTTP layers counting in this runtime |
     /// | `throttlebeam_redis_breaker_state` | gauge | the Redis backend's breaker (feature `redis`): 0 closed, 1 open, 2 half open |
     /// | `throttlebeam_redis_breaker_consecutive_failures`, `throttlebeam_redis_local_answer_keys` | gauge | `store::RedisStats` |
-    /// | `throttlebeam_redis_{commands,local_answers,script_reloads,reconnects,subscriptions,notices}_total` | counter | `store::RedisStats`: round trips, rate-limit checks answered locally, `NOSCRIPT` reloads, reconnections (restarts, failovers followed), pub/sub |
+    /// | `throttlebeam_redis_{commands,local_answers,script_reloads,reconnects,failovers,subscriptions,notices}_total` | counter | `store::RedisStats`: round trips, rate-limit checks answered locally, `NOSCRIPT` reloads, reconnections (restarts, failovers followed), primaries Sentinel named and followed, pub/sub |
     /// | `throttlebeam_redis_breaker_{opened,probes,recoveries,refused,failures}_total` | counter | `store::BreakerStats`: the breaker's transitions and what it refused |
     ///
     /// # Examples

@@ -27,7 +27,10 @@ pub(crate) use self::redis::WindowOpen;
 #[cfg(feature = "redis")]
 pub(crate) use self::redis::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
 #[cfg(feature = "redis")]
-pub use self::redis::{REDIS_CLUSTER_ENV, REDIS_URL_ENV, Redis, RedisBuilder, RedisStats};
+pub use self::redis::{
+    REDIS_CA_FILE_ENV, REDIS_CLIENT_CERT_FILE_ENV, REDIS_CLIENT_KEY_FILE_ENV, REDIS_CLUSTER_ENV,
+    REDIS_PASSWORD_ENV, REDIS_URL_ENV, REDIS_USERNAME_ENV, Redis, RedisBuilder, RedisStats,
+};
 
 /// Why a store could not answer.
 ///
@@ -66,6 +69,14 @@ pub enum StoreError {
     /// The store's configuration is invalid.
     #[error("invalid store configuration: {0}")]
     Config(String),
+    /// The store and this client did not trust each other: the server
+    /// refused the username or password (an ACL user, `requirepass`) or a
+    /// command the ACL user may not run, or the TLS handshake failed on
+    /// trust (the server's certificate not signed by the CA given, or not
+    /// naming the host; the client's certificate refused). Retrying does
+    /// not help until the configuration changes; the cause says which.
+    #[error("store authentication failed")]
+    Auth(#[source] Arc<dyn std::error::Error + Send + Sync + 'static>),
     /// The store holds as many keys as it may.
     #[error("store is full: it holds its cap of {cap} keys")]
     Full {
@@ -96,7 +107,7 @@ impl StoreError {
     pub fn is_store_fault(&self) -> bool {
         matches!(
             self,
-            Self::Timeout { .. } | Self::Unavailable(_) | Self::Panicked { .. }
+            Self::Timeout { .. } | Self::Unavailable(_) | Self::Panicked { .. } | Self::Auth(_)
         )
     }
 }

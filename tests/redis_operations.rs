@@ -384,6 +384,7 @@ async fn the_metrics_export_carries_the_redis_figures() {
     assert!(stats.script_reloads >= 1);
     for name in [
         "throttlebeam_redis_reconnects_total",
+        "throttlebeam_redis_failovers_total",
         "throttlebeam_redis_breaker_opened_total",
         "throttlebeam_redis_breaker_probes_total",
         "throttlebeam_redis_breaker_recoveries_total",

@@ -146,8 +146,17 @@ async fn connect(guard: Connecting, builder: RedisBuilder) {
             }
             Err(error) => {
                 failures += 1;
+                let lasting = matches!(error, StoreError::Config(_) | StoreError::Auth(_));
                 let error: &(dyn std::error::Error + 'static) = &error;
-                if failures == 1 {
+                if failures == 1 && lasting {
+                    tracing::error!(
+                        error,
+                        "redis refuses this configuration (a bad URL or certificate, refused \
+                         credentials): until it changes, idempotency fails closed \
+                         (StoreUnavailable) and throttles and debounce decide per instance; \
+                         retrying in the background"
+                    );
+                } else if failures == 1 {
                     tracing::warn!(
                         error,
                         "redis is unreachable: until it connects, idempotency fails closed \

@@ -5,16 +5,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::ClusterClientBuilder;
+use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue};
 use serde::Serialize;
 
+use self::connection::{Link, Security, Topology};
 use self::script::{LuaScript, ScriptCall};
 use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 
 mod claims;
+mod connection;
 mod debounce;
 mod notify;
 mod rate_limit;
@@ -24,14 +25,41 @@ mod window;
 
 pub(crate) use self::debounce::{BurstListener, BurstNotice, BurstState, NoticeKind, RUN_LEASE};
 
-/// Environment variable read by [`Redis::from_env`]: the URL of a single
-/// Redis node, e.g. `redis://127.0.0.1:6379/0`.
+/// Environment variable read by [`Redis::from_env`]: where Redis is, in any
+/// form [`Redis::builder`] accepts: one node (`redis://127.0.0.1:6379/0`,
+/// `rediss://user:pass@host:6380`), a cluster
+/// (`redis+cluster://host1:7000,host2:7000`) or a primary behind Sentinel
+/// (`redis+sentinel://host1:26379,host2:26379/mymaster`).
 pub const REDIS_URL_ENV: &str = "THROTTLEBEAM_REDIS_URL";
 
 /// Environment variable read by [`Redis::from_env`]: a comma-separated list
 /// of Redis Cluster seed nodes, e.g. `redis://10.0.0.1:7000,redis://10.0.0.2:7000`.
-/// Takes precedence over [`REDIS_URL_ENV`].
+/// Takes precedence over [`REDIS_URL_ENV`] (which can name a cluster too).
 pub const REDIS_CLUSTER_ENV: &str = "THROTTLEBEAM_REDIS_CLUSTER";
+
+/// Environment variable read by [`Redis::from_env`]: the ACL user, instead of
+/// (or overriding) the URL's. See [`RedisBuilder::with_username`].
+pub const REDIS_USERNAME_ENV: &str = "THROTTLEBEAM_REDIS_USERNAME";
+
+/// Environment variable read by [`Redis::from_env`]: the password, instead
+/// of (or overriding) the URL's, so that it need not be percent-encoded
+/// into a URL. See [`RedisBuilder::with_password`].
+pub const REDIS_PASSWORD_ENV: &str = "THROTTLEBEAM_REDIS_PASSWORD";
+
+/// Environment variable read by [`Redis::from_env`] (feature `redis-tls`):
+/// a PEM file of the certificate authorities to trust instead of the
+/// system's, for a `rediss://` URL. See `RedisBuilder::with_ca_pem`.
+pub const REDIS_CA_FILE_ENV: &str = "THROTTLEBEAM_REDIS_CA_FILE";
+
+/// Environment variable read by [`Redis::from_env`] (feature `redis-tls`):
+/// a PEM file of this client's certificate chain, for mutual TLS; with
+/// [`REDIS_CLIENT_KEY_FILE_ENV`]. See `RedisBuilder::with_client_cert_pem`.
+pub const REDIS_CLIENT_CERT_FILE_ENV: &str = "THROTTLEBEAM_REDIS_CLIENT_CERT_FILE";
+
+/// Environment variable read by [`Redis::from_env`] (feature `redis-tls`):
+/// a PEM file of the private key of [`REDIS_CLIENT_CERT_FILE_ENV`]'s
+/// certificate.
+pub const REDIS_CLIENT_KEY_FILE_ENV: &str = "THROTTLEBEAM_REDIS_CLIENT_KEY_FILE";
 
 const DEFAULT_PREFIX: &str = "throttlebeam";
 
@@ -52,11 +80,15 @@ const DEFAULT_PREFIX: &str = "throttlebeam";
 /// redis.ping().await?;
 /// # Ok(()) }
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[must_use]
 pub struct RedisBuilder {
     nodes: Vec<String>,
-    cluster: bool,
+    topology: Topology,
+    /// Boxed: most builders carry none, and builders move by value.
+    security: Box<Security>,
+    /// What was wrong with the URL or the environment, reported by `connect`.
+    problem: Option<String>,
     prefix: String,
     connect_timeout: Duration,
     command_timeout: Duration,
@@ -67,11 +99,49 @@ pub struct RedisBuilder {
     local_answers: usize,
 }
 
+impl std::fmt::Debug for RedisBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let nodes: Vec<String> = self.nodes.iter().map(|n| connection::redact(n)).collect();
+        f.debug_struct("RedisBuilder")
+            .field("nodes", &nodes)
+            .field("topology", &self.topology)
+            .field("security", &self.security)
+            .field("problem", &self.problem)
+            .field("prefix", &self.prefix)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("command_timeout", &self.command_timeout)
+            .field("breaker", &self.breaker)
+            .field("rate_limit_queue", &self.rate_limit_queue)
+            .finish()
+    }
+}
+
 impl RedisBuilder {
-    fn new(nodes: Vec<String>, cluster: bool) -> Self {
+    fn from_url(url: String) -> Self {
+        match connection::parse(&url) {
+            Ok(parsed) => {
+                let mut builder = Self::new(parsed.nodes, parsed.topology);
+                let security = &mut builder.security;
+                security.username = parsed.username;
+                security.password = parsed.password;
+                security.sentinel_username = parsed.sentinel_username;
+                security.sentinel_password = parsed.sentinel_password;
+                builder
+            }
+            Err(problem) => {
+                let mut builder = Self::new(vec![url], Topology::Single);
+                builder.problem = Some(problem);
+                builder
+            }
+        }
+    }
+
+    fn new(nodes: Vec<String>, topology: Topology) -> Self {
         Self {
             nodes,
-            cluster,
+            topology,
+            security: Box::default(),
+            problem: None,
             prefix: DEFAULT_PREFIX.to_owned(),
             connect_timeout: Duration::from_secs(1),
             command_timeout: Duration::from_millis(500),
@@ -111,7 +181,106 @@ impl RedisBuilder {
         self
     }
 
+    /// The ACL user every connection authenticates as (`AUTH user pass`),
+    /// overriding the URL's. Behind Sentinel, the data nodes' user (see
+    /// [`with_sentinel_credentials`](Self::with_sentinel_credentials)).
+    ///
+    /// Refused credentials fail [`connect`](Self::connect) with
+    /// [`StoreError::Auth`].
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), throttlebeam::store::StoreError> {
+    /// use throttlebeam::store::Redis;
+    ///
+    /// // The same as redis://app:s3cret@10.0.0.5:6379
+    /// let redis = Redis::builder("redis://10.0.0.5:6379")
+    ///     .with_username("app")
+    ///     .with_password("s3cret")
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn with_username(mut self, username: impl Into<String>) -> Self {
+        self.security.username = Some(username.into());
+        self
+    }
+
+    /// The password every connection authenticates with (the ACL user's,
+    /// or the `default` user's `requirepass`), overriding the URL's.
+    pub fn with_password(mut self, password: impl Into<String>) -> Self {
+        self.security.password = Some(password.into());
+        self
+    }
+
+    /// The user and password for the Sentinels themselves, when they
+    /// require one (`requirepass` in `sentinel.conf`): the URL's credentials
+    /// are the data nodes'. In a URL: `?sentinel_username=…&sentinel_password=…`.
+    pub fn with_sentinel_credentials(
+        mut self,
+        username: Option<String>,
+        password: impl Into<String>,
+    ) -> Self {
+        self.security.sentinel_username = username;
+        self.security.sentinel_password = Some(password.into());
+        self
+    }
+
+    /// Trusts the certificate authorities in `pem` (one or more
+    /// `-----BEGIN CERTIFICATE-----` blocks) instead of the system's roots,
+    /// for a `rediss://` URL: a managed Redis with its own CA, or a server
+    /// with a self-made one. The server's certificate must also name the
+    /// host of the URL (or its IP address).
+    ///
+    /// A PEM that holds no certificate fails [`connect`](Self::connect) with
+    /// [`StoreError::Config`]; a server whose certificate this CA did not sign
+    /// fails it with [`StoreError::Auth`].
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use throttlebeam::store::Redis;
+    ///
+    /// let redis = Redis::builder("rediss://app:s3cret@redis.internal:6380")
+    ///     .with_ca_pem(std::fs::read("/etc/redis/ca.pem")?)
+    ///     .with_client_cert_pem(
+    ///         std::fs::read("/etc/redis/client.pem")?,
+    ///         std::fs::read("/etc/redis/client.key")?,
+    ///     )
+    ///     .connect()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "redis-tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis-tls")))]
+    pub fn with_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.security.ca_pem = Some(pem.into());
+        self
+    }
+
+    /// Presents this client certificate chain (PEM) and its private key
+    /// (PEM: PKCS#8, PKCS#1 or SEC1) to the server: mutual TLS, for a server
+    /// started with `tls-auth-clients yes`.
+    ///
+    /// A PEM that holds no certificate or no key fails
+    /// [`connect`](Self::connect) with [`StoreError::Config`].
+    #[cfg(feature = "redis-tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "redis-tls")))]
+    pub fn with_client_cert_pem(
+        mut self,
+        cert_pem: impl Into<Vec<u8>>,
+        key_pem: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.security.client_pem = Some((cert_pem.into(), key_pem.into()));
+        self
+    }
+
     fn validate(&self) -> Result<(), StoreError> {
+        if let Some(problem) = &self.problem {
+            return Err(StoreError::Config(problem.clone()));
+        }
         if self.nodes.is_empty() {
             return Err(StoreError::Config("no Redis node given".to_owned()));
         }
@@ -133,60 +302,81 @@ impl RedisBuilder {
     }
 
     /// Connects. A single node is reached through a reconnecting connection
-    /// manager; a cluster through a cluster client that follows the slot map.
+    /// manager; a cluster through a cluster client that follows the slot map;
+    /// a primary behind Sentinel through a connection manager to the primary
+    /// the Sentinels name, moved to the new primary when they name another
+    /// (see [`Redis`]'s "Connections").
     ///
     /// # Errors
     ///
-    /// [`StoreError::Config`] for a bad URL or setting,
-    /// [`StoreError::Unavailable`] or [`StoreError::Timeout`] if no node
-    /// answered in time.
+    /// [`StoreError::Config`] for a bad URL, PEM or setting (the message
+    /// says which, with any password masked), [`StoreError::Auth`] if the
+    /// server refused the credentials or the TLS handshake failed on trust
+    /// (a wrong CA, a client certificate refused), [`StoreError::Unavailable`]
+    /// or [`StoreError::Timeout`] if no node answered in time.
     pub async fn connect(self) -> Result<Redis, StoreError> {
         self.validate()?;
-        let conn = if self.cluster {
-            let client = ClusterClientBuilder::new(self.nodes.clone())
-                .connection_timeout(self.connect_timeout)
-                .response_timeout(self.command_timeout)
-                .retries(1)
-                .build()
-                .map_err(|e| StoreError::Config(e.to_string()))?;
-            let connecting = client.get_async_connection();
-            let conn = tokio::time::timeout(self.connect_timeout, connecting)
-                .await
-                .map_err(|_| StoreError::Timeout {
-                    after: self.connect_timeout,
-                })?
-                .map_err(StoreError::unavailable)?;
-            Conn::Cluster(conn)
-        } else {
-            let client = redis::Client::open(self.nodes[0].as_str())
-                .map_err(|e| StoreError::Config(e.to_string()))?;
-            // No response timeout of its own: every command is already
-            // bounded by `command_timeout` (see `Redis::bounded`), and a
-            // second timer per command costs throughput.
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(self.connect_timeout))
-                .set_response_timeout(None)
-                .set_number_of_retries(1)
-                .set_max_delay(Duration::from_millis(200));
-            let connecting = ConnectionManager::new_with_config(client, config);
-            let conn = tokio::time::timeout(self.connect_timeout, connecting)
-                .await
-                .map_err(|_| StoreError::Timeout {
-                    after: self.connect_timeout,
-                })?
-                .map_err(StoreError::unavailable)?;
-            Conn::Single(conn)
+        let link = match &self.topology {
+            Topology::Cluster => {
+                let client = connection::cluster_client(
+                    &self.nodes,
+                    &self.security,
+                    self.connect_timeout,
+                    self.command_timeout,
+                )?;
+                let subscribers = self
+                    .nodes
+                    .iter()
+                    .map(|n| connection::client(n, &self.security))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let connecting = client.get_async_connection();
+                let conn = match tokio::time::timeout(self.connect_timeout, connecting)
+                    .await
+                    .map_err(|_| StoreError::Timeout {
+                        after: self.connect_timeout,
+                    })? {
+                    Ok(conn) => conn,
+                    Err(e) => {
+                        // The cluster client folds its nodes' errors into
+                        // one message: ask a seed node directly why.
+                        let diagnosed =
+                            connection::diagnose(&subscribers, self.connect_timeout).await;
+                        return Err(diagnosed.unwrap_or_else(|| connection::connect_error(e)));
+                    }
+                };
+                Link::Fixed {
+                    conn: Conn::Cluster(conn),
+                    subscribers,
+                }
+            }
+            Topology::Single => {
+                let client = connection::client(&self.nodes[0], &self.security)?;
+                let conn = connection::manage(client.clone(), self.connect_timeout).await?;
+                Link::Fixed {
+                    conn: Conn::Single(conn),
+                    subscribers: vec![client],
+                }
+            }
+            Topology::Sentinel { master, db } => Link::Sentinel(
+                connection::Follower::connect(
+                    &self.nodes,
+                    master,
+                    *db,
+                    &self.security,
+                    self.connect_timeout,
+                )
+                .await?,
+            ),
         };
         let redis = Redis {
             inner: Arc::new(Inner {
-                conn,
+                link,
                 prefix: self.prefix,
                 command_timeout: self.command_timeout,
                 breaker: Breaker::new(self.breaker),
                 commands: crate::stats::Counter::default(),
                 pinned_now: AtomicU64::new(0),
                 clock: server_clock::ServerClock::default(),
-                nodes: self.nodes,
                 waiters: notify::Waiters::default(),
                 bursts: debounce::BurstListeners::default(),
                 batches: rate_limit::Batcher::new(self.rate_limit_queue, self.local_answers),
@@ -209,7 +399,7 @@ enum Conn {
 }
 
 struct Inner {
-    conn: Conn,
+    link: Link,
     prefix: String,
     command_timeout: Duration,
     breaker: Breaker,
@@ -218,7 +408,6 @@ struct Inner {
     pinned_now: AtomicU64,
     /// The server's clock as estimated here.
     clock: server_clock::ServerClock,
-    nodes: Vec<String>,
     waiters: notify::Waiters,
     /// Who hears debounce notices.
     bursts: debounce::BurstListeners,
@@ -251,6 +440,32 @@ struct OpsCounters {
 /// and completions: a function that ran must not lose its result to an
 /// outage shorter than its lease, so those always go out, as probes (one
 /// that succeeds closes the breaker).
+///
+/// # Connections
+///
+/// There is no pool: every connection is multiplexed (commands from every
+/// task are pipelined on it, replies matched in order), so one connection
+/// per node carries all the traffic of a `Redis` value and its clones.
+/// Each [`RedisBuilder::connect`] makes its own connections.
+///
+/// | deployment | data connections | when one fails |
+/// |---|---|---|
+/// | one node (`redis://`, `rediss://`) | one, through redis-rs's `ConnectionManager` | it reconnects by itself (one retry per attempt, pauses up to 200 ms); the failed command is an error |
+/// | cluster (`redis+cluster://`, [`Redis::cluster`]) | one per node, through redis-rs's cluster client: commands routed by slot, `MOVED`/`ASK` followed | the client refreshes its slot map and retries once within the command timeout |
+/// | Sentinel (`redis+sentinel://`, [`Redis::sentinel`]) | one to the primary the Sentinels name, and one to a Sentinel for lookups | the primary is looked up once a second, and every 100 ms after a command fails on the store's side (or finds the primary demoted, `READONLY`) until it answers again; when the Sentinels name another, it is connected to and used from then on (the breaker closed: its failures were the old primary's); [`RedisStats::failovers`] counts the moves |
+///
+/// Besides, the first idempotency waiter or debounce call starts one pub/sub
+/// connection (completion and debounce notices) to one seed node (behind
+/// Sentinel, the primary), moving to the next node when it fails, with
+/// polling meanwhile. TLS and ACL credentials apply to every connection,
+/// the Sentinels' included.
+///
+/// | setting | default |
+/// |---|---|
+/// | [`with_connect_timeout`](RedisBuilder::with_connect_timeout) | 1 s per connection attempt (behind Sentinel: the lookup, then the connection) |
+/// | [`with_command_timeout`](RedisBuilder::with_command_timeout) | 500 ms for each call, a client's retry included; also a cluster node's response timeout |
+/// | [`with_breaker`](RedisBuilder::with_breaker) | 5 consecutive failures open it for 10 s |
+/// | [`with_rate_limit_queue`](RedisBuilder::with_rate_limit_queue) | 16,384 rate-limit operations waiting for a batch (single node and Sentinel; two batch calls in flight) |
 ///
 /// # Rate limiting
 ///
@@ -342,12 +557,47 @@ pub struct RedisStats {
     /// refused connection: the client reconnected (to a restarted server,
     /// or to the new primary after a failover).
     pub reconnects: u64,
+    /// Times this backend moved to a new primary that the Sentinels named
+    /// (a failover followed); 0 for a node or a cluster (a cluster client
+    /// follows the slot map by itself).
+    pub failovers: u64,
 }
 
 impl Redis {
-    /// A builder for one node, from a `redis://` (or `rediss://`) URL.
+    /// A builder from a URL, in any of these forms:
+    ///
+    /// | form | connects to |
+    /// |---|---|
+    /// | `redis://[user:pass@]host[:port][/db]` | one node (port 6379 by default) |
+    /// | `rediss://[user:pass@]host[:port][/db]` | one node over TLS (feature `redis-tls`) |
+    /// | `redis+cluster://[user:pass@]host:port,host:port,…` | a Redis Cluster, from these seed nodes |
+    /// | `redis://host:port,redis://host:port,…` | the same (a list of node URLs) |
+    /// | `redis+sentinel://[user:pass@]host[:port],…/master[/db]` | the primary that these Sentinels (port 26379 by default) monitor as `master` |
+    /// | `rediss+cluster://…`, `rediss+sentinel://…` | the same over TLS, Sentinels included |
+    ///
+    /// The user and password are an ACL user's (or only a password, for
+    /// `requirepass`), percent-encoded where they hold reserved characters;
+    /// behind Sentinel they are the data nodes' (the Sentinels' own go in
+    /// `?sentinel_username=…&sentinel_password=…`, or
+    /// [`RedisBuilder::with_sentinel_credentials`]). A URL that is none of
+    /// these fails [`connect`](RedisBuilder::connect) with
+    /// [`StoreError::Config`], its password masked in the message.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), throttlebeam::store::StoreError> {
+    /// use throttlebeam::store::Redis;
+    ///
+    /// let primary = Redis::builder(
+    ///     "redis+sentinel://app:s3cret@10.0.0.1:26379,10.0.0.2:26379,10.0.0.3:26379/mymaster",
+    /// )
+    /// .connect()
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
     pub fn builder(url: impl Into<String>) -> RedisBuilder {
-        RedisBuilder::new(vec![url.into()], false)
+        RedisBuilder::from_url(url.into())
     }
 
     /// A builder for a Redis Cluster, from one or more seed node URLs.
@@ -356,31 +606,160 @@ impl Redis {
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        RedisBuilder::new(nodes.into_iter().map(Into::into).collect(), true)
+        RedisBuilder::new(
+            nodes.into_iter().map(Into::into).collect(),
+            Topology::Cluster,
+        )
     }
 
-    /// A builder from the environment: [`REDIS_CLUSTER_ENV`] (comma-separated
-    /// seed nodes) if set, else [`REDIS_URL_ENV`]; `None` when neither is
-    /// set or both are empty.
+    /// A builder for the primary that `sentinels` (Sentinel URLs,
+    /// `redis://host:26379`, or `rediss://` over TLS) monitor under
+    /// `master`: the same as the URL
+    /// `redis+sentinel://host1:26379,host2:26379/<master>`. Credentials in
+    /// these URLs are the Sentinels' own (the first URL's, for all);
+    /// [`with_username`](RedisBuilder::with_username) and
+    /// [`with_password`](RedisBuilder::with_password) set the data nodes'.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), throttlebeam::store::StoreError> {
+    /// use throttlebeam::store::Redis;
+    ///
+    /// let redis = Redis::sentinel(
+    ///     ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"],
+    ///     "mymaster",
+    /// )
+    /// .with_password("s3cret")
+    /// .connect()
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn sentinel<I, S>(sentinels: I, master: impl Into<String>) -> RedisBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        RedisBuilder::new(
+            sentinels.into_iter().map(Into::into).collect(),
+            Topology::Sentinel {
+                master: master.into(),
+                db: 0,
+            },
+        )
+    }
+
+    /// A builder from the environment; `None` when it names no Redis.
+    ///
+    /// Where: [`REDIS_URL_ENV`] (`THROTTLEBEAM_REDIS_URL`), one variable for
+    /// every form [`Redis::builder`] accepts (a node, a cluster, a primary
+    /// behind Sentinel, over TLS or not, with an ACL user or not); or
+    /// [`REDIS_CLUSTER_ENV`] (comma-separated seed node URLs), which takes
+    /// precedence. Then, each optional:
+    ///
+    /// | variable | sets |
+    /// |---|---|
+    /// | [`REDIS_USERNAME_ENV`] `THROTTLEBEAM_REDIS_USERNAME` | the ACL user ([`RedisBuilder::with_username`]) |
+    /// | [`REDIS_PASSWORD_ENV`] `THROTTLEBEAM_REDIS_PASSWORD` | the password ([`RedisBuilder::with_password`]) |
+    /// | [`REDIS_CA_FILE_ENV`] `THROTTLEBEAM_REDIS_CA_FILE` | a PEM file of CAs to trust (`with_ca_pem`, feature `redis-tls`) |
+    /// | [`REDIS_CLIENT_CERT_FILE_ENV`] and [`REDIS_CLIENT_KEY_FILE_ENV`] | PEM files of a client certificate and its key (`with_client_cert_pem`) |
+    ///
+    /// A file that cannot be read (or certificates set without the
+    /// `redis-tls` feature) fails [`connect`](RedisBuilder::connect) with
+    /// [`StoreError::Config`] naming the variable.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), throttlebeam::store::StoreError> {
+    /// use throttlebeam::store::Redis;
+    ///
+    /// // THROTTLEBEAM_REDIS_URL=rediss+sentinel://app:s3cret@s1:26379,s2:26379/mymaster
+    /// // THROTTLEBEAM_REDIS_CA_FILE=/etc/redis/ca.pem
+    /// if let Some(builder) = Redis::from_env() {
+    ///     let redis = builder.connect().await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
     #[must_use]
     pub fn from_env() -> Option<RedisBuilder> {
         let read = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-        if let Some(nodes) = read(REDIS_CLUSTER_ENV) {
+        let mut builder = if let Some(nodes) = read(REDIS_CLUSTER_ENV) {
             let nodes: Vec<String> = nodes
                 .split(',')
                 .map(str::trim)
                 .filter(|n| !n.is_empty())
                 .map(str::to_owned)
                 .collect();
-            return Some(RedisBuilder::new(nodes, true));
+            RedisBuilder::new(nodes, Topology::Cluster)
+        } else {
+            RedisBuilder::from_url(read(REDIS_URL_ENV)?.trim().to_owned())
+        };
+        if let Some(user) = read(REDIS_USERNAME_ENV) {
+            builder.security.username = Some(user);
         }
-        read(REDIS_URL_ENV).map(|url| RedisBuilder::new(vec![url.trim().to_owned()], false))
+        // Not trimmed: a password may end in a space.
+        if let Some(password) = std::env::var(REDIS_PASSWORD_ENV)
+            .ok()
+            .filter(|p| !p.is_empty())
+        {
+            builder.security.password = Some(password);
+        }
+        let file = |name: &str| -> Result<Option<Vec<u8>>, String> {
+            let Some(path) = read(name) else {
+                return Ok(None);
+            };
+            if !cfg!(feature = "redis-tls") {
+                return Err(format!(
+                    "{name} is set, but TLS needs throttlebeam's `redis-tls` feature"
+                ));
+            }
+            std::fs::read(path.trim())
+                .map(Some)
+                .map_err(|e| format!("{name}: cannot read {path:?}: {e}"))
+        };
+        let files = (|| {
+            let ca = file(REDIS_CA_FILE_ENV)?;
+            let cert = file(REDIS_CLIENT_CERT_FILE_ENV)?;
+            let key = file(REDIS_CLIENT_KEY_FILE_ENV)?;
+            let client = match (cert, key) {
+                (Some(cert), Some(key)) => Some((cert, key)),
+                (None, None) => None,
+                _ => {
+                    return Err(format!(
+                        "{REDIS_CLIENT_CERT_FILE_ENV} and {REDIS_CLIENT_KEY_FILE_ENV} go together: \
+                         only one is set"
+                    ));
+                }
+            };
+            Ok((ca, client))
+        })();
+        match files {
+            Ok((ca, client)) => {
+                if ca.is_some() {
+                    builder.security.ca_pem = ca;
+                }
+                if client.is_some() {
+                    builder.security.client_pem = client;
+                }
+            }
+            Err(problem) => {
+                builder.problem.get_or_insert(problem);
+            }
+        }
+        Some(builder)
     }
 
     /// Whether this talks to a Redis Cluster.
     #[must_use]
     pub fn is_cluster(&self) -> bool {
-        matches!(self.inner.conn, Conn::Cluster(_))
+        matches!(
+            self.inner.link,
+            Link::Fixed {
+                conn: Conn::Cluster(_),
+                ..
+            }
+        )
     }
 
     /// The key prefix.
@@ -404,6 +783,7 @@ impl Redis {
             local_answer_keys: local.len(),
             script_reloads: ops.script_reloads.load(Ordering::Relaxed),
             reconnects: ops.reconnects.load(Ordering::Relaxed),
+            failovers: self.inner.link.failovers(),
         }
     }
 
@@ -511,6 +891,10 @@ impl Redis {
         Fut: Future<Output = redis::RedisResult<T>>,
     {
         let breaker = &self.inner.breaker;
+        if self.inner.link.moved() {
+            // A new primary, connected: what opened the breaker was the old one.
+            breaker.admit_anyway().record(true);
+        }
         // Dropped with this future (its caller went away mid-command), the
         // permit is no event: a cancelled probe never wedges the breaker.
         let permit = match class {
@@ -520,8 +904,13 @@ impl Redis {
             Class::MustTry => breaker.admit_anyway(),
         };
         self.inner.commands.incr();
-        let result = self.bounded(call(self.inner.conn.clone())).await;
-        permit.record(!matches!(&result, Err(e) if e.is_store_fault()));
+        let result = self.bounded(call(self.inner.link.conn())).await;
+        let fault = matches!(&result, Err(e) if e.is_store_fault());
+        permit.record(!fault);
+        if fault {
+            // Behind Sentinel the primary may have moved: look it up again.
+            self.inner.link.suspect();
+        }
         let ops = &self.inner.ops;
         match &result {
             Ok(_) => {
@@ -546,6 +935,14 @@ impl Redis {
             Err(fault) => Err(fault.into()),
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout { after }),
+            Ok(Err(e)) if connection::is_auth_error(&e) => Err(StoreError::Auth(Arc::new(e))),
+            // A primary demoted to replica by a failover: the store cannot
+            // serve this instance until it follows the new primary.
+            Ok(Err(e))
+                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly) =>
+            {
+                Err(StoreError::unavailable(e))
+            }
             Ok(Err(e)) if is_reply_error(&e) => Err(StoreError::Protocol(e.to_string())),
             Ok(Err(e)) => Err(StoreError::unavailable(e)),
         }
@@ -1097,20 +1494,22 @@ mod tests {
         let b = Redis::builder("redis://127.0.0.1:1").with_prefix("app");
         // No connection needed to name keys: build the parts by hand.
         let inner = Inner {
-            conn: Conn::Single(
-                ConnectionManager::new_lazy_with_config(
-                    redis::Client::open(b.nodes[0].as_str()).expect("url"),
-                    ConnectionManagerConfig::new(),
-                )
-                .expect("lazy manager"),
-            ),
+            link: Link::Fixed {
+                conn: Conn::Single(
+                    ConnectionManager::new_lazy_with_config(
+                        redis::Client::open(b.nodes[0].as_str()).expect("url"),
+                        connection::manager_config(Duration::from_secs(1)),
+                    )
+                    .expect("lazy manager"),
+                ),
+                subscribers: vec![],
+            },
             prefix: b.prefix,
             command_timeout: b.command_timeout,
             breaker: Breaker::new(b.breaker),
             commands: crate::stats::Counter::default(),
             pinned_now: AtomicU64::new(0),
             clock: server_clock::ServerClock::default(),
-            nodes: vec![],
             waiters: notify::Waiters::default(),
             bursts: debounce::BurstListeners::default(),
             batches: rate_limit::Batcher::default(),

@@ -98,6 +98,8 @@ impl Events {
 pub mod cancel;
 #[cfg(feature = "runtime")]
 pub mod contract;
+#[cfg(feature = "redis")]
+pub mod managed;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "redis")]

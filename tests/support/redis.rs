@@ -16,7 +16,7 @@ pub fn required() -> bool {
 }
 
 /// Skips (returns `None` after one line on stderr) or, under CI, panics.
-fn unavailable<T>(test: &str, why: &str) -> Option<T> {
+pub fn unavailable<T>(test: &str, why: &str) -> Option<T> {
     if required() {
         panic!("{test}: Redis is required under CI=true but {why}");
     }
@@ -24,7 +24,7 @@ fn unavailable<T>(test: &str, why: &str) -> Option<T> {
     None
 }
 
-fn server_binary() -> Option<String> {
+pub fn server_binary() -> Option<String> {
     let bin = std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned());
     Command::new(&bin)
         .arg("--version")
@@ -43,7 +43,7 @@ fn free(port: u16) -> bool {
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
 /// A free port; for a cluster node also its bus port (+10000), so at most 55535.
-fn free_port(cluster: bool) -> u16 {
+pub fn free_port(cluster: bool) -> u16 {
     if !cluster {
         return TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())

@@ -205,17 +205,25 @@ impl Drop for Listening {
 async fn listen(guard: Listening, channel: String, bursts: String, limits: String) {
     let mut pause = Duration::from_millis(100);
     loop {
-        let (url, again) = {
+        let (url, client, again) = {
             let Some(inner) = guard.inner.upgrade() else {
                 return;
             };
             let waiters = &inner.waiters;
-            let node = waiters.node.load(Ordering::Relaxed) % inner.nodes.len().max(1);
-            let url = inner.nodes.get(node).cloned().unwrap_or_default();
-            (url, waiters.subscriptions.load(Ordering::Relaxed) > 0)
+            let (url, client) = inner.link.subscriber(waiters.node.load(Ordering::Relaxed));
+            (
+                url,
+                client,
+                waiters.subscriptions.load(Ordering::Relaxed) > 0,
+            )
         };
         let subscribed = tokio::time::timeout(SUBSCRIBE_TIMEOUT, async {
-            let client = redis::Client::open(url.as_str())?;
+            let client = client.ok_or_else(|| {
+                redis::RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "no node to subscribe on",
+                ))
+            })?;
             let mut pubsub = client.get_async_pubsub().await?;
             pubsub.subscribe(&[&channel, &bursts, &limits]).await?;
             Ok::<_, redis::RedisError>(pubsub)
