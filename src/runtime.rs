@@ -814,6 +814,10 @@ impl Runtime {
     /// | `throttlebeam_trailing_{active,pending,keys,store_keys}` | gauge | [`crate::TrailingStats`], every coalescing throttle added up |
     /// | `throttlebeam_trailing_{calls,leading_runs,trailing_runs,coalesced,store_errors,evictions}_total` | counter | [`crate::TrailingStats`] |
     /// | `throttlebeam_http_{replays,fresh,in_flight,reused,too_large,invalid,rate_limited,store_failures,no_peer}_total` | counter | `http::HttpStats` (feature `http`): the HTTP layers counting in this runtime |
+    /// | `throttlebeam_redis_breaker_state` | gauge | the Redis backend's breaker (feature `redis`): 0 closed, 1 open, 2 half open |
+    /// | `throttlebeam_redis_breaker_consecutive_failures`, `throttlebeam_redis_local_answer_keys` | gauge | `store::RedisStats` |
+    /// | `throttlebeam_redis_{commands,local_answers,script_reloads,reconnects,failovers,subscriptions,notices}_total` | counter | `store::RedisStats`: round trips, rate-limit checks answered locally, `NOSCRIPT` reloads, reconnections (restarts, failovers followed), primaries Sentinel named and followed, pub/sub |
+    /// | `throttlebeam_redis_breaker_{opened,probes,recoveries,refused,failures}_total` | counter | `store::BreakerStats`: the breaker's transitions and what it refused |
     ///
     /// # Examples
     ///
@@ -829,6 +833,10 @@ impl Runtime {
     #[cfg(feature = "metrics")]
     pub fn export_metrics(&self) {
         self.stats().export(&self.core.name);
+        #[cfg(feature = "redis")]
+        if let Some(redis) = self.redis() {
+            redis.stats().export(&self.core.name);
+        }
     }
 
     /// Sweeps every expiring map of the runtime now (throttle windows,

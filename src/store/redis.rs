@@ -98,6 +98,8 @@ pub struct RedisBuilder {
     rate_limit_queue: std::num::NonZeroUsize,
     /// See `RedisBuilder::with_durable_claims`.
     durable_claims: Option<durable::Durability>,
+    /// See `RedisBuilder::with_local_answers`.
+    local_answers: usize,
 }
 
 impl std::fmt::Debug for RedisBuilder {
@@ -149,6 +151,7 @@ impl RedisBuilder {
             breaker: BreakerConfig::default(),
             rate_limit_queue: rate_limit::DEFAULT_QUEUE,
             durable_claims: None,
+            local_answers: rate_limit::DEFAULT_LOCAL_ANSWERS,
         }
     }
 
@@ -381,8 +384,9 @@ impl RedisBuilder {
                 clock: server_clock::ServerClock::default(),
                 waiters: notify::Waiters::default(),
                 bursts: debounce::BurstListeners::default(),
-                batches: rate_limit::Batcher::new(self.rate_limit_queue),
                 durable,
+                batches: rate_limit::Batcher::new(self.rate_limit_queue, self.local_answers),
+                ops: OpsCounters::default(),
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
@@ -413,10 +417,24 @@ struct Inner {
     waiters: notify::Waiters,
     /// Who hears debounce notices.
     bursts: debounce::BurstListeners,
-    /// Rate-limit operations waiting to go out together (single node).
+    /// Rate-limit operations waiting to go out together (single node), and
+    /// the denials answered locally.
     batches: rate_limit::Batcher,
     /// Durable idempotency claims, if on.
     durable: Option<durable::Durable>,
+    /// Operational counters beside `commands` (see [`RedisStats`]).
+    ops: OpsCounters,
+}
+
+/// Counters of what happened to the connection and the scripts.
+#[derive(Default)]
+struct OpsCounters {
+    /// Script calls sent again as `EVAL` after `NOSCRIPT`.
+    script_reloads: AtomicU64,
+    /// A call failed for a lost or refused connection since the last success.
+    link_lost: std::sync::atomic::AtomicBool,
+    /// Successes that came after such failures: the client reconnected.
+    reconnects: AtomicU64,
 }
 
 /// A Redis (or Redis Cluster) backend shared by several instances.
@@ -472,6 +490,13 @@ struct Inner {
 /// [`RateLimitError::Store`](crate::rate_limit::RateLimitError::Store), which
 /// an `Enforcer` (feature `http`) turns into its `FailMode`.
 ///
+/// A key the server denied until T is answered on this instance with no
+/// round trip until shortly before T (nothing another instance does can admit
+/// it sooner); a reset or an override on any instance is announced through
+/// pub/sub and ends those answers everywhere, and none are given while the
+/// subscription is down. See [`RedisBuilder::with_local_answers`]; they are
+/// counted in [`RedisStats::local_answers`].
+///
 /// The store is implemented for each strategy type, not for every
 /// `S: ScriptedStrategy`: such an impl would overlap (E0119) the blanket
 /// `impl<S, St: RateLimitStore<S>> AsyncRateLimitStore<S> for St`, since
@@ -526,6 +551,20 @@ pub struct RedisStats {
     pub subscriptions: u64,
     /// Pub/sub notices the listener received.
     pub notices: u64,
+    /// Rate-limit checks answered locally, with no round trip: denials of
+    /// keys nothing can admit yet (see `RedisBuilder::with_local_answers`).
+    pub local_answers: u64,
+    /// Keys whose denials are answered locally now (ended ones not yet
+    /// dropped included), at most `RedisBuilder::with_local_answers`.
+    pub local_answer_keys: usize,
+    /// Script calls the server did not know the script of (`NOSCRIPT`: a
+    /// restarted or failed-over node, a flushed script cache), sent again
+    /// with the script's text.
+    pub script_reloads: u64,
+    /// Times a command succeeded after commands had failed for a lost or
+    /// refused connection: the client reconnected (to a restarted server,
+    /// or to the new primary after a failover).
+    pub reconnects: u64,
     /// Times this backend moved to a new primary that the Sentinels named
     /// (a failover followed); 0 for a node or a cluster (a cluster client
     /// follows the slot map by itself).
@@ -741,11 +780,17 @@ impl Redis {
     #[must_use]
     pub fn stats(&self) -> RedisStats {
         let (subscriptions, notices) = self.inner.waiters.counts();
+        let local = &self.inner.batches.local;
+        let ops = &self.inner.ops;
         RedisStats {
             commands: self.inner.commands.get(),
             breaker: self.inner.breaker.stats(),
             subscriptions,
             notices,
+            local_answers: local.answered(),
+            local_answer_keys: local.len(),
+            script_reloads: ops.script_reloads.load(Ordering::Relaxed),
+            reconnects: ops.reconnects.load(Ordering::Relaxed),
             failovers: self.inner.link.failovers(),
         }
     }
@@ -833,9 +878,10 @@ impl Redis {
         call: &ScriptCall<'_>,
     ) -> Result<T, StoreError> {
         self.guarded(class, |conn| async move {
+            let reloads = &self.inner.ops.script_reloads;
             match conn {
-                Conn::Single(mut c) => evaluate(call, &mut c).await,
-                Conn::Cluster(mut c) => evaluate(call, &mut c).await,
+                Conn::Single(mut c) => evaluate(call, &mut c, reloads).await,
+                Conn::Cluster(mut c) => evaluate(call, &mut c, reloads).await,
             }
         })
         .await
@@ -887,6 +933,18 @@ impl Redis {
             // Behind Sentinel the primary may have moved: look it up again.
             self.inner.link.suspect();
         }
+        let ops = &self.inner.ops;
+        match &result {
+            Ok(_) => {
+                if ops.link_lost.load(Ordering::Relaxed)
+                    && ops.link_lost.swap(false, Ordering::AcqRel)
+                {
+                    ops.reconnects.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Err(StoreError::Unavailable(_)) => ops.link_lost.store(true, Ordering::Release),
+            Err(_) => {}
+        }
         result
     }
 
@@ -937,13 +995,20 @@ fn is_reply_error(e: &redis::RedisError) -> bool {
 }
 
 /// `call` as `EVALSHA`, then as `EVAL` if the server does not know its script.
-async fn evaluate<T, C>(call: &ScriptCall<'_>, conn: &mut C) -> redis::RedisResult<T>
+async fn evaluate<T, C>(
+    call: &ScriptCall<'_>,
+    conn: &mut C,
+    reloads: &AtomicU64,
+) -> redis::RedisResult<T>
 where
     T: FromRedisValue,
     C: redis::aio::ConnectionLike + Send,
 {
     match call.evalsha().query_async(conn).await {
-        Err(e) if script::is_no_script(&e) => call.eval().query_async(conn).await,
+        Err(e) if script::is_no_script(&e) => {
+            reloads.fetch_add(1, Ordering::Relaxed);
+            call.eval().query_async(conn).await
+        }
         done => done,
     }
 }
@@ -1471,6 +1536,7 @@ mod tests {
             bursts: debounce::BurstListeners::default(),
             batches: rate_limit::Batcher::default(),
             durable: None,
+            ops: OpsCounters::default(),
         };
         let redis = Redis {
             inner: Arc::new(inner),
