@@ -36,8 +36,19 @@
 //!   fresh keys (one caller) against two `EVALSHA` round trips of a script
 //!   that returns 1. Target: <= 1.5.
 //!
+//! - `redis_vs_peer`: our side of the comparison with rate-limiter-flexible's
+//!   `RateLimiterRedis` (ioredis): 64 tasks, 200,000 checks, 10 per 60 s,
+//!   fixed window and GCRA, on fresh keys (every check a new key) and on one
+//!   hot limited key (denied after its first 10, so answered locally), the
+//!   best of 3 rounds, printing ns per check and checks per second. The Node
+//!   side runs against the same server: start a `redis-server`, point this
+//!   bench at it with `THROTTLEBEAM_BENCH_REDIS_URL=redis://127.0.0.1:<port>`
+//!   and run the peer's script against the same port (benches/README.md).
+//!
 //! Run: `cargo bench --features redis --bench redis` (all), or with a name
-//! filter: `cargo bench --features redis --bench redis -- redis_gcra`.
+//! filter: `cargo bench --features redis --bench redis -- redis_gcra`. With
+//! `THROTTLEBEAM_BENCH_REDIS_URL` set, the single-node benches use that
+//! server instead of starting one (`redis_vs_benchmark` is then skipped).
 
 #[path = "support/figures.rs"]
 #[allow(dead_code)]
@@ -55,7 +66,7 @@ use std::time::{Duration, Instant};
 
 use figures::{median, selected};
 use support_redis::{RedisCluster, RedisNode};
-use throttlebeam::rate_limit::{Gcra, Limiter};
+use throttlebeam::rate_limit::{AsyncRateLimitStore, FixedWindow, Gcra, Limiter, Strategy};
 use throttlebeam::store::Redis;
 use throttlebeam::{Runtime, ThrottleOutcome};
 
@@ -537,17 +548,121 @@ fn redis_benchmark(port: u16) -> Option<f64> {
         .ok()
 }
 
+/// Callers and checks of `redis_vs_peer`, as the peer's script runs them.
+const PEER_CALLERS: usize = 64;
+const PEER_CHECKS: u64 = 200_000;
+
+/// `PEER_CHECKS` checks of `strategy` over `PEER_CALLERS` tasks, on fresh keys (`hot`
+/// false: every check a new key) or all on one key: ns per check.
+async fn peer_round<S: Strategy>(redis: &Redis, strategy: S, namespace: String, hot: bool) -> f64
+where
+    Redis: AsyncRateLimitStore<S>,
+{
+    let limiter = Limiter::builder(strategy)
+        .with_store(redis.clone())
+        .with_namespace(namespace)
+        .build();
+    concurrent_with(PEER_CALLERS, PEER_CHECKS, move |n| {
+        let limiter = limiter.clone();
+        async move {
+            let decision = if hot {
+                limiter.check_async("hot").await
+            } else {
+                limiter.check_async(&format!("k{n}")).await
+            };
+            black_box(decision.expect("decision"));
+        }
+    })
+    .await
+}
+
+/// `redis_vs_peer`: one strategy, fresh keys then one hot limited key, best of 3 rounds.
+async fn peer_side<S: Strategy>(redis: &Redis, name: &str, strategy: S)
+where
+    Redis: AsyncRateLimitStore<S>,
+{
+    let (mut fresh, mut hot) = (f64::MAX, f64::MAX);
+    let answered = redis.stats().local_answers;
+    for round in 0..3 {
+        let run = format!("{}-{round}", std::process::id());
+        fresh = fresh.min(
+            peer_round(
+                redis,
+                strategy.clone(),
+                format!("peer-fresh-{name}-{run}"),
+                false,
+            )
+            .await,
+        );
+        hot = hot.min(
+            peer_round(
+                redis,
+                strategy.clone(),
+                format!("peer-hot-{name}-{run}"),
+                true,
+            )
+            .await,
+        );
+    }
+    let local = redis.stats().local_answers - answered;
+    for (line, ns) in [("fresh", fresh), ("hot_limited", hot)] {
+        println!(
+            "redis_vs_peer {name}_{line}: {ns:.0} ns/op, {:.0} ops/s ({PEER_CALLERS} tasks, \
+             {PEER_CHECKS} checks, 10 per 60 s, best of 3)",
+            1e9 / ns
+        );
+    }
+    println!(
+        "redis_vs_peer {name}: {local} of the hot key's {} checks answered locally",
+        3 * PEER_CHECKS
+    );
+}
+
+async fn vs_peer(redis: &Redis) {
+    let (limit, period) = (10, Duration::from_secs(60));
+    // Warm-up, unmeasured: the scripts loaded, the pub/sub listener subscribed, the
+    // runtime's threads and allocator busy.
+    let warm = format!("peer-warm-{}", std::process::id());
+    let window = FixedWindow::new(limit, period).expect("limit");
+    peer_round(redis, window, format!("{warm}-fixed"), false).await;
+    peer_round(
+        redis,
+        Gcra::new(limit, period).expect("limit"),
+        format!("{warm}-gcra"),
+        false,
+    )
+    .await;
+    peer_side(
+        redis,
+        "fixed_window",
+        FixedWindow::new(limit, period).expect("limit"),
+    )
+    .await;
+    peer_side(redis, "gcra", Gcra::new(limit, period).expect("limit")).await;
+}
+
 fn main() {
     let rt = tokio_runtime();
-    let Some(node) = RedisNode::start("bench redis") else {
-        return;
+    // A server of the user's (to run the peer against the same one), or one of our own.
+    let external = std::env::var("THROTTLEBEAM_BENCH_REDIS_URL")
+        .ok()
+        .filter(|u| !u.is_empty());
+    let node = match &external {
+        Some(_) => None,
+        None => match RedisNode::start("bench redis") {
+            Some(node) => Some(node),
+            None => return,
+        },
     };
-    let url = node.url();
+    let url = external.unwrap_or_else(|| node.as_ref().map(RedisNode::url).unwrap_or_default());
     rt.block_on(async {
         let redis = Redis::builder(url.clone())
             .connect()
             .await
             .expect("connects");
+        if selected("redis_vs_peer") {
+            vs_peer(&redis).await;
+        }
         if selected("redis_gcra") {
             gcra(&url, &redis).await;
         }
@@ -600,7 +715,7 @@ fn main() {
         let (hot_ours, hot_anchor) = (hot(&runtime).await, hot(&memory).await);
         compare("redis_throttle_hot", hot_ours, hot_anchor);
 
-        match redis_benchmark(node.port) {
+        match node.as_ref().and_then(|node| redis_benchmark(node.port)) {
             Some(theirs) => {
                 let ours_rps = 1e9 / ours;
                 println!(

@@ -84,7 +84,7 @@ enum RedisChoice {
     /// Connected already.
     Connected(crate::store::Redis),
     /// To connect in the background.
-    Connecting(crate::store::RedisBuilder),
+    Connecting(Box<crate::store::RedisBuilder>),
 }
 
 impl Default for RuntimeBuilder {
@@ -188,7 +188,7 @@ impl RuntimeBuilder {
     #[cfg(feature = "redis")]
     #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     pub fn with_redis_connecting(mut self, redis: crate::store::RedisBuilder) -> Self {
-        self.redis = Some(RedisChoice::Connecting(redis));
+        self.redis = Some(RedisChoice::Connecting(Box::new(redis)));
         self
     }
 
@@ -288,7 +288,7 @@ impl RuntimeBuilder {
         #[cfg(feature = "redis")]
         let redis = self.redis.map(|choice| match choice {
             RedisChoice::Connected(redis) => Backend::connected(redis),
-            RedisChoice::Connecting(builder) => Backend::connecting(builder),
+            RedisChoice::Connecting(builder) => Backend::connecting(*builder),
         });
         let counters = Arc::new(Counters::new());
         let tree = match host {
@@ -678,6 +678,10 @@ impl Runtime {
     /// | `throttlebeam_trailing_{active,pending,keys,store_keys}` | gauge | [`crate::coalesce::CoalesceStats`], every coalescing throttle added up |
     /// | `throttlebeam_trailing_{calls,leading_runs,trailing_runs,coalesced,store_errors,evictions}_total` | counter | [`crate::coalesce::CoalesceStats`] |
     /// | `throttlebeam_http_{replays,fresh,in_flight,reused,too_large,invalid,rate_limited,store_failures,no_peer}_total` | counter | `http::HttpStats` (feature `http`): the HTTP layers counting in this runtime |
+    /// | `throttlebeam_redis_breaker_state` | gauge | the Redis backend's breaker (feature `redis`): 0 closed, 1 open, 2 half open |
+    /// | `throttlebeam_redis_breaker_consecutive_failures`, `throttlebeam_redis_local_answer_keys` | gauge | `store::RedisStats` |
+    /// | `throttlebeam_redis_{commands,local_answers,script_reloads,reconnects,failovers,subscriptions,notices}_total` | counter | `store::RedisStats`: round trips, rate-limit checks answered locally, `NOSCRIPT` reloads, reconnections (restarts, failovers followed), primaries Sentinel named and followed, pub/sub |
+    /// | `throttlebeam_redis_breaker_{opened,probes,recoveries,refused,failures}_total` | counter | `store::BreakerStats`: the breaker's transitions and what it refused |
     ///
     /// # Examples
     ///
@@ -693,6 +697,10 @@ impl Runtime {
     #[cfg(feature = "metrics")]
     pub fn export_metrics(&self) {
         self.stats().export(&self.core.name);
+        #[cfg(feature = "redis")]
+        if let Some(redis) = self.redis() {
+            redis.stats().export(&self.core.name);
+        }
     }
 
     /// Sweeps every expiring map of the runtime now (throttle windows,

@@ -271,6 +271,61 @@ impl Stats {
     }
 }
 
+#[cfg(all(feature = "metrics", feature = "redis"))]
+impl crate::store::RedisStats {
+    /// Publishes these figures through the `metrics` facade, labelled
+    /// `runtime = name` (see [`crate::Runtime::export_metrics`]).
+    pub(crate) fn export(&self, name: &str) {
+        use metrics::{counter, gauge};
+        let label = [("runtime", name.to_owned())];
+        let state = match self.breaker.state {
+            crate::store::BreakerState::Closed => 0.0,
+            crate::store::BreakerState::Open => 1.0,
+            crate::store::BreakerState::HalfOpen => 2.0,
+        };
+        gauge!("throttlebeam_redis_breaker_state", &label).set(state);
+        gauge!("throttlebeam_redis_breaker_consecutive_failures", &label)
+            .set(f64::from(self.breaker.consecutive_failures));
+        #[allow(clippy::cast_precision_loss)]
+        gauge!("throttlebeam_redis_local_answer_keys", &label).set(self.local_answer_keys as f64);
+        let counters: [(&'static str, u64); 12] = [
+            ("throttlebeam_redis_commands_total", self.commands),
+            ("throttlebeam_redis_failovers_total", self.failovers),
+            ("throttlebeam_redis_local_answers_total", self.local_answers),
+            (
+                "throttlebeam_redis_script_reloads_total",
+                self.script_reloads,
+            ),
+            ("throttlebeam_redis_reconnects_total", self.reconnects),
+            ("throttlebeam_redis_subscriptions_total", self.subscriptions),
+            ("throttlebeam_redis_notices_total", self.notices),
+            (
+                "throttlebeam_redis_breaker_opened_total",
+                self.breaker.opened,
+            ),
+            (
+                "throttlebeam_redis_breaker_probes_total",
+                self.breaker.probes,
+            ),
+            (
+                "throttlebeam_redis_breaker_recoveries_total",
+                self.breaker.recoveries,
+            ),
+            (
+                "throttlebeam_redis_breaker_refused_total",
+                self.breaker.refused,
+            ),
+            (
+                "throttlebeam_redis_breaker_failures_total",
+                self.breaker.failures,
+            ),
+        ];
+        for (metric, value) in counters {
+            counter!(metric, &label).absolute(value);
+        }
+    }
+}
+
 /// Stripes of a [`Counter`]: enough that two threads rarely share one.
 pub(crate) const STRIPES: usize = 8;
 

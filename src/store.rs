@@ -83,6 +83,20 @@ pub enum StoreError {
         /// The cap.
         cap: usize,
     },
+    /// A write the store applied but did not replicate to as many replicas as asked within
+    /// the time allowed (`RedisBuilder::with_durable_claims`): it may be lost if its primary
+    /// fails now. The store itself is up, so this does not count against the breaker.
+    #[error(
+        "store write reached {acknowledged} of the {wanted} replicas required within {within:?}"
+    )]
+    NotReplicated {
+        /// Replicas that had to acknowledge the write.
+        wanted: u32,
+        /// Replicas that did.
+        acknowledged: u32,
+        /// How long the store waited for them.
+        within: Duration,
+    },
     /// Refused here, unsent: as many operations as may wait for the store already do (e.g.
     /// the Redis store's rate-limit queue, see `RedisBuilder::with_rate_limit_queue`).
     #[error("store is overloaded: {queued} operations already wait for it, its cap")]

@@ -905,7 +905,15 @@ impl Ticket {
             let error = match store_call(bound, complete).await {
                 Ok(true) => return Completion::Stored,
                 Ok(false) => return Completion::Lost,
-                Err(e) if !(e.is_store_fault() || matches!(e, StoreError::BreakerOpen { .. })) => {
+                // Stored but not yet on enough replicas (durable claims): retried too, so the
+                // result is not lost with its primary.
+                Err(e)
+                    if !(e.is_store_fault()
+                        || matches!(
+                            e,
+                            StoreError::BreakerOpen { .. } | StoreError::NotReplicated { .. }
+                        )) =>
+                {
                     return Completion::Refused(e);
                 }
                 Err(e) => e,

@@ -17,6 +17,22 @@
 //! `{prefix:key}:in` and only ever grows, so a claim's counter orders it
 //! after every earlier claim of the key. Completion and release publish the
 //! key on one channel per prefix, so waiters elsewhere wake at once.
+//!
+//! A claim's fence is the larger of the last one plus one and the server's
+//! `TIME` in microseconds. A plain `INCR` would go backwards across a
+//! failover: replication is asynchronous, so a replica promoted after its
+//! primary died can lack the last increments, and hand out a fence already
+//! issued. The server's clock does not go back that way: every fence the dead
+//! primary issued is at most its clock (fences run ahead of the clock only
+//! for claims of one key less than a microsecond apart), and the promoted
+//! replica reads its own clock at least a failure-detection time later
+//! (`cluster-node-timeout`, or Sentinel's `down-after-milliseconds`), so its
+//! fences are larger unless the two hosts' clocks disagree by more than that.
+//!
+//! With durable claims (`RedisBuilder::with_durable_claims`, see `durable.rs`),
+//! a claim that won and a completion that stored are acknowledged only once
+//! replicated, so a replica promoted after a failover holds every claim that
+//! was acknowledged, and its fence counter with it.
 
 use std::time::Duration;
 
@@ -38,9 +54,14 @@ if rec[1] then
   if rec[1] == 'c' then return {'replay', rec[3] or '', rec[4] or ''} end
   return {'busy', redis.call('PTTL', KEYS[1])}
 end
-local fence = redis.call('INCR', KEYS[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('HSET', KEYS[1], 's', 'f', 't', ARGV[1], 'n', fence, 'fp', ARGV[2])
+-- Monotonic across a failover (see the module docs): never below the server's clock in µs.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local fence = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)
+-- Written as digits: Lua would print a number this large as 1.7e+15.
+local digits = string.format('%.0f', fence)
+redis.call('SET', KEYS[2], digits, 'PX', ARGV[4])
+redis.call('HSET', KEYS[1], 's', 'f', 't', ARGV[1], 'n', digits, 'fp', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {'won', fence}
 ";
@@ -48,8 +69,12 @@ return {'won', fence}
 const COMPLETE: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 't', 'v')
 if rec[1] == 'c' then
-  -- The same completion retried after its reply was lost: stored.
-  if rec[2] == ARGV[1] and rec[3] == ARGV[3] then return 1 end
+  -- The same completion retried after its reply was lost: stored. Written again (its TTL),
+  -- so that a `WAIT` after it, on any connection, covers the first write too.
+  if rec[2] == ARGV[1] and rec[3] == ARGV[3] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[5])
+    return 1
+  end
   return 0
 end
 if rec[1] == 'f' and rec[2] ~= ARGV[1] then return 0 end
@@ -142,7 +167,9 @@ impl Redis {
             .arg(fingerprint_arg(request.fingerprint))
             .arg(px(request.lease))
             .arg(px(request.ttl.max(request.lease)));
-        let reply: Vec<Value> = self.invoke(&call).await?;
+        // Durable claims: only a won claim wrote anything to wait for.
+        let won = |reply: &Vec<Value>| bytes(reply.first()) == b"won";
+        let reply: Vec<Value> = self.invoke_replicated(&call, won).await?;
         let kind = bytes(reply.first());
         match kind.as_slice() {
             b"won" => Ok(ClaimReply::Won {
@@ -182,7 +209,8 @@ impl Redis {
             .arg(self.claims_channel())
             .arg(key);
         // The owner's run happened: never refused by an open breaker.
-        Ok(self.invoke_must_try::<i64>(&call).await? == 1)
+        let stored = |&stored: &i64| stored == 1;
+        Ok(self.invoke_replicated_must_try(&call, stored).await? == 1)
     }
 
     pub(crate) async fn release_key(
@@ -314,10 +342,10 @@ mod tests {
             let fp = [7u8; 32];
             let other = [8u8; 32];
             for key in ["pay:1", "pay:2", "pay:3"] {
-                assert_eq!(
+                assert!(matches!(
                     r.claim(key, request(11, Some(&fp), LEASE)).await.unwrap(),
-                    ClaimReply::Won { fence: 1 }
-                );
+                    ClaimReply::Won { .. }
+                ));
                 match r.claim(key, request(12, Some(&fp), LEASE)).await.unwrap() {
                     ClaimReply::Busy { lease_left } => {
                         assert!(lease_left > Duration::from_secs(29));
@@ -366,7 +394,7 @@ mod tests {
             let key = "forever:1";
             let max = Duration::MAX;
             let won = r.claim(key, ClaimRequest::new(token(1), None, max, max));
-            assert_eq!(won.await.unwrap(), ClaimReply::Won { fence: 1 });
+            assert!(matches!(won.await.unwrap(), ClaimReply::Won { .. }));
             assert!(r.renew(key, token(1), max).await.unwrap());
             let result = StoredResult::new(None, "u8", vec![1]);
             assert!(r.complete(key, token(1), &result, max).await.unwrap());
@@ -383,10 +411,11 @@ mod tests {
         each_server("claims_takeover_fencing", async |r: Redis| {
             let key = "order:9";
             let short = Duration::from_millis(50);
-            assert_eq!(
-                r.claim(key, request(1, None, short)).await.unwrap(),
-                ClaimReply::Won { fence: 1 }
-            );
+            let ClaimReply::Won { fence: first } =
+                r.claim(key, request(1, None, short)).await.unwrap()
+            else {
+                panic!("a free key is won")
+            };
             tokio::time::sleep(Duration::from_millis(80)).await;
             assert_eq!(r.read_record(key).await.unwrap(), RecordReply::Missing);
             // Two duplicates race for the lapsed key: exactly one wins.
@@ -394,11 +423,15 @@ mod tests {
                 r.claim(key, request(2, None, LEASE)),
                 r.claim(key, request(3, None, LEASE))
             );
-            let wins = [a.unwrap(), b.unwrap()]
+            let wins: Vec<u64> = [a.unwrap(), b.unwrap()]
                 .into_iter()
-                .filter(|c| matches!(c, ClaimReply::Won { fence: 2 }))
-                .count();
-            assert_eq!(wins, 1);
+                .filter_map(|c| match c {
+                    ClaimReply::Won { fence } => Some(fence),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(wins.len(), 1);
+            assert!(wins[0] > first, "fences grow");
             // The old owner can neither renew, release nor complete.
             assert!(!r.renew(key, token(1), LEASE).await.unwrap());
             assert!(!r.release(key, token(1)).await.unwrap());
@@ -411,10 +444,10 @@ mod tests {
                 3
             };
             assert!(r.release(key, token(owner)).await.unwrap());
-            assert_eq!(
-                r.claim(key, request(4, None, LEASE)).await.unwrap(),
-                ClaimReply::Won { fence: 3 }
-            );
+            match r.claim(key, request(4, None, LEASE)).await.unwrap() {
+                ClaimReply::Won { fence } => assert!(fence > wins[0], "fences grow"),
+                other => panic!("{other:?}"),
+            }
         })
         .await;
     }

@@ -168,6 +168,10 @@ pub struct LimiterStats {
     pub evictions: u64,
     /// Keys the store holds (0 when the store cannot tell).
     pub keys: usize,
+    /// Checks the store answered by itself, with no round trip to the shared backend (the
+    /// Redis store's local answers to limited keys; counted per store, so limiters sharing
+    /// one `Redis` count together). Included in `denied`.
+    pub local_answers: u64,
 }
 
 /// Counters striped over cache lines, so threads deciding at once do not contend on one.
@@ -468,7 +472,7 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
         }
     }
 
-    /// The limiter's counters, with the store's key count and evictions.
+    /// The limiter's counters, with the store's key count, evictions and local answers.
     #[must_use]
     pub fn stats(&self) -> LimiterStats {
         let c = &self.inner.counters;
@@ -478,7 +482,34 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
             errors: c.sum(|s| &s.errors),
             evictions: AsyncRateLimitStore::evictions(&self.inner.store),
             keys: AsyncRateLimitStore::keys(&self.inner.store).unwrap_or(0),
+            local_answers: AsyncRateLimitStore::local_answers(&self.inner.store),
         }
+    }
+
+    /// Applies `strategy` instead of the default to `key` (e.g. a higher quota for one
+    /// customer). The key keeps its state, so use a strategy of the same kind. A store that
+    /// answers some denials locally forgets those of `key` (the Redis store: on every
+    /// instance, see `RedisBuilder::with_local_answers`).
+    ///
+    /// # Errors
+    ///
+    /// [`RateLimitError::InvalidKey`] for an empty or over-long key.
+    pub fn set_override(&self, key: &str, strategy: S) -> Result<(), RateLimitError> {
+        RateLimitError::check_key(key)?;
+        self.inner.overrides.insert(Box::from(key), strategy);
+        self.inner.has_overrides.store(true, Ordering::Release);
+        AsyncRateLimitStore::limits_changed(&self.inner.store, &self.store_key(key));
+        Ok(())
+    }
+
+    /// Goes back to the default strategy for `key`; returns the override it had. Local
+    /// answers of `key` are forgotten as by [`Limiter::set_override`].
+    pub fn remove_override(&self, key: &str) -> Option<S> {
+        let removed = self.inner.overrides.remove(key).map(|(_, s)| s);
+        if removed.is_some() {
+            AsyncRateLimitStore::limits_changed(&self.inner.store, &self.store_key(key));
+        }
+        removed
     }
 }
 
@@ -516,24 +547,6 @@ impl<S: Strategy, St> Limiter<S, St> {
     #[inline]
     pub fn now_us(&self) -> u64 {
         self.inner.clock.now_us()
-    }
-
-    /// Applies `strategy` instead of the default to `key` (e.g. a higher quota for one
-    /// customer). The key keeps its state, so use a strategy of the same kind.
-    ///
-    /// # Errors
-    ///
-    /// [`RateLimitError::InvalidKey`] for an empty or over-long key.
-    pub fn set_override(&self, key: &str, strategy: S) -> Result<(), RateLimitError> {
-        RateLimitError::check_key(key)?;
-        self.inner.overrides.insert(Box::from(key), strategy);
-        self.inner.has_overrides.store(true, Ordering::Release);
-        Ok(())
-    }
-
-    /// Goes back to the default strategy for `key`; returns the override it had.
-    pub fn remove_override(&self, key: &str) -> Option<S> {
-        self.inner.overrides.remove(key).map(|(_, s)| s)
     }
 
     #[inline]

@@ -16,7 +16,8 @@
 -- `unpack` cost the server a third of what formatting and matching the same fields as text
 -- did.
 -- An operation's arguments, from ARGV[o]:
---   op     c check, r reserve, p peek, f forecast, x reset
+--   op     c check, r reserve, p peek, f forecast, x reset (then only its channel: the script
+--          publishes the key there, for the instances that answer its denials locally)
 --   cost
 --   slack  ms the key outlives its state's rest point (server time: 1; pinned: more)
 --   kinds  one letter per tier (also the stored signature)
@@ -208,7 +209,7 @@ end
 -- from index 5.
 local function params(o)
   local op = ARGV[o]
-  if op == 'x' then return {op} end
+  if op == 'x' then return {op, ARGV[o + 1]} end
   local kinds = ARGV[o + 3]
   local p = {op, tonumber(ARGV[o + 1]), tonumber(ARGV[o + 2]), kinds}
   for i = 1, 4 * #kinds do p[4 + i] = tonumber(ARGV[o + 3 + i]) end
@@ -282,6 +283,8 @@ local function decide(key, p, now, raw, out, i)
   local op = p[1]
   if op == 'x' then
     redis.call('DEL', key)
+    -- Instances answering this key's denials locally forget them (p[2]: the channel).
+    if p[2] and p[2] ~= '' then redis.call('PUBLISH', p[2], key) end
     written[key] = false
     if deferred then deferred[key] = nil end
     out[i] = 4

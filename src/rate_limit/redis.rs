@@ -30,6 +30,20 @@
 //! the Rust strategies keep it, and expires (`PX`) once it is at rest, when it is equal to no
 //! state at all.
 //!
+//! # Limited keys answered locally
+//!
+//! A check (or a shaper's reservation) the server denies until T is answered by this
+//! instance, with no round trip, for later checks of the same key with the same limit and
+//! at least the same cost, until `retry_after - 1 ms` after the call was sent (never past
+//! T, whatever the latency). Spending only postpones T, so no other instance can make such an
+//! answer wrong; a reset can, and so can an override (other limits on the same state): a
+//! reset's script publishes its key on `<prefix>:rate-limit` in the same call, an override
+//! set or removed on a limiter publishes it too, and every instance forgets that key's local
+//! answer when the notice arrives. Answers are kept only while the subscription that would
+//! carry such a notice is live and the same one as when the denial was sent, and a denial
+//! whose call was sent before a notice arrived is not kept (the notice may overtake the
+//! reply). See `RedisBuilder::with_local_answers`.
+//!
 //! # Bit for bit
 //!
 //! Every value the maths reaches stays an integer below 2^53, so a Lua number (a double)
@@ -58,9 +72,12 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
+use std::time::Duration;
 
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 use crate::rate_limit::{
     AsyncRateLimitStore, Decision, FixedWindow, Forecast, Gcra, InsufficientCapacity, LeakyBucket,
@@ -226,6 +243,9 @@ fn decode(reply: &[i64]) -> Result<RateLimitReply, StoreError> {
 struct Operation {
     key: String,
     args: Args,
+    /// For a check or a reservation whose denial this instance may answer locally: what held
+    /// when it was sent (see [`LocalAnswers::remember`]).
+    ticket: Option<Ticket>,
 }
 
 /// An operation's arguments, the key aside: operations with equal ones share one set in a
@@ -237,15 +257,27 @@ struct Args {
     slack: u64,
     kinds: String,
     numbers: Vec<u64>,
+    /// A reset's channel, where the script announces it (see [`LocalAnswers`]); empty for
+    /// the other operations.
+    channel: String,
 }
 
 impl Args {
     /// How many arguments [`Args::push`] adds.
     fn count(&self) -> usize {
-        4 + self.numbers.len()
+        if self.op == "x" {
+            2
+        } else {
+            4 + self.numbers.len()
+        }
     }
 
     fn push(&self, call: &mut ScriptCall<'_>) {
+        if self.op == "x" {
+            // A reset needs no parameters: it deletes the key and says so on its channel.
+            call.arg(self.op).arg(&self.channel);
+            return;
+        }
         call.arg(self.op)
             .arg(self.cost)
             .arg(self.slack)
@@ -351,11 +383,14 @@ pub(crate) struct Batcher {
     state: Mutex<BatchState>,
     /// The most operations waiting at once; past it, operations are refused.
     max_queued: usize,
+    /// The denials answered without a round trip (the rate limiter's other per-instance
+    /// state, kept beside its batches).
+    pub(super) local: LocalAnswers,
 }
 
 impl Default for Batcher {
     fn default() -> Self {
-        Self::new(DEFAULT_QUEUE)
+        Self::new(DEFAULT_QUEUE, DEFAULT_LOCAL_ANSWERS)
     }
 }
 
@@ -395,10 +430,11 @@ impl Queued {
 }
 
 impl Batcher {
-    pub(crate) fn new(max_queued: NonZeroUsize) -> Self {
+    pub(crate) fn new(max_queued: NonZeroUsize, local_answers: usize) -> Self {
         Self {
             state: Mutex::default(),
             max_queued: max_queued.get(),
+            local: LocalAnswers::new(local_answers),
         }
     }
 
@@ -408,9 +444,37 @@ impl Batcher {
 }
 
 impl Redis {
+    /// Local answers given so far and the keys held for them (for [`RedisStats`](crate::store::RedisStats)).
+    pub(crate) fn local_answer_counts(&self) -> (u64, usize) {
+        let batcher = self.batcher();
+        (batcher.local.answered(), batcher.local.len())
+    }
+}
+
+/// The rate limiter's slice of a connection (see `Redis::slice`).
+struct RateLimitSlice(std::sync::Arc<Batcher>);
+
+impl Redis {
     /// This connection's batcher (made on first use).
     fn batcher(&self) -> std::sync::Arc<Batcher> {
-        self.slice(|| Batcher::new(self.inner.rate_limit_queue.unwrap_or(DEFAULT_QUEUE)))
+        let slice = self.slice(|| {
+            let batcher = std::sync::Arc::new(Batcher::new(
+                self.inner.rate_limit_queue.unwrap_or(DEFAULT_QUEUE),
+                self.inner.local_answers.unwrap_or(DEFAULT_LOCAL_ANSWERS),
+            ));
+            // Another instance changed a limited key: forget its local answer.
+            let heard = std::sync::Arc::downgrade(&batcher);
+            self.inner.subscribers.register(
+                self.rate_limit_channel(),
+                std::sync::Arc::new(move |bytes: &[u8]| {
+                    if let Some(batcher) = heard.upgrade() {
+                        batcher.local.forget(&String::from_utf8_lossy(bytes));
+                    }
+                }),
+            );
+            RateLimitSlice(batcher)
+        });
+        std::sync::Arc::clone(&slice.0)
     }
 }
 
@@ -532,6 +596,9 @@ impl Draining {
             }) {
                 Ok(answers) => {
                     for (queued, answer) in batch.into_iter().zip(answers) {
+                        if let Ok(reply) = &answer {
+                            self.redis.remember(&queued.operation, reply);
+                        }
                         let _ = queued.reply.send(answer);
                     }
                 }
@@ -542,6 +609,294 @@ impl Draining {
                 }
             }
         }
+    }
+}
+
+/// How many limited keys a [`Redis`] answers locally at most by default (see
+/// `RedisBuilder::with_local_answers`).
+pub(super) const DEFAULT_LOCAL_ANSWERS: usize = 10_000;
+
+impl RedisBuilder {
+    /// How many limited keys this instance may answer locally at once (default 10,000; 0
+    /// turns local answers off).
+    ///
+    /// A check (or a shaper reservation) denied by the server until T is answered here,
+    /// with no round trip, by later checks of the same key with the same limit and a cost at
+    /// least as large, until shortly before T: nothing another instance does can admit it
+    /// sooner, since spending only postpones T. The local answer is the server's denial with
+    /// its retry-after counted down (`remaining`, `limit` and `reset_at_ms` as the server
+    /// last reported them; for a larger cost than the one denied, the retry-after is when the
+    /// denied cost could pass, and the server answers the check after it).
+    ///
+    /// What can admit a key sooner is announced through pub/sub: a `reset` (the script
+    /// publishes it with the deletion, in the same call) and an override set or removed on
+    /// a limiter; every instance forgets the key's local answer when the notice arrives.
+    /// Local answers are only kept and given while this instance's subscription is live and
+    /// has not been lost since the denial was sent, so a notice missed while the subscription
+    /// was down never leaves a stale answer: whatever the subscription misses, the server
+    /// decides. A key deleted behind the library's back (`DEL`, `FLUSHDB`, eviction under
+    /// `maxmemory`) is seen once its local answer ends, before T. While a test pins the
+    /// scripts' time ([`Redis::pin_time`]), nothing is answered locally.
+    ///
+    /// The notices travel on the backend's one pub/sub connection (the one idempotency
+    /// waiters and shared debounce use), which the first rate-limit check opens when local
+    /// answers are on.
+    ///
+    /// Memory is bounded: at most `max_keys` entries of a few hundred bytes; an entry ends
+    /// at its T, and a full table first drops the ended ones, then answers new denials from
+    /// the server. [`RedisStats::local_answers`](crate::store::RedisStats::local_answers) counts the
+    /// answers given.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), throttlebeam::store::StoreError> {
+    /// use throttlebeam::store::Redis;
+    ///
+    /// let redis = Redis::builder("redis://127.0.0.1:6379")
+    ///     .with_local_answers(50_000)
+    ///     .connect()
+    ///     .await?;
+    /// # drop(redis);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_local_answers(mut self, max_keys: usize) -> Self {
+        self.local_answers = Some(max_keys);
+        self
+    }
+}
+
+/// What held when a check that may be answered locally later was sent: its denial is kept
+/// only if no invalidation came and the subscription stayed the same meanwhile.
+#[derive(Clone, Copy)]
+struct Ticket {
+    sent: Instant,
+    epoch: u64,
+    /// The live subscription (its number), if any.
+    subscription: Option<u64>,
+}
+
+/// A denial answered locally (see [`LocalAnswers`]).
+struct Denied {
+    kinds: Box<str>,
+    numbers: Box<[u64]>,
+    /// The cost denied: checks of this cost or more are answered.
+    cost: u32,
+    /// Answered locally before this instant: `retry_after - 1 ms` after the call was sent,
+    /// never later than the server's T.
+    until: Instant,
+    /// What retry-afters count down to: `retry_after` after the reply arrived, never earlier
+    /// than the server's T.
+    admit_at: Instant,
+    /// The server's figures, when the denial was a check's (a reservation's carries none).
+    decision: Option<(u64, u64, u64)>,
+    /// The subscription live when the denial was sent.
+    subscription: u64,
+}
+
+/// Denials this instance answers without a round trip (see
+/// `RedisBuilder::with_local_answers`): at most `max_keys` keys, each until shortly before
+/// the server's T, while the pub/sub subscription that would announce a reset is the one
+/// that was live when the denial was sent.
+pub(super) struct LocalAnswers {
+    entries: dashmap::DashMap<String, Denied, ahash::RandomState>,
+    max_keys: usize,
+    /// Bumped by every invalidation: a denial sent before one is not kept (its notice may
+    /// have arrived before its reply).
+    epoch: AtomicU64,
+    /// Answers given.
+    answered: crate::stats::Counter,
+}
+
+impl LocalAnswers {
+    pub(super) fn new(max_keys: usize) -> Self {
+        Self {
+            entries: dashmap::DashMap::default(),
+            max_keys,
+            epoch: AtomicU64::new(0),
+            answered: crate::stats::Counter::default(),
+        }
+    }
+
+    /// Answers given so far.
+    pub(super) fn answered(&self) -> u64 {
+        self.answered.get()
+    }
+
+    /// Keys answered locally now (ended ones not yet dropped included).
+    pub(super) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// What to note when sending `args`, if its denial may be kept.
+    fn ticket(&self, args: &Args, subscription: Option<u64>) -> Option<Ticket> {
+        (self.max_keys > 0 && matches!(args.op, "c" | "r")).then(|| Ticket {
+            sent: Instant::now(),
+            epoch: self.epoch.load(Ordering::SeqCst),
+            subscription,
+        })
+    }
+
+    /// The local answer to `operation`, if a denial covers it.
+    fn answer(&self, operation: &Operation, subscription: Option<u64>) -> Option<RateLimitReply> {
+        let subscription = subscription?;
+        let entry = self.entries.get(&operation.key)?;
+        let args = &operation.args;
+        let now = Instant::now();
+        if now >= entry.until || entry.subscription != subscription {
+            drop(entry);
+            self.entries.remove_if(&operation.key, |_, d| {
+                now >= d.until || d.subscription != subscription
+            });
+            return None;
+        }
+        if args.cost < entry.cost || *entry.kinds != *args.kinds || *entry.numbers != *args.numbers
+        {
+            return None;
+        }
+        // Rounded up, as the server rounds: waiting it suffices.
+        let left = entry.admit_at.saturating_duration_since(now);
+        let retry_after_ms = u64::try_from(left.as_micros().div_ceil(1_000))
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let reply = match (args.op, entry.decision) {
+            ("c", Some((limit, remaining, reset_at_ms))) => RateLimitReply::Decision(Decision {
+                allowed: false,
+                limit,
+                remaining,
+                reset_at_ms,
+                retry_after_ms,
+            }),
+            ("r", _) => {
+                RateLimitReply::Reservation(ShaperReservation::QueueFull { retry_after_ms })
+            }
+            _ => return None,
+        };
+        drop(entry);
+        self.answered.incr();
+        Some(reply)
+    }
+
+    /// Keeps the denial `reply` to `operation` if it is sound to answer locally: sent while a
+    /// subscription was live that is still the live one, no invalidation since, and more
+    /// than a millisecond to wait.
+    fn remember(&self, operation: &Operation, reply: &RateLimitReply, live: Option<u64>) {
+        let Some(ticket) = operation.ticket else {
+            return;
+        };
+        let (retry_after_ms, decision) = match *reply {
+            RateLimitReply::Decision(d) if !d.allowed => (
+                d.retry_after_ms,
+                Some((d.limit, d.remaining, d.reset_at_ms)),
+            ),
+            RateLimitReply::Reservation(ShaperReservation::QueueFull { retry_after_ms }) => {
+                (retry_after_ms, None)
+            }
+            _ => return,
+        };
+        let Some(subscription) = ticket.subscription.filter(|s| live == Some(*s)) else {
+            return;
+        };
+        // The server decided at or after `sent`, and its T is more than `retry - 1` ms after
+        // that (the retry-after is rounded up); the reply came at `now`, at or after it, so T
+        // is at most `retry` ms after `now`.
+        let now = Instant::now();
+        let until = ticket.sent + Duration::from_millis(retry_after_ms.saturating_sub(1));
+        if until <= now {
+            return;
+        }
+        let admit_at = now + Duration::from_millis(retry_after_ms);
+        if self.entries.len() >= self.max_keys {
+            self.entries.retain(|_, d| d.until > now);
+            if self.entries.len() >= self.max_keys {
+                return;
+            }
+        }
+        let args = &operation.args;
+        let denied = Denied {
+            kinds: args.kinds.as_str().into(),
+            numbers: args.numbers.as_slice().into(),
+            cost: args.cost,
+            until,
+            admit_at,
+            decision,
+            subscription,
+        };
+        // Under the key's shard lock: an invalidation bumps the epoch before it removes the
+        // key, so either this sees the bump, or the removal comes after this insertion.
+        match self.entries.entry(operation.key.clone()) {
+            dashmap::Entry::Occupied(mut held) => {
+                if self.epoch.load(Ordering::SeqCst) != ticket.epoch {
+                    return;
+                }
+                let kept = held.get();
+                let covers_more = kept.until > now
+                    && kept.cost < denied.cost
+                    && kept.subscription == subscription
+                    && kept.kinds == denied.kinds
+                    && kept.numbers == denied.numbers;
+                if !covers_more {
+                    held.insert(denied);
+                }
+            }
+            dashmap::Entry::Vacant(slot) => {
+                if self.epoch.load(Ordering::SeqCst) == ticket.epoch {
+                    slot.insert(denied);
+                }
+            }
+        }
+    }
+
+    /// Forgets the local answer of `key` (a stored key name), and stops keeping denials sent
+    /// before now.
+    pub(super) fn forget(&self, key: &str) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        self.entries.remove(key);
+    }
+}
+
+impl Redis {
+    /// The channel where resets and overrides of rate-limited keys are announced, for the
+    /// instances that answer their denials locally.
+    pub(crate) fn rate_limit_channel(&self) -> String {
+        format!("{}:rate-limit", self.prefix())
+    }
+
+    /// The live subscription's number, when local answers may be given; starts the listener
+    /// if none runs.
+    fn live_subscription(&self) -> Option<u64> {
+        let live = self.subscription_live();
+        if live.is_none() {
+            self.subscribe();
+        }
+        live
+    }
+
+    /// Forgets the local answers of `key` (a limiter's store key) here, and has every other
+    /// instance forget theirs: its limits changed (an override set or removed).
+    fn limits_changed(&self, key: &str) {
+        let key = self.key(key, ":r");
+        let batcher = self.batcher();
+        let local = &batcher.local;
+        if local.max_keys == 0 {
+            return;
+        }
+        local.forget(&key);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::debug!(
+                key,
+                "no tokio runtime to announce a changed limit: other instances forget their local answers at their T"
+            );
+            return;
+        };
+        let redis = self.clone();
+        runtime.spawn(async move {
+            let mut publish = redis::cmd("PUBLISH");
+            publish.arg(redis.rate_limit_channel()).arg(&key);
+            if let Err(error) = redis.query::<i64>(&publish).await {
+                tracing::debug!(key, %error, "announcing a changed limit failed");
+            }
+        });
     }
 }
 
@@ -558,14 +913,41 @@ impl Redis {
         &self,
         request: RateLimitRequest<'_, S>,
     ) -> Result<RateLimitReply, RateLimitError> {
-        let operation = self.operation(&request)?;
+        let mut operation = self.operation(&request)?;
+        let batcher = self.batcher();
+        let local = &batcher.local;
+        if local.max_keys > 0
+            && matches!(operation.args.op, "c" | "r")
+            && self.pinned_us_at().is_none()
+        {
+            let live = self.live_subscription();
+            if let Some(reply) = local.answer(&operation, live) {
+                return Ok(reply);
+            }
+            if live.is_some() {
+                operation.ticket = local.ticket(&operation.args, live);
+            }
+        }
+        let reset = (operation.args.op == "x").then(|| operation.key.clone());
         let reply = if self.is_cluster() {
             // A cluster runs a script on one slot's keys only: one call per operation.
             self.alone(&operation).await
         } else {
             self.batched(operation).await
         };
+        if let Some(key) = reset {
+            // Whatever the reply: a reset that timed out may have run.
+            local.forget(&key);
+        }
         reply.map_err(|e| RateLimitError::store(request.key, e))
+    }
+
+    /// Keeps `reply` to `operation` as a local answer if it is a denial that may be one.
+    fn remember(&self, operation: &Operation, reply: &RateLimitReply) {
+        if operation.ticket.is_some() {
+            let live = self.subscription_live();
+            self.batcher().local.remember(operation, reply, live);
+        }
     }
 
     /// The script's view of `request`, after the checks made before any round trip.
@@ -609,6 +991,11 @@ impl Redis {
             kinds.push(kind);
             numbers.extend_from_slice(&values);
         }
+        let channel = if op == "x" {
+            self.rate_limit_channel()
+        } else {
+            String::new()
+        };
         Ok(Operation {
             key: self.key(request.key, ":r"),
             args: Args {
@@ -617,7 +1004,9 @@ impl Redis {
                 slack,
                 kinds,
                 numbers,
+                channel,
             },
+            ticket: None,
         })
     }
 
@@ -628,7 +1017,9 @@ impl Redis {
         call.key(&operation.key).arg(self.pinned_us());
         operation.args.push(&mut call);
         let reply: Vec<i64> = self.invoke(&call).await?;
-        reply_of(&operation.key, &reply)
+        let reply = reply_of(&operation.key, &reply)?;
+        self.remember(operation, &reply);
+        Ok(reply)
     }
 
     /// Sends `operation` at once if a call slot is free and nothing is queued; otherwise
@@ -703,6 +1094,14 @@ macro_rules! scripted_store {
             fn call_timeout(&self) -> Option<std::time::Duration> {
                 None
             }
+
+            fn local_answers(&self) -> u64 {
+                self.batcher().local.answered()
+            }
+
+            fn limits_changed(&self, key: &str) {
+                Redis::limits_changed(self, key);
+            }
         }
     )+};
 }
@@ -721,6 +1120,14 @@ impl<A: ScriptedStrategy, B: ScriptedStrategy> AsyncRateLimitStore<Tiered<A, B>>
     /// `None`: every call is bounded by the command timeout already.
     fn call_timeout(&self) -> Option<std::time::Duration> {
         None
+    }
+
+    fn local_answers(&self) -> u64 {
+        self.batcher().local.answered()
+    }
+
+    fn limits_changed(&self, key: &str) {
+        Redis::limits_changed(self, key);
     }
 }
 
@@ -1030,6 +1437,117 @@ mod tests {
         .await;
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_denial_is_kept_only_when_sound_and_answered_until_shortly_before_its_end() {
+        let local = LocalAnswers::new(2);
+        let args = |cost, limit| Args {
+            op: "c",
+            cost,
+            slack: 1,
+            kinds: "f".to_owned(),
+            numbers: vec![limit, 60_000_000, 0, 0],
+            channel: String::new(),
+        };
+        let sent = |key: &str, cost, limit, live| {
+            let args = args(cost, limit);
+            let ticket = local.ticket(&args, live);
+            Operation {
+                key: key.to_owned(),
+                args,
+                ticket,
+            }
+        };
+        let denial = |retry_after_ms| {
+            RateLimitReply::Decision(Decision {
+                allowed: false,
+                limit: 2,
+                remaining: 0,
+                reset_at_ms: 90_000,
+                retry_after_ms,
+            })
+        };
+        let retry = |reply: Option<RateLimitReply>| match reply {
+            Some(RateLimitReply::Decision(d)) => {
+                assert!(
+                    !d.allowed && d.limit == 2 && d.reset_at_ms == 90_000,
+                    "{d:?}"
+                );
+                Some(d.retry_after_ms)
+            }
+            None => None,
+            other => panic!("{other:?}"),
+        };
+        // Sent and answered under subscription 1: kept; counted down on time.
+        let op = sent("k", 2, 2, Some(1));
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(retry(local.answer(&op, Some(1))), Some(30_000));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(retry(local.answer(&op, Some(1))), Some(20_000));
+        // A larger cost is answered; a smaller one, or other limits, go to the server.
+        assert_eq!(
+            retry(local.answer(&sent("k", 2, 2, None), Some(1))),
+            Some(20_000)
+        );
+        assert_eq!(local.answer(&sent("k", 1, 2, None), Some(1)), None);
+        assert_eq!(local.answer(&sent("k", 2, 3, None), Some(1)), None);
+        // Answered until 1 ms before the server's retry-after ended, never after.
+        tokio::time::advance(Duration::from_millis(19_998)).await;
+        assert_eq!(retry(local.answer(&op, Some(1))), Some(2));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(local.answer(&op, Some(1)), None);
+        assert_eq!(local.len(), 0, "an ended answer is dropped");
+        assert_eq!(local.answered(), 4);
+
+        // Under another subscription, or none: not answered (and dropped).
+        let op = sent("k", 1, 2, Some(1));
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(local.answer(&op, None), None);
+        assert_eq!(local.len(), 1);
+        assert_eq!(local.answer(&op, Some(2)), None);
+        assert_eq!(local.len(), 0);
+        // The subscription changed between the call and its reply: not kept.
+        let op = sent("k", 1, 2, Some(1));
+        local.remember(&op, &denial(30_000), Some(2));
+        assert_eq!(local.len(), 0);
+        // A call sent with no live subscription: not kept.
+        let op = sent("k", 1, 2, None);
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(local.len(), 0);
+        // A notice (of any key) between the call and its reply: not kept, it may be this
+        // key's, overtaking the reply.
+        let op = sent("k", 1, 2, Some(1));
+        local.forget("other");
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(local.len(), 0);
+        // A retry-after of 1 ms leaves nothing to answer; an allowed check is never kept.
+        let op = sent("k", 1, 2, Some(1));
+        local.remember(&op, &denial(1), Some(1));
+        let allowed = RateLimitReply::Decision(Decision {
+            allowed: true,
+            limit: 2,
+            remaining: 1,
+            reset_at_ms: 90_000,
+            retry_after_ms: 0,
+        });
+        local.remember(&op, &allowed, Some(1));
+        assert_eq!(local.len(), 0);
+        // A notice forgets its key.
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(local.len(), 1);
+        local.forget("k");
+        assert_eq!(local.answer(&op, Some(1)), None);
+        // At most `max_keys` keys: a full table drops ended answers first, then keeps no more.
+        for key in ["a", "b", "c"] {
+            let op = sent(key, 1, 2, Some(1));
+            local.remember(&op, &denial(30_000), Some(1));
+        }
+        assert_eq!(local.len(), 2);
+        tokio::time::advance(Duration::from_secs(30)).await;
+        let op = sent("c", 1, 2, Some(1));
+        local.remember(&op, &denial(30_000), Some(1));
+        assert_eq!(local.len(), 1);
+    }
+
     #[test]
     fn a_batch_reply_is_split_by_its_lengths_and_checked() {
         let flat = [6, 1, 1, 2, 1, 1000, 0, 1, 4, 1, 5];
@@ -1058,7 +1576,9 @@ mod tests {
                 slack: 1,
                 kinds: "g".to_owned(),
                 numbers: numbers.to_vec(),
+                channel: String::new(),
             },
+            ticket: None,
         };
         let ops = [
             op("a", "c", 1, &[2, 500_000, 1, 1_000_000]),

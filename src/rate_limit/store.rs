@@ -238,6 +238,22 @@ pub trait AsyncRateLimitStore<S: Strategy>: Send + Sync + 'static {
         false
     }
 
+    /// Checks this store answered by itself, with no round trip to the shared backend it
+    /// fronts (Redis: denials answered locally while nothing can admit their key, see
+    /// `RedisBuilder::with_local_answers`). Counted per store, so limiters sharing one store
+    /// count together; 0 (the default) for a store that never does.
+    fn local_answers(&self) -> u64 {
+        0
+    }
+
+    /// The limits of `key` (a store key, the limiter's namespace included) changed on this
+    /// instance: an override was set or removed. A store that answers some checks locally
+    /// forgets what it answers for `key` (Redis: here and, through pub/sub, on every other
+    /// instance). The default does nothing.
+    fn limits_changed(&self, key: &str) {
+        let _ = key;
+    }
+
     /// The longest a [`Limiter`](super::Limiter) waits for one [`apply_async`](Self::apply_async)
     /// before giving up on it with a [`RateLimitError::Store`] (default
     /// [`DEFAULT_STORE_CALL_TIMEOUT`], 1 s). `None` for a store that bounds every call

@@ -99,6 +99,12 @@ pub struct BreakerStats {
     pub refused: u64,
     /// Store failures seen in all.
     pub failures: u64,
+    /// Times the cooldown of an open breaker ended and a probe went out
+    /// (open to half open).
+    pub probes: u64,
+    /// Times the breaker closed again after it had opened: the store
+    /// answered (a probe, or a call that must be tried).
+    pub recoveries: u64,
 }
 
 /// How long "for ever" is when a cooldown does not fit the clock: an open
@@ -144,6 +150,8 @@ pub(crate) struct Breaker {
     opened: AtomicU64,
     refused: AtomicU64,
     failures: AtomicU64,
+    probes: AtomicU64,
+    recoveries: AtomicU64,
 }
 
 /// Permission to send one command, from [`Breaker::admit`] or
@@ -200,6 +208,8 @@ impl Breaker {
             opened: AtomicU64::new(0),
             refused: AtomicU64::new(0),
             failures: AtomicU64::new(0),
+            probes: AtomicU64::new(0),
+            recoveries: AtomicU64::new(0),
         }
     }
 
@@ -234,6 +244,7 @@ impl Breaker {
                 }
                 inner.state = BreakerState::HalfOpen;
                 inner.probing = true;
+                self.probes.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!("store circuit breaker half open: probing");
                 Ok(self.permit(true))
             }
@@ -272,6 +283,7 @@ impl Breaker {
             inner.consecutive = 0;
             self.healthy.store(true, Ordering::Release);
             if was != BreakerState::Closed {
+                self.recoveries.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!("store circuit breaker closed: the store answers again");
             }
             return;
@@ -302,6 +314,8 @@ impl Breaker {
             opened: self.opened.load(Ordering::Relaxed),
             refused: self.refused.load(Ordering::Relaxed),
             failures: self.failures.load(Ordering::Relaxed),
+            probes: self.probes.load(Ordering::Relaxed),
+            recoveries: self.recoveries.load(Ordering::Relaxed),
         }
     }
 

@@ -15,6 +15,7 @@ use self::script::{LuaScript, ScriptCall};
 use super::{Breaker, BreakerConfig, BreakerStats, StoreError};
 
 mod connection;
+mod durable;
 mod notify;
 pub(crate) mod script;
 mod server_clock;
@@ -89,6 +90,10 @@ pub struct RedisBuilder {
     breaker: BreakerConfig,
     /// See `RedisBuilder::with_rate_limit_queue` (`None`: the rate limiter's default).
     pub(crate) rate_limit_queue: Option<std::num::NonZeroUsize>,
+    /// See `RedisBuilder::with_durable_claims`.
+    durable_claims: Option<durable::Durability>,
+    /// See `RedisBuilder::with_local_answers` (`None`: the rate limiter's default).
+    pub(crate) local_answers: Option<usize>,
 }
 
 impl std::fmt::Debug for RedisBuilder {
@@ -139,6 +144,8 @@ impl RedisBuilder {
             command_timeout: Duration::from_millis(500),
             breaker: BreakerConfig::default(),
             rate_limit_queue: None,
+            durable_claims: None,
+            local_answers: None,
         }
     }
 
@@ -289,7 +296,7 @@ impl RedisBuilder {
                 "connect and command timeouts must be greater than zero".to_owned(),
             ));
         }
-        Ok(())
+        self.validate_durable_claims()
     }
 
     /// Connects. A single node is reached through a reconnecting connection
@@ -359,6 +366,7 @@ impl RedisBuilder {
                 .await?,
             ),
         };
+        let durable = self.durable_connection().await?;
         let redis = Redis {
             inner: Arc::new(Inner {
                 link,
@@ -372,6 +380,9 @@ impl RedisBuilder {
                 subscribers: Subscribers::default(),
                 slices: Slices::default(),
                 rate_limit_queue: self.rate_limit_queue,
+                local_answers: self.local_answers,
+                durable,
+                ops: OpsCounters::default(),
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
@@ -406,6 +417,23 @@ pub(crate) struct Inner {
     slices: Slices,
     /// The rate limiter's queue cap, as the builder was given it.
     pub(crate) rate_limit_queue: Option<std::num::NonZeroUsize>,
+    /// The rate limiter's cap on keys answered locally, as the builder was given it.
+    pub(crate) local_answers: Option<usize>,
+    /// Durable idempotency claims, if on.
+    durable: Option<durable::Durable>,
+    /// Operational counters beside `commands` (see [`RedisStats`]).
+    ops: OpsCounters,
+}
+
+/// Counters of what happened to the connection and the scripts.
+#[derive(Default)]
+struct OpsCounters {
+    /// Script calls sent again as `EVAL` after `NOSCRIPT`.
+    script_reloads: AtomicU64,
+    /// A call failed for a lost or refused connection since the last success.
+    link_lost: std::sync::atomic::AtomicBool,
+    /// Successes that came after such failures: the client reconnected.
+    reconnects: AtomicU64,
 }
 
 /// A handler of the messages of one pub/sub channel.
@@ -529,6 +557,13 @@ impl Redis {
 /// [`RateLimitError::Store`](crate::rate_limit::RateLimitError::Store), which
 /// an `Enforcer` (feature `http`) turns into its `FailMode`.
 ///
+/// A key the server denied until T is answered on this instance with no
+/// round trip until shortly before T (nothing another instance does can admit
+/// it sooner); a reset or an override on any instance is announced through
+/// pub/sub and ends those answers everywhere, and none are given while the
+/// subscription is down. See [`RedisBuilder::with_local_answers`]; they are
+/// counted in [`RedisStats::local_answers`].
+///
 /// The store is implemented for each strategy type, not for every
 /// `S: ScriptedStrategy`: such an impl would overlap (E0119) the blanket
 /// `impl<S, St: RateLimitStore<S>> AsyncRateLimitStore<S> for St`, since
@@ -583,6 +618,20 @@ pub struct RedisStats {
     pub subscriptions: u64,
     /// Pub/sub notices the listener received.
     pub notices: u64,
+    /// Rate-limit checks answered locally, with no round trip: denials of
+    /// keys nothing can admit yet (see `RedisBuilder::with_local_answers`).
+    pub local_answers: u64,
+    /// Keys whose denials are answered locally now (ended ones not yet
+    /// dropped included), at most `RedisBuilder::with_local_answers`.
+    pub local_answer_keys: usize,
+    /// Script calls the server did not know the script of (`NOSCRIPT`: a
+    /// restarted or failed-over node, a flushed script cache), sent again
+    /// with the script's text.
+    pub script_reloads: u64,
+    /// Times a command succeeded after commands had failed for a lost or
+    /// refused connection: the client reconnected (to a restarted server,
+    /// or to the new primary after a failover).
+    pub reconnects: u64,
     /// Times this backend moved to a new primary that the Sentinels named
     /// (a failover followed); 0 for a node or a cluster (a cluster client
     /// follows the slot map by itself).
@@ -798,11 +847,17 @@ impl Redis {
     #[must_use]
     pub fn stats(&self) -> RedisStats {
         let (subscriptions, notices) = self.inner.waiters.counts();
+        let (local_answers, local_answer_keys) = self.local_answer_counts();
+        let ops = &self.inner.ops;
         RedisStats {
             commands: self.inner.commands.get(),
             breaker: self.inner.breaker.stats(),
             subscriptions,
             notices,
+            local_answers,
+            local_answer_keys,
+            script_reloads: ops.script_reloads.load(Ordering::Relaxed),
+            reconnects: ops.reconnects.load(Ordering::Relaxed),
             failovers: self.inner.link.failovers(),
         }
     }
@@ -890,9 +945,10 @@ impl Redis {
         call: &ScriptCall<'_>,
     ) -> Result<T, StoreError> {
         self.guarded(class, |conn| async move {
+            let reloads = &self.inner.ops.script_reloads;
             match conn {
-                Conn::Single(mut c) => evaluate(call, &mut c).await,
-                Conn::Cluster(mut c) => evaluate(call, &mut c).await,
+                Conn::Single(mut c) => evaluate(call, &mut c, reloads).await,
+                Conn::Cluster(mut c) => evaluate(call, &mut c, reloads).await,
             }
         })
         .await
@@ -904,6 +960,20 @@ impl Redis {
     async fn guarded<T, Fut>(
         &self,
         class: Class,
+        call: impl FnOnce(Conn) -> Fut,
+    ) -> Result<T, StoreError>
+    where
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
+        self.guarded_for(class, self.inner.command_timeout, call)
+            .await
+    }
+
+    /// [`Redis::guarded`] bounded by `after` rather than the command timeout.
+    async fn guarded_for<T, Fut>(
+        &self,
+        class: Class,
+        after: Duration,
         call: impl FnOnce(Conn) -> Fut,
     ) -> Result<T, StoreError>
     where
@@ -923,21 +993,33 @@ impl Redis {
             Class::MustTry => breaker.admit_anyway(),
         };
         self.inner.commands.incr();
-        let result = self.bounded(call(self.inner.link.conn())).await;
+        let result = self.bounded(after, call(self.inner.link.conn())).await;
         let fault = matches!(&result, Err(e) if e.is_store_fault());
         permit.record(!fault);
         if fault {
             // Behind Sentinel the primary may have moved: look it up again.
             self.inner.link.suspect();
         }
+        let ops = &self.inner.ops;
+        match &result {
+            Ok(_) => {
+                if ops.link_lost.load(Ordering::Relaxed)
+                    && ops.link_lost.swap(false, Ordering::AcqRel)
+                {
+                    ops.reconnects.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Err(StoreError::Unavailable(_)) => ops.link_lost.store(true, Ordering::Release),
+            Err(_) => {}
+        }
         result
     }
 
     async fn bounded<T>(
         &self,
+        after: Duration,
         fut: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        let after = self.inner.command_timeout;
         match crate::store::guard(after, || fut).await {
             Err(fault) => Err(fault.into()),
             Ok(Ok(v)) => Ok(v),
@@ -980,13 +1062,20 @@ fn is_reply_error(e: &redis::RedisError) -> bool {
 }
 
 /// `call` as `EVALSHA`, then as `EVAL` if the server does not know its script.
-async fn evaluate<T, C>(call: &ScriptCall<'_>, conn: &mut C) -> redis::RedisResult<T>
+async fn evaluate<T, C>(
+    call: &ScriptCall<'_>,
+    conn: &mut C,
+    reloads: &AtomicU64,
+) -> redis::RedisResult<T>
 where
     T: FromRedisValue,
     C: redis::aio::ConnectionLike + Send,
 {
     match call.evalsha().query_async(conn).await {
-        Err(e) if script::is_no_script(&e) => call.eval().query_async(conn).await,
+        Err(e) if script::is_no_script(&e) => {
+            reloads.fetch_add(1, Ordering::Relaxed);
+            call.eval().query_async(conn).await
+        }
         done => done,
     }
 }
@@ -1191,6 +1280,9 @@ mod tests {
             subscribers: Subscribers::default(),
             slices: Slices::default(),
             rate_limit_queue: None,
+            local_answers: None,
+            durable: None,
+            ops: OpsCounters::default(),
         };
         let redis = Redis {
             inner: Arc::new(inner),

@@ -1,5 +1,7 @@
-//! Real `redis-server` processes for tests: a single node or a 3-node
-//! cluster on free loopback ports, never the shared server on 6379.
+//! Real `redis-server` processes for tests: a single node (alone or with a
+//! replica), a 3-node cluster, or a 6-node cluster of 3 primaries with a
+//! replica each, on free loopback ports, never the shared server on 6379.
+//! Every process is killed when its value is dropped.
 //!
 //! Under `CI=true` a server that cannot start fails the test; elsewhere the
 //! test prints one line saying it was skipped and why.
@@ -69,8 +71,13 @@ pub struct RedisNode {
     cluster: bool,
     /// Append-only file with fsync on every write: a restart keeps the data.
     durable: bool,
+    /// `cluster-node-timeout` in ms (cluster nodes only).
+    node_timeout_ms: u32,
     child: Option<Child>,
 }
+
+/// The `cluster-node-timeout` of a cluster node unless a test asks for another.
+const NODE_TIMEOUT_MS: u32 = 2000;
 
 impl RedisNode {
     /// Starts a single node, or skips (see the module docs).
@@ -103,6 +110,7 @@ impl RedisNode {
             dir,
             cluster: false,
             durable: true,
+            node_timeout_ms: NODE_TIMEOUT_MS,
             child: None,
         };
         match node.launch() {
@@ -112,6 +120,10 @@ impl RedisNode {
     }
 
     fn spawn(bin: String, cluster: bool) -> Result<Self, String> {
+        Self::spawn_with(bin, cluster, NODE_TIMEOUT_MS)
+    }
+
+    fn spawn_with(bin: String, cluster: bool, node_timeout_ms: u32) -> Result<Self, String> {
         let port = free_port(cluster);
         let dir =
             std::env::temp_dir().join(format!("throttlebeam-redis-{}-{port}", std::process::id()));
@@ -122,6 +134,7 @@ impl RedisNode {
             dir,
             cluster,
             durable: false,
+            node_timeout_ms,
             child: None,
         };
         node.launch()?;
@@ -147,7 +160,7 @@ impl RedisNode {
                 "--cluster-config-file",
                 "nodes.conf",
             ])
-            .args(["--cluster-node-timeout", "2000"]);
+            .args(["--cluster-node-timeout", &self.node_timeout_ms.to_string()]);
         }
         let child = cmd
             .stdout(Stdio::null())
@@ -202,7 +215,7 @@ impl RedisNode {
                     "--cluster-config-file",
                     "nodes.conf",
                 ])
-                .args(["--cluster-node-timeout", "2000"]);
+                .args(["--cluster-node-timeout", &self.node_timeout_ms.to_string()]);
             self.child = Some(
                 cmd.stdout(Stdio::null())
                     .stderr(Stdio::null())
@@ -358,11 +371,251 @@ impl RedisNode {
             dir,
             cluster: false,
             durable: false,
+            node_timeout_ms: NODE_TIMEOUT_MS,
             child: None,
         };
         match node.launch() {
             Ok(()) => Some(node),
             Err(e) => unavailable(test, &e),
+        }
+    }
+}
+
+impl RedisNode {
+    /// Starts a single node that replicates `primary` (`REPLICAOF`), once its link is up and
+    /// it holds the primary's data, or skips.
+    #[allow(dead_code, reason = "only the replication tests use it")]
+    pub fn start_replica_of(test: &str, primary: &RedisNode) -> Option<Self> {
+        let node = Self::start(test)?;
+        let port = primary.port.to_string();
+        if node.cli(&["REPLICAOF", "127.0.0.1", &port]).as_deref() != Some("OK") {
+            return unavailable(test, "REPLICAOF was refused");
+        }
+        if !primary.wait_replicas_in_sync(1, Duration::from_secs(20)) {
+            return unavailable(test, "the replica did not sync within 20 s");
+        }
+        Some(node)
+    }
+
+    /// `INFO replication` as `field:value` lines.
+    #[allow(dead_code, reason = "only the replication tests use it")]
+    pub fn replication(&self) -> Vec<(String, String)> {
+        self.cli(&["INFO", "replication"])
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().split_once(':'))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    }
+
+    /// Whether this node is a primary (`role:master`).
+    #[allow(dead_code, reason = "only the replication tests use it")]
+    pub fn is_primary(&self) -> bool {
+        self.replication()
+            .iter()
+            .any(|(k, v)| k == "role" && v == "master")
+    }
+
+    /// The port of the primary this node replicates, if it is a replica.
+    #[allow(dead_code, reason = "only the replication tests use it")]
+    pub fn primary_port(&self) -> Option<u16> {
+        let info = self.replication();
+        let replica = info.iter().any(|(k, v)| k == "role" && v == "slave");
+        let port = info.iter().find(|(k, _)| k == "master_port")?;
+        replica.then(|| port.1.parse().ok()).flatten()
+    }
+
+    /// Waits until this primary has at least `replicas` replicas online that acknowledged
+    /// its whole replication stream (at rest).
+    #[allow(dead_code, reason = "only the replication tests use it")]
+    pub fn wait_replicas_in_sync(&self, replicas: usize, within: Duration) -> bool {
+        self.wait_replicas(replicas, within, true)
+    }
+
+    /// Waits until this primary has at least `replicas` replicas online that acknowledged
+    /// its stream within the last second (under writes, acknowledgements trail by design).
+    #[allow(dead_code, reason = "only the replication tests use it")]
+    pub fn wait_replicas_online(&self, replicas: usize, within: Duration) -> bool {
+        self.wait_replicas(replicas, within, false)
+    }
+
+    fn wait_replicas(&self, replicas: usize, within: Duration, at_rest: bool) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            let info = self.replication();
+            let offset = info
+                .iter()
+                .find(|(k, _)| k == "master_repl_offset")
+                .and_then(|(_, v)| v.parse::<u64>().ok());
+            let synced = info
+                .iter()
+                .filter(|(k, _)| k.starts_with("slave") && k[5..].parse::<u32>().is_ok())
+                .filter(|(_, v)| {
+                    let field = |name: &str| {
+                        v.split(',')
+                            .find_map(|f| f.strip_prefix(name))
+                            .and_then(|o| o.parse::<u64>().ok())
+                    };
+                    v.contains("state=online")
+                        && (field("offset=") == offset
+                            || !at_rest && field("lag=").is_some_and(|l| l <= 1))
+                })
+                .count();
+            if synced >= replicas {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+
+    /// The process id of the server, while it runs.
+    #[allow(dead_code, reason = "only the replication tests use it")]
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+}
+
+/// A 6-node Redis Cluster: 3 primaries, each with one replica, for failover tests.
+#[allow(dead_code, reason = "only the failover tests use it")]
+pub struct ReplicatedCluster {
+    /// Every node; which are primaries changes with failovers (see
+    /// [`ReplicatedCluster::primaries`]).
+    pub nodes: Vec<RedisNode>,
+}
+
+#[allow(dead_code, reason = "only the failover tests use it")]
+impl ReplicatedCluster {
+    /// Starts six nodes with `cluster-node-timeout` `node_timeout_ms`, joins them as three
+    /// primaries with one replica each, and waits until the cluster is ok and every replica
+    /// is in sync; or skips (see the module docs).
+    pub fn start(test: &str, node_timeout_ms: u32) -> Option<Self> {
+        let Some(bin) = server_binary() else {
+            return unavailable(test, "redis-server was not found on PATH");
+        };
+        let mut nodes = Vec::new();
+        for _ in 0..6 {
+            match RedisNode::spawn_with(bin.clone(), true, node_timeout_ms) {
+                Ok(node) => nodes.push(node),
+                Err(e) => return unavailable(test, &e),
+            }
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let created = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !created.is_ok_and(|s| s.success()) {
+            return unavailable(test, "redis-cli --cluster create failed");
+        }
+        let cluster = Self { nodes };
+        if !cluster.wait_ok(Duration::from_secs(30)) {
+            return unavailable(
+                test,
+                "the cluster did not reach cluster_state:ok within 30 s",
+            );
+        }
+        if !cluster.wait_in_sync(Duration::from_secs(30)) {
+            return unavailable(test, "the replicas were not in sync within 30 s");
+        }
+        Some(cluster)
+    }
+
+    /// Seed URLs of every node.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisNode::url).collect()
+    }
+
+    /// Indices of the nodes that are primaries now (a killed node is none).
+    pub fn primaries(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].child.is_some() && self.nodes[i].is_primary())
+            .collect()
+    }
+
+    /// The index of the node replicating the primary at `primary`, if any.
+    pub fn replica_of(&self, primary: usize) -> Option<usize> {
+        let port = self.nodes[primary].port;
+        (0..self.nodes.len()).find(|&i| {
+            i != primary
+                && self.nodes[i].child.is_some()
+                && self.nodes[i].primary_port() == Some(port)
+        })
+    }
+
+    /// The index of the primary that serves `slot` now, as the node at `asked` sees it.
+    pub fn primary_of_slot(&self, asked: usize, slot: u16) -> Option<usize> {
+        let nodes = self.nodes[asked].cli(&["CLUSTER", "NODES"])?;
+        nodes.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() < 9 || !fields[2].contains("master") || fields[2].contains("fail") {
+                return None;
+            }
+            let port: u16 = fields[1].split([':', '@']).nth(1)?.parse().ok()?;
+            let serves = fields[8..].iter().any(|range| match range.split_once('-') {
+                Some((a, b)) => {
+                    a.parse::<u16>().is_ok_and(|a| a <= slot)
+                        && b.parse::<u16>().is_ok_and(|b| slot <= b)
+                }
+                None => range.parse::<u16>().is_ok_and(|s| s == slot),
+            });
+            serves
+                .then(|| self.nodes.iter().position(|n| n.port == port))
+                .flatten()
+        })
+    }
+
+    /// Waits until every running node reports `cluster_state:ok`.
+    pub fn wait_ok(&self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
+                n.cli(&["CLUSTER", "INFO"])
+                    .is_some_and(|info| info.contains("cluster_state:ok"))
+            }) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
+    }
+
+    /// Waits until every primary has a replica online that acknowledged its whole stream
+    /// (at rest).
+    pub fn wait_in_sync(&self, within: Duration) -> bool {
+        self.wait_replicas(within, true)
+    }
+
+    /// Waits until every primary has a replica online that acknowledged its stream within the
+    /// last second (under writes).
+    pub fn wait_replicating(&self, within: Duration) -> bool {
+        self.wait_replicas(within, false)
+    }
+
+    fn wait_replicas(&self, within: Duration, at_rest: bool) -> bool {
+        let deadline = Instant::now() + within;
+        loop {
+            let primaries = self.primaries();
+            let left = deadline.saturating_duration_since(Instant::now());
+            if primaries.len() == 3
+                && primaries
+                    .iter()
+                    .all(|&p| self.nodes[p].wait_replicas(1, left, at_rest))
+            {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 }

@@ -1,7 +1,8 @@
-//! Completion notices for idempotency waiters and debounce notices: one
-//! pub/sub subscription per backend value, on two channels, multiplexed over
-//! every waiting key, with polling as the fallback when the subscription is
-//! down.
+//! Completion notices for idempotency waiters, debounce notices and rate
+//! limiting's resets: one pub/sub subscription per backend value, on three
+//! channels, multiplexed over every waiting key, with polling as the fallback
+//! when the subscription is down (rate limiting then answers nothing
+//! locally).
 //!
 //! The listener is a task on the tokio runtime of the first subscriber.
 //! It reconnects by itself, moving to the next seed node after a failure;
@@ -65,6 +66,17 @@ impl Waiters {
     fn wake_all(&self) {
         for entry in &self.keys {
             entry.value().notify_waiters();
+        }
+    }
+
+    /// The live subscription's number (how many were made before it, itself
+    /// included), or `None` while none is live: what rate limiting's local
+    /// answers hold on to, since a notice sent while nobody listened is lost.
+    pub(super) fn live_subscription(&self) -> Option<u64> {
+        if *self.subscribed.borrow() {
+            Some(self.subscriptions.load(Ordering::Acquire))
+        } else {
+            None
         }
     }
 
@@ -152,7 +164,13 @@ impl super::Redis {
             guard,
             self.claims_channel(),
             self.debounce_channel(),
+            self.rate_limit_channel(),
         ));
+    }
+
+    /// The live subscription's number, if the subscription is live.
+    pub(crate) fn subscription_live(&self) -> Option<u64> {
+        self.inner.waiters.live_subscription()
     }
 
     /// Waits until the subscription is live, at most `max`. Whether it is.
@@ -189,7 +207,7 @@ impl Drop for Listening {
 /// lives, moving to the next seed node after a failure or a lost
 /// subscription. Regular `PUBLISH` reaches every node of a cluster, so one
 /// node at a time is enough.
-async fn listen(guard: Listening, channel: String, bursts: String) {
+async fn listen(guard: Listening, channel: String, bursts: String, limits: String) {
     let mut pause = Duration::from_millis(100);
     loop {
         let (url, client, again) = {
@@ -212,7 +230,7 @@ async fn listen(guard: Listening, channel: String, bursts: String) {
                 ))
             })?;
             let mut pubsub = client.get_async_pubsub().await?;
-            pubsub.subscribe(&[&channel, &bursts]).await?;
+            pubsub.subscribe(&[&channel, &bursts, &limits]).await?;
             Ok::<_, redis::RedisError>(pubsub)
         })
         .await;
@@ -238,6 +256,8 @@ async fn listen(guard: Listening, channel: String, bursts: String) {
                     inner.waiters.notices.fetch_add(1, Ordering::Relaxed);
                     if msg.get_channel_name() == bursts {
                         inner.subscribers.deliver(&bursts, msg.get_payload_bytes());
+                    } else if msg.get_channel_name() == limits {
+                        inner.subscribers.deliver(&limits, msg.get_payload_bytes());
                     } else if let Ok(key) = msg.get_payload::<String>() {
                         inner.waiters.wake(&key);
                     }

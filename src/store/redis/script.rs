@@ -60,6 +60,11 @@ impl ScriptCall<'_> {
         self
     }
 
+    /// The first key (`KEYS[1]`), if any.
+    pub(crate) fn first_key(&self) -> Option<&[u8]> {
+        self.keys.first().map(Vec::as_slice)
+    }
+
     /// `EVALSHA <hash> …`.
     pub(crate) fn evalsha(&self) -> Cmd {
         self.command("EVALSHA", &self.script.hash)
