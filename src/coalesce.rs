@@ -31,6 +31,7 @@ mod redis;
 mod sleeper;
 mod state;
 mod store;
+mod wakeups;
 
 use std::future::Future;
 use std::sync::Arc;
