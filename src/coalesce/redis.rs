@@ -51,17 +51,14 @@ impl WindowStore for Redis {
         })
     }
 
+    /// Recording a run is the same compare-and-set as extending the window.
     fn record<'a>(
         &'a self,
         key: &'a str,
         entry: WindowEntry,
         ttl: Duration,
     ) -> WindowStoreFuture<'a, bool> {
-        Box::pin(async move {
-            Ok(self
-                .window_cas(&self.key(key, ":w"), entry.token, ttl)
-                .await?)
-        })
+        self.extend(key, entry, ttl)
     }
 
     fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {

@@ -31,7 +31,7 @@ use redis::Value;
 
 use crate::store::StoreError;
 use crate::store::redis::script::LuaScript;
-use crate::store::redis::{Redis, cached, ms};
+use crate::store::redis::{Redis, cached, int, ms};
 
 /// How long a running burst's lease lasts without renewal.
 pub(crate) const RUN_LEASE: Duration = Duration::from_secs(3);
@@ -281,19 +281,6 @@ fn text(v: Option<&Value>) -> Result<String, StoreError> {
         Some(Value::SimpleString(s)) => Ok(s.clone()),
         other => Err(StoreError::Protocol(format!(
             "expected text, got {other:?}"
-        ))),
-    }
-}
-
-fn int(v: Option<&Value>) -> Result<i64, StoreError> {
-    match v {
-        Some(Value::Int(n)) => Ok(*n),
-        Some(Value::BulkString(b)) => std::str::from_utf8(b)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| StoreError::Protocol("expected an integer".to_owned())),
-        other => Err(StoreError::Protocol(format!(
-            "expected an integer, got {other:?}"
         ))),
     }
 }

@@ -40,7 +40,7 @@ use redis::Value;
 
 use crate::store::StoreError;
 use crate::store::redis::script::LuaScript;
-use crate::store::redis::{Redis, cached, ms};
+use crate::store::redis::{Redis, cached, int, ms};
 use crate::{
     idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
     idempotency::IdempotencyStore, idempotency::IdempotencyStoreFuture, idempotency::KeyChanged,
@@ -129,19 +129,6 @@ fn bytes(v: Option<&Value>) -> Vec<u8> {
         Some(Value::BulkString(b)) => b.clone(),
         Some(Value::SimpleString(s)) => s.clone().into_bytes(),
         _ => Vec::new(),
-    }
-}
-
-fn int(v: Option<&Value>) -> Result<i64, StoreError> {
-    match v {
-        Some(Value::Int(n)) => Ok(*n),
-        Some(Value::BulkString(b)) => std::str::from_utf8(b)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| StoreError::Protocol("expected an integer".to_owned())),
-        other => Err(StoreError::Protocol(format!(
-            "expected an integer, got {other:?}"
-        ))),
     }
 }
 

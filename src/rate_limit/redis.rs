@@ -1079,29 +1079,37 @@ impl Redis {
 // know `ScriptedStrategy` is sealed). One impl per concrete strategy, and one for `Tiered`
 // (no other crate can implement a trait of ours for `Redis` and `Tiered<_, _>`, none of them
 // its own type), cannot overlap. The same is said on `Redis`, where users see it.
+// The methods every scripted strategy's store shares (one body for the plain strategies and
+// for `Tiered`).
+macro_rules! scripted_store_body {
+    ($strategy:ty) => {
+        fn apply_async(
+            &self,
+            request: RateLimitRequest<'_, $strategy>,
+        ) -> impl Future<Output = Result<RateLimitReply, RateLimitError>> + Send {
+            self.rate_limit(request)
+        }
+
+        /// `None`: every call is bounded by the command timeout already.
+        fn call_timeout(&self) -> Option<std::time::Duration> {
+            None
+        }
+
+        fn local_answers(&self) -> u64 {
+            self.batcher().local.answered()
+        }
+
+        fn limits_changed(&self, key: &str) {
+            Redis::limits_changed(self, key);
+        }
+    };
+}
+
 macro_rules! scripted_store {
     ($($strategy:ty),+ $(,)?) => {$(
         /// One script call per operation, on the server's clock (see [`Redis`]).
         impl AsyncRateLimitStore<$strategy> for Redis {
-            fn apply_async(
-                &self,
-                request: RateLimitRequest<'_, $strategy>,
-            ) -> impl Future<Output = Result<RateLimitReply, RateLimitError>> + Send {
-                self.rate_limit(request)
-            }
-
-            /// `None`: every call is bounded by the command timeout already.
-            fn call_timeout(&self) -> Option<std::time::Duration> {
-                None
-            }
-
-            fn local_answers(&self) -> u64 {
-                self.batcher().local.answered()
-            }
-
-            fn limits_changed(&self, key: &str) {
-                Redis::limits_changed(self, key);
-            }
+            scripted_store_body!($strategy);
         }
     )+};
 }
@@ -1110,25 +1118,7 @@ scripted_store!(Gcra, TokenBucket, FixedWindow, SlidingWindow, LeakyBucket);
 
 /// Every tier charged or none, in one script call (see [`Redis`]).
 impl<A: ScriptedStrategy, B: ScriptedStrategy> AsyncRateLimitStore<Tiered<A, B>> for Redis {
-    fn apply_async(
-        &self,
-        request: RateLimitRequest<'_, Tiered<A, B>>,
-    ) -> impl Future<Output = Result<RateLimitReply, RateLimitError>> + Send {
-        self.rate_limit(request)
-    }
-
-    /// `None`: every call is bounded by the command timeout already.
-    fn call_timeout(&self) -> Option<std::time::Duration> {
-        None
-    }
-
-    fn local_answers(&self) -> u64 {
-        self.batcher().local.answered()
-    }
-
-    fn limits_changed(&self, key: &str) {
-        Redis::limits_changed(self, key);
-    }
+    scripted_store_body!(Tiered<A, B>);
 }
 
 #[cfg(test)]

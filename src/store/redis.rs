@@ -1136,6 +1136,20 @@ pub(crate) fn cached(
     })
 }
 
+/// An integer in a script's reply (an integer, or its digits as a bulk string).
+pub(crate) fn int(v: Option<&redis::Value>) -> Result<i64, StoreError> {
+    match v {
+        Some(redis::Value::Int(n)) => Ok(*n),
+        Some(redis::Value::BulkString(b)) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| StoreError::Protocol("expected an integer".to_owned())),
+        other => Err(StoreError::Protocol(format!(
+            "expected an integer, got {other:?}"
+        ))),
+    }
+}
+
 pub(crate) fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
