@@ -235,26 +235,44 @@ fn setting_message(prefix: &str, what: &str, reason: &str) -> String {
 }
 
 /// Checks a key: not empty, at most [`MAX_KEY_LEN`](crate::store::MAX_KEY_LEN) bytes.
+#[inline]
 pub(crate) fn check_key(key: &str) -> Result<(), Error> {
-    match crate::key::key_problem(key) {
-        None => Ok(()),
-        Some(reason) => Err(Error::InvalidKey {
-            key: crate::key::shown(key),
-            reason,
-        }),
+    // The accepted range in one comparison; the error is built out of line.
+    if key.len().wrapping_sub(1) < crate::key::MAX_KEY_LEN {
+        Ok(())
+    } else {
+        Err(invalid_key(key))
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn invalid_key(key: &str) -> Error {
+    Error::InvalidKey {
+        key: crate::key::shown(key),
+        reason: crate::key::key_problem(key).unwrap_or("key is invalid"),
     }
 }
 
 /// Checks a duration that arms a timer: within the one duration range,
 /// `MIN_DURATION ..= MAX_TIMER`.
+#[inline]
 pub(crate) fn check_timer(key: &str, what: &'static str, d: Duration) -> Result<(), Error> {
-    match crate::key::duration_problem(d) {
-        None => Ok(()),
-        Some(reason) => Err(Error::InvalidArgument {
-            key: crate::key::shown(key),
-            what,
-            reason,
-        }),
+    // A hot path's check: two comparisons inline, the error built out of line.
+    if d >= crate::key::MIN_DURATION && d <= crate::key::MAX_TIMER {
+        Ok(())
+    } else {
+        Err(invalid_timer(key, what, d))
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn invalid_timer(key: &str, what: &'static str, d: Duration) -> Error {
+    Error::InvalidArgument {
+        key: crate::key::shown(key),
+        what,
+        reason: crate::key::duration_problem(d).unwrap_or("out of range"),
     }
 }
 
