@@ -128,6 +128,7 @@ impl State {
         let store = ResultTable::new(
             Arc::clone(&counters),
             sweeper,
+            core.clock,
             config.max_results,
             config.max_bytes as u64,
         );
@@ -216,14 +217,20 @@ impl IdempotencyHandle {
     /// assert_eq!(idempotency.run("mail:7", send).await?, IdempotencyOutcome::Replay(7));
     /// # Ok(()) }
     /// ```
-    pub async fn run<F, Fut, T, E>(&self, key: &str, f: F) -> Result<IdempotencyOutcome<T>, Error>
+    // A plain function returning `run_with`'s future: an `async fn` around it would hold that
+    // future inside its own, one more copy on every call.
+    pub fn run<'a, F, Fut, T, E>(
+        &'a self,
+        key: &'a str,
+        f: F,
+    ) -> impl Future<Output = Result<IdempotencyOutcome<T>, Error>> + 'a
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
-        self.run_with(key, IdempotencyOptions::new(), f).await
+        self.run_with(key, IdempotencyOptions::new(), f)
     }
 
     /// Runs `f` at most once per key (within `options`' scope) and returns
@@ -290,24 +297,30 @@ impl IdempotencyHandle {
     /// assert_eq!(retry, IdempotencyOutcome::Replay("ch_1".to_owned()));
     /// # Ok(()) }
     /// ```
-    pub async fn run_with<F, Fut, T, E>(
-        &self,
-        key: &str,
+    #[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
+    pub fn run_with<'a, F, Fut, T, E>(
+        &'a self,
+        key: &'a str,
         options: IdempotencyOptions,
         f: F,
-    ) -> Result<IdempotencyOutcome<T>, Error>
+    ) -> impl Future<Output = Result<IdempotencyOutcome<T>, Error>> + 'a
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
-        let core = &self.runtime.core;
-        // A replay reads the ledger in force without taking a reference to it.
-        if let Some(value) = fast_replay(core, &self.state.ledger, key, &options)? {
-            return Ok(IdempotencyOutcome::Replay(value));
+        async move {
+            let core = &self.runtime.core;
+            // A replay reads the ledger in force without taking a reference to it.
+            if let Some(value) = fast_replay(core, &self.state.ledger, key, &options)? {
+                return Ok(IdempotencyOutcome::Replay(value));
+            }
+            // The claim and the run, boxed: inline, their future (waits on a holder, the
+            // shared store's round trips) would size every replay's future, which is moved
+            // whole wherever it goes.
+            Box::pin(self.run_after_miss(key, options, f)).await
         }
-        self.run_after_miss(key, options, f).await
     }
 
     /// The completed result of `key`, read at once without building a future
@@ -524,7 +537,7 @@ where
     check_key(key)?;
     options.check(key)?;
     core.check_open(key)?;
-    ledger.try_replay(key, options, Instant::now()).transpose()
+    ledger.try_replay(key, options).transpose()
 }
 
 /// How long a rejected duplicate should wait before retrying: until its

@@ -100,3 +100,21 @@ impl WindowClock {
         matches!(self, Self::Tsc { .. })
     }
 }
+
+impl throttlebeam_supervisors::TtlClock for WindowClock {
+    #[inline]
+    fn now_ns(&self) -> u64 {
+        WindowClock::now_ns(self)
+    }
+
+    /// On the scale of [`WindowClock::now_ns`]: tokio's clock and the timestamp counter
+    /// share the base pair taken at start.
+    #[inline]
+    fn ns_at(&self, t: Instant) -> u64 {
+        let base = match self {
+            Self::Tokio { base } => base,
+            Self::Tsc { base_tokio, .. } => base_tokio,
+        };
+        duration_ns(t.saturating_duration_since(*base))
+    }
+}

@@ -145,7 +145,6 @@ impl Ledger {
         &self,
         key: &str,
         options: &IdempotencyOptions,
-        now: Instant,
     ) -> Option<Result<T, Error>>
     where
         T: DeserializeOwned + Clone + 'static,
@@ -155,7 +154,7 @@ impl Ledger {
         }
         with_full_key(options.scope(), key, |full| {
             let mut out = None;
-            self.store.read_now(full, now, &mut |record| {
+            self.store.read_now(full, &mut |record| {
                 out = Some(self.replay(record, key, options.fingerprint().as_ref()));
             });
             out

@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use super::options::Fingerprint;
 use super::seam::StoredResult;
+use crate::clock::{RuntimeClock, WindowClock};
 use crate::error::{BoxError, Error};
 use crate::key::{InlineKey, shown};
 use crate::wire::{self, WireError};
@@ -242,11 +243,11 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
     /// The form [`Record::new`] must produce for this store.
     fn form(&self) -> Form;
 
-    /// Runs `read` on the live record for `key` as of `now` without a
+    /// Runs `read` on the live record for `key` now (on the store's own clock) without a
     /// round trip, if this store can: `Some(found)`, or `None` when only
     /// [`ResultStore::get`] can answer. The replay fast path.
-    fn read_now(&self, key: &str, now: Instant, read: &mut dyn FnMut(&Record)) -> Option<bool> {
-        let _ = (key, now, read);
+    fn read_now(&self, key: &str, read: &mut dyn FnMut(&Record)) -> Option<bool> {
+        let _ = (key, read);
         None
     }
 
@@ -286,8 +287,9 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
 /// A result weighs its key, its value encoded (the measure of a typed
 /// value's size) and [`ENTRY_OVERHEAD`] for the entry around them.
 pub(crate) struct ResultTable {
-    // Records inline in the table: a replay touches the entry and the value.
-    table: Arc<TtlTable<InlineKey, Record>>,
+    // Records inline in the table: a replay touches the entry and the value. Expiries on
+    // the windows' clock: a replay reads the time as a throttled call does, from the TSC.
+    table: Arc<TtlTable<InlineKey, Record, WindowClock>>,
     /// When the last eviction warning was logged, in ms after `base`
     /// (`u64::MAX`: never).
     warned_at: AtomicU64,
@@ -310,11 +312,12 @@ impl ResultTable {
     pub(crate) fn new(
         counters: Arc<Counters>,
         sweeper: &Sweeper,
+        clock: RuntimeClock,
         max_results: usize,
         max_bytes: u64,
     ) -> Self {
         Self {
-            table: TtlTable::new(counters)
+            table: TtlTable::with_clock(counters, WindowClock::new(clock))
                 .with_max_len(max_results)
                 .with_max_weight(max_bytes, weigh)
                 .swept_by(sweeper),
@@ -354,10 +357,11 @@ impl ResultStore for ResultTable {
         Form::Typed
     }
 
-    fn read_now(&self, key: &str, now: Instant, read: &mut dyn FnMut(&Record)) -> Option<bool> {
+    #[inline]
+    fn read_now(&self, key: &str, read: &mut dyn FnMut(&Record)) -> Option<bool> {
         Some(
             self.table
-                .read_at(key.as_bytes(), now, |record| read(record))
+                .read(key.as_bytes(), |record| read(record))
                 .is_some(),
         )
     }
