@@ -7,7 +7,7 @@ use sha2::{Digest, Sha256};
 
 use crate::error::Error;
 use crate::error::check_timer;
-use crate::key::{MAX_KEY_LEN, shown};
+use crate::key::{MAX_KEY_LEN, MAX_TIMER, MIN_DURATION, shown};
 
 /// What a duplicate does when it finds its key in flight (another call
 /// holds it and is still running).
@@ -210,7 +210,24 @@ impl IdempotencyOptions {
     }
 
     /// Checks every setting for `key`; needs no clock read.
+    #[inline]
     pub(crate) fn check(&self, key: &str) -> Result<(), Error> {
+        // Every replay checks its options: the common case in a few comparisons, inline.
+        let in_range = |d: Duration| (MIN_DURATION..=MAX_TIMER).contains(&d);
+        if self.scope.is_none()
+            && in_range(self.ttl)
+            && in_range(self.lease)
+            && in_range(self.wait_timeout)
+        {
+            return Ok(());
+        }
+        self.check_each(key)
+    }
+
+    /// [`IdempotencyOptions::check`] one setting at a time, naming the one out of range.
+    #[cold]
+    #[inline(never)]
+    fn check_each(&self, key: &str) -> Result<(), Error> {
         if let Some(scope) = self.scope.as_deref() {
             let reason = if scope.is_empty() {
                 Some("must not be empty")
