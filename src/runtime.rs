@@ -346,6 +346,7 @@ pub(crate) struct Core {
 }
 
 impl Core {
+    #[inline]
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }

@@ -341,6 +341,7 @@ pub(crate) struct Counter {
 }
 
 /// This thread's stripe: assigned round robin on first use.
+#[inline]
 pub(crate) fn stripe() -> usize {
     use std::cell::Cell;
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
