@@ -47,7 +47,9 @@ pub(crate) enum WindowClock {
     },
     Tsc {
         clock: quanta::Clock,
-        base: quanta::Instant,
+        /// The counter's raw reading at the base: a reading is scaled as a difference from
+        /// it, in integers, with no `Duration` on the way.
+        base: u64,
         base_tokio: Instant,
     },
 }
@@ -64,7 +66,7 @@ impl WindowClock {
             };
         }
         let clock = quanta();
-        let base = clock.now();
+        let base = clock.raw();
         Self::Tsc {
             base,
             base_tokio: Instant::now(),
@@ -76,11 +78,9 @@ impl WindowClock {
     pub(crate) fn now(&self) -> Instant {
         match self {
             Self::Tokio { .. } => Instant::now(),
-            Self::Tsc {
-                clock,
-                base,
-                base_tokio,
-            } => *base_tokio + clock.now().saturating_duration_since(*base),
+            Self::Tsc { base_tokio, .. } => {
+                *base_tokio + std::time::Duration::from_nanos(self.now_ns())
+            }
         }
     }
 
@@ -89,11 +89,10 @@ impl WindowClock {
     /// (more entries per cache line and in cache). 584 years of range.
     #[inline]
     pub(crate) fn now_ns(&self) -> u64 {
-        let since = match self {
-            Self::Tokio { base } => Instant::now().saturating_duration_since(*base),
-            Self::Tsc { clock, base, .. } => clock.now().saturating_duration_since(*base),
-        };
-        duration_ns(since)
+        match self {
+            Self::Tokio { base } => duration_ns(Instant::now().saturating_duration_since(*base)),
+            Self::Tsc { clock, base, .. } => clock.delta_as_nanos(*base, clock.raw()),
+        }
     }
 
     pub(crate) fn is_tsc(&self) -> bool {
