@@ -357,7 +357,7 @@ impl ThrottleHandle {
             handle: self,
             key,
             interval,
-            f,
+            f: Some(f),
         }
     }
 
@@ -431,7 +431,6 @@ pin_project_lite::pin_project! {
     /// The future of [`ThrottleHandle::call`]: lazy, as an `async fn`'s would be (nothing is
     /// decided before the first poll).
     #[project = CallProj]
-    #[project_replace = CallReplace]
     enum Call<'a, F, T>
     where
         T: Send,
@@ -441,7 +440,7 @@ pin_project_lite::pin_project! {
             handle: &'a ThrottleHandle,
             key: &'a str,
             interval: Duration,
-            f: F,
+            f: Option<F>,
         },
         Running {
             run: RunHere<Result<ThrottleOutcome<T>, Error>>,
@@ -460,31 +459,34 @@ where
     type Output = Result<ThrottleOutcome<T>, Error>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        if let CallProj::Running { run } = self.as_mut().project() {
-            let out = std::task::ready!(Pin::new(run).poll(cx));
-            self.set(Call::Done);
-            return Poll::Ready(out);
-        }
-        match self.as_mut().project_replace(Call::Done) {
-            CallReplace::Start {
+        let started = match self.as_mut().project() {
+            CallProj::Start {
                 handle,
                 key,
                 interval,
                 f,
-            } => match handle.start(key, interval, f) {
-                Ok(Started::Answered(outcome)) => Poll::Ready(Ok(outcome)),
-                Ok(Started::Running(mut run)) => match Pin::new(&mut run).poll(cx) {
-                    Poll::Ready(out) => Poll::Ready(out),
-                    Poll::Pending => {
-                        self.set(Call::Running { run });
-                        Poll::Pending
-                    }
-                },
-                Err(error) => Poll::Ready(Err(error)),
-            },
-            CallReplace::Running { .. } | CallReplace::Done => {
-                panic!("throttle call polled after it completed")
+            } => {
+                // Taken in place: an answered call writes nothing more into its future.
+                let f = f.take().expect("throttle call polled after it completed");
+                handle.start(key, *interval, f)
             }
+            CallProj::Running { run } => {
+                let out = std::task::ready!(Pin::new(run).poll(cx));
+                self.set(Call::Done);
+                return Poll::Ready(out);
+            }
+            CallProj::Done => panic!("throttle call polled after it completed"),
+        };
+        match started {
+            Ok(Started::Answered(outcome)) => Poll::Ready(Ok(outcome)),
+            Ok(Started::Running(mut run)) => match Pin::new(&mut run).poll(cx) {
+                Poll::Ready(out) => Poll::Ready(out),
+                Poll::Pending => {
+                    self.set(Call::Running { run });
+                    Poll::Pending
+                }
+            },
+            Err(error) => Poll::Ready(Err(error)),
         }
     }
 }
