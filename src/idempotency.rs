@@ -13,6 +13,7 @@
 mod backend;
 mod claim;
 mod config;
+mod full_key;
 mod options;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]

@@ -152,7 +152,7 @@ impl Ledger {
         if self.shared.is_some() {
             return None;
         }
-        with_full_key(options.scope(), key, |full| {
+        super::full_key::with_full_key_bytes(options.scope(), key, |full| {
             let mut out = None;
             self.store.read_now(full, &mut |record| {
                 out = Some(self.replay(record, key, options.fingerprint().as_ref()));

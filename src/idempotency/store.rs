@@ -246,7 +246,7 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
     /// Runs `read` on the live record for `key` now (on the store's own clock) without a
     /// round trip, if this store can: `Some(found)`, or `None` when only
     /// [`ResultStore::get`] can answer. The replay fast path.
-    fn read_now(&self, key: &str, read: &mut dyn FnMut(&Record)) -> Option<bool> {
+    fn read_now(&self, key: &[u8], read: &mut dyn FnMut(&Record)) -> Option<bool> {
         let _ = (key, read);
         None
     }
@@ -358,10 +358,10 @@ impl ResultStore for ResultTable {
     }
 
     #[inline]
-    fn read_now(&self, key: &str, read: &mut dyn FnMut(&Record)) -> Option<bool> {
+    fn read_now(&self, key: &[u8], read: &mut dyn FnMut(&Record)) -> Option<bool> {
         Some(
             self.table
-                .read(key.as_bytes(), |record| read(record))
+                .read(key, |record| read(record))
                 .is_some(),
         )
     }
