@@ -351,6 +351,80 @@ async fn a_shared_idempotent_run_dropped_at_every_await_runs_once_and_replays_ev
     assert_breaker_closed(&redis, "idempotency run");
 }
 
+/// The same cuts with durable claims (issue 33 item 3): every claim and completion goes out
+/// pipelined with `WAIT` for the replica, on a connection of its own. A run dropped at any
+/// await, the `WAIT` in flight included, still runs once in all: a claim the caller left is
+/// released (or its run finishes and completes), never left to lapse, and the other
+/// instance replays or runs in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_idempotent_run_dropped_at_every_await_runs_once_and_replays_everywhere() {
+    let test = "a_durable_idempotent_run_dropped_at_every_await_runs_once_and_replays_everywhere";
+    let Some(primary) = RedisNode::start(test) else {
+        return;
+    };
+    let Some(replica) = RedisNode::start_replica_of(test, &primary) else {
+        return;
+    };
+    assert!(
+        primary.wait_replicas_online(1, SETTLE),
+        "{test}: the replica never came online"
+    );
+    let durable = || async {
+        Redis::builder(primary.url())
+            .with_command_timeout(Duration::from_secs(2))
+            .with_durable_claims(1, Duration::from_secs(2))
+            .connect()
+            .await
+            .expect("connects")
+    };
+    let (redis, other) = (durable().await, durable().await);
+    let (a, b) = (instance(&redis).await, instance(&other).await);
+    let (ia, ib) = (a.idempotency(), b.idempotency());
+    let replica = &replica;
+    for linger in LINGERS {
+        for_every_cut(3, 40, |k| {
+            let (ia, ib, a, b) = (ia.clone(), ib.clone(), a.clone(), b.clone());
+            async move {
+                let key = format!("d{}-{k}", linger.as_millis());
+                let runs = Runs::default();
+                let run = ia.run_with(&key, options(), slow(&runs, ms(20), k));
+                let cut = cut_lingering(run, k, PATIENCE, linger).await;
+                let finished = cut.finished();
+                // Acknowledged means on the replica already: the durable path ran.
+                let record = format!("{{throttlebeam:-{key}}}:i");
+                let on_replica = || replica.cli(&["HGET", &record, "s"]);
+                if let Cut::Finished(outcome, _) = cut {
+                    assert_eq!(outcome.expect("runs"), IdempotencyOutcome::Fresh(k));
+                    assert_eq!(on_replica().as_deref(), Some("c"), "cut {k}");
+                }
+                let next = ib
+                    .run_with(&key, options(), slow(&runs, ms(20), 100 + k))
+                    .await
+                    .expect("the next call completes");
+                match next {
+                    IdempotencyOutcome::Replay(v) => assert_eq!(v, k, "cut {k}"),
+                    IdempotencyOutcome::Fresh(v) => {
+                        assert_eq!(v, 100 + k, "cut {k}");
+                        assert_eq!(on_replica().as_deref(), Some("c"), "cut {k}");
+                    }
+                }
+                let again = ia
+                    .run_with(&key, options(), slow(&runs, ms(20), 200 + k))
+                    .await
+                    .expect("replays");
+                assert_eq!(again, IdempotencyOutcome::Replay(next.into_inner()));
+                assert_eq!(runs.get(), 1, "cut {k}: the function ran once in all");
+                settle_idle(&a, &format!("durable cut {k}")).await;
+                settle_idle(&b, &format!("durable cut {k}")).await;
+                finished
+            }
+        })
+        .await;
+    }
+    assert_breaker_closed(&redis, "durable idempotency run");
+    assert_breaker_closed(&other, "durable idempotency run");
+}
+
 #[tokio::test]
 async fn a_duplicate_on_another_instance_dropped_at_every_await_leaves_the_owner_to_finish() {
     let Some((_node, [(redis, a), (_, b)])) = two_instances(
