@@ -2,6 +2,7 @@
 //! server's clock, so every instance sharing the store agrees on who runs.
 
 use std::future::Future;
+use std::io::Write as _;
 use std::time::Duration;
 
 use super::seam::{SharedWindows, WindowOpen};
@@ -28,15 +29,19 @@ impl Redis {
         token: u64,
     ) -> Result<WindowOpen, StoreError> {
         let px = ms(window);
-        let key = self.key(key, ":t");
         let now = self.server_now_ms();
-        let value = window_value(now.saturating_add(px), token);
+        let end = now.saturating_add(px);
         if self.inner.clock.takes_set_nx_get() {
-            // Sized up front: the command's buffers never grow (no reallocation per decision).
-            let mut cmd = redis::Cmd::with_capacity(7, key.len() + value.len() + 32);
+            // The key and the value are written straight into the command's buffer, sized up
+            // front: no string of their own, and no buffer grows, per decision.
+            let name = WindowKey {
+                prefix: self.prefix(),
+                key,
+            };
+            let mut cmd = redis::Cmd::with_capacity(7, self.prefix().len() + key.len() + 80);
             cmd.arg("SET")
-                .arg(&key)
-                .arg(&value)
+                .arg(&name)
+                .arg(WindowValue { end, token })
                 .arg("NX")
                 .arg("PX")
                 .arg(px)
@@ -48,7 +53,7 @@ impl Redis {
                         Some(end) => Ok(WindowOpen::Closed(Duration::from_millis(
                             end.saturating_sub(now).clamp(1, px),
                         ))),
-                        None => self.time_left(&key).await,
+                        None => self.time_left(&self.key(key, ":t")).await,
                     };
                 }
                 Err(StoreError::Protocol(reply)) if reply.contains("syntax") => {
@@ -63,6 +68,8 @@ impl Redis {
                 Err(error) => return Err(error),
             }
         }
+        let key = self.key(key, ":t");
+        let value = window_value(end, token);
         let mut pipe = redis::pipe();
         pipe.cmd("SET")
             .arg(&key)
@@ -98,6 +105,46 @@ impl SharedWindows for Redis {
     }
 }
 
+/// A leading window's key, `{<prefix>:<key>}:t` (as [`Redis::key`] makes it), written
+/// into a command as one argument.
+struct WindowKey<'a> {
+    prefix: &'a str,
+    key: &'a str,
+}
+
+impl redis::ToRedisArgs for WindowKey<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        let mut arg = out.writer_for_next_arg();
+        for part in [b"{", self.prefix.as_bytes(), b":", self.key.as_bytes(), b"}:t"] {
+            // Into the command's own buffer: writing cannot fail.
+            let _ = arg.write_all(part);
+        }
+    }
+}
+
+/// A leading window's value, `"<end_ms>:<token>"` (as [`window_value`] makes it), written
+/// into a command as one argument.
+struct WindowValue {
+    end: u64,
+    token: u64,
+}
+
+impl redis::ToRedisArgs for WindowValue {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        let (mut end, mut owner) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let mut arg = out.writer_for_next_arg();
+        for part in [end.format(self.end).as_bytes(), b":", owner.format(self.token).as_bytes()] {
+            let _ = arg.write_all(part);
+        }
+    }
+}
+
 /// A leading window's value: `"<end_ms>:<token>"`.
 fn window_value(end_ms: u64, token: u64) -> String {
     let (mut end, mut owner) = (itoa::Buffer::new(), itoa::Buffer::new());
@@ -127,6 +174,34 @@ mod tests {
 
     use super::*;
     use crate::store::redis::each_server;
+
+    #[test]
+    fn the_written_key_and_value_are_the_string_forms() {
+        let written = |arg: &dyn Fn(&mut redis::Cmd)| {
+            let mut cmd = redis::Cmd::new();
+            arg(&mut cmd);
+            cmd.args_iter()
+                .map(|a| match a {
+                    redis::Arg::Simple(bytes) => bytes.to_vec(),
+                    _ => Vec::new(),
+                })
+                .collect::<Vec<_>>()
+        };
+        let key = written(&|c: &mut redis::Cmd| {
+            c.arg(WindowKey {
+                prefix: "tb",
+                key: "user:7",
+            });
+        });
+        assert_eq!(key, vec![b"{tb:user:7}:t".to_vec()]);
+        let value = written(&|c: &mut redis::Cmd| {
+            c.arg(WindowValue {
+                end: u64::MAX,
+                token: 42,
+            });
+        });
+        assert_eq!(value, vec![window_value(u64::MAX, 42).into_bytes()]);
+    }
 
     #[test]
     fn a_window_value_carries_its_end_then_its_token() {
