@@ -19,6 +19,12 @@
 //! After them, the floor of each idempotency row from the same run: what the layer cannot
 //! skip (SHA-256 of the body for the fingerprint, plus building the request for a replay, or
 //! the handler itself for a first request) as ns and as a ratio to that row's anchor.
+//!
+//! Profile mode, for callgrind: `HTTP_BENCH_PROFILE=fresh|replay|rate_limit` (and
+//! `HTTP_BENCH_ITERS`, default 20 000) skips criterion and runs that many requests of one
+//! path through our layer in `profile_round`, so `--toggle-collect='*profile_round*'`
+//! counts only them (the fixture's setup is left out). `HTTP_BENCH_PROFILE=bare` runs the
+//! bare handler the same way, the anchor to subtract. The command is in benches/README.md.
 
 #[path = "support/figures.rs"]
 #[allow(dead_code)]
@@ -285,7 +291,42 @@ fn compare(cmp: &Comparison, f: &Fixture, rounds: u64) -> (f64, f64, f64) {
     (median(&mut ours), median(&mut anchor), median(&mut ratios))
 }
 
+/// Runs `ops` requests of `requests` through `svc`, for callgrind to count on its own.
+#[inline(never)]
+fn profile_round(f: &Fixture, svc: &Svc, requests: Requests, ops: u64) -> Duration {
+    f.timed(svc, requests, ops)
+}
+
+/// Profile mode: one path, `HTTP_BENCH_ITERS` times, without criterion.
+fn profile(f: &Fixture, path: &str) {
+    let ops = std::env::var("HTTP_BENCH_ITERS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(20_000);
+    let (svc, requests) = match path {
+        "fresh" => (&f.idempotent, Requests::NewKey(0)),
+        "replay" => (&f.idempotent, Requests::SameKey),
+        "rate_limit" => (&f.ours_rate_limit, Requests::Clients),
+        "rate_limit_no_headers" => (&f.ours_rate_limit_no_headers, Requests::Clients),
+        "governor" => (&f.governor, Requests::Clients),
+        "bare" => (&f.bare, Requests::SameKey),
+        other => panic!(
+            "HTTP_BENCH_PROFILE={other:?}: expected fresh, replay, rate_limit, \
+             rate_limit_no_headers, governor or bare"
+        ),
+    };
+    let took = profile_round(f, svc, requests, ops);
+    println!(
+        "profile {path}: {ops} requests, {:.1} ns each",
+        took.as_nanos() as f64 / ops as f64
+    );
+}
+
 fn main() {
+    if let Ok(path) = std::env::var("HTTP_BENCH_PROFILE") {
+        profile(&fixture(), &path);
+        return;
+    }
     let quick = std::env::args().any(|a| a == "--test");
     let f = fixture();
     let mut c = Criterion::default()

@@ -836,9 +836,19 @@ impl BodyRead {
             self.first = data;
         } else {
             if self.rest.is_empty() {
+                self.rest.reserve(self.first.len() + data.len());
                 self.rest.extend_from_slice(&self.first);
             }
             self.rest.extend_from_slice(&data);
+        }
+    }
+
+    /// How many bytes were read so far.
+    fn len(&self) -> usize {
+        if self.rest.is_empty() {
+            self.first.len()
+        } else {
+            self.rest.len()
         }
     }
 
@@ -885,18 +895,17 @@ where
     if body.size_hint().lower() > limit as u64 {
         return Buffered::Partial(ResponseBody::streaming(body));
     }
-    // The whole body in one allocation when its size is known (`Content-Length`, a full
-    // body), instead of growing into it.
-    let hint = body.size_hint();
-    let mut read = BytesMut::with_capacity(hint.exact().unwrap_or(hint.lower()) as usize);
+    // One data frame (a full body, the usual case) is kept as it came, without a copy; only
+    // a body in several frames is copied into one buffer.
+    let mut read = BodyRead::default();
     loop {
         match body.frame().await {
-            None => return Buffered::Whole(read.freeze()),
+            None => return Buffered::Whole(read.finish().0),
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => {
-                    read.extend_from_slice(&data);
+                    read.push(data);
                     if read.len() > limit {
-                        return Buffered::Partial(ResponseBody::resume(read.freeze(), body));
+                        return Buffered::Partial(ResponseBody::resume(read.finish().0, body));
                     }
                 }
                 // A response with trailers is not stored (the envelope has none): it passes
@@ -904,14 +913,14 @@ where
                 Err(frame) => {
                     let trailers = frame.into_trailers().ok();
                     return Buffered::Partial(ResponseBody::resume_with_trailers(
-                        read.freeze(),
+                        read.finish().0,
                         trailers,
                         body,
                     ));
                 }
             },
             Some(Err(err)) => {
-                return Buffered::Partial(ResponseBody::failed(read.freeze(), err.into()));
+                return Buffered::Partial(ResponseBody::failed(read.finish().0, err.into()));
             }
         }
     }
