@@ -57,12 +57,24 @@ async fn wake_across(
     subscribed_before: u64,
     then: impl AsyncFnOnce(),
 ) -> Duration {
-    let IdempotencyReserved::Fresh(reservation) = a
-        .idempotency()
-        .reserve::<String>(key, IdempotencyOptions::new())
-        .await
-        .expect("reserves")
-    else {
+    // Right after a failover the data connection may still meet `MOVED`
+    // once before its slot map is new: try again, bounded.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let reserved = loop {
+        match a
+            .idempotency()
+            .reserve::<String>(key, IdempotencyOptions::new())
+            .await
+        {
+            Ok(reserved) => break reserved,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("{key}: reserving again after {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("{key}: reserving failed: {e}"),
+        }
+    };
+    let IdempotencyReserved::Fresh(reservation) = reserved else {
         panic!("{key}: fresh")
     };
     let waiter = tokio::spawn({
@@ -87,14 +99,19 @@ async fn wake_across(
     then().await;
     let notices = b_redis.stats().sharded_notices;
     let completed = Instant::now();
-    reservation.complete("a".to_owned()).await.expect("completes");
+    reservation
+        .complete("a".to_owned())
+        .await
+        .expect("completes");
     let (outcome, woke) = tokio::time::timeout(Duration::from_secs(30), waiter)
         .await
         .expect("the waiter returns")
         .expect("the waiter ran");
     assert_eq!(outcome, IdempotencyOutcome::Replay("a".to_owned()));
     assert!(
-        eventually(Duration::from_secs(5), || b_redis.stats().sharded_notices > notices).await,
+        eventually(Duration::from_secs(5), || b_redis.stats().sharded_notices
+            > notices)
+        .await,
         "{key}: no sharded notice arrived: {:?}",
         b_redis.stats()
     );
@@ -103,7 +120,8 @@ async fn wake_across(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiter_on_another_instance_wakes_by_a_sharded_notice() {
-    let Some(cluster) = RedisCluster::start("a_waiter_on_another_instance_wakes_by_a_sharded_notice")
+    let Some(cluster) =
+        RedisCluster::start("a_waiter_on_another_instance_wakes_by_a_sharded_notice")
     else {
         return;
     };
@@ -151,6 +169,19 @@ async fn after_the_slot_owner_fails_a_later_waiter_still_wakes_by_a_notice() {
     .await;
     assert!(promoted, "the replica was not promoted within 30 s");
     assert!(cluster.wait_ok(Duration::from_secs(30)), "cluster not ok");
+    // Each instance's data connection meets `MOVED` once before its slot
+    // map is new (the cluster client's own recovery): let both learn it.
+    for (runtime, warm) in [(&a, "pubsub}warm-a"), (&b, "pubsub}warm-b")] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while let Err(e) = runtime
+            .idempotency()
+            .run(warm, || async { Ok::<_, std::io::Error>(()) })
+            .await
+        {
+            assert!(Instant::now() < deadline, "{warm}: {e}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     let subscribed = b_redis.stats().sharded_subscriptions;
     let mut new_owner = None;
     let second = wake_across(&a, &b, &b_redis, "pubsub}2", subscribed, async || {
@@ -175,7 +206,15 @@ async fn with_no_subscription_possible_a_waiter_completes_by_polling() {
     // `SSUBSCRIBE` is refused, so it can only poll.
     for node in &cluster.nodes {
         node.cli(&[
-            "ACL", "SETUSER", "deaf", "on", ">deafpass", "~*", "&-", "resetchannels", "+@all",
+            "ACL",
+            "SETUSER",
+            "deaf",
+            "on",
+            ">deafpass",
+            "~*",
+            "&-",
+            "resetchannels",
+            "+@all",
         ])
         .expect("ACL SETUSER");
     }
@@ -207,7 +246,10 @@ async fn with_no_subscription_possible_a_waiter_completes_by_polling() {
     });
     // Let the refused subscriptions be tried (and retried) first.
     tokio::time::sleep(Duration::from_millis(800)).await;
-    reservation.complete("a".to_owned()).await.expect("completes");
+    reservation
+        .complete("a".to_owned())
+        .await
+        .expect("completes");
     let outcome = tokio::time::timeout(Duration::from_secs(30), waiter)
         .await
         .expect("the waiter returns by polling")

@@ -220,8 +220,7 @@ impl Redis {
     ) -> Result<bool, StoreError> {
         static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, RELEASE, false).prepare_invoke();
-        call.key(self.key(key, ":i"))
-            .arg(&token.to_bytes()[..]);
+        call.key(self.key(key, ":i")).arg(&token.to_bytes()[..]);
         let (channel, publish) = self.notice(key);
         call.arg(channel).arg(key).arg(publish);
         Ok(self.invoke::<i64>(&call).await? == 1)
