@@ -345,11 +345,11 @@ impl RedisBuilder {
                 Link::Fixed {
                     conn: Conn::Cluster(conn),
                     subscribers,
-                    sharded: Some(connection::sharded_client(
+                    sharded: Some(Box::new(connection::sharded_client(
                         &self.nodes,
                         &self.security,
                         self.connect_timeout,
-                    )?),
+                    )?)),
                 }
             }
             Topology::Single => {

@@ -428,7 +428,8 @@ pub(super) enum Link {
         subscribers: Vec<redis::Client>,
         /// On a cluster, the client of the sharded pub/sub connection
         /// (idempotency completions, one shard channel per waited-on key).
-        sharded: Option<ClusterClient>,
+        /// Boxed: the client is large and most backends have none.
+        sharded: Option<Box<ClusterClient>>,
     },
     /// The primary Sentinel names, followed across failovers.
     Sentinel(Arc<Follower>),
@@ -486,7 +487,7 @@ impl Link {
     /// The cluster client for sharded pub/sub; `None` off a cluster.
     pub(super) fn sharded(&self) -> Option<ClusterClient> {
         match self {
-            Self::Fixed { sharded, .. } => sharded.clone(),
+            Self::Fixed { sharded, .. } => sharded.as_deref().cloned(),
             Self::Sentinel(_) => None,
         }
     }
