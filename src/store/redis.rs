@@ -538,7 +538,10 @@ impl Redis {
 /// Besides, the first idempotency waiter or debounce call starts one pub/sub
 /// connection (completion and debounce notices) to one seed node (behind
 /// Sentinel, the primary), moving to the next node when it fails, with
-/// polling meanwhile. TLS and ACL credentials apply to every connection,
+/// polling meanwhile. On a cluster, idempotency waiters instead subscribe to
+/// their key's shard channel (`SSUBSCRIBE`, Redis 7) over one more cluster
+/// connection, on the node that owns the key's slot, resubscribed after a
+/// failover or a slot move. TLS and ACL credentials apply to every connection,
 /// the Sentinels' included.
 ///
 /// | setting | default |
