@@ -80,7 +80,8 @@ end
 if rec[1] == 'f' and rec[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 's', 'c', 't', ARGV[1], 'fp', ARGV[2], 'v', ARGV[3], 'ty', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
-redis.call('PUBLISH', ARGV[6], ARGV[7])
+-- PUBLISH, or SPUBLISH on a cluster (the channel shares the key's slot).
+redis.call(ARGV[8], ARGV[6], ARGV[7])
 return 1
 ";
 
@@ -88,7 +89,7 @@ const RELEASE: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call('PUBLISH', ARGV[2], ARGV[3])
+redis.call(ARGV[4], ARGV[2], ARGV[3])
 return 1
 ";
 
@@ -139,6 +140,18 @@ fn left(v: Option<&Value>) -> Result<Duration, StoreError> {
 impl Redis {
     pub(crate) fn claims_channel(&self) -> String {
         format!("{}:idempotency", self.prefix())
+    }
+
+    /// Where a change of `key`'s record is announced, and how: on a
+    /// cluster, `SPUBLISH` on the key's own shard channel (same hash tag,
+    /// same slot, so only the slot's owner and its subscribers carry it);
+    /// elsewhere `PUBLISH` on the prefix's claims channel.
+    fn notice(&self, key: &str) -> (String, &'static str) {
+        if self.is_cluster() {
+            (self.done_channel(key), "SPUBLISH")
+        } else {
+            (self.claims_channel(), "PUBLISH")
+        }
     }
 
     pub(crate) async fn claim_key(
@@ -192,9 +205,9 @@ impl Redis {
             .arg(fingerprint_arg(result.fingerprint.as_ref()))
             .arg(&result.value[..])
             .arg(&result.type_tag)
-            .arg(px(ttl))
-            .arg(self.claims_channel())
-            .arg(key);
+            .arg(px(ttl));
+        let (channel, publish) = self.notice(key);
+        call.arg(channel).arg(key).arg(publish);
         // The owner's run happened: never refused by an open breaker.
         let stored = |&stored: &i64| stored == 1;
         Ok(self.invoke_replicated_must_try(&call, stored).await? == 1)
@@ -207,10 +220,9 @@ impl Redis {
     ) -> Result<bool, StoreError> {
         static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, RELEASE, false).prepare_invoke();
-        call.key(self.key(key, ":i"))
-            .arg(&token.to_bytes()[..])
-            .arg(self.claims_channel())
-            .arg(key);
+        call.key(self.key(key, ":i")).arg(&token.to_bytes()[..]);
+        let (channel, publish) = self.notice(key);
+        call.arg(channel).arg(key).arg(publish);
         Ok(self.invoke::<i64>(&call).await? == 1)
     }
 

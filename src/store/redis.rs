@@ -345,6 +345,11 @@ impl RedisBuilder {
                 Link::Fixed {
                     conn: Conn::Cluster(conn),
                     subscribers,
+                    sharded: Some(Box::new(connection::sharded_client(
+                        &self.nodes,
+                        &self.security,
+                        self.connect_timeout,
+                    )?)),
                 }
             }
             Topology::Single => {
@@ -353,6 +358,7 @@ impl RedisBuilder {
                 Link::Fixed {
                     conn: Conn::Single(conn),
                     subscribers: vec![client],
+                    sharded: None,
                 }
             }
             Topology::Sentinel { master, db } => Link::Sentinel(
@@ -532,7 +538,10 @@ impl Redis {
 /// Besides, the first idempotency waiter or debounce call starts one pub/sub
 /// connection (completion and debounce notices) to one seed node (behind
 /// Sentinel, the primary), moving to the next node when it fails, with
-/// polling meanwhile. TLS and ACL credentials apply to every connection,
+/// polling meanwhile. On a cluster, idempotency waiters instead subscribe to
+/// their key's shard channel (`SSUBSCRIBE`, Redis 7) over one more cluster
+/// connection, on the node that owns the key's slot, resubscribed after a
+/// failover or a slot move. TLS and ACL credentials apply to every connection,
 /// the Sentinels' included.
 ///
 /// | setting | default |
@@ -618,6 +627,13 @@ pub struct RedisStats {
     pub subscriptions: u64,
     /// Pub/sub notices the listener received.
     pub notices: u64,
+    /// Shard channels (one per waited-on idempotency key, cluster only) the
+    /// sharded listener confirmed a subscription to, on the node that owns
+    /// the key's slot; again after a reconnect or a slot move.
+    pub sharded_subscriptions: u64,
+    /// Sharded notices (`SPUBLISH` of an idempotency completion or release,
+    /// cluster only) the sharded listener received.
+    pub sharded_notices: u64,
     /// Rate-limit checks answered locally, with no round trip: denials of
     /// keys nothing can admit yet (see `RedisBuilder::with_local_answers`).
     pub local_answers: u64,
@@ -847,6 +863,7 @@ impl Redis {
     #[must_use]
     pub fn stats(&self) -> RedisStats {
         let (subscriptions, notices) = self.inner.waiters.counts();
+        let (sharded_subscriptions, sharded_notices) = self.inner.waiters.sharded_counts();
         let (local_answers, local_answer_keys) = self.local_answer_counts();
         let ops = &self.inner.ops;
         RedisStats {
@@ -854,6 +871,8 @@ impl Redis {
             breaker: self.inner.breaker.stats(),
             subscriptions,
             notices,
+            sharded_subscriptions,
+            sharded_notices,
             local_answers,
             local_answer_keys,
             script_reloads: ops.script_reloads.load(Ordering::Relaxed),
@@ -1283,6 +1302,7 @@ mod tests {
                     .expect("lazy manager"),
                 ),
                 subscribers: vec![],
+                sharded: None,
             },
             prefix: b.prefix,
             command_timeout: b.command_timeout,

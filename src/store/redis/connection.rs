@@ -372,11 +372,41 @@ pub(super) fn cluster_client(
         .iter()
         .map(|n| info(n, security))
         .collect::<Result<Vec<_>, _>>()?;
+    cluster_builder(infos, security, connect_timeout, command_timeout, false)
+}
+
+/// The cluster client sharded pub/sub uses: RESP3, so subscriptions and
+/// messages arrive as push messages and redis-rs resubscribes each shard
+/// channel on the node that owns its slot after a reconnect or a new slot
+/// map.
+pub(super) fn sharded_client(
+    nodes: &[String],
+    security: &Security,
+    connect_timeout: Duration,
+) -> Result<ClusterClient, StoreError> {
+    let infos = nodes
+        .iter()
+        .map(|n| info(n, security))
+        .collect::<Result<Vec<_>, _>>()?;
+    // Subscribing answers at once; the timeout only bounds a dead node.
+    cluster_builder(infos, security, connect_timeout, connect_timeout, true)
+}
+
+fn cluster_builder(
+    infos: Vec<ConnectionInfo>,
+    #[cfg_attr(not(feature = "redis-tls"), allow(unused_variables))] security: &Security,
+    connect_timeout: Duration,
+    command_timeout: Duration,
+    resp3: bool,
+) -> Result<ClusterClient, StoreError> {
     #[cfg_attr(not(feature = "redis-tls"), allow(unused_mut))]
     let mut builder = ClusterClientBuilder::new(infos.clone())
         .connection_timeout(connect_timeout)
         .response_timeout(command_timeout)
         .retries(1);
+    if resp3 {
+        builder = builder.use_protocol(redis::ProtocolVersion::RESP3);
+    }
     #[cfg(feature = "redis-tls")]
     if infos.iter().any(|i| is_tls(i.addr())) {
         builder = builder
@@ -396,6 +426,10 @@ pub(super) enum Link {
     Fixed {
         conn: Conn,
         subscribers: Vec<redis::Client>,
+        /// On a cluster, the client of the sharded pub/sub connection
+        /// (idempotency completions, one shard channel per waited-on key).
+        /// Boxed: the client is large and most backends have none.
+        sharded: Option<Box<ClusterClient>>,
     },
     /// The primary Sentinel names, followed across failovers.
     Sentinel(Arc<Follower>),
@@ -447,6 +481,14 @@ impl Link {
                 let primary = follower.primary.load();
                 (primary.addr.clone(), Some(primary.client.clone()))
             }
+        }
+    }
+
+    /// The cluster client for sharded pub/sub; `None` off a cluster.
+    pub(super) fn sharded(&self) -> Option<ClusterClient> {
+        match self {
+            Self::Fixed { sharded, .. } => sharded.as_deref().cloned(),
+            Self::Sentinel(_) => None,
         }
     }
 

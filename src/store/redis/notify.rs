@@ -39,6 +39,22 @@ pub(crate) struct Waiters {
     subscriptions: AtomicU64,
     /// Notices received so far.
     notices: AtomicU64,
+    /// The sharded listener (cluster only), shared with its task.
+    sharded: Arc<Sharded>,
+}
+
+/// The sharded listener's state: on a cluster, each waited-on key's shard
+/// channel is subscribed to on the node that owns the key's slot.
+#[derive(Default)]
+struct Sharded {
+    /// A sharded listener task is alive (or starting).
+    listening: AtomicBool,
+    /// A key was added: subscribe to its channel now.
+    changed: Notify,
+    /// Shard channel subscriptions confirmed so far.
+    subscriptions: AtomicU64,
+    /// Sharded notices received so far.
+    notices: AtomicU64,
 }
 
 impl Default for Waiters {
@@ -50,6 +66,7 @@ impl Default for Waiters {
             node: AtomicUsize::new(0),
             subscriptions: AtomicU64::new(0),
             notices: AtomicU64::new(0),
+            sharded: Arc::default(),
         }
     }
 }
@@ -78,6 +95,15 @@ impl Waiters {
         } else {
             None
         }
+    }
+
+    /// Shard channel subscriptions confirmed and sharded notices received
+    /// so far.
+    pub(super) fn sharded_counts(&self) -> (u64, u64) {
+        (
+            self.sharded.subscriptions.load(Ordering::Relaxed),
+            self.sharded.notices.load(Ordering::Relaxed),
+        )
     }
 
     /// Subscriptions made and notices received so far.
@@ -127,12 +153,21 @@ impl super::Redis {
     pub(crate) fn watch(&self, key: &str) -> Watch {
         let inner = &self.inner;
         self.subscribe();
+        let mut added = false;
         let notify = inner
             .waiters
             .keys
             .entry(key.to_owned())
-            .or_insert_with(|| Arc::new(Notify::new()))
+            .or_insert_with(|| {
+                added = true;
+                Arc::new(Notify::new())
+            })
             .clone();
+        if added && self.is_cluster() {
+            self.subscribe_sharded();
+            // A permit is kept if the task is busy: the key is never missed.
+            inner.waiters.sharded.changed.notify_one();
+        }
         Watch {
             inner: self.inner.clone(),
             key: key.to_owned(),
@@ -166,6 +201,30 @@ impl super::Redis {
             self.debounce_channel(),
             self.rate_limit_channel(),
         ));
+    }
+
+    /// The shard channel announcing changes of idempotency `key`'s record
+    /// on a cluster: its hash tag is the key's, so it lives in the key's
+    /// slot.
+    pub(crate) fn done_channel(&self, key: &str) -> String {
+        self.key(key, ":done")
+    }
+
+    /// Starts the sharded listener (cluster only) on the caller's tokio
+    /// runtime, unless one is alive.
+    fn subscribe_sharded(&self) {
+        let sharded = &self.inner.waiters.sharded;
+        if sharded.listening.load(Ordering::Acquire)
+            || tokio::runtime::Handle::try_current().is_err()
+            || sharded.listening.swap(true, Ordering::AcqRel)
+        {
+            return;
+        }
+        let guard = ShardedListening {
+            inner: Arc::downgrade(&self.inner),
+            sharded: Arc::clone(sharded),
+        };
+        tokio::spawn(listen_sharded(guard));
     }
 
     /// The live subscription's number, if the subscription is live.
@@ -277,5 +336,180 @@ async fn listen(guard: Listening, channel: String, bursts: String, limits: Strin
         }
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// How often the sharded listener subscribes again to the channels not
+/// confirmed (a dead node, a slot moved) and drops the ones nobody waits on.
+const RESYNC: Duration = Duration::from_millis(500);
+
+/// The sharded listener task's hold on the backend; dropped on every exit
+/// path, it marks the listener gone so the next waiter starts one, and
+/// wakes every waiter to look again.
+struct ShardedListening {
+    inner: Weak<Inner>,
+    sharded: Arc<Sharded>,
+}
+
+impl Drop for ShardedListening {
+    fn drop(&mut self) {
+        self.sharded.listening.store(false, Ordering::Release);
+        if let Some(inner) = self.inner.upgrade() {
+            inner.waiters.wake_all();
+        }
+    }
+}
+
+/// The sharded subscription loop (cluster only). One RESP3 cluster
+/// connection carries every shard channel; redis-rs routes each
+/// `SSUBSCRIBE` to the owner of the channel's slot and resubscribes after a
+/// reconnect or a new slot map. This loop adds what it cannot know: a
+/// channel the server dropped (`sunsubscribe` after a slot moved) or one
+/// lost with a dead node is subscribed to again every [`RESYNC`] until
+/// confirmed, and every confirmation wakes the key's waiters, since a
+/// notice sent while the channel was not subscribed is lost. Waiters poll
+/// meanwhile, as they always do.
+async fn listen_sharded(guard: ShardedListening) {
+    let mut pause = Duration::from_millis(100);
+    let (mut conn, mut pushes) = loop {
+        let client = {
+            let Some(inner) = guard.inner.upgrade() else {
+                return;
+            };
+            inner.link.sharded()
+        };
+        let Some(client) = client else {
+            return;
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let config = redis::cluster::ClusterConfig::new().set_push_sender(tx);
+        match tokio::time::timeout(
+            SUBSCRIBE_TIMEOUT,
+            client.get_async_connection_with_config(config),
+        )
+        .await
+        {
+            Ok(Ok(conn)) => break (conn, rx),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "sharded pub/sub connection failed; polling meanwhile");
+            }
+            Err(_) => {
+                tracing::debug!(timeout = ?SUBSCRIBE_TIMEOUT, "sharded pub/sub connection timed out; polling meanwhile");
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(5));
+    };
+    // Channel -> key, for every channel asked for; and the confirmed ones.
+    let mut asked: std::collections::HashMap<String, String> = Default::default();
+    let mut confirmed: std::collections::HashSet<String> = Default::default();
+    let mut resync = tokio::time::interval(RESYNC);
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let mut tick = false;
+        tokio::select! {
+            push = pushes.recv() => {
+                let Some(push) = push else { return };
+                let Some(inner) = guard.inner.upgrade() else { return };
+                on_push(&inner, &guard.sharded, push, &asked, &mut confirmed);
+                continue;
+            }
+            () = guard.sharded.changed.notified() => {}
+            _ = resync.tick() => tick = true,
+        }
+        // What to (un)subscribe, worked out without holding the backend
+        // across a round trip (so dropping it ends this task).
+        let (subscribe, unsubscribe) = {
+            let Some(inner) = guard.inner.upgrade() else {
+                return;
+            };
+            let redis = super::Redis {
+                inner: Arc::clone(&inner),
+            };
+            let mut subscribe = Vec::new();
+            let mut wanted = std::collections::HashSet::new();
+            for entry in &inner.waiters.keys {
+                let channel = redis.done_channel(entry.key());
+                let fresh = !asked.contains_key(&channel);
+                if fresh || (tick && !confirmed.contains(&channel)) {
+                    subscribe.push(channel.clone());
+                }
+                if fresh {
+                    asked.insert(channel.clone(), entry.key().clone());
+                }
+                wanted.insert(channel);
+            }
+            // Dropped only on a tick: a waiter that looks again drops its
+            // watch and makes a new one, which should not cost a round trip.
+            let unsubscribe: Vec<String> = if tick {
+                asked
+                    .keys()
+                    .filter(|c| !wanted.contains(*c))
+                    .cloned()
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            (subscribe, unsubscribe)
+        };
+        for channel in unsubscribe {
+            asked.remove(&channel);
+            confirmed.remove(&channel);
+            if let Err(e) = conn.sunsubscribe(&channel).await {
+                tracing::debug!(%channel, error = %e, "sharded unsubscribe failed");
+            }
+        }
+        for channel in subscribe {
+            if let Err(e) = conn.ssubscribe(&channel).await {
+                // Asked again on the next tick; the waiter polls meanwhile.
+                tracing::debug!(%channel, error = %e, "sharded subscribe failed; polling meanwhile");
+            }
+        }
+    }
+}
+
+/// One push of the sharded connection: a confirmation, a notice, a dropped
+/// channel or a lost node.
+fn on_push(
+    inner: &Inner,
+    sharded: &Sharded,
+    push: redis::PushInfo,
+    asked: &std::collections::HashMap<String, String>,
+    confirmed: &mut std::collections::HashSet<String>,
+) {
+    let text = |v: Option<&redis::Value>| match v {
+        Some(redis::Value::BulkString(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+        Some(redis::Value::SimpleString(s)) => Some(s.clone()),
+        _ => None,
+    };
+    match push.kind {
+        redis::PushKind::SSubscribe => {
+            if let Some(channel) = text(push.data.first()) {
+                sharded.subscriptions.fetch_add(1, Ordering::Relaxed);
+                confirmed.insert(channel.clone());
+                // Changes before the subscription were not heard: look again.
+                if let Some(key) = asked.get(&channel) {
+                    inner.waiters.wake(key);
+                }
+            }
+        }
+        redis::PushKind::SMessage => {
+            sharded.notices.fetch_add(1, Ordering::Relaxed);
+            if let Some(key) = text(push.data.get(1)) {
+                inner.waiters.wake(&key);
+            }
+        }
+        redis::PushKind::SUnsubscribe => {
+            // Ours, or the server's after the slot moved: the next tick
+            // subscribes again if someone still waits.
+            if let Some(channel) = text(push.data.first()) {
+                confirmed.remove(&channel);
+            }
+        }
+        redis::PushKind::Disconnection => {
+            // Which node's channels were lost is not said: ask for all again.
+            confirmed.clear();
+        }
+        _ => {}
     }
 }
