@@ -287,7 +287,7 @@ impl DebounceHandle {
         }))
     }
 
-    /// The shared path of [`DebounceHandle::call_shared_with`].
+    /// The shared path of `call_with` of [`DebounceHandle::across_instances`].
     pub(super) fn schedule_shared(
         &self,
         shared: &Arc<Shared>,
@@ -356,7 +356,7 @@ impl DebounceHandle {
         Ok(cell)
     }
 
-    /// The shared path of [`DebounceHandle::cancel_shared`].
+    /// The shared path of `cancel` of [`DebounceHandle::across_instances`].
     pub(super) async fn cancel_everywhere(&self, shared: &Shared, key: &str) -> bool {
         let remote = match shared.store.burst_cancel(key).await {
             Ok(burst) => burst,
@@ -401,7 +401,7 @@ impl DebounceHandle {
         cancelled
     }
 
-    /// The shared path of [`DebounceHandle::flush_shared`].
+    /// The shared path of `flush` of [`DebounceHandle::across_instances`].
     pub(super) async fn flush_everywhere(&self, shared: &Shared, key: &str) -> bool {
         let remote = match shared.store.burst_flush(key).await {
             Ok(flushed) => flushed,
