@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use crate::rate_limit::RateLimitError;
 
-/// A [`Limiter`]'s counters (see [`Limiter::stats`]).
+/// A [`Limiter`](super::Limiter)'s counters (see [`Limiter::stats`](super::Limiter::stats)).
 ///
 /// # Examples
 ///
