@@ -1,7 +1,7 @@
 //! Debounce: run once a key has been quiet for a delay.
 //!
 //! In one process by default ([`DebounceHandle::call`]); across every
-//! instance sharing the runtime's Redis with [`DebounceHandle::call_shared`]
+//! instance sharing the runtime's Redis with [`DebounceHandle::across_instances`]
 //! (see `debounce/shared.rs` for the protocol).
 
 mod debounced;
@@ -329,13 +329,39 @@ impl Service for State {
 /// Debounce on an explicit [`Runtime`]; from [`Runtime::debounce`].
 ///
 /// A cheap handle (`Clone`). See [`Debounce`] for the behaviour.
-#[derive(Clone)]
-pub struct DebounceHandle {
+///
+/// The mode `M` says where a key's bursts are debounced: [`InProcess`] (the
+/// default, from [`Runtime::debounce`]) or [`AcrossInstances`] (from
+/// [`DebounceHandle::across_instances`]); the methods are the same names in
+/// both modes.
+pub struct DebounceHandle<M = InProcess> {
     runtime: Runtime,
     state: Arc<State>,
+    _mode: PhantomData<M>,
 }
 
-impl std::fmt::Debug for DebounceHandle {
+/// The mode of a [`DebounceHandle`] that debounces in this process (the
+/// default).
+#[derive(Debug, Clone, Copy)]
+pub struct InProcess;
+
+/// The mode of a [`DebounceHandle`] that debounces across every instance
+/// sharing the runtime's Redis (single node or cluster); without Redis it
+/// debounces in this process.
+#[derive(Debug, Clone, Copy)]
+pub struct AcrossInstances;
+
+impl<M> Clone for DebounceHandle<M> {
+    fn clone(&self) -> Self {
+        Self {
+            runtime: self.runtime.clone(),
+            state: Arc::clone(&self.state),
+            _mode: PhantomData,
+        }
+    }
+}
+
+impl<M> std::fmt::Debug for DebounceHandle<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DebounceHandle")
             .field("keys", &self.state.registry.len())
@@ -350,6 +376,7 @@ impl Runtime {
         DebounceHandle {
             runtime: self.clone(),
             state: self.core.service(State::new),
+            _mode: PhantomData,
         }
     }
 }
@@ -592,11 +619,57 @@ impl DebounceHandle {
         flushed
     }
 
-    /// [`DebounceHandle::call_shared_with`] without options.
+    /// Whether the key has a run waiting for its deadline.
+    #[must_use]
+    pub fn is_pending(&self, key: &str) -> bool {
+        self.state
+            .registry
+            .with_slot(key.as_bytes(), |slot| slot.state.pending.is_some())
+            .unwrap_or(false)
+    }
+}
+
+impl DebounceHandle {
+    /// This handle in the [`AcrossInstances`] mode: its `call`, `call_with`,
+    /// `cancel` and `flush` debounce across every runtime sharing this
+    /// runtime's Redis.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), throttlebeam::Error> {
+    /// use throttlebeam::Runtime;
+    ///
+    /// let shared = Runtime::start().await?.debounce().across_instances();
+    /// assert!(!shared.flush("autosave:doc_9").await?);
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn across_instances(&self) -> DebounceHandle<AcrossInstances> {
+        DebounceHandle {
+            runtime: self.runtime.clone(),
+            state: Arc::clone(&self.state),
+            _mode: PhantomData,
+        }
+    }
+}
+
+impl DebounceHandle<AcrossInstances> {
+    /// This handle in the [`InProcess`] mode, whose calls are tracked apart.
+    #[must_use]
+    pub fn in_process(&self) -> DebounceHandle {
+        DebounceHandle {
+            runtime: self.runtime.clone(),
+            state: Arc::clone(&self.state),
+            _mode: PhantomData,
+        }
+    }
+
+    /// [`call_with`](Self::call_with) without options.
     ///
     /// # Errors
     ///
-    /// As [`DebounceHandle::call_shared_with`].
+    /// As [`call_with`](Self::call_with).
     ///
     /// # Examples
     ///
@@ -607,14 +680,14 @@ impl DebounceHandle {
     ///
     /// // With `with_redis`, one run per burst across every runtime sharing it;
     /// // without Redis (as here), exactly `call`.
-    /// let debounce = Runtime::start().await?.debounce();
-    /// let saved = debounce.call_shared("autosave:doc_9", Duration::from_millis(20), || async {
+    /// let debounce = Runtime::start().await?.debounce().across_instances();
+    /// let saved = debounce.call("autosave:doc_9", Duration::from_millis(20), || async {
     ///     Ok::<_, std::io::Error>(vec![1_u32, 2])
     /// })?;
     /// assert_eq!(saved.await?, [1, 2]);
     /// # Ok(()) }
     /// ```
-    pub fn call_shared<F, Fut, T, E>(
+    pub fn call<F, Fut, T, E>(
         &self,
         key: &str,
         delay: Duration,
@@ -626,7 +699,7 @@ impl DebounceHandle {
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
-        self.call_shared_with(key, delay, DebounceOptions::new(), f)
+        self.call_with(key, delay, DebounceOptions::new(), f)
     }
 
     /// Debounces `key` across every runtime that shares this runtime's
@@ -645,7 +718,7 @@ impl DebounceHandle {
     /// misread). A function's error reaches other instances as its message
     /// ([`Error::Failed`] whose source displays it).
     ///
-    /// Keys of `call_shared*` and of `call*` are tracked apart on the
+    /// Keys of this mode and of [`InProcess`] are tracked apart on the
     /// instance: use one or the other for a key.
     ///
     /// Waiters elsewhere never hang: if the owning instance dies before
@@ -661,7 +734,7 @@ impl DebounceHandle {
     ///
     /// As [`DebounceHandle::call_with`]. Store failures are never returned:
     /// they fall back as above.
-    pub fn call_shared_with<F, Fut, T, E>(
+    pub fn call_with<F, Fut, T, E>(
         &self,
         key: &str,
         delay: Duration,
@@ -674,14 +747,15 @@ impl DebounceHandle {
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
+        let this = self.in_process();
         #[cfg(feature = "redis")]
-        if let Some(shared) = self.shared() {
+        if let Some(shared) = this.shared() {
             check_key(key)?;
             check_timer(key, "delay", delay)?;
             if let Some(max_wait) = options.max_wait {
                 check_timer(key, "max wait", max_wait)?;
             }
-            self.runtime.core.check_open(key)?;
+            this.runtime.core.check_open(key)?;
             let job: shared::SharedJob = Box::new(move |key: Arc<str>| {
                 Box::pin(async move {
                     match f().await {
@@ -694,13 +768,13 @@ impl DebounceHandle {
                 })
             });
             let cell =
-                self.schedule_shared(shared, key, delay, options, job, shared::Codec::of::<T>())?;
+                this.schedule_shared(shared, key, delay, options, job, shared::Codec::of::<T>())?;
             return Ok(Debounced {
                 cell,
                 _type: PhantomData,
             });
         }
-        self.call_with(key, delay, options, f)
+        this.call_with(key, delay, options, f)
     }
 
     /// Cancels the key's pending run on every instance sharing this
@@ -713,13 +787,14 @@ impl DebounceHandle {
     /// # Errors
     ///
     /// [`Error::InvalidKey`].
-    pub async fn cancel_shared(&self, key: &str) -> Result<bool, Error> {
+    pub async fn cancel(&self, key: &str) -> Result<bool, Error> {
         check_key(key)?;
+        let this = self.in_process();
         #[cfg(feature = "redis")]
-        if let Some(shared) = self.shared() {
-            return Ok(self.cancel_everywhere(shared, key).await);
+        if let Some(shared) = this.shared() {
+            return Ok(this.cancel_everywhere(shared, key).await);
         }
-        Ok(self.cancel(key))
+        Ok(this.cancel(key))
     }
 
     /// Runs the key's pending shared run now, once, on the instance that
@@ -730,21 +805,13 @@ impl DebounceHandle {
     /// # Errors
     ///
     /// [`Error::InvalidKey`].
-    pub async fn flush_shared(&self, key: &str) -> Result<bool, Error> {
+    pub async fn flush(&self, key: &str) -> Result<bool, Error> {
         check_key(key)?;
+        let this = self.in_process();
         #[cfg(feature = "redis")]
-        if let Some(shared) = self.shared() {
-            return Ok(self.flush_everywhere(shared, key).await);
+        if let Some(shared) = this.shared() {
+            return Ok(this.flush_everywhere(shared, key).await);
         }
-        Ok(self.flush(key))
-    }
-
-    /// Whether the key has a run waiting for its deadline.
-    #[must_use]
-    pub fn is_pending(&self, key: &str) -> bool {
-        self.state
-            .registry
-            .with_slot(key.as_bytes(), |slot| slot.state.pending.is_some())
-            .unwrap_or(false)
+        Ok(this.flush(key))
     }
 }

@@ -39,7 +39,7 @@
 //! | `http` | yes | rate-limit headers, the [`Enforcer`](rate_limit::Enforcer), client-IP and HMAC keys, and the `http` module: `RateLimitLayer` (on the tower crates only: no runtime, no ractor) and, with `runtime`, `IdempotencyLayer` |
 //! | `tower` | no | the same as `http` (the layers' feature before 0.2) |
 //! | `axum` | no | `IntoResponse` for a rate-limit denial and axum's `ConnectInfo` as the client address (implies `http`) |
-//! | `redis` | no | `store::Redis`: Redis, Redis Cluster or a primary behind Sentinel as the shared engine, so throttles, debounce (`call_shared`), idempotency and rate limits agree across instances (implies `runtime`) |
+//! | `redis` | no | `store::Redis`: Redis, Redis Cluster or a primary behind Sentinel as the shared engine, so throttles, debounce (`across_instances`), idempotency and rate limits agree across instances (implies `runtime`) |
 //! | `redis-tls` | no | `redis` over TLS (`rediss://`), with a private CA and client certificates (rustls on ring) |
 //! | `postgres` | no | `postgres::PostgresStore`: PostgreSQL as the shared idempotency store, with transactional runs that commit the effect and its record together (implies `runtime`) |
 //! | `metrics` | no | `Runtime::export_metrics` through the `metrics` facade (implies `runtime`) |

@@ -138,7 +138,7 @@ impl RuntimeBuilder {
     /// store): one execution per key across all instances; while Redis is
     /// unreachable idempotent calls fail with
     /// [`Error::StoreUnavailable`] (fail closed). Debounced calls made with
-    /// [`DebounceHandle::call_shared`](crate::DebounceHandle::call_shared)
+    /// [`DebounceHandle::across_instances`](crate::DebounceHandle::across_instances)
     /// run once per burst across all instances, falling back to this
     /// instance's own debounce while Redis is unreachable.
     ///

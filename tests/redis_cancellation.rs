@@ -125,7 +125,8 @@ async fn a_shared_debounced_call_dropped_at_every_await_still_runs_once() {
                 let key = format!("d{}-{k}", linger.as_millis());
                 let runs = Runs::default();
                 let call = da
-                    .call_shared(&key, ms(100), slow(&runs, ms(10), k))
+                    .across_instances()
+                    .call(&key, ms(100), slow(&runs, ms(10), k))
                     .expect("scheduled");
                 let cut = cut_lingering(call.into_future(), k, PATIENCE, linger).await;
                 let finished = cut.finished();
@@ -136,7 +137,8 @@ async fn a_shared_debounced_call_dropped_at_every_await_still_runs_once() {
                 settle_idle(&a, &format!("debounce cut {k}")).await;
                 // The next call, from the other instance, starts a burst of its own.
                 let next = db
-                    .call_shared(&key, ms(100), slow(&runs, ms(10), 100 + k))
+                    .across_instances()
+                    .call(&key, ms(100), slow(&runs, ms(10), 100 + k))
                     .expect("scheduled");
                 assert_eq!(next.await.expect("the next call completes"), 100 + k);
                 settle_idle(&b, &format!("debounce cut {k}")).await;

@@ -56,7 +56,8 @@ fn call(
 ) -> throttlebeam::debounce::Debounced<String> {
     let runs = runs.clone();
     debounce
-        .call_shared_with(key, delay, options, move || async move {
+        .across_instances()
+        .call_with(key, delay, options, move || async move {
             runs.lock().unwrap().push((i, n, Instant::now()));
             Ok::<_, std::io::Error>(format!("{i}:{n}"))
         })
@@ -246,7 +247,12 @@ async fn cancel_and_flush_from_another_instance(urls: Vec<String>, cluster: bool
     tokio::time::sleep(Duration::from_millis(20)).await;
     let b = call(&d[1], "job:c", delay, opts, &runs, 1, 1);
     tokio::time::sleep(Duration::from_millis(30)).await;
-    assert!(d[2].cancel_shared("job:c").await.expect("valid key"));
+    assert!(
+        d[2].across_instances()
+            .cancel("job:c")
+            .await
+            .expect("valid key")
+    );
     for outcome in futures_join(vec![a, b]).await {
         assert!(
             matches!(
@@ -264,7 +270,13 @@ async fn cancel_and_flush_from_another_instance(urls: Vec<String>, cluster: bool
         runs.lock().unwrap().is_empty(),
         "a cancelled burst never runs"
     );
-    assert!(!d[2].cancel_shared("job:c").await.expect("valid key"));
+    assert!(
+        !d[2]
+            .across_instances()
+            .cancel("job:c")
+            .await
+            .expect("valid key")
+    );
     // The next call starts a fresh burst.
     let fresh = call(&d[0], "job:c", delay, opts, &runs, 0, 2);
     assert_eq!(settle(fresh).await.expect("runs"), "0:2");
@@ -278,7 +290,12 @@ async fn cancel_and_flush_from_another_instance(urls: Vec<String>, cluster: bool
     let b = call(&d[1], "job:f", long, opts, &runs, 1, 1);
     tokio::time::sleep(Duration::from_millis(30)).await;
     let asked = Instant::now();
-    assert!(d[2].flush_shared("job:f").await.expect("valid key"));
+    assert!(
+        d[2].across_instances()
+            .flush("job:f")
+            .await
+            .expect("valid key")
+    );
     for outcome in futures_join(vec![a, b]).await {
         assert_eq!(outcome.expect("flushed"), "1:1");
     }
@@ -288,11 +305,15 @@ async fn cancel_and_flush_from_another_instance(urls: Vec<String>, cluster: bool
     );
     assert_eq!(runs.lock().unwrap().len(), 1);
     assert!(
-        !d[2].flush_shared("job:f").await.expect("valid key"),
+        !d[2]
+            .across_instances()
+            .flush("job:f")
+            .await
+            .expect("valid key"),
         "nothing pending"
     );
     assert!(matches!(
-        d[2].flush_shared("").await,
+        d[2].across_instances().flush("").await,
         Err(Error::InvalidKey { .. })
     ));
     shut(rts).await;
@@ -326,11 +347,13 @@ async fn errors_travel_and_types_are_checked() {
     let (a, b) = (rts[0].debounce(), rts[1].debounce());
     let delay = Duration::from_millis(80);
     let first = a
-        .call_shared("bad", delay, || async { Ok::<_, std::io::Error>(1_u32) })
+        .across_instances()
+        .call("bad", delay, || async { Ok::<_, std::io::Error>(1_u32) })
         .expect("scheduled");
     tokio::time::sleep(Duration::from_millis(20)).await;
     let last = b
-        .call_shared("bad", delay, || async {
+        .across_instances()
+        .call("bad", delay, || async {
             Err::<u32, _>(std::io::Error::other("disk full"))
         })
         .expect("scheduled");
@@ -341,11 +364,13 @@ async fn errors_travel_and_types_are_checked() {
         }
     }
     let wrong = a
-        .call_shared("typed", delay, || async { Ok::<_, std::io::Error>(7_u64) })
+        .across_instances()
+        .call("typed", delay, || async { Ok::<_, std::io::Error>(7_u64) })
         .expect("scheduled");
     tokio::time::sleep(Duration::from_millis(20)).await;
     let right = b
-        .call_shared("typed", delay, || async {
+        .across_instances()
+        .call("typed", delay, || async {
             Ok::<_, std::io::Error>("text".to_owned())
         })
         .expect("scheduled");
@@ -495,7 +520,7 @@ async fn a_dead_redis_falls_back_to_per_instance_debounce() {
     shut(rts).await;
 }
 
-/// Without Redis, `call_shared` is `call`.
+/// Without Redis, `across_instances().call` is `call`.
 #[tokio::test]
 async fn without_redis_shared_calls_are_local() {
     let rt = Runtime::start().await.expect("starts");
@@ -533,7 +558,13 @@ async fn without_redis_shared_calls_are_local() {
         0,
         2,
     );
-    assert!(debounce.cancel_shared("solo").await.expect("valid key"));
+    assert!(
+        debounce
+            .across_instances()
+            .cancel("solo")
+            .await
+            .expect("valid key")
+    );
     assert!(matches!(settle(c).await, Err(Error::Discarded { .. })));
     rt.shutdown(Duration::from_secs(1)).await;
 }
@@ -598,7 +629,7 @@ async fn shutdown_flushes_the_bursts_an_instance_owns() {
     }
     assert!(started.elapsed() < Duration::from_secs(2));
     assert!(matches!(
-        d[1].call_shared("bye", long, || async {
+        d[1].across_instances().call("bye", long, || async {
             Ok::<_, std::io::Error>(String::new())
         }),
         Err(Error::ShutDown { .. })
@@ -687,7 +718,8 @@ async fn many_keys_run_once_each(urls: Vec<String>, cluster: bool) {
             let i = (k + n) % 4;
             let runs = runs.clone();
             let call = d[i]
-                .call_shared(&format!("many:{k}"), delay, move || async move {
+                .across_instances()
+                .call(&format!("many:{k}"), delay, move || async move {
                     runs.lock().unwrap().entry(k).or_default().push((i, n));
                     Ok::<_, std::io::Error>((i, n))
                 })

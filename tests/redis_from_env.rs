@@ -116,7 +116,10 @@ async fn a_runtime_connecting_in_the_background_fails_closed_then_shares_once_re
     let ok = || async { Ok::<_, Oops>(()) };
     assert!(throttle.call("t:1", HOUR, ok).await.unwrap().is_executed());
     assert!(throttle.call("t:1", HOUR, ok).await.unwrap().is_throttled());
-    let debounced = rt.debounce().call_shared("d:1", ms(10), counted(&runs, 5));
+    let debounced = rt
+        .debounce()
+        .across_instances()
+        .call("d:1", ms(10), counted(&runs, 5));
     assert_eq!(debounced.unwrap().await.unwrap(), 5);
     assert_eq!(runs.get(), 1);
 

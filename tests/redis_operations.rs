@@ -118,7 +118,8 @@ async fn mixed_workload(runtime: &Runtime, redis: &Redis) {
         let calls: Vec<_> = (0..3)
             .map(|i| {
                 debounce
-                    .call_shared(
+                    .across_instances()
+                    .call(
                         &key,
                         delay,
                         move || async move { Ok::<_, std::io::Error>(i) },
@@ -137,17 +138,21 @@ async fn mixed_workload(runtime: &Runtime, redis: &Redis) {
     // not: what they leave behind is what is checked).
     let long = Duration::from_secs(1);
     let cancelled = debounce
-        .call_shared("feed:cancel", long, || async { Ok::<_, std::io::Error>(0) })
+        .across_instances()
+        .call("feed:cancel", long, || async { Ok::<_, std::io::Error>(0) })
         .expect("scheduled");
     debounce
-        .cancel_shared("feed:cancel")
+        .across_instances()
+        .cancel("feed:cancel")
         .await
         .expect("valid key");
     let flushed = debounce
-        .call_shared("feed:flush", long, || async { Ok::<_, std::io::Error>(0) })
+        .across_instances()
+        .call("feed:flush", long, || async { Ok::<_, std::io::Error>(0) })
         .expect("scheduled");
     debounce
-        .flush_shared("feed:flush")
+        .across_instances()
+        .flush("feed:flush")
         .await
         .expect("valid key");
     for call in [cancelled, flushed] {

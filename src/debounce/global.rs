@@ -4,10 +4,7 @@ use std::future::Future;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use serde::Serialize;
-use serde::de::DeserializeOwned;
-
-use super::{DebounceHandle, DebounceOptions, Debounced};
+use super::{AcrossInstances, DebounceHandle, DebounceOptions, Debounced};
 use crate::error::Error;
 use crate::runtime::Runtime;
 
@@ -93,63 +90,15 @@ impl Debounce {
         Ok(global()?.flush(key))
     }
 
-    /// [`DebounceHandle::call_shared`] on the default runtime (which shares
-    /// Redis when [`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV) or
+    /// [`DebounceHandle::across_instances`] on the default runtime (which
+    /// shares Redis when [`REDIS_URL_ENV`](crate::store::REDIS_URL_ENV) or
     /// [`REDIS_CLUSTER_ENV`](crate::store::REDIS_CLUSTER_ENV) is set).
     ///
     /// # Errors
     ///
-    /// As [`DebounceHandle::call_shared_with`], plus [`Error::Start`].
-    pub fn call_shared<F, Fut, T, E>(
-        key: &str,
-        delay: Duration,
-        f: F,
-    ) -> Result<Debounced<T>, Error>
-    where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
-        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
-    {
-        global()?.call_shared(key, delay, f)
-    }
-
-    /// [`DebounceHandle::call_shared_with`] on the default runtime.
-    ///
-    /// # Errors
-    ///
-    /// As [`DebounceHandle::call_shared_with`], plus [`Error::Start`].
-    pub fn call_shared_with<F, Fut, T, E>(
-        key: &str,
-        delay: Duration,
-        options: DebounceOptions,
-        f: F,
-    ) -> Result<Debounced<T>, Error>
-    where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
-        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
-    {
-        global()?.call_shared_with(key, delay, options, f)
-    }
-
-    /// [`DebounceHandle::cancel_shared`] on the default runtime.
-    ///
-    /// # Errors
-    ///
-    /// As [`DebounceHandle::cancel_shared`], plus [`Error::Start`].
-    pub async fn cancel_shared(key: &str) -> Result<bool, Error> {
-        global()?.cancel_shared(key).await
-    }
-
-    /// [`DebounceHandle::flush_shared`] on the default runtime.
-    ///
-    /// # Errors
-    ///
-    /// As [`DebounceHandle::flush_shared`], plus [`Error::Start`].
-    pub async fn flush_shared(key: &str) -> Result<bool, Error> {
-        global()?.flush_shared(key).await
+    /// [`Error::Start`] if the default runtime could not start.
+    pub fn across_instances() -> Result<DebounceHandle<AcrossInstances>, Error> {
+        Ok(global()?.across_instances())
     }
 
     /// [`DebounceHandle::is_pending`] on the default runtime.

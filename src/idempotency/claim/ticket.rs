@@ -1,0 +1,529 @@
+//! Tickets: the right to complete or release one claim, its lease renewal
+//! and its completion in the shared store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use throttlebeam_supervisors::Generation;
+use tokio::time::Instant;
+
+use super::{Ledger, Settled, unavailable};
+use crate::cell::RunCell;
+use crate::error::Error;
+use crate::idempotency::options::Fingerprint;
+use crate::idempotency::seam::{ClaimToken, IdempotencyStore, StoredResult};
+use crate::idempotency::store::{Form, Record, stored_result};
+use crate::key::InlineKey;
+use crate::store::{StoreError, store_call};
+
+/// The right to complete or release one claim; releases it when dropped.
+///
+/// Held by the per-key process of a run, or inside a [`crate::idempotency::IdempotencyReservation`].
+pub(crate) struct Ticket {
+    pub(super) ledger: Arc<Ledger>,
+    /// The scoped key the ledger knows (the claim's own, shared).
+    pub(super) full: InlineKey,
+    /// The caller's key, shortened for errors.
+    pub(super) key: Box<str>,
+    pub(super) generation: Generation,
+    pub(super) token: ClaimToken,
+    pub(super) fingerprint: Option<Fingerprint>,
+    pub(super) ttl: Duration,
+    pub(super) lease: Duration,
+    /// When the claim was made: its lease runs from here.
+    pub(super) claimed_at: Instant,
+    pub(super) cell: Arc<RunCell<Settled>>,
+    pub(super) held: bool,
+    /// The fencing counter of the claim won in the shared store, if any.
+    pub(super) fence: Option<u64>,
+    /// A claim of this ticket's went to the shared store and may have
+    /// landed there, but no answer came back (its caller left, or the call
+    /// failed after it was sent): released there too when the ticket is,
+    /// so it does not hold the key for a whole lease with nobody behind it.
+    pub(super) unanswered: bool,
+    /// When that claim has certainly lapsed in the shared store.
+    pub(super) lapse: Option<Arc<Lapse>>,
+}
+
+/// When a claim in the shared store has certainly lapsed, as its holder can
+/// know it: every claim or renewal that may have reached the store pushes it
+/// to the instant that call ended plus the lease (the store started the
+/// lease no later than that). Measured after the call, not before it was
+/// sent: this bound decides when the holder may stop trying, so it must not
+/// be early. (A command the network or a frozen server holds past its
+/// timeout can still extend the lease later; no client can know that.)
+#[derive(Debug)]
+pub(crate) struct Lapse(std::sync::Mutex<Instant>);
+
+impl Lapse {
+    pub(super) fn new(at: Instant) -> Arc<Self> {
+        Arc::new(Self(std::sync::Mutex::new(at)))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Instant> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The claim holds until `at` at least.
+    fn push(&self, at: Instant) {
+        let mut lapse = self.lock();
+        *lapse = (*lapse).max(at);
+    }
+
+    /// When the claim has certainly lapsed.
+    fn at(&self) -> Instant {
+        *self.lock()
+    }
+}
+
+/// Whether a failed call may still have reached the store (and done its
+/// work there): anything but a refusal made before sending it.
+pub(super) fn may_have_landed(error: &StoreError) -> bool {
+    !matches!(
+        error,
+        StoreError::BreakerOpen { .. } | StoreError::Config(_) | StoreError::Full { .. }
+    )
+}
+
+/// What one renewal came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Renewal {
+    /// Renewed (here, and in the shared store if the claim is there).
+    Renewed,
+    /// The shared store did not answer; the claim may still be this holder's.
+    Failed,
+    /// The claim is no longer this holder's (completing, completed,
+    /// released or taken over): renewing is over.
+    Over,
+}
+
+/// Renews one claim's lease from wherever its holder lives.
+pub(crate) struct Renewer {
+    ledger: Arc<Ledger>,
+    full: InlineKey,
+    key: Box<str>,
+    generation: Generation,
+    token: ClaimToken,
+    lease: Duration,
+    /// When the lease started (the claim was made).
+    start: Instant,
+    /// The claim's lapse in the shared store, if it is held there.
+    lapse: Option<Arc<Lapse>>,
+}
+
+/// The first pause before a renewal that failed is tried again; it doubles
+/// up to the renewal period.
+const RENEW_RETRY: Duration = Duration::from_millis(50);
+
+impl Renewer {
+    /// How often the holder renews.
+    pub(crate) fn period(&self) -> Duration {
+        renew_period(self.lease)
+    }
+
+    /// Renews the lease, here and in the shared store.
+    ///
+    /// A renewal of the shared claim is never refused by an open breaker (the
+    /// owner is alive; the store must hear it as soon as it is back), takes
+    /// no longer than a period (a slower one is late: the next one goes out
+    /// instead), and pushes the claim's [`Lapse`] whenever it may have
+    /// reached the store.
+    pub(crate) async fn renew(&self) -> Renewal {
+        if !self
+            .ledger
+            .renew(self.full.as_str(), self.generation, self.token, self.lease)
+        {
+            return Renewal::Over;
+        }
+        let (Some(shared), Some(lapse)) = (self.ledger.shared.as_deref(), self.lapse.as_deref())
+        else {
+            return Renewal::Renewed;
+        };
+        let full = self.full.as_str();
+        let renewed =
+            store_call(self.period(), || shared.renew(full, self.token, self.lease)).await;
+        let ended = Instant::now();
+        match renewed {
+            Ok(true) => {
+                lapse.push(ended + self.lease);
+                Renewal::Renewed
+            }
+            Ok(false) => {
+                tracing::warn!(
+                    key = %self.key,
+                    "idempotency claim lost in the shared store while its function runs \
+                     (its lease lapsed there); its result will be refused"
+                );
+                Renewal::Over
+            }
+            Err(e) => {
+                if may_have_landed(&e) {
+                    lapse.push(ended + self.lease);
+                }
+                tracing::debug!(key = %self.key, error = %e, "idempotency lease renewal failed; trying again soon");
+                Renewal::Failed
+            }
+        }
+    }
+
+    /// Renews one period after the claim, then a period after each renewal,
+    /// until the claim is no longer this holder's. A renewal that failed is
+    /// tried again sooner (from 50 ms, doubling up to the period), so a store
+    /// back from an outage hears from a live owner before its lease lapses.
+    pub(crate) async fn keep_renewing(&self) {
+        let period = self.period();
+        let first_retry = RENEW_RETRY.min(period);
+        let (mut due, mut retry) = (self.start + period, first_retry);
+        loop {
+            tokio::time::sleep_until(due).await;
+            match self.renew().await {
+                Renewal::Renewed => {
+                    due = Instant::now() + period;
+                    retry = first_retry;
+                }
+                Renewal::Failed => {
+                    due = Instant::now() + retry;
+                    retry = (retry * 2).min(period);
+                }
+                Renewal::Over => return,
+            }
+        }
+    }
+}
+
+/// The longest a caller waiting for another instance sleeps between two
+/// looks when no change notice arrives.
+pub(super) const MAX_POLL: Duration = Duration::from_millis(500);
+
+/// How storing a result in the shared store ended.
+enum Completion {
+    Stored,
+    /// Another owner holds the key there.
+    Lost,
+    /// The store answered with an error of its own: it will not take it.
+    Refused(StoreError),
+    /// The store did not answer before the claim certainly lapsed there.
+    Lapsed(StoreError),
+}
+
+/// The longest pause between two tries of a completion.
+const COMPLETE_RETRY_MAX: Duration = Duration::from_millis(500);
+
+/// How often a holder renews a `lease`: every third of it (at least 1 ms),
+/// so two renewals can be late before the lease lapses.
+pub(super) fn renew_period(lease: Duration) -> Duration {
+    (lease / 3).max(Duration::from_millis(1))
+}
+
+impl Ticket {
+    /// The caller's key, shortened for messages.
+    pub(crate) fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The ledger that holds this ticket's claim.
+    pub(crate) fn ledger(&self) -> Arc<Ledger> {
+        Arc::clone(&self.ledger)
+    }
+
+    /// Runs `work`, renewing the lease every third of it until `work` ends:
+    /// a holder that is alive is never taken over, however long it takes.
+    ///
+    /// `work` comes pinned where the caller keeps it, so the work's future
+    /// is not moved into this one's (a second copy of it in every run).
+    pub(crate) async fn hold<F: std::future::Future>(
+        &self,
+        mut work: std::pin::Pin<&mut F>,
+    ) -> F::Output {
+        // Renewing runs beside the work, never between its polls. It is
+        // built and polled only once the work is pending, so work that ends
+        // at its first poll (most does) costs no renewer, arms no timer and
+        // carries no renewer in its future (boxed, the renewer's store call
+        // stays out of every run's future); the first renewal is still due
+        // one period after the start.
+        let mut renewing: Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>>> = None;
+        std::future::poll_fn(|cx| {
+            if let std::task::Poll::Ready(output) = work.as_mut().poll(cx) {
+                return std::task::Poll::Ready(output);
+            }
+            let renewing = renewing.get_or_insert_with(|| Box::pin(self.renew_from()));
+            let _ = renewing.as_mut().poll(cx);
+            std::task::Poll::Pending
+        })
+        .await
+    }
+
+    /// Renews the lease (see [`Renewer::keep_renewing`]) until the claim is
+    /// no longer this holder's; then never ends.
+    async fn renew_from(&self) {
+        self.renewer().keep_renewing().await;
+        std::future::pending::<()>().await;
+    }
+
+    /// What renews this ticket's lease from elsewhere.
+    pub(crate) fn renewer(&self) -> Renewer {
+        Renewer {
+            ledger: Arc::clone(&self.ledger),
+            full: self.full.clone(),
+            key: self.key.clone(),
+            generation: self.generation,
+            token: self.token,
+            lease: self.lease,
+            start: self.claimed_at,
+            lapse: self.lapse.clone(),
+        }
+    }
+
+    /// Stores `value` as the key's result and wakes the waiters.
+    ///
+    /// Fails with [`Error::LeaseLost`] if another caller took the key over
+    /// (nothing is stored), [`Error::ShutDown`] after the runtime shut down
+    /// (nothing is stored, the key is released), and
+    /// [`Error::StoreUnavailable`] if the store refused it (released too) or
+    /// did not answer before the claim certainly lapsed there (not released:
+    /// see [`Ticket::complete_shared`]).
+    ///
+    /// A plain function around an `async move` block, not an `async fn`, which would keep
+    /// the ticket and the value twice in its future.
+    #[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
+    pub(crate) fn complete<T>(
+        mut self,
+        value: T,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'static
+    where
+        T: Serialize + Send + Sync + 'static,
+    {
+        async move {
+            let ledger = Arc::clone(&self.ledger);
+            let (generation, token) = (self.generation, self.token);
+            let ours = ledger
+                .claims
+                .with_slot(self.full.as_bytes(), |slot| {
+                    let ours = slot.generation() == generation && slot.state.token == token;
+                    if ours {
+                        slot.state.completing = true;
+                    }
+                    ours
+                })
+                .unwrap_or(false);
+            if !ours {
+                // Not ours to release either: the slot belongs to the new holder.
+                self.held = false;
+                tracing::debug!(key = %self.key, "idempotency completion rejected: lease lost");
+                return Err(Error::LeaseLost {
+                    key: self.key.to_string(),
+                });
+            }
+            if ledger.is_closed() {
+                self.release_now();
+                return Err(Error::ShutDown {
+                    key: self.key.to_string(),
+                });
+            }
+            let shared_claim = ledger.shared.as_deref().zip(self.lapse.clone());
+            let record = if let Some((shared, lapse)) = shared_claim {
+                let stored = match stored_result(self.fingerprint, &value) {
+                    Ok(stored) => stored,
+                    Err(e) => {
+                        self.release_now();
+                        return Err(unavailable(&self.key, Arc::new(e)));
+                    }
+                };
+                // Boxed: this path's future would otherwise size every run's future.
+                match Box::pin(self.complete_shared(shared, &lapse, &stored)).await {
+                    Completion::Stored => {}
+                    Completion::Lost => {
+                        // Taken over in the shared store: the key is another owner's.
+                        self.drop_local();
+                        tracing::debug!(key = %self.key, "idempotency completion refused: lease lost");
+                        return Err(Error::LeaseLost {
+                            key: self.key.to_string(),
+                        });
+                    }
+                    Completion::Refused(e) => {
+                        // The store answered and will not take it: free the key.
+                        self.release_now();
+                        return Err(unavailable(&self.key, Arc::new(e)));
+                    }
+                    Completion::Lapsed(e) => {
+                        // Not released in the store (the function ran: nothing
+                        // may free the key early); the claim lapsed there.
+                        self.drop_local();
+                        self.cell.set(Ok(Settled::Released));
+                        return Err(unavailable(&self.key, Arc::new(e)));
+                    }
+                }
+                // Local waiters replay the typed value, not the bytes.
+                match Record::new(Form::Typed, self.fingerprint, value) {
+                    Ok(record) => record,
+                    Err(e) => {
+                        self.release_now();
+                        return Err(unavailable(&self.key, Arc::new(e)));
+                    }
+                }
+            } else {
+                let record = match Record::new(ledger.store.form(), self.fingerprint, value) {
+                    Ok(record) => record,
+                    Err(e) => {
+                        self.release_now();
+                        return Err(unavailable(&self.key, Arc::new(e)));
+                    }
+                };
+                let put = ledger
+                    .store
+                    .put(&self.full, record.clone(), self.ttl)
+                    .resolve()
+                    .await;
+                if let Err(e) = put {
+                    self.release_now();
+                    return Err(unavailable(&self.key, e));
+                }
+                record
+            };
+            if ledger.is_closed() {
+                // Shutdown cleared the store while we were putting.
+                ledger.store.close();
+            }
+            ledger
+                .claims
+                .remove_if(self.full.as_bytes(), generation, |claim| {
+                    claim.token == token
+                });
+            self.held = false;
+            self.cell.set(Ok(Settled::Done(record)));
+            Ok(())
+        }
+    }
+
+    /// Stores `stored` in the shared store, trying again while the store
+    /// does not answer, until it is stored or the claim has certainly lapsed
+    /// there (`lapse`): a result that ran must not be lost to an outage
+    /// shorter than the lease, or a retry would run the operation again.
+    /// Each try is a must-try call (never refused by an open breaker) and may
+    /// take what is left until the lapse (at least a renewal period).
+    /// Trying up to the lapse and once past it is safe: the store refuses the
+    /// result if another owner took the key over, and stores it if nobody did.
+    async fn complete_shared(
+        &self,
+        shared: &dyn IdempotencyStore,
+        lapse: &Lapse,
+        stored: &StoredResult,
+    ) -> Completion {
+        let mut pause = Duration::from_millis(20);
+        let full = self.full.as_str();
+        loop {
+            let bound = lapse
+                .at()
+                .saturating_duration_since(Instant::now())
+                .clamp(renew_period(self.lease), self.lease);
+            let complete = || shared.complete(full, self.token, stored, self.ttl);
+            let error = match store_call(bound, complete).await {
+                Ok(true) => return Completion::Stored,
+                Ok(false) => return Completion::Lost,
+                // Stored but not yet on enough replicas (durable claims): retried too, so the
+                // result is not lost with its primary.
+                Err(e)
+                    if !(e.is_store_fault()
+                        || matches!(
+                            e,
+                            StoreError::BreakerOpen { .. } | StoreError::NotReplicated { .. }
+                        )) =>
+                {
+                    return Completion::Refused(e);
+                }
+                Err(e) => e,
+            };
+            let (now, give_up) = (Instant::now(), lapse.at());
+            if now >= give_up {
+                tracing::error!(
+                    key = %self.key,
+                    error = %error,
+                    "idempotency result could not be stored: the shared store did not answer \
+                     before the claim lapsed there; a retry may run the operation again"
+                );
+                return Completion::Lapsed(error);
+            }
+            tracing::debug!(key = %self.key, %error, "storing idempotency result failed; retrying");
+            // The last try goes out when the claim lapses, not a pause past it.
+            tokio::time::sleep_until((now + pause).min(give_up)).await;
+            pause = (pause * 2).min(COMPLETE_RETRY_MAX);
+        }
+    }
+
+    /// Ends the local claim with a result found in the shared store: local
+    /// waiters replay it.
+    pub(super) fn settle(mut self, record: Record) {
+        self.drop_local();
+        self.cell.set(Ok(Settled::Done(record)));
+    }
+
+    /// Removes the local claim without touching the shared store.
+    fn drop_local(&mut self) {
+        if !std::mem::replace(&mut self.held, false) {
+            return;
+        }
+        let token = self.token;
+        self.ledger
+            .claims
+            .remove_if(self.full.as_bytes(), self.generation, |claim| {
+                claim.token == token
+            });
+        self.fence = None;
+        self.lapse = None;
+    }
+
+    /// Gives the key up so the next caller (or a waiting one) runs.
+    pub(crate) fn release(mut self) {
+        self.release_now();
+    }
+
+    fn release_now(&mut self) {
+        if !self.held {
+            return;
+        }
+        let shared = self.fence.is_some() || self.unanswered;
+        self.drop_local();
+        if shared {
+            self.release_shared();
+        }
+        self.cell.set(Ok(Settled::Released));
+    }
+
+    /// Frees the claim in the shared store in the background (a drop cannot
+    /// wait); without a tokio runtime to do it on, the lease lapses instead.
+    fn release_shared(&self) {
+        let Some(shared) = self.ledger.shared.clone() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (full, key, token) = (self.full.clone(), self.key.clone(), self.token);
+        let bound = self.lease;
+        runtime.spawn(async move {
+            let release = || shared.release(full.as_str(), token);
+            if let Err(e) = store_call(bound, release).await {
+                tracing::debug!(key = %key, error = %e, "releasing an idempotency claim failed; its lease will lapse");
+            }
+        });
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.release_now();
+    }
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket")
+            .field("key", &self.key)
+            .field("token", &self.token)
+            .field("held", &self.held)
+            .finish_non_exhaustive()
+    }
+}
