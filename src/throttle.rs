@@ -7,9 +7,7 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use throttlebeam_supervisors::{
-    NoGeneration, Registry, RunHere, SlotEntry, Sweep, catch_panic_fn,
-};
+use throttlebeam_supervisors::{NoGeneration, Registry, RunHere, SlotEntry, Sweep, catch_panic_fn};
 use tokio::time::Instant;
 
 #[cfg(feature = "redis")]
@@ -363,12 +361,7 @@ impl ThrottleHandle {
 
     /// What a call decides when first polled: answered at once (turned away, or an error),
     /// or a run of `f` started in the caller's task.
-    fn start<F, Fut, T, E>(
-        &self,
-        key: &str,
-        interval: Duration,
-        f: F,
-    ) -> Result<Started<T>, Error>
+    fn start<F, Fut, T, E>(&self, key: &str, interval: Duration, f: F) -> Result<Started<T>, Error>
     where
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
@@ -382,7 +375,9 @@ impl ThrottleHandle {
         let state = &self.state;
         if let Some(retry_after) = state.try_open(key, interval)? {
             state.throttled.incr();
-            return Ok(Started::Answered(ThrottleOutcome::Throttled { retry_after }));
+            return Ok(Started::Answered(ThrottleOutcome::Throttled {
+                retry_after,
+            }));
         }
         let run = Run {
             state: Arc::clone(state),

@@ -359,11 +359,7 @@ impl ResultStore for ResultTable {
 
     #[inline]
     fn read_now(&self, key: &[u8], read: &mut dyn FnMut(&Record)) -> Option<bool> {
-        Some(
-            self.table
-                .read(key, |record| read(record))
-                .is_some(),
-        )
+        Some(self.table.read(key, |record| read(record)).is_some())
     }
 
     fn answers_at_once(&self) -> bool {

@@ -118,7 +118,13 @@ impl redis::ToRedisArgs for WindowKey<'_> {
         W: ?Sized + redis::RedisWrite,
     {
         let mut arg = out.writer_for_next_arg();
-        for part in [b"{", self.prefix.as_bytes(), b":", self.key.as_bytes(), b"}:t"] {
+        for part in [
+            b"{",
+            self.prefix.as_bytes(),
+            b":",
+            self.key.as_bytes(),
+            b"}:t",
+        ] {
             // Into the command's own buffer: writing cannot fail.
             let _ = arg.write_all(part);
         }
@@ -139,7 +145,11 @@ impl redis::ToRedisArgs for WindowValue {
     {
         let (mut end, mut owner) = (itoa::Buffer::new(), itoa::Buffer::new());
         let mut arg = out.writer_for_next_arg();
-        for part in [end.format(self.end).as_bytes(), b":", owner.format(self.token).as_bytes()] {
+        for part in [
+            end.format(self.end).as_bytes(),
+            b":",
+            owner.format(self.token).as_bytes(),
+        ] {
             let _ = arg.write_all(part);
         }
     }
