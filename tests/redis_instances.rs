@@ -265,7 +265,8 @@ fn long_wait() -> IdempotencyOptions {
 /// duplicate on `waiter` waits for it, on the tokio runtime this is
 /// awaited on. Once the waiter's listener has subscribed `subscriptions`
 /// times in all, the owner completes the key: the duplicate replays it,
-/// and the waiter's backend counts the completion's pub/sub notice.
+/// and the waiter's backend counts the completion's pub/sub notice (on a
+/// cluster a sharded one, on the key's shard channel).
 async fn duplicate_wakes_by_notice(
     owner: &Runtime,
     waiter: &Runtime,
@@ -302,7 +303,11 @@ async fn duplicate_wakes_by_notice(
     )
     .await;
     assert_eq!(waiter_redis.stats().subscriptions, subscriptions);
-    let heard = waiter_redis.stats().notices;
+    let notices = || {
+        let stats = waiter_redis.stats();
+        stats.notices + stats.sharded_notices
+    };
+    let heard = notices();
     reservation.complete(7).await.expect("the owner completes");
     let replay = tokio::time::timeout(Duration::from_secs(20), duplicate)
         .await
@@ -315,7 +320,7 @@ async fn duplicate_wakes_by_notice(
     eventually(
         "the completion notice reaches the waiter's listener",
         Duration::from_secs(20),
-        || waiter_redis.stats().notices > heard,
+        || notices() > heard,
     )
     .await;
 }
@@ -420,6 +425,21 @@ fn s16_the_listener_moves_to_another_cluster_node_when_its_node_dies() {
     let moved = listening_nodes(&cluster, &alive);
     assert_eq!(moved.len(), 1, "{moved:?}");
     assert_ne!(moved[0], dead);
+    // The moved listener hears what is broadcast (debounce notices, rate
+    // limit resets, claims channel): a PUBLISH reaches every live node.
+    let heard = waiter_redis.stats().notices;
+    let sender = (0..alive.len()).find(|&i| alive[i]).expect("a live node");
+    assert!(
+        cluster.nodes[sender]
+            .cli(&["PUBLISH", "throttlebeam:idempotency", "nobody:waits"])
+            .is_some(),
+        "the broadcast is sent"
+    );
+    home.block_on(eventually(
+        "a broadcast reaches the moved listener",
+        Duration::from_secs(20),
+        || waiter_redis.stats().notices > heard,
+    ));
     cluster.nodes[dead].restart();
     assert!(
         cluster.wait_ok(Duration::from_secs(30)),
