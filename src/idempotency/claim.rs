@@ -22,7 +22,6 @@
 //! store ([`Lapse`]). Those calls are never refused by an open circuit
 //! breaker: they are probes themselves.
 
-use std::cell::RefCell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -31,6 +30,7 @@ use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry};
 use tokio::time::Instant;
 
+use super::full_key::{with_full_key, with_full_key_bytes};
 use super::options::{Fingerprint, IdempotencyOptions};
 use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, KeyChanged};
 use super::store::{Pending, Record, ResultStore};
@@ -154,7 +154,7 @@ impl Ledger {
         if self.shared.is_some() {
             return None;
         }
-        super::full_key::with_full_key_bytes(options.scope(), key, |full| {
+        with_full_key_bytes(options.scope(), key, |full| {
             let mut out = None;
             self.store.read_now(full, &mut |record| {
                 out = Some(self.replay(record, key, options.fingerprint().as_ref()));
@@ -543,73 +543,5 @@ fn unavailable(key: &str, source: BoxError) -> Error {
     Error::StoreUnavailable {
         key: shown(key),
         source,
-    }
-}
-
-/// Runs `f` on the scoped form of `key`, built in a reused per-thread
-/// buffer so the replay path allocates nothing.
-///
-/// The form is `-key` without a scope and `<len>:<scope>key` with one:
-/// the first byte tells them apart and the length says where the scope
-/// ends, so no two (scope, key) pairs share a form.
-pub(crate) fn with_full_key<R>(scope: Option<&str>, key: &str, f: impl FnOnce(&str) -> R) -> R {
-    thread_local! {
-        static BUFFER: RefCell<String> = const { RefCell::new(String::new()) };
-    }
-    fn encode(buffer: &mut String, scope: Option<&str>, key: &str) {
-        buffer.clear();
-        match scope {
-            None => buffer.push('-'),
-            Some(scope) => {
-                // `itoa`, not `write!`: this runs on every lookup.
-                buffer.push_str(itoa::Buffer::new().format(scope.len()));
-                buffer.push(':');
-                buffer.push_str(scope);
-            }
-        }
-        buffer.push_str(key);
-    }
-    // `with` only fails inside another thread-local's destructor, which never calls us.
-    BUFFER.with(|buffer| match buffer.try_borrow_mut() {
-        Ok(mut buffer) => {
-            encode(&mut buffer, scope, key);
-            f(&buffer)
-        }
-        Err(_) => {
-            let mut own = String::new();
-            encode(&mut own, scope, key);
-            f(&own)
-        }
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::with_full_key;
-
-    #[test]
-    fn full_keys_never_collide_across_scopes() {
-        let forms: Vec<String> = [
-            (None, "1:ab"),
-            (Some("a"), "b"),
-            (Some("ab"), ""),
-            (Some("1:a"), "b"),
-            (None, "-x"),
-        ]
-        .iter()
-        .map(|(scope, key)| with_full_key(*scope, key, str::to_owned))
-        .collect();
-        let mut unique = forms.clone();
-        unique.sort();
-        unique.dedup();
-        assert_eq!(unique.len(), forms.len(), "{forms:?}");
-        assert_eq!(forms[1], "1:ab");
-        assert_eq!(forms[0], "-1:ab");
-        // The scope's length in decimal, every digit of it.
-        for len in [9, 10, 14, 99, 100, 255, 1000] {
-            let scope = "s".repeat(len);
-            let full = with_full_key(Some(&scope), "k", str::to_owned);
-            assert_eq!(full, format!("{len}:{scope}k"));
-        }
     }
 }

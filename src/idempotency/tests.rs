@@ -337,11 +337,12 @@ async fn a_one_mib_fingerprint_is_kept_as_its_32_byte_digest() {
     .unwrap();
     assert_eq!(fresh, IdempotencyOutcome::Fresh(7));
 
-    let record = claim::with_full_key(None, "k", |full| ledger.store.get(full, Instant::now()))
-        .resolve()
-        .await
-        .unwrap()
-        .unwrap();
+    let record =
+        super::full_key::with_full_key(None, "k", |full| ledger.store.get(full, Instant::now()))
+            .resolve()
+            .await
+            .unwrap()
+            .unwrap();
     let digest: [u8; 32] = Sha256::digest(&body).into();
     assert_eq!(record.fingerprint(), Some(&digest));
     // Digest and value in one allocation: 33 + 8 bytes, padded.

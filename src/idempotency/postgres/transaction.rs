@@ -30,7 +30,7 @@ use super::pool::{Class, Conn, store_error};
 use super::{Inner, PostgresStore, claim_reply, millis, notify, protocol};
 use crate::error::check_key;
 use crate::error::{BoxError, Error};
-use crate::idempotency::claim::with_full_key;
+use crate::idempotency::full_key::with_full_key;
 use crate::idempotency::options::Fingerprint;
 use crate::idempotency::store::{Record, stored_result};
 use crate::key::shown;
