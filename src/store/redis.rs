@@ -532,7 +532,7 @@ impl Redis {
 /// | deployment | data connections | when one fails |
 /// |---|---|---|
 /// | one node (`redis://`, `rediss://`) | one, through redis-rs's `ConnectionManager` | it reconnects by itself (one retry per attempt, pauses up to 200 ms); the failed command is an error |
-/// | cluster (`redis+cluster://`, [`Redis::cluster`]) | one per node, through redis-rs's cluster client: commands routed by slot, `MOVED`/`ASK` followed | the client refreshes its slot map and retries, up to 3 times within the command timeout, so a `MOVED` after a failover is followed rather than returned |
+/// | cluster (`redis+cluster://`, [`Redis::cluster`]) | one per node, through redis-rs's cluster client: commands routed by slot, `MOVED`/`ASK` followed | the client refreshes its slot map and retries once within the command timeout (more retries could re-send a claim whose reply was lost in a failover) |
 /// | Sentinel (`redis+sentinel://`, [`Redis::sentinel`]) | one to the primary the Sentinels name, and one to a Sentinel for lookups | the primary is looked up once a second, and every 100 ms after a command fails on the store's side (or finds the primary demoted, `READONLY`) until it answers again; when the Sentinels name another, it is connected to and used from then on (the breaker closed: its failures were the old primary's); [`RedisStats::failovers`] counts the moves |
 ///
 /// Besides, the first idempotency waiter or debounce call starts one pub/sub

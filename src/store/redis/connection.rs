@@ -403,7 +403,7 @@ fn cluster_builder(
     let mut builder = ClusterClientBuilder::new(infos.clone())
         .connection_timeout(connect_timeout)
         .response_timeout(command_timeout)
-        .retries(3);
+        .retries(1);
     if resp3 {
         builder = builder.use_protocol(redis::ProtocolVersion::RESP3);
     }
