@@ -1,0 +1,308 @@
+//! Limited keys answered locally: the denials kept until shortly before the server's T, and
+//! the notices that make every instance forget one.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::script::{Args, Operation};
+use crate::rate_limit::{Decision, RateLimitReply, ShaperReservation};
+use crate::store::redis::{Redis, RedisBuilder};
+
+/// How many limited keys a [`Redis`] answers locally at most by default (see
+/// `RedisBuilder::with_local_answers`).
+pub(super) const DEFAULT_LOCAL_ANSWERS: usize = 10_000;
+
+impl RedisBuilder {
+    /// How many limited keys this instance may answer locally at once (default 10,000; 0
+    /// turns local answers off).
+    ///
+    /// A check (or a shaper reservation) denied by the server until T is answered here,
+    /// with no round trip, by later checks of the same key with the same limit and a cost at
+    /// least as large, until shortly before T: nothing another instance does can admit it
+    /// sooner, since spending only postpones T. The local answer is the server's denial with
+    /// its retry-after counted down (`remaining`, `limit` and `reset_at_ms` as the server
+    /// last reported them; for a larger cost than the one denied, the retry-after is when the
+    /// denied cost could pass, and the server answers the check after it).
+    ///
+    /// What can admit a key sooner is announced through pub/sub: a `reset` (the script
+    /// publishes it with the deletion, in the same call) and an override set or removed on
+    /// a limiter; every instance forgets the key's local answer when the notice arrives.
+    /// Local answers are only kept and given while this instance's subscription is live and
+    /// has not been lost since the denial was sent, so a notice missed while the subscription
+    /// was down never leaves a stale answer: whatever the subscription misses, the server
+    /// decides. A key deleted behind the library's back (`DEL`, `FLUSHDB`, eviction under
+    /// `maxmemory`) is seen once its local answer ends, before T. While a test pins the
+    /// scripts' time ([`Redis::pin_time`]), nothing is answered locally.
+    ///
+    /// The notices travel on the backend's one pub/sub connection (the one idempotency
+    /// waiters and shared debounce use), which the first rate-limit check opens when local
+    /// answers are on.
+    ///
+    /// Memory is bounded: at most `max_keys` entries of a few hundred bytes; an entry ends
+    /// at its T, and a full table first drops the ended ones, then answers new denials from
+    /// the server. [`RedisStats::local_answers`](crate::store::RedisStats::local_answers) counts the
+    /// answers given.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), throttlebeam::store::StoreError> {
+    /// use throttlebeam::store::Redis;
+    ///
+    /// let redis = Redis::builder("redis://127.0.0.1:6379")
+    ///     .with_local_answers(50_000)
+    ///     .connect()
+    ///     .await?;
+    /// # drop(redis);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_local_answers(mut self, max_keys: usize) -> Self {
+        self.local_answers = Some(max_keys);
+        self
+    }
+}
+
+/// What held when a check that may be answered locally later was sent: its denial is kept
+/// only if no invalidation came and the subscription stayed the same meanwhile.
+#[derive(Clone, Copy)]
+pub(super) struct Ticket {
+    pub(super) sent: Instant,
+    pub(super) epoch: u64,
+    /// The live subscription (its number), if any.
+    pub(super) subscription: Option<u64>,
+}
+
+/// A denial answered locally (see [`LocalAnswers`]).
+pub(super) struct Denied {
+    pub(super) kinds: Box<str>,
+    pub(super) numbers: Box<[u64]>,
+    /// The cost denied: checks of this cost or more are answered.
+    pub(super) cost: u32,
+    /// Answered locally before this instant: `retry_after - 1 ms` after the call was sent,
+    /// never later than the server's T.
+    pub(super) until: Instant,
+    /// What retry-afters count down to: `retry_after` after the reply arrived, never earlier
+    /// than the server's T.
+    pub(super) admit_at: Instant,
+    /// The server's figures, when the denial was a check's (a reservation's carries none).
+    pub(super) decision: Option<(u64, u64, u64)>,
+    /// The subscription live when the denial was sent.
+    pub(super) subscription: u64,
+}
+
+/// Denials this instance answers without a round trip (see
+/// `RedisBuilder::with_local_answers`): at most `max_keys` keys, each until shortly before
+/// the server's T, while the pub/sub subscription that would announce a reset is the one
+/// that was live when the denial was sent.
+pub(super) struct LocalAnswers {
+    pub(super) entries: dashmap::DashMap<String, Denied, ahash::RandomState>,
+    pub(super) max_keys: usize,
+    /// Bumped by every invalidation: a denial sent before one is not kept (its notice may
+    /// have arrived before its reply).
+    pub(super) epoch: AtomicU64,
+    /// Answers given.
+    pub(super) answered: crate::stats::Counter,
+}
+
+impl LocalAnswers {
+    pub(super) fn new(max_keys: usize) -> Self {
+        Self {
+            entries: dashmap::DashMap::default(),
+            max_keys,
+            epoch: AtomicU64::new(0),
+            answered: crate::stats::Counter::default(),
+        }
+    }
+
+    /// Answers given so far.
+    pub(super) fn answered(&self) -> u64 {
+        self.answered.get()
+    }
+
+    /// Keys answered locally now (ended ones not yet dropped included).
+    pub(super) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// What to note when sending `args`, if its denial may be kept.
+    pub(super) fn ticket(&self, args: &Args, subscription: Option<u64>) -> Option<Ticket> {
+        (self.max_keys > 0 && matches!(args.op, "c" | "r")).then(|| Ticket {
+            sent: Instant::now(),
+            epoch: self.epoch.load(Ordering::SeqCst),
+            subscription,
+        })
+    }
+
+    /// The local answer to `operation`, if a denial covers it.
+    pub(super) fn answer(
+        &self,
+        operation: &Operation,
+        subscription: Option<u64>,
+    ) -> Option<RateLimitReply> {
+        let subscription = subscription?;
+        let entry = self.entries.get(&operation.key)?;
+        let args = &operation.args;
+        let now = Instant::now();
+        if now >= entry.until || entry.subscription != subscription {
+            drop(entry);
+            self.entries.remove_if(&operation.key, |_, d| {
+                now >= d.until || d.subscription != subscription
+            });
+            return None;
+        }
+        if args.cost < entry.cost || *entry.kinds != *args.kinds || *entry.numbers != *args.numbers
+        {
+            return None;
+        }
+        // Rounded up, as the server rounds: waiting it suffices.
+        let left = entry.admit_at.saturating_duration_since(now);
+        let retry_after_ms = u64::try_from(left.as_micros().div_ceil(1_000))
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let reply = match (args.op, entry.decision) {
+            ("c", Some((limit, remaining, reset_at_ms))) => RateLimitReply::Decision(Decision {
+                allowed: false,
+                limit,
+                remaining,
+                reset_at_ms,
+                retry_after_ms,
+            }),
+            ("r", _) => {
+                RateLimitReply::Reservation(ShaperReservation::QueueFull { retry_after_ms })
+            }
+            _ => return None,
+        };
+        drop(entry);
+        self.answered.incr();
+        Some(reply)
+    }
+
+    /// Keeps the denial `reply` to `operation` if it is sound to answer locally: sent while a
+    /// subscription was live that is still the live one, no invalidation since, and more
+    /// than a millisecond to wait.
+    pub(super) fn remember(
+        &self,
+        operation: &Operation,
+        reply: &RateLimitReply,
+        live: Option<u64>,
+    ) {
+        let Some(ticket) = operation.ticket else {
+            return;
+        };
+        let (retry_after_ms, decision) = match *reply {
+            RateLimitReply::Decision(d) if !d.allowed => (
+                d.retry_after_ms,
+                Some((d.limit, d.remaining, d.reset_at_ms)),
+            ),
+            RateLimitReply::Reservation(ShaperReservation::QueueFull { retry_after_ms }) => {
+                (retry_after_ms, None)
+            }
+            _ => return,
+        };
+        let Some(subscription) = ticket.subscription.filter(|s| live == Some(*s)) else {
+            return;
+        };
+        // The server decided at or after `sent`, and its T is more than `retry - 1` ms after
+        // that (the retry-after is rounded up); the reply came at `now`, at or after it, so T
+        // is at most `retry` ms after `now`.
+        let now = Instant::now();
+        let until = ticket.sent + Duration::from_millis(retry_after_ms.saturating_sub(1));
+        if until <= now {
+            return;
+        }
+        let admit_at = now + Duration::from_millis(retry_after_ms);
+        if self.entries.len() >= self.max_keys {
+            self.entries.retain(|_, d| d.until > now);
+            if self.entries.len() >= self.max_keys {
+                return;
+            }
+        }
+        let args = &operation.args;
+        let denied = Denied {
+            kinds: args.kinds.as_str().into(),
+            numbers: args.numbers.as_slice().into(),
+            cost: args.cost,
+            until,
+            admit_at,
+            decision,
+            subscription,
+        };
+        // Under the key's shard lock: an invalidation bumps the epoch before it removes the
+        // key, so either this sees the bump, or the removal comes after this insertion.
+        match self.entries.entry(operation.key.clone()) {
+            dashmap::Entry::Occupied(mut held) => {
+                if self.epoch.load(Ordering::SeqCst) != ticket.epoch {
+                    return;
+                }
+                let kept = held.get();
+                let covers_more = kept.until > now
+                    && kept.cost < denied.cost
+                    && kept.subscription == subscription
+                    && kept.kinds == denied.kinds
+                    && kept.numbers == denied.numbers;
+                if !covers_more {
+                    held.insert(denied);
+                }
+            }
+            dashmap::Entry::Vacant(slot) => {
+                if self.epoch.load(Ordering::SeqCst) == ticket.epoch {
+                    slot.insert(denied);
+                }
+            }
+        }
+    }
+
+    /// Forgets the local answer of `key` (a stored key name), and stops keeping denials sent
+    /// before now.
+    pub(super) fn forget(&self, key: &str) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        self.entries.remove(key);
+    }
+}
+
+impl Redis {
+    /// The channel where resets and overrides of rate-limited keys are announced, for the
+    /// instances that answer their denials locally.
+    pub(crate) fn rate_limit_channel(&self) -> String {
+        format!("{}:rate-limit", self.prefix())
+    }
+
+    /// The live subscription's number, when local answers may be given; starts the listener
+    /// if none runs.
+    pub(super) fn live_subscription(&self) -> Option<u64> {
+        let live = self.subscription_live();
+        if live.is_none() {
+            self.subscribe();
+        }
+        live
+    }
+
+    /// Forgets the local answers of `key` (a limiter's store key) here, and has every other
+    /// instance forget theirs: its limits changed (an override set or removed).
+    pub(super) fn limits_changed(&self, key: &str) {
+        let key = self.key(key, ":r");
+        let batcher = self.batcher();
+        let local = &batcher.local;
+        if local.max_keys == 0 {
+            return;
+        }
+        local.forget(&key);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::debug!(
+                key,
+                "no tokio runtime to announce a changed limit: other instances forget their local answers at their T"
+            );
+            return;
+        };
+        let redis = self.clone();
+        runtime.spawn(async move {
+            let mut publish = redis::cmd("PUBLISH");
+            publish.arg(redis.rate_limit_channel()).arg(&key);
+            if let Err(error) = redis.query::<i64>(&publish).await {
+                tracing::debug!(key, %error, "announcing a changed limit failed");
+            }
+        });
+    }
+}

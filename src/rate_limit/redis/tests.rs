@@ -1,0 +1,650 @@
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use super::local::LocalAnswers;
+use super::script::{Args, argument_sets, batch_replies, decode};
+use super::*;
+use crate::rate_limit::{
+    Decision, FixedWindow, Gcra, RateLimitOp, ShaperReservation, SlidingWindow, TokenBucket,
+};
+use crate::store::redis::{each_server, each_server_bounded};
+
+fn gcra() -> Gcra {
+    Gcra::new(2, Duration::from_secs(1)).unwrap()
+}
+
+async fn apply<S: ScriptedStrategy>(
+    redis: &Redis,
+    strategy: &S,
+    key: &str,
+    op: RateLimitOp,
+) -> Result<RateLimitReply, RateLimitError>
+where
+    Redis: AsyncRateLimitStore<S>,
+{
+    redis
+        .apply_async(RateLimitRequest {
+            key,
+            now_us: 0,
+            strategy,
+            op,
+        })
+        .await
+}
+
+#[test]
+fn replies_decode_or_are_protocol_errors() {
+    assert_eq!(
+        decode(&[1, 0, 2, 0, 1_500, 500]).unwrap(),
+        RateLimitReply::Decision(Decision {
+            allowed: false,
+            limit: 2,
+            remaining: 0,
+            reset_at_ms: 1_500,
+            retry_after_ms: 500,
+        })
+    );
+    assert_eq!(
+        decode(&[3, 1, 100]).unwrap(),
+        RateLimitReply::Reservation(ShaperReservation::Granted { delay_ms: 100 })
+    );
+    assert_eq!(decode(&[4]).unwrap(), RateLimitReply::Reset);
+    for bad in [&[][..], &[1, 1, 2][..], &[2, -1, 0, 0][..], &[9][..]] {
+        assert!(
+            matches!(decode(bad), Err(StoreError::Protocol(_))),
+            "{bad:?}"
+        );
+    }
+}
+
+/// A stored state: its kinds, then its fields as little-endian doubles.
+fn decode_state(stored: &[u8], kinds: &str) -> Vec<u64> {
+    assert_eq!(&stored[..kinds.len()], kinds.as_bytes());
+    let doubles = &stored[kinds.len()..];
+    assert_eq!(doubles.len() % 8, 0, "{stored:?}");
+    doubles
+        .chunks_exact(8)
+        .map(|d| {
+            let v = f64::from_le_bytes(d.try_into().unwrap());
+            assert_eq!(v.fract(), 0.0, "{v}");
+            v as u64
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn state_is_stored_in_microseconds_and_expires_at_rest() {
+    each_server("rate_limit_state_and_expiry", async |redis: Redis| {
+        let check = RateLimitOp::Check {
+            cost: NonZeroU32::MIN,
+        };
+        let stored = async |key: &str| -> Vec<u8> {
+            redis
+                .query(redis::cmd("GET").arg(redis.key(key, ":r")))
+                .await
+                .unwrap()
+        };
+        redis.pin_time(1_000);
+        apply(&redis, &gcra(), "k", check).await.unwrap();
+        // The theoretical arrival time 1.5 s in µs, no remainder.
+        assert_eq!(decode_state(&stored("k").await, "g"), [1_500_000, 0]);
+        apply(&redis, &gcra(), "k", check).await.unwrap();
+        assert_eq!(decode_state(&stored("k").await, "g"), [2_000_000, 0]);
+        // Two tiers in one value, each one's fields (a sliding window keeps three).
+        let tiered = Tiered::new(
+            gcra(),
+            SlidingWindow::new(10, Duration::from_secs(1)).unwrap(),
+        );
+        apply(&redis, &tiered, "t", check).await.unwrap();
+        let state = decode_state(&stored("t").await, "gs");
+        assert_eq!(state, [1_500_000, 0, 1_000_000, 0, 1]);
+
+        // On the server's clock, the key lives until its state is at rest (+1 ms).
+        redis.unpin_time();
+        apply(&redis, &gcra(), "k2", check).await.unwrap();
+        let left: i64 = redis
+            .query(redis::cmd("PTTL").arg(redis.key("k2", ":r")))
+            .await
+            .unwrap();
+        assert!((1..=501).contains(&left), "{left}");
+        apply(&redis, &gcra(), "k2", RateLimitOp::Reset)
+            .await
+            .unwrap();
+        let exists: i64 = redis
+            .query(redis::cmd("EXISTS").arg(redis.key("k2", ":r")))
+            .await
+            .unwrap();
+        assert_eq!(exists, 0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_script_reads_the_server_clock_to_the_microsecond() {
+    each_server("rate_limit_server_us", async |redis: Redis| {
+        // One per hour: a first check stores an arrival time of the server's TIME plus
+        // exactly an hour. Read in whole ms, every one would end in 000 µs.
+        let g = Gcra::new(1, Duration::from_secs(3_600)).unwrap();
+        let mut sub_ms = std::collections::BTreeSet::new();
+        for i in 0..20 {
+            let key = format!("us{i}");
+            apply(&redis, &g, &key, check_one()).await.unwrap();
+            let stored: Vec<u8> = redis
+                .query(redis::cmd("GET").arg(redis.key(&key, ":r")))
+                .await
+                .unwrap();
+            sub_ms.insert(decode_state(&stored, "g")[0] % 1_000);
+        }
+        assert!(sub_ms.len() > 1, "{sub_ms:?}");
+        // A pinned time is read to the microsecond too.
+        redis.pin_time_us(5_000_000_250);
+        apply(&redis, &g, "pinned", check_one()).await.unwrap();
+        let stored: Vec<u8> = redis
+            .query(redis::cmd("GET").arg(redis.key("pinned", ":r")))
+            .await
+            .unwrap();
+        assert_eq!(decode_state(&stored, "g"), [8_600_000_250, 0]);
+    })
+    .await;
+}
+
+/// On a single node, has the server hold its answers for a moment (`CLIENT PAUSE`), so
+/// no call ends at its first poll and the calls made meanwhile queue deterministically.
+async fn hold_answers(redis: &Redis) {
+    if !redis.is_cluster() {
+        redis
+            .query::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(100).arg("ALL"))
+            .await
+            .unwrap();
+    }
+}
+
+fn check_one() -> RateLimitOp {
+    RateLimitOp::Check {
+        cost: NonZeroU32::MIN,
+    }
+}
+
+#[tokio::test]
+async fn concurrent_operations_go_out_in_batches_and_each_is_decided_exactly() {
+    // 250 operations at once, each alone on a cluster just created: what is decided is
+    // checked here, not how fast, so the bound is looser than the default.
+    let bound = Some(Duration::from_secs(2));
+    each_server_bounded("rate_limit_batches", bound, async |redis: Redis| {
+        redis.pin_time(1_000_000);
+        let limit = FixedWindow::new(100, Duration::from_secs(60)).unwrap();
+        let before = redis.stats().commands;
+        let calls = (0..250).map(|_| apply(&redis, &limit, "hot", check_one()));
+        let replies = futures_util::future::join_all(calls).await;
+        let calls = redis.stats().commands - before;
+        let mut allowed = 0;
+        let mut remaining = Vec::new();
+        for reply in replies {
+            match reply.unwrap() {
+                RateLimitReply::Decision(d) if d.allowed => {
+                    allowed += 1;
+                    remaining.push(d.remaining);
+                }
+                RateLimitReply::Decision(d) => assert_eq!(d.remaining, 0),
+                other => panic!("{other:?}"),
+            }
+        }
+        // Exactly the limit, each admission seeing the one before it.
+        assert_eq!(allowed, 100);
+        remaining.sort_unstable();
+        assert_eq!(remaining, (0..100).collect::<Vec<u64>>());
+        if redis.is_cluster() {
+            assert_eq!(calls, 250, "a cluster sends each operation alone");
+        } else {
+            assert!(
+                calls < 250,
+                "{calls} calls: operations in flight together are batched"
+            );
+        }
+    })
+    .await;
+}
+
+/// `SET`s the server ran (scripts' included) since it started: single node only.
+async fn sets_run(redis: &Redis) -> u64 {
+    let info: String = redis
+        .query(redis::cmd("INFO").arg("commandstats"))
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_set:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+#[tokio::test]
+async fn a_batch_writes_a_hot_key_once_with_what_its_last_operation_left() {
+    each_server("rate_limit_hot_key", async |redis: Redis| {
+        // A long window: its state must outlive the pause below.
+        let window = FixedWindow::new(1_000, Duration::from_secs(3_600)).unwrap();
+        apply(&redis, &window, "hot", check_one()).await.unwrap();
+        let sets = if redis.is_cluster() {
+            0
+        } else {
+            sets_run(&redis).await
+        };
+        hold_answers(&redis).await;
+        let calls = (0..40).map(|_| apply(&redis, &window, "hot", check_one()));
+        let mut remaining: Vec<u64> = futures_util::future::join_all(calls)
+            .await
+            .into_iter()
+            .map(|reply| match reply.unwrap() {
+                RateLimitReply::Decision(d) if d.allowed => d.remaining,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        // Each saw the one before it, batched or not.
+        remaining.sort_unstable();
+        assert_eq!(remaining, (959..999).collect::<Vec<u64>>());
+        if !redis.is_cluster() {
+            // The first two went alone; the other 38 queued into one batch, one write.
+            assert_eq!(sets_run(&redis).await - sets, 3);
+        }
+        // What was stored is what the last operation left.
+        match apply(&redis, &window, "hot", RateLimitOp::Peek)
+            .await
+            .unwrap()
+        {
+            RateLimitReply::Decision(d) => assert_eq!(d.remaining, 959),
+            other => panic!("{other:?}"),
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn each_operation_of_a_batch_is_answered_on_its_own() {
+    each_server("rate_limit_batch_errors", async |redis: Redis| {
+        // A long window: its state must outlive the pause below.
+        let window = FixedWindow::new(2, Duration::from_secs(3_600)).unwrap();
+        apply(&redis, &window, "window", check_one()).await.unwrap();
+        // A key holding a value of another type: refused, and left as it is.
+        let hashed = redis.key("hashed", ":r");
+        redis
+            .query::<()>(redis::cmd("HSET").arg(&hashed).arg("f").arg("v"))
+            .await
+            .unwrap();
+        let g = gcra();
+        hold_answers(&redis).await;
+        let before = redis.stats().commands;
+        // The first two fill the call slots; the other four wait and go together.
+        let (first, second, a, foreign, b, other_type) = tokio::join!(
+            apply(&redis, &g, "first", check_one()),
+            apply(&redis, &g, "second", check_one()),
+            apply(&redis, &g, "a", check_one()),
+            apply(&redis, &g, "window", check_one()),
+            apply(&redis, &g, "b", check_one()),
+            apply(&redis, &g, "hashed", check_one()),
+        );
+        let calls = redis.stats().commands - before;
+        if redis.is_cluster() {
+            assert_eq!(calls, 6);
+        } else {
+            assert_eq!(calls, 3, "two alone, then one batch of four");
+        }
+        let err = other_type.unwrap_err();
+        assert!(err.is_store(), "{err:?}");
+        let kind: String = redis.query(redis::cmd("TYPE").arg(&hashed)).await.unwrap();
+        assert_eq!(kind, "hash");
+        for ok in [first, second] {
+            assert!(matches!(ok.unwrap(), RateLimitReply::Decision(d) if d.allowed));
+        }
+        let err = foreign.unwrap_err();
+        assert!(err.is_store(), "{err:?}");
+        assert!(
+            format!("{err:?}").contains("holds the state of another strategy"),
+            "{err:?}"
+        );
+        for ok in [a, b] {
+            assert!(matches!(ok.unwrap(), RateLimitReply::Decision(d) if d.allowed));
+        }
+    })
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_denial_is_kept_only_when_sound_and_answered_until_shortly_before_its_end() {
+    let local = LocalAnswers::new(2);
+    let args = |cost, limit| Args {
+        op: "c",
+        cost,
+        slack: 1,
+        kinds: "f".to_owned(),
+        numbers: vec![limit, 60_000_000, 0, 0],
+        channel: String::new(),
+    };
+    let sent = |key: &str, cost, limit, live| {
+        let args = args(cost, limit);
+        let ticket = local.ticket(&args, live);
+        Operation {
+            key: key.to_owned(),
+            args,
+            ticket,
+        }
+    };
+    let denial = |retry_after_ms| {
+        RateLimitReply::Decision(Decision {
+            allowed: false,
+            limit: 2,
+            remaining: 0,
+            reset_at_ms: 90_000,
+            retry_after_ms,
+        })
+    };
+    let retry = |reply: Option<RateLimitReply>| match reply {
+        Some(RateLimitReply::Decision(d)) => {
+            assert!(
+                !d.allowed && d.limit == 2 && d.reset_at_ms == 90_000,
+                "{d:?}"
+            );
+            Some(d.retry_after_ms)
+        }
+        None => None,
+        other => panic!("{other:?}"),
+    };
+    // Sent and answered under subscription 1: kept; counted down on time.
+    let op = sent("k", 2, 2, Some(1));
+    local.remember(&op, &denial(30_000), Some(1));
+    assert_eq!(retry(local.answer(&op, Some(1))), Some(30_000));
+    tokio::time::advance(Duration::from_secs(10)).await;
+    assert_eq!(retry(local.answer(&op, Some(1))), Some(20_000));
+    // A larger cost is answered; a smaller one, or other limits, go to the server.
+    assert_eq!(
+        retry(local.answer(&sent("k", 2, 2, None), Some(1))),
+        Some(20_000)
+    );
+    assert_eq!(local.answer(&sent("k", 1, 2, None), Some(1)), None);
+    assert_eq!(local.answer(&sent("k", 2, 3, None), Some(1)), None);
+    // Answered until 1 ms before the server's retry-after ended, never after.
+    tokio::time::advance(Duration::from_millis(19_998)).await;
+    assert_eq!(retry(local.answer(&op, Some(1))), Some(2));
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert_eq!(local.answer(&op, Some(1)), None);
+    assert_eq!(local.len(), 0, "an ended answer is dropped");
+    assert_eq!(local.answered(), 4);
+
+    // Under another subscription, or none: not answered (and dropped).
+    let op = sent("k", 1, 2, Some(1));
+    local.remember(&op, &denial(30_000), Some(1));
+    assert_eq!(local.answer(&op, None), None);
+    assert_eq!(local.len(), 1);
+    assert_eq!(local.answer(&op, Some(2)), None);
+    assert_eq!(local.len(), 0);
+    // The subscription changed between the call and its reply: not kept.
+    let op = sent("k", 1, 2, Some(1));
+    local.remember(&op, &denial(30_000), Some(2));
+    assert_eq!(local.len(), 0);
+    // A call sent with no live subscription: not kept.
+    let op = sent("k", 1, 2, None);
+    local.remember(&op, &denial(30_000), Some(1));
+    assert_eq!(local.len(), 0);
+    // A notice (of any key) between the call and its reply: not kept, it may be this
+    // key's, overtaking the reply.
+    let op = sent("k", 1, 2, Some(1));
+    local.forget("other");
+    local.remember(&op, &denial(30_000), Some(1));
+    assert_eq!(local.len(), 0);
+    // A retry-after of 1 ms leaves nothing to answer; an allowed check is never kept.
+    let op = sent("k", 1, 2, Some(1));
+    local.remember(&op, &denial(1), Some(1));
+    let allowed = RateLimitReply::Decision(Decision {
+        allowed: true,
+        limit: 2,
+        remaining: 1,
+        reset_at_ms: 90_000,
+        retry_after_ms: 0,
+    });
+    local.remember(&op, &allowed, Some(1));
+    assert_eq!(local.len(), 0);
+    // A notice forgets its key.
+    local.remember(&op, &denial(30_000), Some(1));
+    assert_eq!(local.len(), 1);
+    local.forget("k");
+    assert_eq!(local.answer(&op, Some(1)), None);
+    // At most `max_keys` keys: a full table drops ended answers first, then keeps no more.
+    for key in ["a", "b", "c"] {
+        let op = sent(key, 1, 2, Some(1));
+        local.remember(&op, &denial(30_000), Some(1));
+    }
+    assert_eq!(local.len(), 2);
+    tokio::time::advance(Duration::from_secs(30)).await;
+    let op = sent("c", 1, 2, Some(1));
+    local.remember(&op, &denial(30_000), Some(1));
+    assert_eq!(local.len(), 1);
+}
+
+#[test]
+fn a_batch_reply_is_split_by_its_lengths_and_checked() {
+    let flat = [6, 1, 1, 2, 1, 1000, 0, 1, 4, 1, 5];
+    let replies = batch_replies(&flat, 3).unwrap();
+    assert_eq!(replies, [&flat[1..7], &[4][..], &[5][..]]);
+    assert_eq!(batch_replies(&[], 0).unwrap().len(), 0);
+    // Too few or too many replies, a length past the end, a negative length.
+    for (bad, operations) in [
+        (&flat[..], 2),
+        (&flat[..], 4),
+        (&[3, 1][..], 1),
+        (&[-1][..], 1),
+    ] {
+        let err = batch_replies(bad, operations).unwrap_err();
+        assert!(matches!(err, StoreError::Protocol(_)), "{err:?}");
+    }
+}
+
+#[test]
+fn operations_with_the_same_arguments_share_one_set() {
+    let op = |key: &str, op, cost, numbers: &[u64]| Operation {
+        key: key.to_owned(),
+        args: Args {
+            op,
+            cost,
+            slack: 1,
+            kinds: "g".to_owned(),
+            numbers: numbers.to_vec(),
+            channel: String::new(),
+        },
+        ticket: None,
+    };
+    let ops = [
+        op("a", "c", 1, &[2, 500_000, 1, 1_000_000]),
+        op("b", "p", 1, &[2, 500_000, 1, 1_000_000]),
+        op("c", "c", 1, &[2, 500_000, 1, 1_000_000]),
+        op("d", "c", 2, &[2, 500_000, 1, 1_000_000]),
+        op("e", "c", 1, &[3, 500_000, 1, 1_000_000]),
+        op("f", "p", 1, &[2, 500_000, 1, 1_000_000]),
+    ];
+    let (sets, set_of) = argument_sets(ops.iter());
+    // Each set is the arguments of the operation that used it first.
+    let first_user = |set: &&Args| ops.iter().find(|o| std::ptr::eq(&o.args, *set));
+    let keys: Vec<&str> = sets
+        .iter()
+        .map(|s| first_user(s).unwrap().key.as_str())
+        .collect();
+    assert_eq!(keys, ["a", "b", "d", "e"]);
+    assert_eq!(set_of, [1, 2, 1, 3, 4, 2]);
+
+    // Only the first sets are looked through: past them, each operation brings its own.
+    let limit = |n| op("k", "c", 1, &[n, 500_000, 1, 1_000_000]);
+    let mut many: Vec<Operation> = (1..=10).map(limit).collect();
+    many.extend([limit(1), limit(8), limit(9), limit(9)]);
+    let (sets, set_of) = argument_sets(many.iter());
+    assert_eq!(sets.len(), 12);
+    assert_eq!(set_of, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 8, 11, 12]);
+}
+
+#[tokio::test]
+async fn a_batch_of_several_limits_and_operations_decides_each_with_its_own() {
+    each_server("rate_limit_batch_sets", async |redis: Redis| {
+        let now_us = 1_000_000_250;
+        redis.pin_time_us(now_us);
+        let (g, other) = (gcra(), Gcra::new(5, Duration::from_secs(1)).unwrap());
+        let window = FixedWindow::new(4, Duration::from_secs(60)).unwrap();
+        let two = RateLimitOp::Check {
+            cost: NonZeroU32::new(2).unwrap(),
+        };
+        // What the memory store decides for the same operations in the same order.
+        let memory_g = crate::rate_limit::MemoryRateLimitStore::new();
+        let memory_w = crate::rate_limit::MemoryRateLimitStore::new();
+        let expect_g = |strategy: &Gcra, key: &str, op| {
+            let request = RateLimitRequest {
+                key,
+                now_us,
+                strategy,
+                op,
+            };
+            crate::rate_limit::RateLimitStore::apply(&memory_g, request).unwrap()
+        };
+        let expect_w = |key: &str, op| {
+            let request = RateLimitRequest {
+                key,
+                now_us,
+                strategy: &window,
+                op,
+            };
+            crate::rate_limit::RateLimitStore::apply(&memory_w, request).unwrap()
+        };
+        let expected = [
+            expect_g(&g, "first", check_one()),
+            expect_g(&g, "second", check_one()),
+            expect_g(&g, "a", check_one()),
+            expect_w("w", two),
+            expect_g(&other, "o", check_one()),
+            expect_g(&g, "a", RateLimitOp::Peek),
+            expect_w("w", check_one()),
+            expect_g(&g, "a", check_one()),
+            expect_w("w", two),
+            expect_g(&other, "o", check_one()),
+            expect_g(&g, "a", RateLimitOp::Reset),
+            expect_g(&g, "a", check_one()),
+        ];
+        hold_answers(&redis).await;
+        let before = redis.stats().commands;
+        // The first two fill the call slots; the other ten go together, in this order
+        // (`join_all` polls them in order), with five different argument sets among them;
+        // a key's later operations see what its earlier ones wrote, a reset included.
+        type Call<'a> = std::pin::Pin<
+            Box<dyn Future<Output = Result<RateLimitReply, RateLimitError>> + Send + 'a>,
+        >;
+        let calls: Vec<Call<'_>> = vec![
+            Box::pin(apply(&redis, &g, "first", check_one())),
+            Box::pin(apply(&redis, &g, "second", check_one())),
+            Box::pin(apply(&redis, &g, "a", check_one())),
+            Box::pin(apply(&redis, &window, "w", two)),
+            Box::pin(apply(&redis, &other, "o", check_one())),
+            Box::pin(apply(&redis, &g, "a", RateLimitOp::Peek)),
+            Box::pin(apply(&redis, &window, "w", check_one())),
+            Box::pin(apply(&redis, &g, "a", check_one())),
+            Box::pin(apply(&redis, &window, "w", two)),
+            Box::pin(apply(&redis, &other, "o", check_one())),
+            Box::pin(apply(&redis, &g, "a", RateLimitOp::Reset)),
+            Box::pin(apply(&redis, &g, "a", check_one())),
+        ];
+        let got = futures_util::future::join_all(calls).await;
+        let calls = redis.stats().commands - before;
+        if !redis.is_cluster() {
+            assert_eq!(calls, 3, "two alone, then one batch of ten");
+        }
+        let got: Vec<RateLimitReply> = got.into_iter().map(Result::unwrap).collect();
+        assert_eq!(got, expected);
+        // The last check of the window was denied: 2 + 1 + 2 over a limit of 4.
+        assert!(matches!(got[8], RateLimitReply::Decision(d) if !d.allowed));
+        // What the batch left stored (writes to keys with a state wait for its end) is
+        // what the memory store holds.
+        let peek = RateLimitOp::Peek;
+        assert_eq!(
+            apply(&redis, &g, "a", peek).await.unwrap(),
+            expect_g(&g, "a", peek)
+        );
+        assert_eq!(
+            apply(&redis, &other, "o", peek).await.unwrap(),
+            expect_g(&other, "o", peek)
+        );
+        assert_eq!(
+            apply(&redis, &window, "w", peek).await.unwrap(),
+            expect_w("w", peek)
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_task_dropped_with_its_runtime_wedges_nothing() {
+    each_server("rate_limit_batch_dropped", async |redis: Redis| {
+        if redis.is_cluster() {
+            return; // no batches on a cluster
+        }
+        // Twice: a runtime whose callers fill both call slots and queue a third
+        // operation, then give up; the batch task started for the queued one never
+        // runs before the runtime ends. Two abandoned tasks that kept their slots would
+        // wedge every later call. The server holds its answers meanwhile, so that no
+        // call can end at its first poll.
+        redis
+            .query::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(400).arg("ALL"))
+            .await
+            .unwrap();
+        let paused_at = tokio::time::Instant::now();
+        for _ in 0..2 {
+            let short_redis = redis.clone();
+            std::thread::spawn(move || {
+                let redis = short_redis;
+                let short = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                short.block_on(async {
+                    let g = gcra();
+                    let mut calls: Vec<_> = (0..3)
+                        .map(|_| Box::pin(apply(&redis, &g, "k", check_one())))
+                        .collect();
+                    for call in &mut calls {
+                        assert!(futures_util::FutureExt::now_or_never(call).is_none());
+                    }
+                    let batcher = redis.batcher();
+                    let state = batcher.lock();
+                    assert_eq!((state.alone, state.tasks, state.queue.len()), (2, 0, 1));
+                });
+            })
+            .join()
+            .unwrap();
+            let batcher = redis.batcher();
+            let state = batcher.lock();
+            assert_eq!((state.alone, state.tasks, state.queue.len()), (0, 0, 0));
+        }
+        tokio::time::sleep_until(paused_at + Duration::from_millis(500)).await;
+        let g = gcra();
+        let reply =
+            tokio::time::timeout(Duration::from_secs(5), apply(&redis, &g, "k", check_one()))
+                .await
+                .expect("not wedged");
+        assert!(matches!(reply.unwrap(), RateLimitReply::Decision(_)));
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_key_of_another_strategy_is_a_store_error_and_too_wide_a_tier_is_refused() {
+    each_server("rate_limit_other_strategy", async |redis: Redis| {
+        let check = RateLimitOp::Check {
+            cost: NonZeroU32::MIN,
+        };
+        // A slow GCRA: its state must outlive the next call, however loaded the machine.
+        let slow_gcra = Gcra::new(2, Duration::from_secs(3_600)).unwrap();
+        apply(&redis, &slow_gcra, "mixed", check).await.unwrap();
+        let window = FixedWindow::new(2, Duration::from_secs(1)).unwrap();
+        let err = apply(&redis, &window, "mixed", check).await.unwrap_err();
+        assert!(err.is_store(), "{err:?}");
+        // One per second with a burst of 2^32 - 1: a burst window of 136 years, fine;
+        // a bucket of 6,000,000 tokens refilling one per 1000 s (190 years) is not.
+        let wide = Gcra::per_second(NonZeroU32::MIN).with_burst(NonZeroU32::MAX);
+        apply(&redis, &wide, "wide", check).await.unwrap();
+        let slow = TokenBucket::new(6_000_000, 1, Duration::from_secs(1_000)).unwrap();
+        let err = apply(&redis, &slow, "slow", check).await.unwrap_err();
+        assert!(matches!(err, RateLimitError::TooLarge { .. }), "{err:?}");
+    })
+    .await;
+}
