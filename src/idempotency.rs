@@ -737,7 +737,7 @@ where
             let work = std::pin::pin!(catch_panic_fn(f));
             ticket.hold(work).await
         };
-        let outcome = match Error::from_run(ticket.key(), caught) {
+        let outcome = match ran(&ticket, caught) {
             Ok(value) => match ticket.complete(value.clone()).await {
                 Ok(()) | Err(Error::ShutDown { .. }) => Ok(value),
                 Err(e) => Err(e),
@@ -756,6 +756,22 @@ where
             tracing::warn!(key, %error, "idempotency run failed after its caller left");
         }
         outcome
+    }
+}
+
+/// What `f` came to, as [`Error::from_run`] tells it, naming the key only in an error: a run
+/// that succeeds never builds the key's message form.
+fn ran<T, E>(
+    ticket: &Ticket,
+    caught: Result<Result<T, E>, throttlebeam_supervisors::Panic>,
+) -> Result<T, Error>
+where
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    match caught {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(Error::failed(&shown(ticket.key()), e)),
+        Err(panic) => Err(Error::panicked(&shown(ticket.key()), &panic)),
     }
 }
 
