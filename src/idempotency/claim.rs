@@ -163,6 +163,49 @@ impl Ledger {
         })
     }
 
+    /// Claims the key at once when nothing needs waiting for: the key is free (this caller
+    /// now holds it), or completed since the replay fast path read it (replayed). `None` when
+    /// only [`Ledger::attempt`] can tell: the key is in flight (wait for it, or reject), or
+    /// the store answers later (a shared store, a remote result store).
+    ///
+    /// The same steps as `attempt` on a store that answers at once (the caller has taken the
+    /// replay fast path), without a future.
+    #[cfg(feature = "http")]
+    pub(crate) fn claim_now<T>(
+        self: &Arc<Self>,
+        key: &str,
+        options: &IdempotencyOptions,
+    ) -> Result<Option<Step<T>>, Error>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        if self.shared.is_some() || !self.store.answers_at_once() {
+            return Ok(None);
+        }
+        let now = Instant::now();
+        let ticket = match with_full_key_bytes(options.scope(), key, |full| {
+            self.join::<T>(full, key, options, now)
+        })? {
+            Step::Owner(ticket) => ticket,
+            _ => return Ok(None),
+        };
+        // A result stored between the fast path's read and the claim. (An early return drops
+        // the ticket, which releases the key.)
+        let found = match self.store.get_stored(&ticket.full, now) {
+            Pending::Ready(found) => found.map_err(|e| unavailable(key, e))?,
+            Pending::Later(_) => return Ok(None),
+        };
+        match found {
+            Some(record) => self
+                .replay(&record, key, options.fingerprint().as_ref())
+                .map(|value| Some(Step::Replay(value))),
+            None => {
+                Tally::bump(&self.tally.fresh);
+                Ok(Some(Step::Owner(ticket)))
+            }
+        }
+    }
+
     /// One look at the key: replay it, claim it, or wait for its holder.
     /// A shared store's claim is bounded by the caller's `deadline` (and the
     /// lease): a hanging store never holds a caller past its wait.
