@@ -324,19 +324,53 @@ impl IdempotencyHandle {
         }
     }
 
-    /// The completed result of `key`, read at once without building a future
-    /// (the replay fast path of [`IdempotencyHandle::run_with`]); `None` when the key has
-    /// no result yet or the store cannot answer at once.
+    /// The replay fast path, then a claim made at once if the key is free: a stored
+    /// result, or the key now held by this caller (run it with
+    /// [`IdempotencyHandle::run_claim`]); `None` when only [`IdempotencyHandle::run_after_miss`]
+    /// can tell (the key is in flight, or the store answers later). What `run_with` does
+    /// first, without building a future.
     #[cfg(feature = "http")]
-    pub(crate) fn try_replay<T>(
+    pub(crate) fn look<T>(
         &self,
         key: &str,
         options: &IdempotencyOptions,
-    ) -> Result<Option<T>, Error>
+    ) -> Result<Option<Looked<T>>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        fast_replay(&self.runtime.core, &self.state.ledger, key, options)
+        let ledger = &self.state.ledger;
+        if let Some(value) = fast_replay(&self.runtime.core, ledger, key, options)? {
+            return Ok(Some(Looked::Replay(value)));
+        }
+        Ok(match ledger.claim_now(key, options)? {
+            Some(Step::Replay(value)) => Some(Looked::Replay(value)),
+            Some(Step::Owner(ticket)) => Some(Looked::Owner(Claimed(ticket))),
+            Some(Step::Wait { .. } | Step::Remote { .. }) | None => None,
+        })
+    }
+
+    /// Runs `f` as the process of the key `claim` holds (`key`, as `claim` was looked up
+    /// with), as [`IdempotencyHandle::run_with`] does once it holds a key: its value is
+    /// stored (or the key released) before the run ends. Dropped before it ends, the run
+    /// moves into a process of its own.
+    #[cfg(feature = "http")]
+    pub(crate) fn run_claim<F, Fut, T, E>(
+        &self,
+        key: &str,
+        claim: Claimed,
+        f: F,
+    ) -> Result<throttlebeam_supervisors::RunHere<Result<T, Error>>, Error>
+    where
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
+    {
+        let Claimed(ticket) = claim;
+        // Boxed where it is built, as in `run_claimed`.
+        self.runtime
+            .core
+            .run_here_boxed(key, Box::pin(owned_run(ticket, f)))
     }
 
     /// [`IdempotencyHandle::run_with`] past its replay fast path (or for a caller that has
@@ -517,6 +551,19 @@ impl Idempotency {
         Runtime::global()?.idempotency().reserve(key, options).await
     }
 }
+
+/// What [`IdempotencyHandle::look`] found at once.
+#[cfg(feature = "http")]
+pub(crate) enum Looked<T> {
+    /// A stored result.
+    Replay(T),
+    /// The key is now this caller's.
+    Owner(Claimed),
+}
+
+/// A key claimed by [`IdempotencyHandle::look`]: dropped unrun, it is released.
+#[cfg(feature = "http")]
+pub(crate) struct Claimed(Ticket);
 
 /// What [`acquire`] ended with.
 enum Acquired<T> {
@@ -737,7 +784,7 @@ where
             let work = std::pin::pin!(catch_panic_fn(f));
             ticket.hold(work).await
         };
-        let outcome = match Error::from_run(ticket.key(), caught) {
+        let outcome = match ran(&ticket, caught) {
             Ok(value) => match ticket.complete(value.clone()).await {
                 Ok(()) | Err(Error::ShutDown { .. }) => Ok(value),
                 Err(e) => Err(e),
@@ -756,6 +803,22 @@ where
             tracing::warn!(key, %error, "idempotency run failed after its caller left");
         }
         outcome
+    }
+}
+
+/// What `f` came to, as [`Error::from_run`] tells it, naming the key only in an error: a run
+/// that succeeds never builds the key's message form.
+fn ran<T, E>(
+    ticket: &Ticket,
+    caught: Result<Result<T, E>, throttlebeam_supervisors::Panic>,
+) -> Result<T, Error>
+where
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    match caught {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(Error::failed(&shown(ticket.key()), e)),
+        Err(panic) => Err(Error::panicked(&shown(ticket.key()), &panic)),
     }
 }
 

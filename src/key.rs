@@ -77,7 +77,7 @@ impl InlineKey {
     }
 
     #[inline]
-    fn from_bytes(raw: &[u8]) -> Self {
+    pub(crate) fn from_bytes(raw: &[u8]) -> Self {
         if raw.len() <= INLINE_KEY {
             let mut bytes = [0; INLINE_KEY];
             bytes[..raw.len()].copy_from_slice(raw);

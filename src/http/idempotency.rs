@@ -21,7 +21,7 @@ use tokio::sync::oneshot;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use self::backend::{NotStored, Refusal, StoredResponse};
+use self::backend::{Looked, NotStored, Refusal, StoredResponse};
 use self::future::Exchange;
 pub use self::future::IdempotentFuture;
 use super::body::{BodyError, RequestBody, ResponseBody};
@@ -647,8 +647,32 @@ pub(super) struct Pending<S> {
 pub(super) enum Decided<B, E> {
     /// Answered at once: a replay or a refusal; the run was never built.
     Answer(Response<ResponseBody<B>>),
+    /// The key is this request's: the handler runs as the key's process.
+    Claimed(Claimed<B, E>),
     /// The handler runs (or the request waits for the run in flight).
     Run(Exchange<B, E>),
+}
+
+/// A request whose key it claimed at once, while the handler runs as the key's process: the
+/// run, and where the handler's response comes back.
+pub(super) struct Claimed<B, E> {
+    run: backend::ClaimRun,
+    rx: oneshot::Receiver<Handed<B, E>>,
+    config: Arc<Config>,
+    key: String,
+}
+
+impl<B, E> Claimed<B, E> {
+    /// The answer once the run ended with `ran`.
+    fn finish(self, ran: Result<StoredResponse, crate::Error>) -> Handed<B, E> {
+        let Self {
+            mut rx,
+            config,
+            key,
+            ..
+        } = self;
+        answer(&config, &key, &mut rx, ran.map(IdempotencyOutcome::Fresh))
+    }
 }
 
 impl<S> Pending<S> {
@@ -700,20 +724,41 @@ impl<S> Pending<S> {
                 ));
             }
         };
-        match backend::try_replay(&config.idempotency, &key, &options) {
-            Ok(Some(stored)) => {
+        let claim = match backend::look(&config.idempotency, &key, &options) {
+            Ok(Some(Looked::Replay(stored))) => {
                 bump(&config.counters.replays);
                 return Decided::Answer(replay(&stored));
             }
-            Ok(None) => {}
+            Ok(Some(Looked::Owner(claim))) => Some(claim),
+            Ok(None) => None,
             Err(err) => {
                 let refusal = backend::refusal(&err, config.fail_fast);
                 return Decided::Answer(refuse(&refusal, &key, &config.counters));
             }
-        }
+        };
         let request =
             Request::from_parts(parts, RequestBody::buffered_with_trailers(bytes, trailers));
-        Decided::Run(Box::pin(exchange(config, inner, request, key, options)))
+        let Some(claim) = claim else {
+            return Decided::Run(Box::pin(exchange(config, inner, request, key, options)));
+        };
+        // The key is ours: run the handler as its process, without the waits of a full run.
+        let (tx, rx) = oneshot::channel::<Handed<ResB, S::Error>>();
+        let job = Box::new(Job { inner, request, tx });
+        let run_config = Arc::clone(&config);
+        let handler = move || handler_run(run_config, job);
+        match backend::run_claim(&config.idempotency, &key, claim, handler) {
+            Ok(run) => Decided::Claimed(Claimed {
+                run,
+                rx,
+                config,
+                key,
+            }),
+            Err(err) => Decided::Answer(refuse(
+                &backend::refusal(&err, config.fail_fast),
+                &key,
+                &config.counters,
+            )),
+        }
     }
 }
 
@@ -753,63 +798,93 @@ where
     async move {
         let mut rx = rx;
         let run_config = Arc::clone(&config);
-        let handler = move || async move {
-            let Job {
-                mut inner,
-                request,
-                tx,
-            } = *job;
-            let response = match inner.call(request).await {
-                Ok(response) => response,
-                Err(err) => {
-                    let _ = tx.send(Err(err));
-                    return Err(NotStored);
-                }
-            };
-            let (head, body) = response.into_parts();
-            // gRPC answers in trailers and may stream: it passes as it comes.
-            if !(run_config.store_when)(head.status) || is_grpc(&head.headers) {
-                let _ = tx.send(Ok(Response::from_parts(
-                    head,
-                    ResponseBody::streaming(body),
-                )));
+        let handler = move || handler_run(run_config, job);
+        let result = backend::run(&config.idempotency, &key, options, handler).await;
+        answer(&config, &key, &mut rx, result)
+    }
+}
+
+/// The handler's run for `job`: calls the service, hands its response back (whole, or
+/// streaming when it is not stored) and returns what to store.
+///
+/// A plain function around an `async move` block, not an `async fn`, which would keep its
+/// arguments twice in its future.
+#[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
+fn handler_run<S, ReqB, ResB>(
+    config: Arc<Config>,
+    job: Box<Job<S, ReqB, ResB, S::Error>>,
+) -> impl Future<Output = Result<StoredResponse, NotStored>> + Send + 'static
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BodyError>,
+    ResB: Body<Data = Bytes> + Send + Unpin + 'static,
+    ResB::Error: Into<BodyError>,
+{
+    async move {
+        let Job {
+            mut inner,
+            request,
+            tx,
+        } = *job;
+        let response = match inner.call(request).await {
+            Ok(response) => response,
+            Err(err) => {
+                let _ = tx.send(Err(err));
                 return Err(NotStored);
             }
-            match buffer(body, run_config.max_stored).await {
-                Buffered::Whole(bytes) => {
-                    let stored = StoredResponse::new(
-                        head.status,
-                        &head.headers,
-                        &run_config.keep,
-                        bytes.clone(),
-                    );
-                    let _ = tx.send(Ok(Response::from_parts(head, ResponseBody::full(bytes))));
-                    Ok(stored)
-                }
-                Buffered::Partial(body) => {
-                    let _ = tx.send(Ok(Response::from_parts(head, body)));
-                    Err(NotStored)
-                }
-            }
         };
-        let result = backend::run(&config.idempotency, &key, options, handler).await;
-        // The handler ran for this request: answer with its response, stored or not.
-        if let Ok(handed) = rx.try_recv() {
-            bump(&config.counters.fresh);
-            return handed;
+        let (head, body) = response.into_parts();
+        // gRPC answers in trailers and may stream: it passes as it comes.
+        if !(config.store_when)(head.status) || is_grpc(&head.headers) {
+            let _ = tx.send(Ok(Response::from_parts(
+                head,
+                ResponseBody::streaming(body),
+            )));
+            return Err(NotStored);
         }
-        Ok(match result {
-            Ok(IdempotencyOutcome::Replay(stored) | IdempotencyOutcome::Fresh(stored)) => {
-                bump(&config.counters.replays);
-                replay(&stored)
+        match buffer(body, config.max_stored).await {
+            Buffered::Whole(bytes) => {
+                let stored =
+                    StoredResponse::new(head.status, &head.headers, &config.keep, bytes.clone());
+                let _ = tx.send(Ok(Response::from_parts(head, ResponseBody::full(bytes))));
+                Ok(stored)
             }
-            Err(err) => refuse(
-                &backend::refusal(&err, config.fail_fast),
-                &key,
-                &config.counters,
-            ),
-        })
+            Buffered::Partial(body) => {
+                let _ = tx.send(Ok(Response::from_parts(head, body)));
+                Err(NotStored)
+            }
+        }
     }
+}
+
+/// The answer to a guarded request once its run (or the run it waited for) ended with
+/// `result`: the handler's own response if it ran for this request, else the stored one
+/// replayed, or the refusal.
+fn answer<B, E>(
+    config: &Config,
+    key: &str,
+    rx: &mut oneshot::Receiver<Handed<B, E>>,
+    result: Result<IdempotencyOutcome<StoredResponse>, crate::Error>,
+) -> Handed<B, E> {
+    // The handler ran for this request: answer with its response, stored or not.
+    if let Ok(handed) = rx.try_recv() {
+        bump(&config.counters.fresh);
+        return handed;
+    }
+    Ok(match result {
+        Ok(IdempotencyOutcome::Replay(stored) | IdempotencyOutcome::Fresh(stored)) => {
+            bump(&config.counters.replays);
+            replay(&stored)
+        }
+        Err(err) => refuse(
+            &backend::refusal(&err, config.fail_fast),
+            key,
+            &config.counters,
+        ),
+    })
 }
 
 /// The data frames of a request body read so far: one frame (the usual case) is kept as it

@@ -36,7 +36,7 @@ use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, KeyCha
 use super::store::{Pending, Record, ResultStore};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
-use crate::key::{InlineKey, shown, update_slot};
+use crate::key::{InlineKey, shown};
 use crate::store::{Fault, guard, store_call};
 
 mod ticket;
@@ -163,6 +163,49 @@ impl Ledger {
         })
     }
 
+    /// Claims the key at once when nothing needs waiting for: the key is free (this caller
+    /// now holds it), or completed since the replay fast path read it (replayed). `None` when
+    /// only [`Ledger::attempt`] can tell: the key is in flight (wait for it, or reject), or
+    /// the store answers later (a shared store, a remote result store).
+    ///
+    /// The same steps as `attempt` on a store that answers at once (the caller has taken the
+    /// replay fast path), without a future.
+    #[cfg(feature = "http")]
+    pub(crate) fn claim_now<T>(
+        self: &Arc<Self>,
+        key: &str,
+        options: &IdempotencyOptions,
+    ) -> Result<Option<Step<T>>, Error>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        if self.shared.is_some() || !self.store.answers_at_once() {
+            return Ok(None);
+        }
+        let now = Instant::now();
+        let ticket = match with_full_key_bytes(options.scope(), key, |full| {
+            self.join::<T>(full, key, options, now)
+        })? {
+            Step::Owner(ticket) => ticket,
+            _ => return Ok(None),
+        };
+        // A result stored between the fast path's read and the claim. (An early return drops
+        // the ticket, which releases the key.)
+        let found = match self.store.get_stored(&ticket.full, now) {
+            Pending::Ready(found) => found.map_err(|e| unavailable(key, e))?,
+            Pending::Later(_) => return Ok(None),
+        };
+        match found {
+            Some(record) => self
+                .replay(&record, key, options.fingerprint().as_ref())
+                .map(|value| Some(Step::Replay(value))),
+            None => {
+                Tally::bump(&self.tally.fresh);
+                Ok(Some(Step::Owner(ticket)))
+            }
+        }
+    }
+
     /// One look at the key: replay it, claim it, or wait for its holder.
     /// A shared store's claim is bounded by the caller's `deadline` (and the
     /// lease): a hanging store never holds a caller past its wait.
@@ -178,7 +221,7 @@ impl Ledger {
     {
         if let Some(shared) = &self.shared {
             let ticket = match with_full_key(options.scope(), key, |full| {
-                self.join(full, key, options, now)
+                self.join(full.as_bytes(), key, options, now)
             })? {
                 Step::Owner(ticket) => ticket,
                 other => return Ok(other),
@@ -204,7 +247,8 @@ impl Ledger {
             // A round trip took time: claim with a fresh clock.
             if round_trip { Instant::now() } else { now }
         };
-        let ticket = match with_full_key(options.scope(), key, |full| {
+        // The full key on the stack: a claim needs it only as bytes.
+        let ticket = match with_full_key_bytes(options.scope(), key, |full| {
             self.join(full, key, options, now)
         })? {
             Step::Owner(ticket) => ticket,
@@ -213,7 +257,7 @@ impl Ledger {
         // An early return from here drops the ticket, which releases the key.
         let found = self
             .store
-            .get(ticket.full.as_str(), now)
+            .get_stored(&ticket.full, now)
             .resolve()
             .await
             .map_err(|e| unavailable(key, e))?;
@@ -361,7 +405,7 @@ impl Ledger {
     /// Claims a free or lapsed key, or joins the live claim on it.
     fn join<T>(
         self: &Arc<Self>,
-        full: &str,
+        full: &[u8],
         key: &str,
         options: &IdempotencyOptions,
         now: Instant,
@@ -376,39 +420,43 @@ impl Ledger {
             completing: false,
             cell: Arc::clone(&cell),
         };
-        let joined = update_slot(&self.claims, full, |slot| match slot {
-            SlotEntry::Occupied(slot) => {
-                let generation = slot.generation();
-                let claim = &mut slot.state;
-                if claim.completing || claim.lease_until > now {
-                    if claim.fingerprint != fingerprint {
-                        Tally::bump(&self.tally.fingerprint_mismatches);
-                        return Err(Error::FingerprintMismatch { key: shown(key) });
+        let joined = self.claims.update_with(
+            full,
+            || InlineKey::from_bytes(full),
+            |slot| match slot {
+                SlotEntry::Occupied(slot) => {
+                    let generation = slot.generation();
+                    let claim = &mut slot.state;
+                    if claim.completing || claim.lease_until > now {
+                        if claim.fingerprint != fingerprint {
+                            Tally::bump(&self.tally.fingerprint_mismatches);
+                            return Err(Error::FingerprintMismatch { key: shown(key) });
+                        }
+                        return Ok(Joined::Wait(Step::Wait {
+                            cell: Arc::clone(&claim.cell),
+                            lease_until: (!claim.completing).then_some(claim.lease_until),
+                        }));
                     }
-                    return Ok(Joined::Wait(Step::Wait {
-                        cell: Arc::clone(&claim.cell),
-                        lease_until: (!claim.completing).then_some(claim.lease_until),
-                    }));
+                    // The lease lapsed: a live holder renews it, so the holder is gone.
+                    let old = std::mem::replace(claim, fresh);
+                    Ok(Joined::Claimed(
+                        generation,
+                        InlineKey::from_bytes(full),
+                        Some(old.cell),
+                    ))
                 }
-                // The lease lapsed: a live holder renews it, so the holder is gone.
-                let old = std::mem::replace(claim, fresh);
-                Ok(Joined::Claimed(
-                    generation,
-                    InlineKey::new(full),
-                    Some(old.cell),
-                ))
-            }
-            SlotEntry::Vacant(vacant) => {
-                let stored = vacant.key().clone();
-                match vacant.insert(fresh) {
-                    Ok(slot) => Ok(Joined::Claimed(slot.generation(), stored, None)),
-                    Err(_) => Err(Error::TooManyKeys {
-                        key: shown(key),
-                        cap: self.cap,
-                    }),
+                SlotEntry::Vacant(vacant) => {
+                    let stored = vacant.key().clone();
+                    match vacant.insert(fresh) {
+                        Ok(slot) => Ok(Joined::Claimed(slot.generation(), stored, None)),
+                        Err(_) => Err(Error::TooManyKeys {
+                            key: shown(key),
+                            cap: self.cap,
+                        }),
+                    }
                 }
-            }
-        })?;
+            },
+        )?;
         let (generation, stored, superseded) = match joined {
             Joined::Claimed(generation, stored, superseded) => (generation, stored, superseded),
             Joined::Wait(wait) => return Ok(wait),
@@ -422,7 +470,8 @@ impl Ledger {
         Ok(Step::Owner(Ticket {
             ledger: Arc::clone(self),
             full: stored,
-            key: shown(key).into(),
+            // Checked: at most 1024 bytes.
+            key_len: u16::try_from(key.len()).unwrap_or(u16::MAX),
             generation,
             token,
             fingerprint,

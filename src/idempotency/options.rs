@@ -214,11 +214,12 @@ impl IdempotencyOptions {
     pub(crate) fn check(&self, key: &str) -> Result<(), Error> {
         // Every replay checks its options: the common case in a few comparisons, inline.
         let in_range = |d: Duration| (MIN_DURATION..=MAX_TIMER).contains(&d);
-        if self.scope.is_none()
-            && in_range(self.ttl)
-            && in_range(self.lease)
-            && in_range(self.wait_timeout)
-        {
+        // A scope is checked inline too: the HTTP layer scopes every request.
+        let scope_ok = self
+            .scope
+            .as_deref()
+            .is_none_or(|scope| !scope.is_empty() && scope.len() <= MAX_KEY_LEN);
+        if scope_ok && in_range(self.ttl) && in_range(self.lease) && in_range(self.wait_timeout) {
             return Ok(());
         }
         self.check_each(key)

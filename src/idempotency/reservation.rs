@@ -7,6 +7,7 @@ use tokio::sync::oneshot;
 
 use super::claim::{Renewer, Ticket};
 use crate::error::Error;
+use crate::key::shown;
 
 /// What [`IdempotencyHandle::reserve`](super::IdempotencyHandle::reserve) found.
 #[derive(Debug)]
@@ -54,6 +55,8 @@ pub enum IdempotencyReserved<T> {
 /// ```
 pub struct IdempotencyReservation<T> {
     ticket: Ticket,
+    /// The key, shortened if very long.
+    key: Box<str>,
     /// Dropped with the reservation: stops its renewal.
     _renewing: oneshot::Sender<()>,
     _result: PhantomData<fn(T)>,
@@ -72,6 +75,7 @@ where
         // claim is no longer its own), and shutdown has nothing to wait for.
         runtime.spawn(renew_until(ticket.renewer(), stopped));
         Ok(Self {
+            key: shown(ticket.key()).into(),
             ticket,
             _renewing: renewing,
             _result: PhantomData,
@@ -81,7 +85,7 @@ where
     /// The key this reservation holds (shortened if very long).
     #[must_use]
     pub fn key(&self) -> &str {
-        self.ticket.key()
+        &self.key
     }
 
     /// Stores `value` as the key's result for the TTL of the reservation's
@@ -117,7 +121,7 @@ async fn renew_until(renewer: Renewer, stopped: oneshot::Receiver<()>) {
 impl<T> std::fmt::Debug for IdempotencyReservation<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("IdempotencyReservation")
-            .field("key", &self.ticket.key())
+            .field("key", &self.key)
             .finish_non_exhaustive()
     }
 }

@@ -261,6 +261,16 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
     /// The live record for `key` as of `now`.
     fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>>;
 
+    /// [`ResultStore::get`] for a key in its stored form (a table reads it without
+    /// checking its text again).
+    fn get_stored(
+        &self,
+        key: &InlineKey,
+        now: Instant,
+    ) -> Pending<'_, Result<Option<Record>, BoxError>> {
+        self.get(key.as_str(), now)
+    }
+
     /// Stores `record` for `ttl`, replacing any record for `key` (handed over in its stored
     /// form, so a table keeps a clone instead of building the key again).
     fn put(
@@ -305,7 +315,7 @@ pub(crate) const ENTRY_OVERHEAD: u64 = 200;
 
 /// A stored result's weight against the byte budget.
 fn weigh(key: &InlineKey, record: &Record) -> u64 {
-    key.as_str().len() as u64 + u64::from(record.weight()) + ENTRY_OVERHEAD
+    key.as_bytes().len() as u64 + u64::from(record.weight()) + ENTRY_OVERHEAD
 }
 
 impl ResultTable {
@@ -367,6 +377,14 @@ impl ResultStore for ResultTable {
     }
 
     fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>> {
+        Pending::Ready(Ok(self.table.get_at(key.as_bytes(), now)))
+    }
+
+    fn get_stored(
+        &self,
+        key: &InlineKey,
+        now: Instant,
+    ) -> Pending<'_, Result<Option<Record>, BoxError>> {
         Pending::Ready(Ok(self.table.get_at(key.as_bytes(), now)))
     }
 

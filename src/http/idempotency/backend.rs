@@ -10,7 +10,11 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
-use crate::idempotency::{IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, InFlight};
+use throttlebeam_supervisors::RunHere;
+
+use crate::idempotency::{
+    Claimed, IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, InFlight,
+};
 
 /// A stored response: one serializable envelope, so a shared store can keep it as it is.
 ///
@@ -106,13 +110,35 @@ where
     idempotency.run_after_miss(key, options, f)
 }
 
-/// The stored response of `key`, when it has one that can be read at once.
-pub(super) fn try_replay(
+/// What [`look`] found at once.
+pub(super) type Looked = crate::idempotency::Looked<StoredResponse>;
+
+/// The run of a claimed key: its stored response, or why there is none.
+pub(super) type ClaimRun = RunHere<Result<StoredResponse, Error>>;
+
+/// The stored response of `key`, or the key claimed for this request, when either can be
+/// had at once; `None` when only [`run`] can tell (the key is in flight, or the store
+/// answers later).
+pub(super) fn look(
     idempotency: &IdempotencyHandle,
     key: &str,
     options: &IdempotencyOptions,
-) -> Result<Option<StoredResponse>, Error> {
-    idempotency.try_replay(key, options)
+) -> Result<Option<Looked>, Error> {
+    idempotency.look(key, options)
+}
+
+/// Runs `f` for the key [`look`] claimed: the handler's run, stored when it succeeds.
+pub(super) fn run_claim<F, Fut>(
+    idempotency: &IdempotencyHandle,
+    key: &str,
+    claim: Claimed,
+    f: F,
+) -> Result<ClaimRun, Error>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<StoredResponse, NotStored>> + Send + 'static,
+{
+    idempotency.run_claim(key, claim, f)
 }
 
 /// The handler's response was handed back but not stored (a 5xx, too large, or its body

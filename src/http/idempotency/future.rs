@@ -12,7 +12,7 @@ use http_body_util::Limited;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::{BodyRead, Decided, Pending};
+use super::{BodyRead, Claimed, Decided, Pending};
 use crate::http::body::{BodyError, RequestBody, ResponseBody};
 
 pub(super) type Exchange<B, E> =
@@ -42,6 +42,8 @@ pin_project! {
         Ready { response: Option<Response<ResponseBody<ResB>>> },
         // The request head waits boxed: every move of this future is then a few words.
         Reading { #[pin] body: Limited<ReqB>, read: BodyRead, pending: Option<Box<Pending<S>>> },
+        // The key claimed at once: the handler runs as its process.
+        Claimed { claimed: Option<Claimed<ResB, S::Error>> },
         Guarded { exchange: Exchange<ResB, S::Error> },
     }
 }
@@ -99,6 +101,12 @@ where
                     return Poll::Ready(Ok(response.take().expect("polled after completion")));
                 }
                 KindProj::Guarded { exchange } => return exchange.as_mut().poll(cx),
+                KindProj::Claimed { claimed } => {
+                    let running = claimed.as_mut().expect("polled after completion");
+                    let ran = ready!(Pin::new(&mut running.run).poll(cx));
+                    let claimed = claimed.take().expect("polled after completion");
+                    return Poll::Ready(claimed.finish(ran));
+                }
                 KindProj::Reading {
                     mut body,
                     read,
@@ -124,6 +132,9 @@ where
                         Decided::Answer(response) => Kind::Ready {
                             response: Some(response),
                         },
+                        Decided::Claimed(claimed) => Kind::Claimed {
+                            claimed: Some(claimed),
+                        },
                         Decided::Run(exchange) => Kind::Guarded { exchange },
                     }
                 }
@@ -142,7 +153,7 @@ where
             Kind::Passthrough { .. } => "passthrough",
             Kind::Ready { .. } => "ready",
             Kind::Reading { .. } => "reading",
-            Kind::Guarded { .. } => "guarded",
+            Kind::Claimed { .. } | Kind::Guarded { .. } => "guarded",
         };
         f.debug_struct("IdempotentFuture")
             .field("kind", &kind)

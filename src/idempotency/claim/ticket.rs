@@ -14,7 +14,7 @@ use crate::error::Error;
 use crate::idempotency::options::Fingerprint;
 use crate::idempotency::seam::{ClaimToken, IdempotencyStore, StoredResult};
 use crate::idempotency::store::{Form, Record, stored_result};
-use crate::key::InlineKey;
+use crate::key::{InlineKey, shown};
 use crate::store::{StoreError, store_call};
 
 /// The right to complete or release one claim; releases it when dropped.
@@ -24,8 +24,9 @@ pub(crate) struct Ticket {
     pub(super) ledger: Arc<Ledger>,
     /// The scoped key the ledger knows (the claim's own, shared).
     pub(super) full: InlineKey,
-    /// The caller's key, shortened for errors.
-    pub(super) key: Box<str>,
+    /// How long the caller's key is (at most 1024 bytes): `full` ends with it, so the key
+    /// needs no copy of its own (messages shorten it when they are made).
+    pub(super) key_len: u16,
     pub(super) generation: Generation,
     pub(super) token: ClaimToken,
     pub(super) fingerprint: Option<Fingerprint>,
@@ -219,9 +220,11 @@ pub(super) fn renew_period(lease: Duration) -> Duration {
 }
 
 impl Ticket {
-    /// The caller's key, shortened for messages.
+    /// The caller's key, whole: the end of the scoped key (messages quote it [`shown`]).
     pub(crate) fn key(&self) -> &str {
-        &self.key
+        let full = self.full.as_str();
+        full.get(full.len().saturating_sub(usize::from(self.key_len))..)
+            .unwrap_or_default()
     }
 
     /// The ledger that holds this ticket's claim.
@@ -268,7 +271,7 @@ impl Ticket {
         Renewer {
             ledger: Arc::clone(&self.ledger),
             full: self.full.clone(),
-            key: self.key.clone(),
+            key: shown(self.key()).into(),
             generation: self.generation,
             token: self.token,
             lease: self.lease,
@@ -312,15 +315,15 @@ impl Ticket {
             if !ours {
                 // Not ours to release either: the slot belongs to the new holder.
                 self.held = false;
-                tracing::debug!(key = %self.key, "idempotency completion rejected: lease lost");
+                tracing::debug!(key = %shown(self.key()), "idempotency completion rejected: lease lost");
                 return Err(Error::LeaseLost {
-                    key: self.key.to_string(),
+                    key: shown(self.key()),
                 });
             }
             if ledger.is_closed() {
                 self.release_now();
                 return Err(Error::ShutDown {
-                    key: self.key.to_string(),
+                    key: shown(self.key()),
                 });
             }
             let shared_claim = ledger.shared.as_deref().zip(self.lapse.clone());
@@ -329,7 +332,7 @@ impl Ticket {
                     Ok(stored) => stored,
                     Err(e) => {
                         self.release_now();
-                        return Err(unavailable(&self.key, Arc::new(e)));
+                        return Err(unavailable(self.key(), Arc::new(e)));
                     }
                 };
                 // Boxed: this path's future would otherwise size every run's future.
@@ -338,22 +341,22 @@ impl Ticket {
                     Completion::Lost => {
                         // Taken over in the shared store: the key is another owner's.
                         self.drop_local();
-                        tracing::debug!(key = %self.key, "idempotency completion refused: lease lost");
+                        tracing::debug!(key = %shown(self.key()), "idempotency completion refused: lease lost");
                         return Err(Error::LeaseLost {
-                            key: self.key.to_string(),
+                            key: shown(self.key()),
                         });
                     }
                     Completion::Refused(e) => {
                         // The store answered and will not take it: free the key.
                         self.release_now();
-                        return Err(unavailable(&self.key, Arc::new(e)));
+                        return Err(unavailable(self.key(), Arc::new(e)));
                     }
                     Completion::Lapsed(e) => {
                         // Not released in the store (the function ran: nothing
                         // may free the key early); the claim lapsed there.
                         self.drop_local();
                         self.cell.set(Ok(Settled::Released));
-                        return Err(unavailable(&self.key, Arc::new(e)));
+                        return Err(unavailable(self.key(), Arc::new(e)));
                     }
                 }
                 // Local waiters replay the typed value, not the bytes.
@@ -361,7 +364,7 @@ impl Ticket {
                     Ok(record) => record,
                     Err(e) => {
                         self.release_now();
-                        return Err(unavailable(&self.key, Arc::new(e)));
+                        return Err(unavailable(self.key(), Arc::new(e)));
                     }
                 }
             } else {
@@ -369,7 +372,7 @@ impl Ticket {
                     Ok(record) => record,
                     Err(e) => {
                         self.release_now();
-                        return Err(unavailable(&self.key, Arc::new(e)));
+                        return Err(unavailable(self.key(), Arc::new(e)));
                     }
                 };
                 let put = ledger
@@ -379,7 +382,7 @@ impl Ticket {
                     .await;
                 if let Err(e) = put {
                     self.release_now();
-                    return Err(unavailable(&self.key, e));
+                    return Err(unavailable(self.key(), e));
                 }
                 record
             };
@@ -439,14 +442,14 @@ impl Ticket {
             let (now, give_up) = (Instant::now(), lapse.at());
             if now >= give_up {
                 tracing::error!(
-                    key = %self.key,
+                    key = %shown(self.key()),
                     error = %error,
                     "idempotency result could not be stored: the shared store did not answer \
                      before the claim lapsed there; a retry may run the operation again"
                 );
                 return Completion::Lapsed(error);
             }
-            tracing::debug!(key = %self.key, %error, "storing idempotency result failed; retrying");
+            tracing::debug!(key = %shown(self.key()), %error, "storing idempotency result failed; retrying");
             // The last try goes out when the claim lapses, not a pause past it.
             tokio::time::sleep_until((now + pause).min(give_up)).await;
             pause = (pause * 2).min(COMPLETE_RETRY_MAX);
@@ -501,7 +504,11 @@ impl Ticket {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (full, key, token) = (self.full.clone(), self.key.clone(), self.token);
+        let (full, key, token) = (
+            self.full.clone(),
+            Box::<str>::from(shown(self.key())),
+            self.token,
+        );
         let bound = self.lease;
         runtime.spawn(async move {
             let release = || shared.release(full.as_str(), token);
@@ -521,7 +528,7 @@ impl Drop for Ticket {
 impl std::fmt::Debug for Ticket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Ticket")
-            .field("key", &self.key)
+            .field("key", &shown(self.key()))
             .field("token", &self.token)
             .field("held", &self.held)
             .finish_non_exhaustive()
