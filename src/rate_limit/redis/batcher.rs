@@ -30,7 +30,7 @@ impl RedisBuilder {
     /// How many rate-limit operations may wait at once for a batch call on a single node
     /// (default 16,384: a few MB, what 256 batch calls carry). Operations queue while two
     /// calls are in flight; one that finds the queue full is refused at once, unsent, with
-    /// [`RateLimitError::Store`] whose source is [`StoreError::Overloaded`], which an
+    /// [`RateLimitError::Store`](crate::rate_limit::RateLimitError::Store) whose source is [`StoreError::Overloaded`], which an
     /// `Enforcer` maps to its `FailMode` like any store failure, rather than wait behind a
     /// backlog that could only grow. Operations whose callers gave up (a dropped future, a
     /// timeout) are never sent, so never charged, and make room first. A cluster sends every
