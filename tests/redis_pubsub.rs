@@ -233,6 +233,7 @@ async fn with_no_subscription_possible_a_waiter_completes_by_polling() {
     else {
         panic!("fresh")
     };
+    let before = b_redis.stats().commands;
     let waiter = tokio::spawn({
         let b = b.clone();
         async move {
@@ -244,8 +245,19 @@ async fn with_no_subscription_possible_a_waiter_completes_by_polling() {
                 .expect("waits")
         }
     });
-    // Let the refused subscriptions be tried (and retried) first.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Complete only once B waits: its claim found the key in flight and it has
+    // polled since (commands sent after the claim), so its subscription was
+    // asked for (and refused) and the result can reach it only by polling.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while b_redis.stats().commands < before + 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "B never polled: {:?}",
+            b_redis.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!waiter.is_finished(), "B returned before A completed");
     reservation
         .complete("a".to_owned())
         .await
