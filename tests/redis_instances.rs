@@ -264,7 +264,8 @@ fn long_wait() -> IdempotencyOptions {
 /// `owner` reserves `key` (retrying while its Redis comes back); then a
 /// duplicate on `waiter` waits for it, on the tokio runtime this is
 /// awaited on. Once the waiter's listener has subscribed `subscriptions`
-/// times in all, the owner completes the key: the duplicate replays it,
+/// times in all (on a cluster, once it also confirmed the key's shard
+/// channel), the owner completes the key: the duplicate replays it,
 /// and the waiter's backend counts the completion's pub/sub notice (on a
 /// cluster a sharded one, on the key's shard channel).
 async fn duplicate_wakes_by_notice(
@@ -273,6 +274,7 @@ async fn duplicate_wakes_by_notice(
     waiter_redis: &Redis,
     key: &str,
     subscriptions: u64,
+    on_cluster: bool,
 ) {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let reservation = loop {
@@ -285,6 +287,7 @@ async fn duplicate_wakes_by_notice(
             }
         }
     };
+    let sharded = waiter_redis.stats().sharded_subscriptions;
     let duplicate = {
         let (waiter, key) = (waiter.clone(), key.to_owned());
         tokio::spawn(async move {
@@ -303,6 +306,18 @@ async fn duplicate_wakes_by_notice(
     )
     .await;
     assert_eq!(waiter_redis.stats().subscriptions, subscriptions);
+    if on_cluster {
+        // The completion goes to the key's shard channel: complete only once
+        // the duplicate's subscription to it is confirmed, or the notice may
+        // be published before anyone listens (and the duplicate replays by
+        // polling, which this test does not measure).
+        eventually(
+            "the waiter subscribes to the key's shard channel",
+            Duration::from_secs(20),
+            || waiter_redis.stats().sharded_subscriptions > sharded,
+        )
+        .await;
+    }
     let notices = || {
         let stats = waiter_redis.stats();
         stats.notices + stats.sharded_notices
@@ -349,6 +364,7 @@ fn s16_the_listener_restarts_after_its_runtime_ends_and_after_its_node_restarts(
         &waiter_redis,
         "order:1",
         1,
+        false,
     ));
     drop(a);
     // A waiter on the home runtime restarts the listener there.
@@ -358,6 +374,7 @@ fn s16_the_listener_restarts_after_its_runtime_ends_and_after_its_node_restarts(
         &waiter_redis,
         "order:2",
         2,
+        false,
     ));
     // The node dies and comes back: the listener subscribes again.
     node.restart();
@@ -375,7 +392,7 @@ fn s16_the_listener_restarts_after_its_runtime_ends_and_after_its_node_restarts(
             || waiter_redis.stats().subscriptions >= 3,
         )
         .await;
-        duplicate_wakes_by_notice(&owner, &waiter, &waiter_redis, "order:3", 3).await;
+        duplicate_wakes_by_notice(&owner, &waiter, &waiter_redis, "order:3", 3, false).await;
     });
 }
 
@@ -410,6 +427,7 @@ fn s16_the_listener_moves_to_another_cluster_node_when_its_node_dies() {
         &waiter_redis,
         "order:1",
         1,
+        true,
     ));
     let mut alive = vec![true; 3];
     let first = listening_nodes(&cluster, &alive);
@@ -451,6 +469,7 @@ fn s16_the_listener_moves_to_another_cluster_node_when_its_node_dies() {
         &waiter_redis,
         "order:2",
         2,
+        true,
     ));
 }
 
