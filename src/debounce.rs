@@ -40,13 +40,14 @@ use tokio::time::Instant;
 use crate::cell::RunCell;
 use crate::error::Error;
 use crate::error::{check_key, check_timer};
+use crate::job::Job;
 use crate::key::{InlineKey, shown, update_slot};
 use crate::runtime::{Core, Runtime, Service, ServiceFuture, ShutdownPolicy};
 use crate::stats::{Counter, Stats};
 
 type Value = Arc<dyn Any + Send + Sync>;
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Value, Error>> + Send>>;
-type Job = Box<dyn FnOnce(Arc<str>) -> BoxFuture + Send>;
+type BoxedJob = Box<dyn FnOnce(Arc<str>) -> BoxFuture + Send>;
 type Cell = Arc<Burst>;
 
 /// One burst of calls: the key and the result of the run covering them.
@@ -132,7 +133,7 @@ impl DebounceOptions {
 struct Pending {
     // A Mutex only to make the slot `Sync`; it is always reached through
     // `&mut`, never locked.
-    job: std::sync::Mutex<Job>,
+    job: std::sync::Mutex<BoxedJob>,
     cell: Cell,
     /// Calls that joined this run, counted under the shard lock and added
     /// to the shared counter once the run is taken: a coalesced call costs
@@ -141,7 +142,7 @@ struct Pending {
 }
 
 impl Pending {
-    fn new(job: Job, cell: Cell) -> Self {
+    fn new(job: BoxedJob, cell: Cell) -> Self {
         Self {
             job: std::sync::Mutex::new(job),
             cell,
@@ -151,7 +152,7 @@ impl Pending {
 
     /// Swaps in a newer function, handing back the old one to be dropped
     /// outside the shard lock.
-    fn replace(&mut self, job: Job) -> Job {
+    fn replace(&mut self, job: BoxedJob) -> BoxedJob {
         self.joined += 1;
         let slot = self
             .job
@@ -404,17 +405,10 @@ impl DebounceHandle {
     /// assert_eq!(second.await?, "ab");
     /// # Ok(()) }
     /// ```
-    pub fn call<F, Fut, T, E>(
-        &self,
-        key: &str,
-        delay: Duration,
-        f: F,
-    ) -> Result<Debounced<T>, Error>
+    pub fn call<T, J>(&self, key: &str, delay: Duration, f: J) -> Result<Debounced<T>, Error>
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         self.call_with(key, delay, DebounceOptions::new(), f)
     }
@@ -433,18 +427,16 @@ impl DebounceHandle {
     /// key is pending with a function of another result type;
     /// [`Error::TooManyKeys`]; [`Error::ShutDown`]; [`Error::NoTokio`].
     /// Nothing is scheduled when an error is returned.
-    pub fn call_with<F, Fut, T, E>(
+    pub fn call_with<T, J>(
         &self,
         key: &str,
         delay: Duration,
         options: DebounceOptions,
-        f: F,
+        f: J,
     ) -> Result<Debounced<T>, Error>
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         check_key(key)?;
         check_timer(key, "delay", delay)?;
@@ -453,7 +445,7 @@ impl DebounceHandle {
         }
         let core = &self.runtime.core;
         core.check_open(key)?;
-        let job: Job = Box::new(move |key: Arc<str>| {
+        let job: BoxedJob = Box::new(move |key: Arc<str>| {
             Box::pin(async move {
                 match f().await {
                     Ok(value) => Ok(Arc::new(value) as Value),
@@ -475,7 +467,7 @@ impl DebounceHandle {
         key: &str,
         delay: Duration,
         options: DebounceOptions,
-        job: Job,
+        job: BoxedJob,
         type_id: TypeId,
     ) -> Result<Cell, Error> {
         let core = &self.runtime.core;
@@ -687,17 +679,10 @@ impl DebounceHandle<AcrossInstances> {
     /// assert_eq!(saved.await?, [1, 2]);
     /// # Ok(()) }
     /// ```
-    pub fn call<F, Fut, T, E>(
-        &self,
-        key: &str,
-        delay: Duration,
-        f: F,
-    ) -> Result<Debounced<T>, Error>
+    pub fn call<T, J>(&self, key: &str, delay: Duration, f: J) -> Result<Debounced<T>, Error>
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         self.call_with(key, delay, DebounceOptions::new(), f)
     }
@@ -734,18 +719,16 @@ impl DebounceHandle<AcrossInstances> {
     ///
     /// As [`DebounceHandle::call_with`]. Store failures are never returned:
     /// they fall back as above.
-    pub fn call_with<F, Fut, T, E>(
+    pub fn call_with<T, J>(
         &self,
         key: &str,
         delay: Duration,
         options: DebounceOptions,
-        f: F,
+        f: J,
     ) -> Result<Debounced<T>, Error>
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         let this = self.in_process();
         #[cfg(feature = "redis")]

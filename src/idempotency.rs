@@ -47,6 +47,7 @@ use self::store::ResultTable;
 use crate::cell::RunCell;
 use crate::error::Error;
 use crate::error::check_key;
+use crate::job::Job;
 use crate::key::shown;
 use crate::runtime::{Core, Runtime, Service};
 pub use crate::stats::IdempotencyStats;
@@ -220,16 +221,14 @@ impl IdempotencyHandle {
     /// ```
     // A plain function returning `run_with`'s future: an `async fn` around it would hold that
     // future inside its own, one more copy on every call.
-    pub fn run<'a, F, Fut, T, E>(
+    pub fn run<'a, T, J>(
         &'a self,
         key: &'a str,
-        f: F,
+        f: J,
     ) -> impl Future<Output = Result<IdempotencyOutcome<T>, Error>> + 'a
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         self.run_with(key, IdempotencyOptions::new(), f)
     }
@@ -299,17 +298,15 @@ impl IdempotencyHandle {
     /// # Ok(()) }
     /// ```
     #[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
-    pub fn run_with<'a, F, Fut, T, E>(
+    pub fn run_with<'a, T, J>(
         &'a self,
         key: &'a str,
         options: IdempotencyOptions,
-        f: F,
+        f: J,
     ) -> impl Future<Output = Result<IdempotencyOutcome<T>, Error>> + 'a
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         async move {
             let core = &self.runtime.core;
@@ -354,17 +351,15 @@ impl IdempotencyHandle {
     /// stored (or the key released) before the run ends. Dropped before it ends, the run
     /// moves into a process of its own.
     #[cfg(feature = "http")]
-    pub(crate) fn run_claim<F, Fut, T, E>(
+    pub(crate) fn run_claim<T, J>(
         &self,
         key: &str,
         claim: Claimed,
-        f: F,
+        f: J,
     ) -> Result<throttlebeam_supervisors::RunHere<Result<T, Error>>, Error>
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         let Claimed(ticket) = claim;
         // Boxed where it is built, as in `run_claimed`.
@@ -379,17 +374,15 @@ impl IdempotencyHandle {
     ///
     /// A plain function returning the run's future, not an `async fn` around it: a
     /// forwarding layer of its own would be one more copy of the whole run's future.
-    pub(crate) fn run_after_miss<'a, F, Fut, T, E>(
+    pub(crate) fn run_after_miss<'a, T, J>(
         &'a self,
         key: &'a str,
         options: IdempotencyOptions,
-        f: F,
+        f: J,
     ) -> impl Future<Output = Result<IdempotencyOutcome<T>, Error>> + 'a
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         run_claimed(&self.runtime.core, self.state.ledger(), key, f, options)
     }
@@ -502,12 +495,10 @@ impl Idempotency {
     ///
     /// As [`IdempotencyHandle::run_with`], plus [`Error::Start`] if the
     /// default runtime could not start.
-    pub async fn run<F, Fut, T, E>(key: &str, f: F) -> Result<IdempotencyOutcome<T>, Error>
+    pub async fn run<T, J>(key: &str, f: J) -> Result<IdempotencyOutcome<T>, Error>
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         Runtime::global()?.idempotency().run(key, f).await
     }
@@ -518,16 +509,14 @@ impl Idempotency {
     ///
     /// As [`IdempotencyHandle::run_with`], plus [`Error::Start`] if the
     /// default runtime could not start.
-    pub async fn run_with<F, Fut, T, E>(
+    pub async fn run_with<T, J>(
         key: &str,
         options: IdempotencyOptions,
-        f: F,
+        f: J,
     ) -> Result<IdempotencyOutcome<T>, Error>
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         Runtime::global()?
             .idempotency()
@@ -706,18 +695,16 @@ where
 /// The replay fast path, then [`run_claimed`]: what [`IdempotencyHandle::run_with`] does, on
 /// a given ledger.
 #[cfg(test)]
-async fn run_in<F, Fut, T, E>(
+async fn run_in<T, J>(
     core: &Core,
     ledger: &Arc<Ledger>,
     key: &str,
-    f: F,
+    f: J,
     options: IdempotencyOptions,
 ) -> Result<IdempotencyOutcome<T>, Error>
 where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    J: Job<T>,
     T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
 {
     if let Some(value) = fast_replay(core, ledger, key, &options)? {
         return Ok(IdempotencyOutcome::Replay(value));
@@ -732,18 +719,16 @@ where
 /// arguments twice in its future (as captured, and as the body's locals), and `f` holds the
 /// caller's whole request.
 #[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
-fn run_claimed<'a, F, Fut, T, E>(
+fn run_claimed<'a, T, J>(
     core: &'a Core,
     ledger: Arc<Ledger>,
     key: &'a str,
-    f: F,
+    f: J,
     options: IdempotencyOptions,
 ) -> impl Future<Output = Result<IdempotencyOutcome<T>, Error>> + 'a
 where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    J: Job<T>,
     T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
-    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
 {
     async move {
         let ticket = match acquire(core, &ledger, key, &options).await? {
@@ -765,15 +750,10 @@ where
 /// the key released). The work's future is dropped before completing, so the two never take
 /// room in this future at once.
 #[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
-fn owned_run<F, Fut, T, E>(
-    ticket: Ticket,
-    f: F,
-) -> impl Future<Output = Result<T, Error>> + Send + 'static
+fn owned_run<T, J>(ticket: Ticket, f: J) -> impl Future<Output = Result<T, Error>> + Send + 'static
 where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = Result<T, E>> + Send,
+    J: Job<T>,
     T: Serialize + Clone + Send + Sync + 'static,
-    E: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     async move {
         // The run moves into a task of its own when its caller leaves: a

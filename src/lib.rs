@@ -119,6 +119,8 @@ pub mod http;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub mod idempotency;
+#[cfg(feature = "runtime")]
+mod job;
 mod key;
 pub mod rate_limit;
 #[cfg(feature = "runtime")]
@@ -145,6 +147,9 @@ pub use error::{BoxError, Error};
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use idempotency::{Idempotency, IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome};
+#[cfg(feature = "runtime")]
+#[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
+pub use job::Job;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use runtime::{Runtime, RuntimeBuilder};

@@ -22,6 +22,7 @@ use self::seam::{SharedWindows, WindowOpen};
 use crate::clock::{WindowClock, duration_ns};
 use crate::error::Error;
 use crate::error::{check_key, check_timer};
+use crate::job::Job;
 use crate::key::{InlineKey, shown, update_slot};
 use crate::runtime::{Core, Runtime, Service};
 use crate::stats::{Counter, Stats};
@@ -337,17 +338,15 @@ impl ThrottleHandle {
     /// assert!(second.is_throttled());
     /// # Ok(()) }
     /// ```
-    pub fn call<'a, F, Fut, T, E>(
+    pub fn call<'a, T, J>(
         &'a self,
         key: &'a str,
         interval: Duration,
-        f: F,
+        f: J,
     ) -> impl Future<Output = Result<ThrottleOutcome<T>, Error>> + Send + 'a
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Send + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         // A future of its own rather than an `async fn`: a throttled call's future is its
         // arguments and the run's handle, 64 bytes instead of 160, moved whole wherever it goes.
@@ -361,12 +360,10 @@ impl ThrottleHandle {
 
     /// What a call decides when first polled: answered at once (turned away, or an error),
     /// or a run of `f` started in the caller's task.
-    fn start<F, Fut, T, E>(&self, key: &str, interval: Duration, f: F) -> Result<Started<T>, Error>
+    fn start<T, J>(&self, key: &str, interval: Duration, f: J) -> Result<Started<T>, Error>
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Send + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         check_key(key)?;
         check_timer(key, "interval", interval)?;
@@ -444,12 +441,10 @@ pin_project_lite::pin_project! {
     }
 }
 
-impl<F, Fut, T, E> Future for Call<'_, F, T>
+impl<T, J> Future for Call<'_, J, T>
 where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    J: Job<T>,
     T: Send + 'static,
-    E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
 {
     type Output = Result<ThrottleOutcome<T>, Error>;
 
@@ -555,16 +550,14 @@ impl Throttle {
     ///
     /// As [`ThrottleHandle::call`], plus [`Error::Start`] if the default
     /// runtime could not start.
-    pub async fn call<F, Fut, T, E>(
+    pub async fn call<T, J>(
         key: &str,
         interval: Duration,
-        f: F,
+        f: J,
     ) -> Result<ThrottleOutcome<T>, Error>
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Send + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         global()?.call(key, interval, f).await
     }

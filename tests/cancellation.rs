@@ -900,7 +900,7 @@ async fn complete_dropped_at_every_poll(rt: Runtime, at_least: usize) {
                 Err(e) => panic!("cut {k}: the next call failed: {e}"),
             }
             let replay = idem
-                .run::<_, _, usize, Oops>(&key, || async { Ok(999) })
+                .run(&key, || async { Ok::<usize, Oops>(999) })
                 .await
                 .expect("replays");
             assert_eq!(replay, IdempotencyOutcome::Replay(k));

@@ -562,7 +562,7 @@ async fn a_shared_reserve_and_its_completion_dropped_at_every_await_never_wedge_
                     Err(e) => panic!("cut {k}: the next call failed: {e}"),
                 }
                 let replay = ia
-                    .run::<_, _, usize, Oops>(&key, || async { Ok(999) })
+                    .run(&key, || async { Ok::<usize, Oops>(999) })
                     .await
                     .expect("replays");
                 assert_eq!(replay, IdempotencyOutcome::Replay(k));

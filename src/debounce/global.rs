@@ -1,11 +1,11 @@
 //! [`Debounce`]: debounce on the default runtime, one call away.
 
-use std::future::Future;
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use super::{AcrossInstances, DebounceHandle, DebounceOptions, Debounced};
 use crate::error::Error;
+use crate::job::Job;
 use crate::runtime::Runtime;
 
 /// Debounce on the default runtime.
@@ -42,12 +42,10 @@ impl Debounce {
     /// # Errors
     ///
     /// As [`DebounceHandle::call_with`], plus [`Error::Start`].
-    pub fn call<F, Fut, T, E>(key: &str, delay: Duration, f: F) -> Result<Debounced<T>, Error>
+    pub fn call<T, J>(key: &str, delay: Duration, f: J) -> Result<Debounced<T>, Error>
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         global()?.call(key, delay, f)
     }
@@ -57,17 +55,15 @@ impl Debounce {
     /// # Errors
     ///
     /// As [`DebounceHandle::call_with`], plus [`Error::Start`].
-    pub fn call_with<F, Fut, T, E>(
+    pub fn call_with<T, J>(
         key: &str,
         delay: Duration,
         options: DebounceOptions,
-        f: F,
+        f: J,
     ) -> Result<Debounced<T>, Error>
     where
-        F: FnOnce() -> Fut + Send + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        J: Job<T>,
         T: Clone + Send + Sync + 'static,
-        E: Into<Box<dyn std::error::Error + Send + Sync + 'static>> + Send + 'static,
     {
         global()?.call_with(key, delay, options, f)
     }

@@ -243,6 +243,22 @@ fn exact(data: Option<&Bytes>) -> SizeHint {
     SizeHint::with_exact(data.map_or(0, |d| d.len() as u64))
 }
 
+/// A request body the layer can read whole.
+pub(crate) trait InBody:
+    Body<Data = Bytes, Error: Into<BodyError>> + Send + 'static
+{
+}
+
+impl<B> InBody for B where B: Body<Data = Bytes, Error: Into<BodyError>> + Send + 'static {}
+
+/// A response body the layer can store, or hand back streaming.
+pub(crate) trait OutBody:
+    Body<Data = Bytes, Error: Into<BodyError>> + Send + Unpin + 'static
+{
+}
+
+impl<B> OutBody for B where B: Body<Data = Bytes, Error: Into<BodyError>> + Send + Unpin + 'static {}
+
 #[cfg(test)]
 mod tests {
     use http_body_util::{BodyExt, Full};

@@ -13,7 +13,7 @@ use super::codec::{LOST, encode_error};
 use super::{GRACE, Shared, SharedJob, Slot};
 use crate::debounce::redis::{BurstNotice, BurstState, RUN_LEASE};
 use crate::debounce::{
-    CLOSING_DROP, CLOSING_FLUSH, Cell, DebounceHandle, DebounceOptions, Job, OPEN, State,
+    BoxedJob, CLOSING_DROP, CLOSING_FLUSH, Cell, DebounceHandle, DebounceOptions, OPEN, State,
 };
 use crate::error::Error;
 use crate::key::shown;
@@ -326,7 +326,7 @@ impl Driver {
             }
             return;
         };
-        let local: Job = Box::new(move |key: Arc<str>| {
+        let local: BoxedJob = Box::new(move |key: Arc<str>| {
             Box::pin(async move { job(key).await.map(|(value, _)| value) })
         });
         match self

@@ -10,6 +10,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
+use crate::job::Job;
 use throttlebeam_supervisors::RunHere;
 
 use crate::idempotency::{
@@ -97,15 +98,14 @@ pub(super) fn base_options(options: IdempotencyOptions, fail_fast: bool) -> Idem
 
 /// Runs `f` once for `key` under `options`, after [`try_replay`] found no stored response.
 /// (Returns the run's future itself: an `async fn` here would copy it once more.)
-pub(super) fn run<'a, F, Fut>(
+pub(super) fn run<'a, J>(
     idempotency: &'a IdempotencyHandle,
     key: &'a str,
     options: IdempotencyOptions,
-    f: F,
+    f: J,
 ) -> impl Future<Output = Result<RunOutcome, Error>> + 'a
 where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = Result<StoredResponse, NotStored>> + Send + 'static,
+    J: Job<StoredResponse, Error = NotStored>,
 {
     idempotency.run_after_miss(key, options, f)
 }
@@ -128,15 +128,14 @@ pub(super) fn look(
 }
 
 /// Runs `f` for the key [`look`] claimed: the handler's run, stored when it succeeds.
-pub(super) fn run_claim<F, Fut>(
+pub(super) fn run_claim<J>(
     idempotency: &IdempotencyHandle,
     key: &str,
     claim: Claimed,
-    f: F,
+    f: J,
 ) -> Result<ClaimRun, Error>
 where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = Result<StoredResponse, NotStored>> + Send + 'static,
+    J: Job<StoredResponse, Error = NotStored>,
 {
     idempotency.run_claim(key, claim, f)
 }

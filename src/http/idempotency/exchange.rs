@@ -1,0 +1,402 @@
+//! The guarded exchange of one request: its body read, then a stored response replayed, or
+//! the handler run once for the key and its response stored when a retry should replay it.
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use http::request::Parts;
+use http::{HeaderMap, Request, Response};
+use http_body::Body;
+use http_body_util::{BodyExt, LengthLimitError};
+use tokio::sync::oneshot;
+use tower_service::Service;
+
+use super::backend::{self, Looked, NotStored, StoredResponse};
+use super::future::Exchange;
+use super::{Config, ScopeTooLong, is_grpc, refuse, replay, request, too_large};
+use crate::http::body::{BodyError, InBody, OutBody, RequestBody, ResponseBody};
+use crate::http::problem::{ProblemType, problem};
+use crate::http::stats::bump;
+use crate::idempotency::{IdempotencyOptions, IdempotencyOutcome};
+use crate::key::MAX_KEY_LEN;
+
+/// What the handler's run hands back to its caller, stored or not.
+type Handed<B, E> = Result<Response<ResponseBody<B>>, E>;
+
+/// A guarded request whose body is being read.
+pub(super) struct Pending<S> {
+    pub(super) config: Arc<Config>,
+    pub(super) inner: S,
+    pub(super) parts: Parts,
+    pub(super) key: String,
+}
+
+/// What a guarded request becomes once its body is read.
+pub(super) enum Decided<B, E> {
+    /// Answered at once: a replay or a refusal; the run was never built.
+    Answer(Response<ResponseBody<B>>),
+    /// The key is this request's: the handler runs as the key's process.
+    Claimed(Claimed<B, E>),
+    /// The handler runs (or the request waits for the run in flight).
+    Run(Exchange<B, E>),
+}
+
+/// A request whose key it claimed at once, while the handler runs as the key's process: the
+/// run, and where the handler's response comes back.
+pub(super) struct Claimed<B, E> {
+    pub(super) run: backend::ClaimRun,
+    rx: oneshot::Receiver<Handed<B, E>>,
+    config: Arc<Config>,
+    key: String,
+}
+
+impl<B, E> Claimed<B, E> {
+    /// The answer once the run ended with `ran`.
+    pub(super) fn finish(self, ran: Result<StoredResponse, crate::Error>) -> Handed<B, E> {
+        let Self {
+            mut rx,
+            config,
+            key,
+            ..
+        } = self;
+        answer(&config, &key, &mut rx, ran.map(IdempotencyOutcome::Fresh))
+    }
+}
+
+impl<S> Pending<S> {
+    /// Fingerprints the request with its `read` body, then replays a stored response at
+    /// once when there is one, or builds the run.
+    pub(super) fn decide<ReqB, ResB>(
+        self,
+        read: Result<(Bytes, Option<HeaderMap>), BodyError>,
+    ) -> Decided<ResB, S::Error>
+    where
+        S: Guarded<ReqB, ResB>,
+        ReqB: InBody,
+        ResB: OutBody,
+    {
+        let Self {
+            config,
+            inner,
+            parts,
+            key,
+        } = self;
+        let (bytes, trailers) = match read {
+            Ok(read) => read,
+            Err(err) if err.is::<LengthLimitError>() => {
+                bump(&config.counters.too_large);
+                return Decided::Answer(too_large(config.max_body));
+            }
+            Err(err) => {
+                bump(&config.counters.invalid);
+                return Decided::Answer(problem(
+                    ProblemType::BodyUnreadable,
+                    &format!("the request body could not be read: {err}"),
+                ));
+            }
+        };
+        let options = match config.options(&parts) {
+            Ok(options) => options.with_fingerprint_digest(request::fingerprint(&parts, &bytes)),
+            Err(ScopeTooLong(len)) => {
+                bump(&config.counters.invalid);
+                return Decided::Answer(problem(
+                    ProblemType::ScopeInvalid,
+                    &format!(
+                        "the scope named for this request is {len} bytes, over the {}-byte limit",
+                        MAX_KEY_LEN - request::TENANT_PREFIX.len()
+                    ),
+                ));
+            }
+        };
+        let claim = match backend::look(&config.idempotency, &key, &options) {
+            Ok(Some(Looked::Replay(stored))) => {
+                bump(&config.counters.replays);
+                return Decided::Answer(replay(&stored));
+            }
+            Ok(Some(Looked::Owner(claim))) => Some(claim),
+            Ok(None) => None,
+            Err(err) => {
+                let refusal = backend::refusal(&err, config.fail_fast);
+                return Decided::Answer(refuse(&refusal, &key, &config.counters));
+            }
+        };
+        let request =
+            Request::from_parts(parts, RequestBody::buffered_with_trailers(bytes, trailers));
+        let Some(claim) = claim else {
+            return Decided::Run(Box::pin(exchange(config, inner, request, key, options)));
+        };
+        // The key is ours: run the handler as its process, without the waits of a full run.
+        let (tx, rx) = oneshot::channel::<Handed<ResB, S::Error>>();
+        let job = Box::new(Handling { inner, request, tx });
+        let run_config = Arc::clone(&config);
+        let handler = move || handler_run(run_config, job);
+        match backend::run_claim(&config.idempotency, &key, claim, handler) {
+            Ok(run) => Decided::Claimed(Claimed {
+                run,
+                rx,
+                config,
+                key,
+            }),
+            Err(err) => Decided::Answer(refuse(
+                &backend::refusal(&err, config.fail_fast),
+                &key,
+                &config.counters,
+            )),
+        }
+    }
+}
+
+/// The inner service the layer guards, with its future and error sent to the key's run: the
+/// bounds the exchange's steps share, named once.
+pub(super) trait Guarded<ReqB, ResB>:
+    Service<
+        Request<RequestBody<ReqB>>,
+        Response = Response<ResB>,
+        Future: Send + 'static,
+        Error: Send + 'static,
+    > + Send
+    + 'static
+{
+}
+
+impl<S, ReqB, ResB> Guarded<ReqB, ResB> for S where
+    S: Service<
+            Request<RequestBody<ReqB>>,
+            Response = Response<ResB>,
+            Future: Send + 'static,
+            Error: Send + 'static,
+        > + Send
+        + 'static
+{
+}
+
+/// What the handler's run takes: the service, the request and where to hand its response.
+/// Boxed, so the futures that carry it to the run stay small.
+struct Handling<S, ReqB, ResB, E> {
+    inner: S,
+    request: Request<RequestBody<ReqB>>,
+    tx: oneshot::Sender<Handed<ResB, E>>,
+}
+
+/// A guarded request that found no stored response: run the handler once for its key (or
+/// wait for the run in flight and replay it).
+///
+/// A plain function around an `async move` block, not an `async fn`, which would keep its
+/// arguments twice in its future; the request and the service travel boxed in one [`Job`],
+/// so the future (itself boxed) is small and moved cheaply.
+#[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
+fn exchange<S, ReqB, ResB>(
+    config: Arc<Config>,
+    inner: S,
+    request: Request<RequestBody<ReqB>>,
+    key: String,
+    options: IdempotencyOptions,
+) -> impl Future<Output = Result<Response<ResponseBody<ResB>>, S::Error>> + Send + 'static
+where
+    S: Guarded<ReqB, ResB>,
+    ReqB: InBody,
+    ResB: OutBody,
+{
+    let (tx, rx) = oneshot::channel::<Handed<ResB, S::Error>>();
+    let job = Box::new(Handling { inner, request, tx });
+    async move {
+        let mut rx = rx;
+        let run_config = Arc::clone(&config);
+        let handler = move || handler_run(run_config, job);
+        let result = backend::run(&config.idempotency, &key, options, handler).await;
+        answer(&config, &key, &mut rx, result)
+    }
+}
+
+/// The handler's run for `handling`: calls the service, hands its response back (whole, or
+/// streaming when it is not stored) and returns what to store.
+///
+/// A plain function around an `async move` block, not an `async fn`, which would keep its
+/// arguments twice in its future.
+#[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
+fn handler_run<S, ReqB, ResB>(
+    config: Arc<Config>,
+    job: Box<Handling<S, ReqB, ResB, S::Error>>,
+) -> impl Future<Output = Result<StoredResponse, NotStored>> + Send + 'static
+where
+    S: Guarded<ReqB, ResB>,
+    ReqB: InBody,
+    ResB: OutBody,
+{
+    async move {
+        let Handling {
+            mut inner,
+            request,
+            tx,
+        } = *job;
+        let response = match inner.call(request).await {
+            Ok(response) => response,
+            Err(err) => {
+                let _ = tx.send(Err(err));
+                return Err(NotStored);
+            }
+        };
+        let (head, body) = response.into_parts();
+        // gRPC answers in trailers and may stream: it passes as it comes.
+        if !(config.store_when)(head.status) || is_grpc(&head.headers) {
+            let _ = tx.send(Ok(Response::from_parts(
+                head,
+                ResponseBody::streaming(body),
+            )));
+            return Err(NotStored);
+        }
+        match buffer(body, config.max_stored).await {
+            Buffered::Whole(bytes) => {
+                let stored =
+                    StoredResponse::new(head.status, &head.headers, &config.keep, bytes.clone());
+                let _ = tx.send(Ok(Response::from_parts(head, ResponseBody::full(bytes))));
+                Ok(stored)
+            }
+            Buffered::Partial(body) => {
+                let _ = tx.send(Ok(Response::from_parts(head, body)));
+                Err(NotStored)
+            }
+        }
+    }
+}
+
+/// The answer to a guarded request once its run (or the run it waited for) ended with
+/// `result`: the handler's own response if it ran for this request, else the stored one
+/// replayed, or the refusal.
+fn answer<B, E>(
+    config: &Config,
+    key: &str,
+    rx: &mut oneshot::Receiver<Handed<B, E>>,
+    result: Result<IdempotencyOutcome<StoredResponse>, crate::Error>,
+) -> Handed<B, E> {
+    // The handler ran for this request: answer with its response, stored or not.
+    if let Ok(handed) = rx.try_recv() {
+        bump(&config.counters.fresh);
+        return handed;
+    }
+    Ok(match result {
+        Ok(IdempotencyOutcome::Replay(stored) | IdempotencyOutcome::Fresh(stored)) => {
+            bump(&config.counters.replays);
+            replay(&stored)
+        }
+        Err(err) => refuse(
+            &backend::refusal(&err, config.fail_fast),
+            key,
+            &config.counters,
+        ),
+    })
+}
+
+/// The data frames of a request body read so far: one frame (the usual case) is kept as it
+/// came, without a copy.
+#[derive(Default)]
+pub(super) struct BodyRead {
+    first: Bytes,
+    rest: BytesMut,
+    /// Rare: boxed, so the future that reads the body stays small.
+    trailers: Option<Box<HeaderMap>>,
+}
+
+impl BodyRead {
+    /// Keeps the request's trailers for the handler (they are not fingerprinted).
+    pub(super) fn trailers(&mut self, trailers: HeaderMap) {
+        match &mut self.trailers {
+            Some(kept) => kept.extend(trailers),
+            None => self.trailers = Some(Box::new(trailers)),
+        }
+    }
+
+    pub(super) fn push(&mut self, data: Bytes) {
+        if self.first.is_empty() {
+            self.first = data;
+        } else {
+            if self.rest.is_empty() {
+                self.rest.reserve(self.first.len() + data.len());
+                self.rest.extend_from_slice(&self.first);
+            }
+            self.rest.extend_from_slice(&data);
+        }
+    }
+
+    /// How many bytes were read so far.
+    fn len(&self) -> usize {
+        if self.rest.is_empty() {
+            self.first.len()
+        } else {
+            self.rest.len()
+        }
+    }
+
+    pub(super) fn finish(&mut self) -> (Bytes, Option<HeaderMap>) {
+        let first = std::mem::take(&mut self.first);
+        let bytes = if self.rest.is_empty() {
+            first
+        } else {
+            std::mem::take(&mut self.rest).freeze()
+        };
+        (bytes, self.trailers.take().map(|t| *t))
+    }
+}
+
+/// The whole request body, up to `limit` bytes.
+#[cfg(test)]
+pub(super) async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, BodyError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BodyError>,
+{
+    let mut body = std::pin::pin!(http_body_util::Limited::new(body, limit));
+    let mut read = BodyRead::default();
+    while let Some(frame) = body.frame().await {
+        // Trailers are not part of the fingerprint.
+        if let Ok(data) = frame?.into_data() {
+            read.push(data);
+        }
+    }
+    Ok(read.finish().0)
+}
+
+enum Buffered<B> {
+    Whole(Bytes),
+    /// Over the limit, or failed: what was read, then the rest (or the error).
+    Partial(ResponseBody<B>),
+}
+
+async fn buffer<B>(mut body: B, limit: usize) -> Buffered<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BodyError>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Buffered::Partial(ResponseBody::streaming(body));
+    }
+    // One data frame (a full body, the usual case) is kept as it came, without a copy; only
+    // a body in several frames is copied into one buffer.
+    let mut read = BodyRead::default();
+    loop {
+        match body.frame().await {
+            None => return Buffered::Whole(read.finish().0),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
+                    read.push(data);
+                    if read.len() > limit {
+                        return Buffered::Partial(ResponseBody::resume(read.finish().0, body));
+                    }
+                }
+                // A response with trailers is not stored (the envelope has none): it passes
+                // whole, trailers included.
+                Err(frame) => {
+                    let trailers = frame.into_trailers().ok();
+                    return Buffered::Partial(ResponseBody::resume_with_trailers(
+                        read.finish().0,
+                        trailers,
+                        body,
+                    ));
+                }
+            },
+            Some(Err(err)) => {
+                return Buffered::Partial(ResponseBody::failed(read.finish().0, err.into()));
+            }
+        }
+    }
+}
