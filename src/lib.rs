@@ -113,6 +113,8 @@ pub mod coalesce;
 pub mod debounce;
 #[cfg(feature = "runtime")]
 mod error;
+#[cfg(feature = "runtime")]
+mod global;
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::script::{Args, Operation};
+use super::script::{Args, Operation, Ticket};
 use crate::rate_limit::{Decision, RateLimitReply, ShaperReservation};
 use crate::store::redis::{Redis, RedisBuilder};
 
@@ -62,16 +62,6 @@ impl RedisBuilder {
         self.local_answers = Some(max_keys);
         self
     }
-}
-
-/// What held when a check that may be answered locally later was sent: its denial is kept
-/// only if no invalidation came and the subscription stayed the same meanwhile.
-#[derive(Clone, Copy)]
-pub(super) struct Ticket {
-    pub(super) sent: Instant,
-    pub(super) epoch: u64,
-    /// The live subscription (its number), if any.
-    pub(super) subscription: Option<u64>,
 }
 
 /// A denial answered locally (see [`LocalAnswers`]).

@@ -1,7 +1,8 @@
 //! What the scripts read and reply: the Lua entry points, an operation's arguments, the
 //! replies' decoding.
 
-use super::local::Ticket;
+use tokio::time::Instant;
+
 use crate::rate_limit::{
     Decision, Forecast, InsufficientCapacity, RateLimitError, RateLimitOp, RateLimitReply,
     RateLimitRequest, ScriptedStrategy, ShaperReservation, TIME_CEILING_US, TierParams,
@@ -168,6 +169,16 @@ pub(super) struct Operation {
     /// For a check or a reservation whose denial this instance may answer locally: what held
     /// when it was sent (see [`LocalAnswers::remember`]).
     pub(super) ticket: Option<Ticket>,
+}
+
+/// What held when a check that may be answered locally later was sent: its denial is kept
+/// only if no invalidation came and the subscription stayed the same meanwhile.
+#[derive(Clone, Copy)]
+pub(super) struct Ticket {
+    pub(super) sent: Instant,
+    pub(super) epoch: u64,
+    /// The live subscription (its number), if any.
+    pub(super) subscription: Option<u64>,
 }
 
 /// An operation's arguments, the key aside: operations with equal ones share one set in a
