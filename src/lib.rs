@@ -131,6 +131,7 @@ pub mod runtime;
 #[cfg(feature = "runtime")]
 mod stats;
 pub mod store;
+mod stripe;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub mod throttle;

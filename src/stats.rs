@@ -10,6 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
+use crate::stripe::Striped;
+
 /// Live figures of a runtime, from [`crate::Runtime::stats`].
 ///
 /// # Examples
@@ -326,42 +328,15 @@ impl crate::store::RedisStats {
     }
 }
 
-/// Stripes of a [`Counter`]: enough that two threads rarely share one.
-pub(crate) const STRIPES: usize = 8;
-
-#[repr(align(128))]
-#[derive(Default)]
-struct Padded(AtomicU64);
-
 /// A counter bumped on hot paths from many threads: each thread adds to its
 /// own cache line, so counting costs no line bouncing between cores.
 #[derive(Default)]
-pub(crate) struct Counter {
-    stripes: [Padded; STRIPES],
-}
-
-/// This thread's stripe: assigned round robin on first use.
-#[inline]
-pub(crate) fn stripe() -> usize {
-    use std::cell::Cell;
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    thread_local! {
-        static STRIPE: Cell<usize> = const { Cell::new(usize::MAX) };
-    }
-    STRIPE.with(|s| {
-        let mut i = s.get();
-        if i == usize::MAX {
-            i = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
-            s.set(i);
-        }
-        i
-    })
-}
+pub(crate) struct Counter(Striped<AtomicU64>);
 
 impl Counter {
     #[inline]
     pub(crate) fn add(&self, n: u64) {
-        self.stripes[stripe()].0.fetch_add(n, Ordering::Relaxed);
+        self.0.local().fetch_add(n, Ordering::Relaxed);
     }
 
     #[inline]
@@ -370,9 +345,9 @@ impl Counter {
     }
 
     pub(crate) fn get(&self) -> u64 {
-        self.stripes
+        self.0
             .iter()
-            .map(|s| s.0.load(Ordering::Relaxed))
+            .map(|s| s.load(Ordering::Relaxed))
             .fold(0, u64::wrapping_add)
     }
 }

@@ -23,7 +23,8 @@ use crate::error::Error;
 use crate::error::check_key;
 use crate::key::{InlineKey, shown, update_slot};
 use crate::runtime::{Runtime, Service, ServiceFuture, ShutdownPolicy};
-use crate::stats::{Counter, Gauge, STRIPES};
+use crate::stats::{Counter, Gauge};
+use crate::stripe::{Padded, STRIPES};
 
 /// A user function, boxed so the latest one can replace an older one.
 pub(super) type Job<T> = Box<dyn BoxedFn<T>>;
@@ -294,18 +295,6 @@ pub(super) struct Gauges {
     /// Store calls in flight that a destroy abandons, and who waits for them.
     pub(super) in_store: AtomicUsize,
     pub(super) store_idle: Notify,
-}
-
-/// A counter on a cache line of its own: the gauges are written from every
-/// worker, and a shared line would make each write evict its neighbours.
-#[repr(align(64))]
-pub(super) struct Padded<A>(A);
-
-impl<A> std::ops::Deref for Padded<A> {
-    type Target = A;
-    fn deref(&self) -> &A {
-        &self.0
-    }
 }
 
 /// A timer counted in the throttle's and the runtime's gauges while it lives.

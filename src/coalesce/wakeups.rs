@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use super::sleeper::Wakeup;
 use super::state::Shared;
 use crate::key::InlineKey;
-use crate::stats::stripe;
+use crate::stripe::stripe;
 
 /// Holds a sleeper shard's `running` mark for its process. A process that
 /// ends without handing the shard back itself (its tokio runtime ended, or

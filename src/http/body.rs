@@ -244,19 +244,23 @@ fn exact(data: Option<&Bytes>) -> SizeHint {
 }
 
 /// A request body the layer can read whole.
+#[cfg(feature = "runtime")]
 pub(crate) trait InBody:
     Body<Data = Bytes, Error: Into<BodyError>> + Send + 'static
 {
 }
 
+#[cfg(feature = "runtime")]
 impl<B> InBody for B where B: Body<Data = Bytes, Error: Into<BodyError>> + Send + 'static {}
 
 /// A response body the layer can store, or hand back streaming.
+#[cfg(feature = "runtime")]
 pub(crate) trait OutBody:
     Body<Data = Bytes, Error: Into<BodyError>> + Send + Unpin + 'static
 {
 }
 
+#[cfg(feature = "runtime")]
 impl<B> OutBody for B where B: Body<Data = Bytes, Error: Into<BodyError>> + Send + Unpin + 'static {}
 
 #[cfg(test)]

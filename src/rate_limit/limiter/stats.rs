@@ -1,11 +1,11 @@
 //! A limiter's counters: striped so that concurrent checks do not share a cache line.
 
-use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
 use crate::rate_limit::RateLimitError;
+use crate::stripe::Striped;
 
 /// A [`Limiter`](super::Limiter)'s counters (see [`Limiter::stats`](super::Limiter::stats)).
 ///
@@ -43,39 +43,20 @@ pub struct LimiterStats {
 
 /// Counters striped over cache lines, so threads deciding at once do not contend on one.
 #[derive(Default)]
-pub(super) struct Counters([Stripe; STRIPES]);
+pub(super) struct Counters(Striped<Stripe>);
 
-const STRIPES: usize = 8;
-
+/// One stripe's counters: the three share its cache line, written by its threads only.
 #[derive(Default)]
-#[repr(align(128))]
 pub(super) struct Stripe {
     pub(super) allowed: AtomicU64,
     pub(super) denied: AtomicU64,
     pub(super) errors: AtomicU64,
 }
 
-/// The stripe of a thread that counts for the first time: round robin.
-#[cold]
-fn first_stripe() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES
-}
-
 impl Counters {
     #[inline]
     pub(super) fn stripe(&self) -> &Stripe {
-        // A `const` thread-local reads with one load (no lazy-initialisation state); the
-        // thread's stripe is picked on its first count.
-        thread_local! {
-            static INDEX: Cell<usize> = const { Cell::new(usize::MAX) };
-        }
-        let mut index = INDEX.get();
-        if index == usize::MAX {
-            index = first_stripe();
-            INDEX.set(index);
-        }
-        &self.0[index % STRIPES]
+        self.0.local()
     }
 
     #[inline]
