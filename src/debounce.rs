@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use sync_wrapper::SyncWrapper;
 use throttlebeam_supervisors::{
     Counters, Generation, Registry, SlotEntry, Sweep, TimerGuard, catch_panic,
 };
@@ -131,9 +132,8 @@ impl DebounceOptions {
 
 /// The run a debounced call is waiting for.
 struct Pending {
-    // A Mutex only to make the slot `Sync`; it is always reached through
-    // `&mut`, never locked.
-    job: std::sync::Mutex<BoxedJob>,
+    /// Wrapped to make the slot `Sync`: only ever reached through `&mut` or by value.
+    job: SyncWrapper<BoxedJob>,
     cell: Cell,
     /// Calls that joined this run, counted under the shard lock and added
     /// to the shared counter once the run is taken: a coalesced call costs
@@ -144,7 +144,7 @@ struct Pending {
 impl Pending {
     fn new(job: BoxedJob, cell: Cell) -> Self {
         Self {
-            job: std::sync::Mutex::new(job),
+            job: SyncWrapper::new(job),
             cell,
             joined: 0,
         }
@@ -154,11 +154,7 @@ impl Pending {
     /// outside the shard lock.
     fn replace(&mut self, job: BoxedJob) -> BoxedJob {
         self.joined += 1;
-        let slot = self
-            .job
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        std::mem::replace(slot, job)
+        std::mem::replace(self.job.get_mut(), job)
     }
 }
 

@@ -22,7 +22,7 @@ impl Runtime {
     /// it restarts (as [`Runtime::restart`]) and serves again.
     ///
     /// With the `redis` feature it shares through the Redis its environment
-    /// names ([`RuntimeBuilder::with_redis_from_env`](crate::RuntimeBuilder::with_redis_from_env)), connecting on its own
+    /// names ([`RuntimeBuilder::with_redis_from_env`](crate::runtime::RuntimeBuilder::with_redis_from_env)), connecting on its own
     /// thread: the first caller never waits for Redis, and a Redis
     /// unreachable at start is connected to once it answers (until then
     /// idempotency fails closed and throttles decide per instance). With the

@@ -54,7 +54,7 @@ pub use crate::stats::IdempotencyStats;
 use crate::stats::Stats;
 
 /// Completed results a runtime keeps by default, see
-/// [`RuntimeBuilder::with_max_idempotency_results`](crate::RuntimeBuilder::with_max_idempotency_results).
+/// [`RuntimeBuilder::with_max_idempotency_results`](crate::runtime::RuntimeBuilder::with_max_idempotency_results).
 ///
 /// A stored result costs roughly 200 bytes (table entry, digest, value
 /// cell, insertion-order slot) plus what its value holds, so 100,000 cost
@@ -65,7 +65,7 @@ pub const DEFAULT_MAX_IDEMPOTENCY_RESULTS: usize = 100_000;
 
 /// The byte budget of the completed results a runtime keeps by default
 /// (256 MiB), see
-/// [`RuntimeBuilder::with_max_idempotency_bytes`](crate::RuntimeBuilder::with_max_idempotency_bytes).
+/// [`RuntimeBuilder::with_max_idempotency_bytes`](crate::runtime::RuntimeBuilder::with_max_idempotency_bytes).
 ///
 /// The count cap alone would let 100,000 results of 1 MiB each take 100 GiB;
 /// with this budget they take at most 256 MiB (about 250 of them), the

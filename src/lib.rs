@@ -155,7 +155,7 @@ pub use idempotency::{Idempotency, IdempotencyHandle, IdempotencyOptions, Idempo
 pub use job::Job;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
-pub use runtime::{Runtime, RuntimeBuilder};
+pub use runtime::Runtime;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]
 pub use stats::Stats;

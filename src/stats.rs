@@ -35,7 +35,7 @@ use crate::stripe::Striped;
 #[non_exhaustive]
 pub struct Stats {
     /// Keys tracked now, over every primitive (the budget
-    /// [`crate::RuntimeBuilder::with_max_keys`] caps).
+    /// [`crate::runtime::RuntimeBuilder::with_max_keys`] caps).
     pub keys: usize,
     /// Per-key processes alive now.
     pub processes: usize,
@@ -424,7 +424,7 @@ pub struct IdempotencyStats {
     /// Results held now, expired ones not yet swept included.
     pub stored_results: usize,
     /// What the results held now weigh against the byte budget
-    /// ([`RuntimeBuilder::with_max_idempotency_bytes`](crate::RuntimeBuilder::with_max_idempotency_bytes)).
+    /// ([`RuntimeBuilder::with_max_idempotency_bytes`](crate::runtime::RuntimeBuilder::with_max_idempotency_bytes)).
     /// Zero with a shared store, which keeps results elsewhere.
     pub stored_bytes: u64,
 }

@@ -40,7 +40,7 @@ const LAG: Duration = Duration::from_millis(5);
 const SWEEP: Duration = Duration::from_secs(1);
 
 /// A runtime swept every [`SWEEP`].
-async fn runtime_with(builder: throttlebeam::RuntimeBuilder) -> Runtime {
+async fn runtime_with(builder: throttlebeam::runtime::RuntimeBuilder) -> Runtime {
     builder
         .with_sweep_interval(SWEEP)
         .start()
@@ -219,15 +219,6 @@ mod laggy {
             Box::pin(async move {
                 sleep(self.lag).await;
                 let reply = self.inner.record(key, entry, ttl).await;
-                sleep(self.lag).await;
-                reply
-            })
-        }
-
-        fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
-            Box::pin(async move {
-                sleep(self.lag).await;
-                let reply = self.inner.read(key).await;
                 sleep(self.lag).await;
                 reply
             })

@@ -997,18 +997,15 @@ async fn a_long_run_extends_its_lease_in_the_store() {
     // every 500 ms: the key stays taken all through the run.
     for at in (100..5000).step_by(400) {
         log.until(at).await;
-        assert!(
-            store.read("lease:k").await.unwrap().is_some(),
-            "lease lapsed at {at}"
-        );
+        assert!(store.get("lease:k").is_some(), "lease lapsed at {at}");
         assert_eq!(t.stats().timers, 1);
     }
     assert!(run.await.unwrap().0.unwrap());
     // Then the window: written to end exactly when the in-memory one does.
     log.until(5999).await;
-    assert!(store.read("lease:k").await.unwrap().is_some());
+    assert!(store.get("lease:k").is_some());
     log.until(6000).await;
-    assert!(store.read("lease:k").await.unwrap().is_none());
+    assert!(store.get("lease:k").is_none());
 }
 
 /// Issue 30 item 12, W6, W9: `keys` counts windows open now. Once the last
@@ -1166,7 +1163,7 @@ async fn w10_destroy_clears_only_an_owned_store() {
     assert_eq!(shared.len(), 1);
     passed.destroy().await;
     assert_eq!(shared.len(), 1);
-    assert!(shared.read("passed:k").await.unwrap().is_some());
+    assert!(shared.get("passed:k").is_some());
 
     // A store passed in is never cleared, whoever else holds it.
     let recorder = scripted(|_| Act::Pass);
@@ -1596,7 +1593,7 @@ async fn memory_store_contract() {
     let ttl = ms(100);
 
     // read of a missing key creates nothing.
-    assert_eq!(store.read("missing").await.unwrap(), None);
+    assert_eq!(store.get("missing"), None);
     assert!(store.is_empty());
 
     // claim on a live key fails and answers its holder in the same step.
@@ -1611,11 +1608,7 @@ async fn memory_store_contract() {
         WindowClaim::Lost { .. }
     ));
     sleep(ms(1)).await;
-    assert_eq!(
-        store.read("k").await.unwrap(),
-        None,
-        "expired keys are never returned"
-    );
+    assert_eq!(store.get("k"), None, "expired keys are never returned");
     assert_eq!(store.claim("k", b, ttl).await.unwrap(), WindowClaim::Won);
 
     // Only the holder's token extends or records; either resets the expiry.
@@ -1631,11 +1624,11 @@ async fn memory_store_contract() {
             .await
             .unwrap()
     );
-    assert_eq!(store.read("k").await.unwrap(), Some(b));
+    assert_eq!(store.get("k"), Some(b));
     let b2 = WindowEntry::new(3_000, 22);
     assert!(store.record("k", b2, ms(500)).await.unwrap());
     sleep(ms(400)).await;
-    assert_eq!(store.read("k").await.unwrap(), Some(b2));
+    assert_eq!(store.get("k"), Some(b2));
     // A free key may be recorded by anyone (a lapsed lease nobody took).
     assert!(store.record("free", a, ttl).await.unwrap());
 }
@@ -1855,22 +1848,18 @@ async fn a_lapsed_holder_never_overwrites_the_new_holder() {
     log.until(1500).await;
     let lead_b = spawn_call(&b, "k", log.work("b", 3000));
     settle().await;
-    let held = store.read("s:k").await.unwrap().expect("B holds the key");
+    let held = store.get("s:k").expect("B holds the key");
     log.until(2999).await;
-    let before = store.read("s:k").await.unwrap().unwrap();
+    let before = store.get("s:k").unwrap();
     assert_eq!(before.token, held.token);
     // A finishes at 3000 and tries to record its window: refused.
     assert!(lead_a.await.unwrap().0.unwrap());
     log.at(3000);
     settle().await;
-    let after = store
-        .read("s:k")
-        .await
-        .unwrap()
-        .expect("B still holds the key");
+    let after = store.get("s:k").expect("B still holds the key");
     assert_eq!(after, before, "A's late record left B's lease alone");
     assert!(lead_b.await.unwrap().0.unwrap());
-    let after_b = store.read("s:k").await.unwrap().unwrap();
+    let after_b = store.get("s:k").unwrap();
     assert_eq!(after_b.token, held.token, "B recorded its window");
 }
 
@@ -1907,10 +1896,10 @@ async fn the_memory_window_store_is_capped() {
     assert_eq!(store.len(), 32);
     store.claim("one-more", entry(7), ms(5000)).await.unwrap();
     assert_eq!((store.len(), store.evictions()), (31, 2));
-    assert_eq!(store.read("fresh").await.unwrap(), None, "expired soonest");
-    assert_eq!(store.read("live0").await.unwrap(), None);
-    assert!(store.read("live1").await.unwrap().is_some());
-    assert!(store.read("one-more").await.unwrap().is_some());
+    assert_eq!(store.get("fresh"), None, "expired soonest");
+    assert_eq!(store.get("live0"), None);
+    assert!(store.get("live1").is_some());
+    assert!(store.get("one-more").is_some());
     assert_eq!(captured.ours(Level::WARN).len(), 1);
     // Full again within the minute: evicted and counted, not logged again.
     store.claim("two", entry(8), ms(5000)).await.unwrap();
@@ -2191,12 +2180,6 @@ impl<F: Fn(&'static str) -> Act + Send + Sync + 'static> WindowStore for Scripte
         Box::pin(async move {
             self.gate("record").await?;
             self.memory.record(key, entry, ttl).await
-        })
-    }
-    fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
-        Box::pin(async move {
-            self.gate("read").await?;
-            self.memory.read(key).await
         })
     }
 }

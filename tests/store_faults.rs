@@ -759,9 +759,6 @@ impl WindowStore for PanicsBuilding {
     ) -> WindowStoreFuture<'a, bool> {
         self.panic("record")
     }
-    fn read<'a>(&'a self, _: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
-        self.panic("read")
-    }
 }
 
 /// A window store call goes through the one store guard too: a store that

@@ -60,15 +60,6 @@ impl WindowStore for Redis {
     ) -> WindowStoreFuture<'a, bool> {
         self.extend(key, entry, ttl)
     }
-
-    fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
-        Box::pin(async move {
-            Ok(self
-                .window_read(&self.key(key, ":w"))
-                .await?
-                .and_then(local))
-        })
-    }
 }
 
 /// Coalescing-throttle window claim: `SET NX PX` of `"<end_ms>:<token>"`
@@ -95,13 +86,6 @@ local now = now_ms(ARGV[3])
 local value = string.format('%.0f', now + tonumber(ARGV[2])) .. ':' .. ARGV[1]
 redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
 return 1
-";
-
-/// The live value of a window and its time left.
-const WINDOW_READ: &str = r"
-local held = redis.call('GET', KEYS[1])
-if not held then return {0, 0, ''} end
-return {1, redis.call('PTTL', KEYS[1]), held}
 ";
 
 /// What a window key holds, from the Redis side.
@@ -156,15 +140,6 @@ impl Redis {
         let written: i64 = self.invoke(&call).await?;
         Ok(written == 1)
     }
-
-    /// What the window key holds, if it is live.
-    pub(crate) async fn window_read(&self, key: &str) -> Result<Option<HeldWindow>, StoreError> {
-        static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
-        let mut call = cached(&SCRIPT, WINDOW_READ, false).prepare_invoke();
-        call.key(key);
-        let (found, left, raw): (i64, i64, String) = self.invoke(&call).await?;
-        Ok((found == 1).then(|| HeldWindow::parse(left, raw)))
-    }
 }
 
 #[cfg(test)]
@@ -198,13 +173,14 @@ mod tests {
                         .await
                         .unwrap()
                 );
-                let held = redis.window_read(&key).await.unwrap().expect("live");
+                // A claim by another token on the live key writes nothing and reads the holder.
+                let held = redis
+                    .window_claim(&key, 9, lease)
+                    .await
+                    .unwrap()
+                    .expect("live");
                 assert_eq!(held.raw, "2005000:7");
                 assert!(held.left <= Duration::from_secs(5));
-                assert_eq!(
-                    redis.window_read(&redis.key("missing", "")).await.unwrap(),
-                    None
-                );
             }
         })
         .await;

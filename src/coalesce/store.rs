@@ -120,7 +120,6 @@ pub struct WindowStoreStats {
 /// | [`claim`](WindowStore::claim) | store `entry` for `ttl` only if the key is missing or expired; otherwise answer what it holds | `SET k v PX ttl NX GET` |
 /// | [`extend`](WindowStore::extend) | store `entry` for `ttl` unless another token holds the key; `true` if written | compare-and-set script |
 /// | [`record`](WindowStore::record) | same as `extend`, writing the window that follows a run | compare-and-set script |
-/// | [`read`](WindowStore::read) | the live entry, if any; never creates anything | `GET` |
 ///
 /// Because `extend` and `record` compare the token first, a run whose lease
 /// lapsed can never overwrite the window of the run that took the key over.
@@ -152,9 +151,6 @@ pub struct WindowStoreStats {
 ///     fn record<'a>(&'a self, _: &'a str, _: WindowEntry, _: Duration) -> WindowStoreFuture<'a, bool> {
 ///         Box::pin(async { Err("connection refused".into()) })
 ///     }
-///     fn read<'a>(&'a self, _: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
-///         Box::pin(async { Err("connection refused".into()) })
-///     }
 /// }
 /// ```
 pub trait WindowStore: Send + Sync + 'static {
@@ -181,9 +177,6 @@ pub trait WindowStore: Send + Sync + 'static {
         entry: WindowEntry,
         ttl: Duration,
     ) -> WindowStoreFuture<'a, bool>;
-
-    /// The live entry of `key`, if any.
-    fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>>;
 
     /// Removes expired keys and returns the keys left. Called by the
     /// runtime's sweeper of every throttle using the store (and by
@@ -231,10 +224,6 @@ impl<S: WindowStore + ?Sized> WindowStore for Arc<S> {
         ttl: Duration,
     ) -> WindowStoreFuture<'a, bool> {
         (**self).record(key, entry, ttl)
-    }
-
-    fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
-        (**self).read(key)
     }
 
     fn sweep(&self) -> usize {
@@ -378,6 +367,21 @@ impl MemoryWindowStore {
         self.inner.table.is_empty()
     }
 
+    /// The live entry of `key`, if any: what a test or a diagnostic reads back. Reading
+    /// creates nothing and an expired entry reads as absent.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use throttlebeam::coalesce::MemoryWindowStore;
+    ///
+    /// assert_eq!(MemoryWindowStore::new().get("k"), None);
+    /// ```
+    #[must_use]
+    pub fn get(&self, key: &str) -> Option<WindowEntry> {
+        self.inner.table.get(key.as_bytes())
+    }
+
     /// The cap on keys held.
     #[must_use]
     pub fn max_keys(&self) -> usize {
@@ -487,11 +491,6 @@ impl WindowStore for MemoryWindowStore {
         ttl: Duration,
     ) -> WindowStoreFuture<'a, bool> {
         let out = self.cas_now(key, entry, ttl);
-        Box::pin(std::future::ready(Ok(out)))
-    }
-
-    fn read<'a>(&'a self, key: &'a str) -> WindowStoreFuture<'a, Option<WindowEntry>> {
-        let out = self.inner.table.get(key.as_bytes());
         Box::pin(std::future::ready(Ok(out)))
     }
 

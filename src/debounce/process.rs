@@ -121,9 +121,7 @@ impl Driver {
     async fn execute(&mut self, run: Pending) {
         let Pending { job, cell, joined } = run;
         self.state.settle(joined);
-        let job = job
-            .into_inner()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let job = job.into_inner();
         self.state.runs.incr();
         self.running = Some(Arc::clone(&cell));
         let result = match catch_panic(job(Arc::clone(&self.key))).await {

@@ -65,10 +65,11 @@
 use std::any::TypeId;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use sync_wrapper::SyncWrapper;
 use throttlebeam_supervisors::{Registry, SlotEntry, Sweep};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -116,8 +117,9 @@ pub(super) struct Slot {
     codec: Codec,
     delay: Duration,
     options: DebounceOptions,
-    /// The latest local function (a Mutex only to make the slot `Sync`).
-    job: Mutex<Option<SharedJob>>,
+    /// The latest local function, wrapped to make the slot `Sync`: only ever reached through
+    /// `&mut`.
+    job: SyncWrapper<Option<SharedJob>>,
     /// Calls not yet told to Redis, sharing one result cell.
     unsent: Option<Cell>,
     /// Calls told to Redis, by the burst that covers them.
@@ -134,7 +136,7 @@ pub(super) struct Slot {
 
 impl Slot {
     fn job(&mut self) -> &mut Option<SharedJob> {
-        self.job.get_mut().unwrap_or_else(PoisonError::into_inner)
+        self.job.get_mut()
     }
 
     fn idle(&self) -> bool {
@@ -322,7 +324,7 @@ impl DebounceHandle {
                     codec,
                     delay,
                     options,
-                    job: Mutex::new(job.take()),
+                    job: SyncWrapper::new(job.take()),
                     unsent: Some(Arc::clone(&cell)),
                     waiting: Vec::new(),
                     owner: None,

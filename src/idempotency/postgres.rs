@@ -7,7 +7,7 @@
 //! **As the shared store of a runtime.** [`PostgresStore`] implements
 //! [`IdempotencyStore`] with the contract of the memory and Redis stores:
 //! [`Runtime`](crate::Runtime)s built
-//! [`with_postgres`](crate::RuntimeBuilder::with_postgres) run each key once
+//! [`with_postgres`](crate::runtime::RuntimeBuilder::with_postgres) run each key once
 //! across every instance, through [`IdempotencyHandle::run`](crate::IdempotencyHandle::run),
 //! [`reserve`](crate::IdempotencyHandle::reserve) and the HTTP layer, exactly
 //! as with Redis. The operation's effect happens wherever the function puts
@@ -672,7 +672,7 @@ fn claim_reply(
 /// A cheap handle (`Clone`). Made by [`PostgresStore::builder`] (or
 /// [`PostgresStore::from_env`]) and [`PostgresBuilder::connect`]; given to
 /// a runtime with
-/// [`RuntimeBuilder::with_postgres`](crate::RuntimeBuilder::with_postgres);
+/// [`RuntimeBuilder::with_postgres`](crate::runtime::RuntimeBuilder::with_postgres);
 /// used directly for [`run_in_transaction`](PostgresStore::run_in_transaction).
 #[derive(Clone)]
 pub struct PostgresStore {
@@ -883,7 +883,7 @@ impl IdempotencyStore for Misconfigured {
 /// [`POSTGRES_URL_ENV`], connecting in the background; unchanged when the
 /// variable is unset. A URL or setting that cannot work is logged at error
 /// and makes every idempotent call fail closed with it.
-pub(crate) fn with_env(builder: crate::RuntimeBuilder) -> crate::RuntimeBuilder {
+pub(crate) fn with_env(builder: crate::runtime::RuntimeBuilder) -> crate::runtime::RuntimeBuilder {
     let Some(postgres) = PostgresStore::from_env() else {
         return builder;
     };

@@ -3,8 +3,8 @@
 //! the owner's [`ClaimToken`].
 //!
 //! A runtime given such a store (with
-//! [`RuntimeBuilder::with_idempotency_store`](crate::RuntimeBuilder::with_idempotency_store),
-//! or [`RuntimeBuilder::with_redis`](crate::RuntimeBuilder::with_redis), which uses the
+//! [`RuntimeBuilder::with_idempotency_store`](crate::runtime::RuntimeBuilder::with_idempotency_store),
+//! or [`RuntimeBuilder::with_redis`](crate::runtime::RuntimeBuilder::with_redis), which uses the
 //! Redis backend) keeps one execution per key across every instance that
 //! shares it. Callers on one instance still join one local claim, so a key
 //! costs one claim round trip per instance, not per caller.
