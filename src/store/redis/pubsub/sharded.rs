@@ -123,8 +123,8 @@ async fn listen_sharded(guard: ShardedListening) {
             wanted.insert(channel);
         }
         // Dropped only on a tick: a subscriber that lets go and registers
-        // again at once (an idempotency waiter looking again) should not
-        // cost a round trip.
+        // again at once (a waiter looking again) should not cost a round
+        // trip.
         let unsubscribe: Vec<String> = if tick {
             asked.difference(&wanted).cloned().collect()
         } else {
