@@ -158,14 +158,15 @@ impl Redis {
 /// | cluster (`redis+cluster://`, [`Redis::cluster`]) | one per node, through redis-rs's cluster client: commands routed by slot, `MOVED`/`ASK` followed | the client refreshes its slot map and retries once within the command timeout (more retries could re-send a claim whose reply was lost in a failover) |
 /// | Sentinel (`redis+sentinel://`, [`Redis::sentinel`]) | one to the primary the Sentinels name, and one to a Sentinel for lookups | the primary is looked up once a second, and every 100 ms after a command fails on the store's side (or finds the primary demoted, `READONLY`) until it answers again; when the Sentinels name another, it is connected to and used from then on (the breaker closed: its failures were the old primary's); [`RedisStats::failovers`] counts the moves |
 ///
-/// Besides, the first idempotency waiter or debounce call starts one pub/sub
-/// connection (completion and debounce notices) to one seed node (behind
-/// Sentinel, the primary), moving to the next node when it fails, with
-/// polling meanwhile. On a cluster, idempotency waiters instead subscribe to
-/// their key's shard channel (`SSUBSCRIBE`, Redis 7) over one more cluster
-/// connection, on the node that owns the key's slot, resubscribed after a
-/// failover or a slot move. TLS and ACL credentials apply to every connection,
-/// the Sentinels' included.
+/// Besides, the first call that needs notices (an idempotency waiter, a
+/// debounce call, a rate-limit check with local answers on) starts one
+/// pub/sub connection, which carries every broadcast channel in use, to one
+/// seed node (behind Sentinel, the primary), moving to the next node when it
+/// fails, with polling meanwhile. On a cluster, idempotency waiters instead
+/// subscribe to their key's shard channel (`SSUBSCRIBE`, Redis 7) over one
+/// more cluster connection, on the node that owns the key's slot,
+/// resubscribed after a failover or a slot move. TLS and ACL credentials
+/// apply to every connection, the Sentinels' included.
 ///
 /// | setting | default |
 /// |---|---|
@@ -243,10 +244,11 @@ pub struct RedisStats {
     pub commands: u64,
     /// The circuit breaker.
     pub breaker: BreakerStats,
-    /// Times the pub/sub listener (completion and debounce notices)
-    /// subscribed: 1 once it is live, more after it lost its connection,
-    /// moved to another node, or restarted on another tokio runtime after
-    /// its own ended.
+    /// Times the pub/sub listener (broadcast channels: idempotency
+    /// completions, debounce notices, rate-limit resets) subscribed: 1 once
+    /// it is live, more after it lost its connection, moved to another node,
+    /// or restarted on another tokio runtime after its own ended. A channel
+    /// first used while it is live joins that subscription.
     pub subscriptions: u64,
     /// Pub/sub notices the listener received.
     pub notices: u64,

@@ -220,7 +220,10 @@ impl Hub {
     /// none is called under its lock.
     fn subscribers_of(&self, channel: &str) -> Vec<Arc<dyn Subscriber>> {
         self.channels.get(channel).map_or_else(Vec::new, |c| {
-            c.subscribers.iter().filter_map(|(_, s)| s.upgrade()).collect()
+            c.subscribers
+                .iter()
+                .filter_map(|(_, s)| s.upgrade())
+                .collect()
         })
     }
 
