@@ -508,3 +508,120 @@ impl Live<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::redis::each_server;
+
+    #[derive(Debug, PartialEq, Eq)]
+    enum Event {
+        Message(Vec<u8>),
+        Missed,
+    }
+
+    /// A subscriber that reports what it hears, in order.
+    struct Heard(tokio::sync::mpsc::UnboundedSender<Event>);
+
+    impl Subscriber for Heard {
+        fn message(&self, payload: &[u8]) {
+            let _ = self.0.send(Event::Message(payload.to_vec()));
+        }
+
+        fn missed(&self) {
+            let _ = self.0.send(Event::Missed);
+        }
+    }
+
+    fn heard() -> (Arc<Heard>, tokio::sync::mpsc::UnboundedReceiver<Event>) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        (Arc::new(Heard(tx)), rx)
+    }
+
+    async fn next(events: &mut tokio::sync::mpsc::UnboundedReceiver<Event>) -> Event {
+        tokio::time::timeout(Duration::from_secs(20), events.recv())
+            .await
+            .expect("an event within 20 s")
+            .expect("the subscriber lives")
+    }
+
+    async fn publish(redis: &Redis, channel: &str, message: &str) {
+        let _: i64 = redis
+            .query(redis::cmd("PUBLISH").arg(channel).arg(message))
+            .await
+            .expect("PUBLISH");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_channel_registered_while_the_connection_is_live_joins_it() {
+        each_server("pubsub_late_channel", async |redis: Redis| {
+            let (first, mut first_events) = heard();
+            let a = redis.subscribe("test:first".to_owned(), Arc::downgrade(&first) as Weak<_>);
+            assert!(redis.subscribed(Duration::from_secs(20)).await, "live");
+            assert_eq!(a.live(), Some(1), "in the first SUBSCRIBE");
+
+            let (second, mut second_events) = heard();
+            let b = redis.subscribe("test:second".to_owned(), Arc::downgrade(&second) as Weak<_>);
+            // Confirmed on the live connection: told that it may have missed messages.
+            assert_eq!(next(&mut second_events).await, Event::Missed);
+            assert_eq!(b.live(), Some(1), "the same subscription");
+            assert_eq!(redis.stats().subscriptions, 1, "no new connection");
+
+            publish(&redis, "test:second", "to-second").await;
+            assert_eq!(
+                next(&mut second_events).await,
+                Event::Message(b"to-second".to_vec())
+            );
+            // Let go: still subscribed on the server, no longer delivered.
+            drop(b);
+            publish(&redis, "test:second", "nobody").await;
+            publish(&redis, "test:first", "to-first").await;
+            assert_eq!(
+                next(&mut first_events).await,
+                Event::Message(b"to-first".to_vec())
+            );
+            // On a cluster the two may come from two nodes, in either order: wait until both
+            // were received.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            while redis.stats().notices < 3 {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{:?}",
+                    redis.stats()
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert!(second_events.try_recv().is_err(), "not delivered");
+        })
+        .await;
+    }
+
+    #[test]
+    fn the_registry_holds_subscribers_weakly_and_drops_a_channel_with_its_last_registration() {
+        let hub = Hub::default();
+        let (one, _) = heard();
+        let (two, _) = heard();
+        let (a, heard_a, fresh_a) = hub.register("c".to_owned(), Arc::downgrade(&one) as Weak<_>);
+        let (b, heard_b, fresh_b) = hub.register("c".to_owned(), Arc::downgrade(&two) as Weak<_>);
+        assert!(
+            fresh_a && !fresh_b,
+            "the second registration joins the channel"
+        );
+        assert!(
+            Arc::ptr_eq(&heard_a, &heard_b),
+            "one channel, one heard state"
+        );
+        hub.heard("c", 7);
+        assert_eq!(heard_b.load(Ordering::Acquire), 7);
+        drop(one);
+        assert_eq!(
+            hub.subscribers_of("c").len(),
+            1,
+            "a dropped subscriber is not called"
+        );
+        hub.unregister("c", a);
+        assert_eq!(hub.names(), ["c"]);
+        hub.unregister("c", b);
+        assert!(hub.names().is_empty());
+    }
+}
