@@ -209,6 +209,16 @@ impl Hub {
         }
     }
 
+    /// Records that `channel` is heard on subscription `number`, unless it
+    /// is heard already.
+    fn heard_if_unheard(&self, channel: &str, number: u64) {
+        if let Some(c) = self.channels.get(channel) {
+            let _ = c
+                .heard
+                .compare_exchange(0, number, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
     /// Nothing is heard any more: the connection is gone.
     fn unheard_all(&self) {
         for c in &self.channels {
@@ -476,11 +486,15 @@ impl Live<'_> {
                     hub.deliver(msg.get_channel_name(), msg.get_payload_bytes());
                 }
                 () = hub.changed.notified() => {
-                    let fresh: Vec<String> = hub
-                        .names()
-                        .into_iter()
-                        .filter(|c| !self.subscribed.contains(c))
-                        .collect();
+                    let mut fresh = Vec::new();
+                    for channel in hub.names() {
+                        if self.subscribed.contains(&channel) {
+                            // Let go and registered again: heard all along.
+                            hub.heard(&channel, self.number);
+                        } else {
+                            fresh.push(channel);
+                        }
+                    }
                     if fresh.is_empty() {
                         continue;
                     }
@@ -582,7 +596,7 @@ mod tests {
             );
             // On a cluster the two may come from two nodes, in either order: wait until both
             // were received.
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
             while redis.stats().notices < 3 {
                 assert!(
                     tokio::time::Instant::now() < deadline,
@@ -592,6 +606,22 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             assert!(second_events.try_recv().is_err(), "not delivered");
+
+            // Registered again while still subscribed: heard all along, on the same
+            // subscription, with nothing missed.
+            let (third, mut third_events) = heard();
+            let c = redis.subscribe("test:second".to_owned(), Arc::downgrade(&third) as Weak<_>);
+            while c.live().is_none() {
+                assert!(tokio::time::Instant::now() < deadline, "heard again");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert_eq!(c.live(), Some(1));
+            publish(&redis, "test:second", "again").await;
+            assert_eq!(
+                next(&mut third_events).await,
+                Event::Message(b"again".to_vec())
+            );
+            assert_eq!(redis.stats().subscriptions, 1, "no new connection");
         })
         .await;
     }

@@ -113,6 +113,10 @@ async fn listen_sharded(guard: ShardedListening) {
         let mut subscribe = Vec::new();
         let mut wanted = HashSet::new();
         for channel in hub.names() {
+            if confirmed.contains(&channel) {
+                // Let go and registered again: heard all along.
+                hub.heard_if_unheard(&channel, hub.subscriptions.load(Ordering::Relaxed));
+            }
             let fresh = !asked.contains(&channel);
             if fresh || (tick && !confirmed.contains(&channel)) {
                 subscribe.push(channel.clone());
