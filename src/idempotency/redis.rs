@@ -35,6 +35,7 @@
 //! replicated, so a replica promoted after a failover holds every claim that
 //! was acknowledged, and its fence counter with it.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -377,6 +378,9 @@ impl Subscriber for Waiters {
 /// One waited-on key.
 struct Waiting {
     notify: Arc<Notify>,
+    /// Its watches, counted under the map's lock (a reference count would
+    /// also count the listener's, taken while it delivers).
+    watches: AtomicUsize,
     /// On a cluster, the key's shard channel.
     shard: Option<Subscription>,
 }
@@ -397,10 +401,7 @@ impl Subscriber for Waiting {
 pub(crate) struct Watch {
     waiters: Arc<Waiters>,
     key: String,
-    /// Taken in `drop`, so that the last of two watches dropped at once
-    /// sees itself last.
-    waiting: Option<Arc<Waiting>>,
-    notify: Arc<Notify>,
+    waiting: Arc<Waiting>,
 }
 
 impl Watch {
@@ -408,7 +409,7 @@ impl Watch {
     /// from now on, before it is first polled, so a notice that lands
     /// before the wait begins still wakes it.
     pub(crate) fn into_changed(self) -> impl Future<Output = ()> + Send + 'static {
-        let mut notified = Box::pin(Arc::clone(&self.notify).notified_owned());
+        let mut notified = Box::pin(Arc::clone(&self.waiting.notify).notified_owned());
         notified.as_mut().enable();
         async move {
             let _registered = self;
@@ -419,16 +420,10 @@ impl Watch {
 
 impl Drop for Watch {
     fn drop(&mut self) {
-        let Some(waiting) = self.waiting.take() else {
-            return;
-        };
-        // Held weakly, the allocation cannot be reused for another key's
-        // entry meanwhile: the pointer names this one.
-        let mine = Arc::downgrade(&waiting);
-        drop(waiting);
-        // Only the map's reference left: nobody else waits.
+        // The key's entry is this watch's while it lives: only the last
+        // watch removes it.
         let removed = self.waiters.keys.remove_if(&self.key, |_, w| {
-            std::ptr::eq(Arc::as_ptr(w), mine.as_ptr()) && Arc::strong_count(w) == 1
+            Arc::ptr_eq(w, &self.waiting) && w.watches.fetch_sub(1, Ordering::AcqRel) == 1
         });
         // Unregistered from the multiplexer here, outside the map's lock.
         drop(removed);
@@ -453,29 +448,33 @@ impl Redis {
         // A listener whose runtime ended is started again here.
         notices.claims.listen();
         let cluster = self.is_cluster();
-        let waiting = notices
-            .waiters
-            .keys
-            .entry(key.to_owned())
-            .or_insert_with(|| {
-                Arc::new_cyclic(|me: &Weak<Waiting>| {
-                    let subscriber: Weak<dyn Subscriber> = me.clone();
-                    Waiting {
-                        notify: Arc::new(Notify::new()),
-                        shard: cluster
-                            .then(|| self.subscribe_sharded(self.done_channel(key), subscriber)),
-                    }
-                })
-            })
-            .clone();
+        let waiting = {
+            let entry = notices
+                .waiters
+                .keys
+                .entry(key.to_owned())
+                .or_insert_with(|| {
+                    Arc::new_cyclic(|me: &Weak<Waiting>| {
+                        let subscriber: Weak<dyn Subscriber> = me.clone();
+                        Waiting {
+                            notify: Arc::new(Notify::new()),
+                            watches: AtomicUsize::new(0),
+                            shard: cluster.then(|| {
+                                self.subscribe_sharded(self.done_channel(key), subscriber)
+                            }),
+                        }
+                    })
+                });
+            entry.watches.fetch_add(1, Ordering::AcqRel);
+            Arc::clone(&entry)
+        };
         if let Some(shard) = &waiting.shard {
             shard.listen();
         }
         Watch {
             waiters: Arc::clone(&notices.waiters),
             key: key.to_owned(),
-            notify: Arc::clone(&waiting.notify),
-            waiting: Some(waiting),
+            waiting,
         }
     }
 }
@@ -610,6 +609,24 @@ mod tests {
                 ClaimReply::Won { fence } => assert!(fence > wins[0], "fences grow"),
                 other => panic!("{other:?}"),
             }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn watches_of_one_key_share_one_entry_which_the_last_one_forgets() {
+        each_server("claims_watch_entries", async |r: Redis| {
+            let keys = || r.notices().waiters.keys.len();
+            let (first, second) = (r.watch_key("w:1"), r.watch_key("w:1"));
+            assert!(Arc::ptr_eq(&first.waiting, &second.waiting));
+            assert_eq!(keys(), 1);
+            drop(first);
+            assert_eq!(keys(), 1, "one watch left");
+            // The listener holds the entry while it delivers: no watch.
+            let delivering = Arc::clone(&second.waiting);
+            drop(second);
+            assert_eq!(keys(), 0, "the last watch forgets the key");
+            drop(delivering);
         })
         .await;
     }

@@ -44,9 +44,10 @@ pub(crate) trait Subscriber: Send + Sync {
     /// not block.
     fn message(&self, payload: &[u8]);
 
-    /// The channel is heard again after messages on it may have been lost
-    /// (the subscription was down, or was just made): look again at
-    /// whatever they would have announced.
+    /// Messages on the channel may have been lost: it is heard again after
+    /// the subscription was down, or heard only now though registered
+    /// before (a shard channel, a broadcast channel that joined a live
+    /// connection). Look again at whatever they would have announced.
     fn missed(&self) {}
 }
 
