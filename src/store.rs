@@ -1,6 +1,12 @@
 //! Shared stores: the error type every store reports, the circuit breaker
 //! that guards a remote store, and (feature `redis`) the Redis backend.
 //!
+//! This is the engine below every primitive, and it knows none of them:
+//! connections, the breaker, the guarded call, the script cache, the
+//! server's clock, and a pub/sub multiplexer whose channels and handlers
+//! the primitives register. Each primitive's Redis adapter lives in its own
+//! module (`idempotency`, `debounce`, `rate_limit`, `throttle`, `coalesce`).
+//!
 //! The in-memory stores live beside the seam they implement
 //! ([`crate::coalesce::MemoryWindowStore`], the rate limiter's memory store, the
 //! idempotency result table). A remote store is guarded by a circuit

@@ -1,8 +1,8 @@
 //! Sharded pub/sub on a Redis Cluster: an idempotency waiter on one
 //! instance wakes by an `SPUBLISH` notice on its key's shard channel when
 //! another instance completes the key, also after the primary that owned
-//! the slot failed; with no subscription possible it still completes by
-//! polling.
+//! the slot failed or handed it over (`CLUSTER FAILOVER`); with no
+//! subscription possible it still completes by polling.
 #![cfg(feature = "redis")]
 
 mod support;
@@ -169,19 +169,8 @@ async fn after_the_slot_owner_fails_a_later_waiter_still_wakes_by_a_notice() {
     .await;
     assert!(promoted, "the replica was not promoted within 30 s");
     assert!(cluster.wait_ok(Duration::from_secs(30)), "cluster not ok");
-    // Each instance's data connection meets `MOVED` once before its slot
-    // map is new (the cluster client's own recovery): let both learn it.
-    for (runtime, warm) in [(&a, "pubsub}warm-a"), (&b, "pubsub}warm-b")] {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while let Err(e) = runtime
-            .idempotency()
-            .run(warm, || async { Ok::<_, std::io::Error>(()) })
-            .await
-        {
-            assert!(Instant::now() < deadline, "{warm}: {e}");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
+    warm(&a, "pubsub}warm-a").await;
+    warm(&b, "pubsub}warm-b").await;
     let subscribed = b_redis.stats().sharded_subscriptions;
     let mut new_owner = None;
     let second = wake_across(&a, &b, &b_redis, "pubsub}2", subscribed, async || {
@@ -193,6 +182,229 @@ async fn after_the_slot_owner_fails_a_later_waiter_still_wakes_by_a_notice() {
         new_owner,
         Some(replica),
         "the subscription moved to the promoted replica"
+    );
+}
+
+/// The nodes holding a subscription to `channel_part`'s shard channel,
+/// primaries and replicas alike: a replica serves `SSUBSCRIBE` for its
+/// primary's slots.
+fn holders_of(cluster: &ReplicatedCluster, channel_part: &str) -> Vec<usize> {
+    (0..cluster.nodes.len())
+        .filter(|&i| {
+            cluster.nodes[i]
+                .cli(&["PUBSUB", "SHARDCHANNELS"])
+                .is_some_and(|channels| channels.contains(channel_part))
+        })
+        .collect()
+}
+
+/// The slot of the shard channel of the key named by `channel_part`, which
+/// the primary at `owner` holds a subscription to.
+fn channel_slot(cluster: &ReplicatedCluster, owner: usize, channel_part: &str) -> u16 {
+    let node = &cluster.nodes[owner];
+    let channels = node
+        .cli(&["PUBSUB", "SHARDCHANNELS"])
+        .expect("PUBSUB SHARDCHANNELS");
+    let channel = channels
+        .lines()
+        .map(str::trim)
+        .find(|c| c.contains(channel_part))
+        .expect("the owner holds the channel");
+    node.cli(&["CLUSTER", "KEYSLOT", channel])
+        .and_then(|slot| slot.parse().ok())
+        .expect("CLUSTER KEYSLOT")
+}
+
+/// Whether the primary at `primary` counts the node at `node` among its
+/// replicas (`CLUSTER REPLICAS`, its own view of the cluster).
+fn counts_as_replica(cluster: &ReplicatedCluster, primary: usize, node: usize) -> bool {
+    let primary = &cluster.nodes[primary];
+    let port = format!(":{}@", cluster.nodes[node].port);
+    primary
+        .cli(&["CLUSTER", "MYID"])
+        .and_then(|id| primary.cli(&["CLUSTER", "REPLICAS", &id]))
+        .is_some_and(|replicas| replicas.contains(&port))
+}
+
+/// Runs `key` on `runtime` until it succeeds: each instance's data
+/// connection may meet the slot's move once before its slot map is new
+/// (the cluster client's own recovery), which is not what these tests are
+/// about.
+async fn warm(runtime: &Runtime, key: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Err(e) = runtime
+        .idempotency()
+        .run(key, || async { Ok::<_, std::io::Error>(()) })
+        .await
+    {
+        assert!(Instant::now() < deadline, "{key}: {e}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_manual_failover_of_the_slot_owner_waiters_still_wake_by_notices() {
+    let test = "after_a_manual_failover_of_the_slot_owner_waiters_still_wake_by_notices";
+    // A long node timeout: on a loaded machine no node is failed by
+    // mistake, so the only failover is the one asked for.
+    let Some(cluster) = ReplicatedCluster::start(test, 5000) else {
+        return;
+    };
+    let (_a_redis, a) = instance(cluster.urls()).await;
+    let (b_redis, b) = instance(cluster.urls()).await;
+    let mut owner = None;
+    let first = wake_across(&a, &b, &b_redis, "pubsub}1", 0, async || {
+        owner = owner_of(&cluster, "pubsub}1");
+    })
+    .await;
+    eprintln!("before the failover: woke {first:?} after the completion");
+    let owner = owner.expect("a primary holds the shard channel");
+    let replica = cluster.replica_of(owner).expect("the owner has a replica");
+
+    // A key held on A through the failover, and B waiting for it.
+    let held = "pubsub}held";
+    let long = IdempotencyOptions::new()
+        .with_lease(Duration::from_secs(300))
+        .with_wait_timeout(Duration::from_secs(300));
+    let IdempotencyReserved::Fresh(reservation) = a
+        .idempotency()
+        .reserve::<String>(held, long.clone())
+        .await
+        .expect("reserves")
+    else {
+        panic!("{held}: fresh")
+    };
+    let subscribed = b_redis.stats().sharded_subscriptions;
+    let waiter = tokio::spawn({
+        let b = b.clone();
+        async move {
+            // A look at the record that meets the failover fails the wait
+            // (idempotency fails closed): wait again.
+            let deadline = Instant::now() + Duration::from_secs(300);
+            loop {
+                match b
+                    .idempotency()
+                    .run_with(held, long.clone(), || async {
+                        Ok::<_, std::io::Error>("b".to_owned())
+                    })
+                    .await
+                {
+                    Ok(outcome) => break outcome,
+                    Err(e) => {
+                        assert!(Instant::now() < deadline, "{held}: {e}");
+                        eprintln!("{held}: waiting again after {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }
+    });
+    assert!(
+        eventually(Duration::from_secs(60), || {
+            b_redis.stats().sharded_subscriptions > subscribed
+                && owner_of(&cluster, held) == Some(owner)
+        })
+        .await,
+        "{held}: B's shard channel is not subscribed on the slot's owner: {:?}",
+        b_redis.stats()
+    );
+
+    // The replica takes the slot over, its primary agreeing.
+    let subscribed = b_redis.stats().sharded_subscriptions;
+    let slot = channel_slot(&cluster, owner, held);
+    assert_eq!(cluster.primary_of_slot(owner, slot), Some(owner), "{held}");
+    let failover = || cluster.nodes[replica].cli(&["CLUSTER", "FAILOVER"]);
+    assert_eq!(failover().as_deref(), Some("OK"), "CLUSTER FAILOVER");
+    let asked = Instant::now();
+    let mut asked_again = asked;
+    // Seen by every node; and the new owner counts the old one among its
+    // replicas, since only then does it pass the shard's messages on to it
+    // (where B's listener may subscribe, see below).
+    let seen_by_all = || {
+        cluster.nodes[replica].is_primary()
+            && (0..cluster.nodes.len()).all(|i| cluster.primary_of_slot(i, slot) == Some(replica))
+            && counts_as_replica(&cluster, replica, owner)
+    };
+    while !seen_by_all() {
+        assert!(
+            asked.elapsed() < Duration::from_secs(120),
+            "the promotion was not seen by every node within 120 s: slot {slot}, replica {replica}, {:?}, the old owner counted as a replica: {}",
+            (0..cluster.nodes.len())
+                .map(|i| (
+                    cluster.nodes[i].is_primary(),
+                    cluster.primary_of_slot(i, slot)
+                ))
+                .collect::<Vec<_>>(),
+            counts_as_replica(&cluster, replica, owner)
+        );
+        if !cluster.nodes[replica].is_primary() && asked_again.elapsed() > Duration::from_secs(15) {
+            // A manual failover gives up if the replica cannot catch up in
+            // time (5 s, on a loaded machine): ask again.
+            let _ = failover();
+            asked_again = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("the replica took the slot over after {:?}", asked.elapsed());
+    assert!(cluster.wait_ok(Duration::from_secs(60)), "cluster not ok");
+
+    // The old owner dropped the shard channel with the slot (`sunsubscribe`);
+    // B's listener subscribed to it again within the slot's shard (a node
+    // that still routes by the old slot map asks the demoted owner, which
+    // serves it as the new owner's replica).
+    let shard = [owner, replica];
+    assert!(
+        eventually(Duration::from_secs(60), || {
+            b_redis.stats().sharded_subscriptions > subscribed && {
+                let holders = holders_of(&cluster, held);
+                !holders.is_empty() && holders.iter().all(|h| shard.contains(h))
+            }
+        })
+        .await,
+        "{held}: B's listener did not subscribe again: {:?}, held by {:?}",
+        b_redis.stats(),
+        holders_of(&cluster, held)
+    );
+    eprintln!(
+        "{held}: subscribed again on {:?} (owner was {owner}, promoted {replica})",
+        holders_of(&cluster, held)
+    );
+    assert!(
+        !waiter.is_finished(),
+        "{held}: B returned before A completed"
+    );
+
+    warm(&a, "pubsub}warm-a").await;
+    warm(&b, "pubsub}warm-b").await;
+    let notices = b_redis.stats().sharded_notices;
+    reservation
+        .complete("a".to_owned())
+        .await
+        .expect("completes");
+    let outcome = tokio::time::timeout(Duration::from_secs(60), waiter)
+        .await
+        .expect("the waiter returns")
+        .expect("the waiter ran");
+    assert_eq!(outcome, IdempotencyOutcome::Replay("a".to_owned()));
+    assert!(
+        eventually(Duration::from_secs(30), || b_redis.stats().sharded_notices
+            > notices)
+        .await,
+        "{held}: no sharded notice arrived: {:?}",
+        b_redis.stats()
+    );
+
+    // A later waiter, on a key first waited for now, wakes by a notice too.
+    let subscribed = b_redis.stats().sharded_subscriptions;
+    let mut holders = Vec::new();
+    let later = wake_across(&a, &b, &b_redis, "pubsub}2", subscribed, async || {
+        holders = holders_of(&cluster, "pubsub}2");
+    })
+    .await;
+    eprintln!("after the failover: woke {later:?} after the completion; subscribed on {holders:?}");
+    assert!(
+        !holders.is_empty() && holders.iter().all(|h| shard.contains(h)),
+        "the subscription is within the slot's shard {shard:?}: {holders:?}"
     );
 }
 

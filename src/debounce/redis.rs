@@ -31,7 +31,7 @@ use redis::Value;
 
 use crate::store::StoreError;
 use crate::store::redis::script::LuaScript;
-use crate::store::redis::{Redis, cached, int, ms};
+use crate::store::redis::{Redis, Subscriber, Subscription, cached, int, ms};
 
 /// How long a running burst's lease lasts without renewal.
 pub(crate) const RUN_LEASE: Duration = Duration::from_secs(3);
@@ -239,7 +239,10 @@ pub(crate) trait BurstListener: Send + Sync + 'static {
 }
 
 /// The debounce's slice of a connection (see `Redis::slice`).
-struct Holder(Arc<BurstListeners>);
+struct Holder {
+    listeners: Arc<BurstListeners>,
+    subscription: Subscription,
+}
 
 /// The listeners of one backend value, held weakly: a runtime that goes
 /// away stops listening.
@@ -256,7 +259,7 @@ impl BurstListeners {
     }
 
     /// Hands a raw message to every live listener.
-    pub(crate) fn deliver(&self, bytes: &[u8]) {
+    fn deliver(&self, bytes: &[u8]) {
         let Some(notice) = BurstNotice::parse(bytes) else {
             tracing::debug!("ignored a malformed debounce notice");
             return;
@@ -271,6 +274,14 @@ impl BurstListeners {
         for listener in live {
             listener.notice(notice.clone());
         }
+    }
+}
+
+/// The debounce channel's messages are notices, for every listener. A
+/// missed one costs a grace: waiters probe the burst after it.
+impl Subscriber for BurstListeners {
+    fn message(&self, payload: &[u8]) {
+        self.deliver(payload);
     }
 }
 
@@ -329,17 +340,27 @@ impl Redis {
     /// Starts delivering this backend's debounce notices to `listener`
     /// (subscribing if nobody did yet).
     pub(crate) fn listen_bursts(&self, listener: Weak<dyn BurstListener>) {
-        let channel = self.debounce_channel();
-        let listeners = self.slice(|| {
+        let holder = self.bursts();
+        holder.listeners.add(listener);
+        holder.subscription.listen();
+    }
+
+    /// Makes sure the debounce notices are listened for: a listener whose
+    /// runtime ended is started again here.
+    pub(crate) fn keep_listening_for_bursts(&self) {
+        self.bursts().subscription.listen();
+    }
+
+    fn bursts(&self) -> Arc<Holder> {
+        self.slice(|| {
             let listeners = Arc::new(BurstListeners::default());
-            let heard = Arc::clone(&listeners);
-            self.inner
-                .subscribers
-                .register(channel, Arc::new(move |bytes: &[u8]| heard.deliver(bytes)));
-            Holder(listeners)
-        });
-        listeners.0.add(listener);
-        self.subscribe();
+            let subscriber: Weak<dyn Subscriber> = Arc::downgrade(&listeners) as Weak<_>;
+            let subscription = self.subscribe(self.debounce_channel(), subscriber);
+            Holder {
+                listeners,
+                subscription,
+            }
+        })
     }
 
     /// Joins (or opens) `key`'s burst with a call from `instance`, making

@@ -77,7 +77,7 @@ impl BurstStore for Redis {
     }
 
     fn subscribe(&self) {
-        Redis::subscribe(self);
+        Redis::keep_listening_for_bursts(self);
     }
 
     fn burst_call<'a>(

@@ -16,7 +16,8 @@
 //! completed, with the result's TTL. The fencing counter lives beside it at
 //! `{prefix:key}:in` and only ever grows, so a claim's counter orders it
 //! after every earlier claim of the key. Completion and release publish the
-//! key on one channel per prefix, so waiters elsewhere wake at once.
+//! key on one channel per prefix (on a cluster, on the key's own shard
+//! channel), so waiters elsewhere wake at once (see "Waiters" below).
 //!
 //! A claim's fence is the larger of the last one plus one and the server's
 //! `TIME` in microseconds. A plain `INCR` would go backwards across a
@@ -34,13 +35,17 @@
 //! replicated, so a replica promoted after a failover holds every claim that
 //! was acknowledged, and its fence counter with it.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use dashmap::DashMap;
 use redis::Value;
+use tokio::sync::Notify;
 
 use crate::store::StoreError;
 use crate::store::redis::script::LuaScript;
-use crate::store::redis::{Redis, cached, int, ms};
+use crate::store::redis::{Redis, Subscriber, Subscription, cached, int, ms};
 use crate::{
     idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
     idempotency::IdempotencyStore, idempotency::IdempotencyStoreFuture, idempotency::KeyChanged,
@@ -138,8 +143,16 @@ fn left(v: Option<&Value>) -> Result<Duration, StoreError> {
 }
 
 impl Redis {
+    /// The broadcast channel completions and releases are announced on
+    /// (a single node, Sentinel): the key is the message.
     pub(crate) fn claims_channel(&self) -> String {
         format!("{}:idempotency", self.prefix())
+    }
+
+    /// The shard channel announcing changes of `key`'s record on a
+    /// cluster: its hash tag is the key's, so it lives in the key's slot.
+    pub(crate) fn done_channel(&self, key: &str) -> String {
+        self.key(key, ":done")
     }
 
     /// Where a change of `key`'s record is announced, and how: on a
@@ -313,7 +326,156 @@ impl IdempotencyStore for Redis {
     }
 
     fn watch(&self, key: &str) -> KeyChanged {
-        KeyChanged::new(Redis::watch(self, key).into_changed())
+        KeyChanged::new(self.watch_key(key).into_changed())
+    }
+}
+
+// Waiters: the keys someone on this instance waits for, each with its
+// wake-up, registered with the backend's pub/sub multiplexer. Every waiter
+// also polls, so a lost notice costs time, never a result.
+
+/// The idempotency waiters of one backend value (its slice, see
+/// `Redis::slice`).
+struct Notices {
+    waiters: Arc<Waiters>,
+    /// The claims channel, which announces every key's changes on a single
+    /// node or behind Sentinel (a cluster also listens to it, as older
+    /// instances may publish there).
+    claims: Subscription,
+}
+
+/// Keys someone on this instance waits for.
+#[derive(Default)]
+struct Waiters {
+    keys: DashMap<String, Arc<Waiting>>,
+}
+
+impl Waiters {
+    fn wake_all(&self) {
+        for entry in &self.keys {
+            entry.value().notify.notify_waiters();
+        }
+    }
+}
+
+/// A message on the claims channel names the key that changed.
+impl Subscriber for Waiters {
+    fn message(&self, payload: &[u8]) {
+        let Ok(key) = std::str::from_utf8(payload) else {
+            return;
+        };
+        if let Some(waiting) = self.keys.get(key) {
+            waiting.notify.notify_waiters();
+        }
+    }
+
+    /// Each waiter looks at its key again (and registers again).
+    fn missed(&self) {
+        self.wake_all();
+    }
+}
+
+/// One waited-on key.
+struct Waiting {
+    notify: Arc<Notify>,
+    /// Its watches, counted under the map's lock (a reference count would
+    /// also count the listener's, taken while it delivers).
+    watches: AtomicUsize,
+    /// On a cluster, the key's shard channel.
+    shard: Option<Subscription>,
+}
+
+/// A message on the key's shard channel: the key changed.
+impl Subscriber for Waiting {
+    fn message(&self, _: &[u8]) {
+        self.notify.notify_waiters();
+    }
+
+    fn missed(&self) {
+        self.notify.notify_waiters();
+    }
+}
+
+/// A registration for one key; dropping it forgets the key once nobody
+/// else waits for it.
+pub(crate) struct Watch {
+    waiters: Arc<Waiters>,
+    key: String,
+    waiting: Arc<Waiting>,
+}
+
+impl Watch {
+    /// The next change as a future that owns this registration; it listens
+    /// from now on, before it is first polled, so a notice that lands
+    /// before the wait begins still wakes it.
+    pub(crate) fn into_changed(self) -> impl Future<Output = ()> + Send + 'static {
+        let mut notified = Box::pin(Arc::clone(&self.waiting.notify).notified_owned());
+        notified.as_mut().enable();
+        async move {
+            let _registered = self;
+            notified.await;
+        }
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        // The key's entry is this watch's while it lives: only the last
+        // watch removes it.
+        let removed = self.waiters.keys.remove_if(&self.key, |_, w| {
+            Arc::ptr_eq(w, &self.waiting) && w.watches.fetch_sub(1, Ordering::AcqRel) == 1
+        });
+        // Unregistered from the multiplexer here, outside the map's lock.
+        drop(removed);
+    }
+}
+
+impl Redis {
+    fn notices(&self) -> Arc<Notices> {
+        self.slice(|| {
+            let waiters = Arc::new(Waiters::default());
+            let subscriber: Weak<dyn Subscriber> = Arc::downgrade(&waiters) as Weak<_>;
+            let claims = self.subscribe(self.claims_channel(), subscriber);
+            Notices { waiters, claims }
+        })
+    }
+
+    /// Starts watching `key` for completion notices. Register before
+    /// reading the record, so a notice between the read and the wait is
+    /// never missed.
+    pub(crate) fn watch_key(&self, key: &str) -> Watch {
+        let notices = self.notices();
+        // A listener whose runtime ended is started again here.
+        notices.claims.listen();
+        let cluster = self.is_cluster();
+        let waiting = {
+            let entry = notices
+                .waiters
+                .keys
+                .entry(key.to_owned())
+                .or_insert_with(|| {
+                    Arc::new_cyclic(|me: &Weak<Waiting>| {
+                        let subscriber: Weak<dyn Subscriber> = me.clone();
+                        Waiting {
+                            notify: Arc::new(Notify::new()),
+                            watches: AtomicUsize::new(0),
+                            shard: cluster.then(|| {
+                                self.subscribe_sharded(self.done_channel(key), subscriber)
+                            }),
+                        }
+                    })
+                });
+            entry.watches.fetch_add(1, Ordering::AcqRel);
+            Arc::clone(&entry)
+        };
+        if let Some(shard) = &waiting.shard {
+            shard.listen();
+        }
+        Watch {
+            waiters: Arc::clone(&notices.waiters),
+            key: key.to_owned(),
+            waiting,
+        }
     }
 }
 
@@ -447,6 +609,24 @@ mod tests {
                 ClaimReply::Won { fence } => assert!(fence > wins[0], "fences grow"),
                 other => panic!("{other:?}"),
             }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn watches_of_one_key_share_one_entry_which_the_last_one_forgets() {
+        each_server("claims_watch_entries", async |r: Redis| {
+            let keys = || r.notices().waiters.keys.len();
+            let (first, second) = (r.watch_key("w:1"), r.watch_key("w:1"));
+            assert!(Arc::ptr_eq(&first.waiting, &second.waiting));
+            assert_eq!(keys(), 1);
+            drop(first);
+            assert_eq!(keys(), 1, "one watch left");
+            // The listener holds the entry while it delivers: no watch.
+            let delivering = Arc::clone(&second.waiting);
+            drop(second);
+            assert_eq!(keys(), 0, "the last watch forgets the key");
+            drop(delivering);
         })
         .await;
     }

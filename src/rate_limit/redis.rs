@@ -101,7 +101,7 @@ impl Redis {
             && matches!(operation.args.op, "c" | "r")
             && self.pinned_us_at().is_none()
         {
-            let live = self.live_subscription();
+            let live = local.live_subscription(self);
             if let Some(reply) = local.answer(&operation, live) {
                 return Ok(reply);
             }
@@ -126,8 +126,9 @@ impl Redis {
     /// Keeps `reply` to `operation` as a local answer if it is a denial that may be one.
     fn remember(&self, operation: &Operation, reply: &RateLimitReply) {
         if operation.ticket.is_some() {
-            let live = self.subscription_live();
-            self.batcher().local.remember(operation, reply, live);
+            let batcher = self.batcher();
+            let local = &batcher.local;
+            local.remember(operation, reply, local.subscription_live());
         }
     }
 

@@ -19,9 +19,11 @@ pub use self::builder::RedisBuilder;
 
 mod connection;
 mod durable;
-mod notify;
+mod pubsub;
 pub(crate) mod script;
 mod server_clock;
+
+pub(crate) use self::pubsub::{Subscriber, Subscription};
 
 /// Environment variable read by [`Redis::from_env`]: where Redis is, in any
 /// form [`Redis::builder`] accepts: one node (`redis://127.0.0.1:6379/0`,
@@ -75,9 +77,8 @@ pub(crate) struct Inner {
     pinned_now: AtomicU64,
     /// The server's clock as estimated here.
     pub(crate) clock: server_clock::ServerClock,
-    waiters: notify::Waiters,
-    /// Who hears which pub/sub channel, besides the idempotency waiters.
-    pub(crate) subscribers: Subscribers,
+    /// The pub/sub multiplexer: its listeners and who hears which channel.
+    pubsub: pubsub::PubSub,
     /// What each primitive keeps per connection, found by type.
     slices: Slices,
     /// The rate limiter's queue cap, as the builder was given it.
@@ -101,45 +102,8 @@ struct OpsCounters {
     reconnects: AtomicU64,
 }
 
-/// A handler of the messages of one pub/sub channel.
-pub(crate) type Subscriber = Arc<dyn Fn(&[u8]) + Send + Sync>;
-
-/// The typed subscriber registry of the pub/sub multiplexer: a primitive
-/// registers its channel and a handler; the listener hands each message of
-/// that channel to it.
-#[derive(Default)]
-pub(crate) struct Subscribers(std::sync::RwLock<Vec<(String, Subscriber)>>);
-
-impl Subscribers {
-    /// Hands the messages of `channel` to `handler` (replacing an earlier one).
-    pub(crate) fn register(&self, channel: String, handler: Subscriber) {
-        let mut list = self
-            .0
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        list.retain(|(c, _)| *c != channel);
-        list.push((channel, handler));
-    }
-
-    /// Hands `payload` to the handler of `channel`; whether there is one.
-    pub(crate) fn deliver(&self, channel: &str, payload: &[u8]) -> bool {
-        let handler = self
-            .0
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .find(|(c, _)| c == channel)
-            .map(|(_, h)| Arc::clone(h));
-        handler.is_some_and(|handler| {
-            handler(payload);
-            true
-        })
-    }
-}
-
-/// State each primitive keeps per connection (the rate limiter's batcher, the
-/// debounce's listeners), one value per type: the connection holds it
-/// without knowing it.
+/// State each primitive keeps per connection, one value per type: the
+/// connection holds it without knowing it.
 #[derive(Default)]
 struct Slices(std::sync::RwLock<Vec<Arc<dyn std::any::Any + Send + Sync>>>);
 
@@ -194,14 +158,15 @@ impl Redis {
 /// | cluster (`redis+cluster://`, [`Redis::cluster`]) | one per node, through redis-rs's cluster client: commands routed by slot, `MOVED`/`ASK` followed | the client refreshes its slot map and retries once within the command timeout (more retries could re-send a claim whose reply was lost in a failover) |
 /// | Sentinel (`redis+sentinel://`, [`Redis::sentinel`]) | one to the primary the Sentinels name, and one to a Sentinel for lookups | the primary is looked up once a second, and every 100 ms after a command fails on the store's side (or finds the primary demoted, `READONLY`) until it answers again; when the Sentinels name another, it is connected to and used from then on (the breaker closed: its failures were the old primary's); [`RedisStats::failovers`] counts the moves |
 ///
-/// Besides, the first idempotency waiter or debounce call starts one pub/sub
-/// connection (completion and debounce notices) to one seed node (behind
-/// Sentinel, the primary), moving to the next node when it fails, with
-/// polling meanwhile. On a cluster, idempotency waiters instead subscribe to
-/// their key's shard channel (`SSUBSCRIBE`, Redis 7) over one more cluster
-/// connection, on the node that owns the key's slot, resubscribed after a
-/// failover or a slot move. TLS and ACL credentials apply to every connection,
-/// the Sentinels' included.
+/// Besides, the first call that needs notices (an idempotency waiter, a
+/// debounce call, a rate-limit check with local answers on) starts one
+/// pub/sub connection, which carries every broadcast channel in use, to one
+/// seed node (behind Sentinel, the primary), moving to the next node when it
+/// fails, with polling meanwhile. On a cluster, idempotency waiters instead
+/// subscribe to their key's shard channel (`SSUBSCRIBE`, Redis 7) over one
+/// more cluster connection, on the node that owns the key's slot,
+/// resubscribed after a failover or a slot move. TLS and ACL credentials
+/// apply to every connection, the Sentinels' included.
 ///
 /// | setting | default |
 /// |---|---|
@@ -279,10 +244,11 @@ pub struct RedisStats {
     pub commands: u64,
     /// The circuit breaker.
     pub breaker: BreakerStats,
-    /// Times the pub/sub listener (completion and debounce notices)
-    /// subscribed: 1 once it is live, more after it lost its connection,
-    /// moved to another node, or restarted on another tokio runtime after
-    /// its own ended.
+    /// Times the pub/sub listener (broadcast channels: idempotency
+    /// completions, debounce notices, rate-limit resets) subscribed: 1 once
+    /// it is live, more after it lost its connection, moved to another node,
+    /// or restarted on another tokio runtime after its own ended. A channel
+    /// first used while it is live joins that subscription.
     pub subscriptions: u64,
     /// Pub/sub notices the listener received.
     pub notices: u64,
@@ -521,17 +487,16 @@ impl Redis {
     /// Counters, breaker included.
     #[must_use]
     pub fn stats(&self) -> RedisStats {
-        let (subscriptions, notices) = self.inner.waiters.counts();
-        let (sharded_subscriptions, sharded_notices) = self.inner.waiters.sharded_counts();
+        let pubsub = self.inner.pubsub.counts();
         let (local_answers, local_answer_keys) = self.local_answer_counts();
         let ops = &self.inner.ops;
         RedisStats {
             commands: self.inner.commands.get(),
             breaker: self.inner.breaker.stats(),
-            subscriptions,
-            notices,
-            sharded_subscriptions,
-            sharded_notices,
+            subscriptions: pubsub.subscriptions,
+            notices: pubsub.notices,
+            sharded_subscriptions: pubsub.sharded_subscriptions,
+            sharded_notices: pubsub.sharded_notices,
             local_answers,
             local_answer_keys,
             script_reloads: ops.script_reloads.load(Ordering::Relaxed),
@@ -969,8 +934,7 @@ mod tests {
             commands: crate::stats::Counter::default(),
             pinned_now: AtomicU64::new(0),
             clock: server_clock::ServerClock::default(),
-            waiters: notify::Waiters::default(),
-            subscribers: Subscribers::default(),
+            pubsub: pubsub::PubSub::default(),
             slices: Slices::default(),
             rate_limit_queue: None,
             local_answers: None,

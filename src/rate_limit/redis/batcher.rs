@@ -149,16 +149,6 @@ impl Redis {
                 self.inner.rate_limit_queue.unwrap_or(DEFAULT_QUEUE),
                 self.inner.local_answers.unwrap_or(DEFAULT_LOCAL_ANSWERS),
             ));
-            // Another instance changed a limited key: forget its local answer.
-            let heard = std::sync::Arc::downgrade(&batcher);
-            self.inner.subscribers.register(
-                self.rate_limit_channel(),
-                std::sync::Arc::new(move |bytes: &[u8]| {
-                    if let Some(batcher) = heard.upgrade() {
-                        batcher.local.forget(&String::from_utf8_lossy(bytes));
-                    }
-                }),
-            );
             RateLimitSlice(batcher)
         });
         std::sync::Arc::clone(&slice.0)

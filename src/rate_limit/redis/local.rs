@@ -2,13 +2,14 @@
 //! the notices that make every instance forget one.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use super::script::{Args, Operation, Ticket};
 use crate::rate_limit::{Decision, RateLimitReply, ShaperReservation};
-use crate::store::redis::{Redis, RedisBuilder};
+use crate::store::redis::{Redis, RedisBuilder, Subscriber, Subscription};
 
 /// How many limited keys a [`Redis`] answers locally at most by default (see
 /// `RedisBuilder::with_local_answers`).
@@ -87,23 +88,70 @@ pub(super) struct Denied {
 /// the server's T, while the pub/sub subscription that would announce a reset is the one
 /// that was live when the denial was sent.
 pub(super) struct LocalAnswers {
-    pub(super) entries: dashmap::DashMap<String, Denied, ahash::RandomState>,
+    /// Shared with the subscription's handler, which forgets what a notice names.
+    kept: Arc<Kept>,
     pub(super) max_keys: usize,
-    /// Bumped by every invalidation: a denial sent before one is not kept (its notice may
-    /// have arrived before its reply).
-    pub(super) epoch: AtomicU64,
     /// Answers given.
     pub(super) answered: crate::stats::Counter,
+    /// The subscription to the rate-limit channel, made by the first check that may be
+    /// answered locally.
+    resets: OnceLock<Subscription>,
+}
+
+/// The denials kept.
+struct Kept {
+    entries: dashmap::DashMap<String, Denied, ahash::RandomState>,
+    /// Bumped by every invalidation: a denial sent before one is not kept (its notice may
+    /// have arrived before its reply).
+    epoch: AtomicU64,
+}
+
+impl Kept {
+    fn forget(&self, key: &str) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        self.entries.remove(key);
+    }
+}
+
+/// A message on the rate-limit channel names a key (as stored) whose limits changed or
+/// that was reset elsewhere: its denial no longer holds.
+impl Subscriber for Kept {
+    fn message(&self, payload: &[u8]) {
+        self.forget(&String::from_utf8_lossy(payload));
+    }
 }
 
 impl LocalAnswers {
     pub(super) fn new(max_keys: usize) -> Self {
         Self {
-            entries: dashmap::DashMap::default(),
+            kept: Arc::new(Kept {
+                entries: dashmap::DashMap::default(),
+                epoch: AtomicU64::new(0),
+            }),
             max_keys,
-            epoch: AtomicU64::new(0),
             answered: crate::stats::Counter::default(),
+            resets: OnceLock::new(),
         }
+    }
+
+    /// The number of the subscription that hears resets now, if it does: what a kept
+    /// denial holds on to, since a notice sent while nobody listened is lost. The first
+    /// call subscribes; while none is live, the listener is started (again) here.
+    pub(super) fn live_subscription(&self, redis: &Redis) -> Option<u64> {
+        let resets = self.resets.get_or_init(|| {
+            let subscriber: Weak<dyn Subscriber> = Arc::downgrade(&self.kept) as Weak<_>;
+            redis.subscribe(redis.rate_limit_channel(), subscriber)
+        });
+        let live = resets.live();
+        if live.is_none() {
+            resets.listen();
+        }
+        live
+    }
+
+    /// [`LocalAnswers::live_subscription`] without subscribing.
+    pub(super) fn subscription_live(&self) -> Option<u64> {
+        self.resets.get().and_then(Subscription::live)
     }
 
     /// Answers given so far.
@@ -113,14 +161,14 @@ impl LocalAnswers {
 
     /// Keys answered locally now (ended ones not yet dropped included).
     pub(super) fn len(&self) -> usize {
-        self.entries.len()
+        self.kept.entries.len()
     }
 
     /// What to note when sending `args`, if its denial may be kept.
     pub(super) fn ticket(&self, args: &Args, subscription: Option<u64>) -> Option<Ticket> {
         (self.max_keys > 0 && matches!(args.op, "c" | "r")).then(|| Ticket {
             sent: Instant::now(),
-            epoch: self.epoch.load(Ordering::SeqCst),
+            epoch: self.kept.epoch.load(Ordering::SeqCst),
             subscription,
         })
     }
@@ -132,12 +180,13 @@ impl LocalAnswers {
         subscription: Option<u64>,
     ) -> Option<RateLimitReply> {
         let subscription = subscription?;
-        let entry = self.entries.get(&operation.key)?;
+        let entries = &self.kept.entries;
+        let entry = entries.get(&operation.key)?;
         let args = &operation.args;
         let now = Instant::now();
         if now >= entry.until || entry.subscription != subscription {
             drop(entry);
-            self.entries.remove_if(&operation.key, |_, d| {
+            entries.remove_if(&operation.key, |_, d| {
                 now >= d.until || d.subscription != subscription
             });
             return None;
@@ -203,9 +252,10 @@ impl LocalAnswers {
             return;
         }
         let admit_at = now + Duration::from_millis(retry_after_ms);
-        if self.entries.len() >= self.max_keys {
-            self.entries.retain(|_, d| d.until > now);
-            if self.entries.len() >= self.max_keys {
+        let Kept { entries, epoch } = &*self.kept;
+        if entries.len() >= self.max_keys {
+            entries.retain(|_, d| d.until > now);
+            if entries.len() >= self.max_keys {
                 return;
             }
         }
@@ -221,9 +271,9 @@ impl LocalAnswers {
         };
         // Under the key's shard lock: an invalidation bumps the epoch before it removes the
         // key, so either this sees the bump, or the removal comes after this insertion.
-        match self.entries.entry(operation.key.clone()) {
+        match entries.entry(operation.key.clone()) {
             dashmap::Entry::Occupied(mut held) => {
-                if self.epoch.load(Ordering::SeqCst) != ticket.epoch {
+                if epoch.load(Ordering::SeqCst) != ticket.epoch {
                     return;
                 }
                 let kept = held.get();
@@ -237,7 +287,7 @@ impl LocalAnswers {
                 }
             }
             dashmap::Entry::Vacant(slot) => {
-                if self.epoch.load(Ordering::SeqCst) == ticket.epoch {
+                if epoch.load(Ordering::SeqCst) == ticket.epoch {
                     slot.insert(denied);
                 }
             }
@@ -247,8 +297,7 @@ impl LocalAnswers {
     /// Forgets the local answer of `key` (a stored key name), and stops keeping denials sent
     /// before now.
     pub(super) fn forget(&self, key: &str) {
-        self.epoch.fetch_add(1, Ordering::SeqCst);
-        self.entries.remove(key);
+        self.kept.forget(key);
     }
 }
 
@@ -257,16 +306,6 @@ impl Redis {
     /// instances that answer their denials locally.
     pub(crate) fn rate_limit_channel(&self) -> String {
         format!("{}:rate-limit", self.prefix())
-    }
-
-    /// The live subscription's number, when local answers may be given; starts the listener
-    /// if none runs.
-    pub(super) fn live_subscription(&self) -> Option<u64> {
-        let live = self.subscription_live();
-        if live.is_none() {
-            self.subscribe();
-        }
-        live
     }
 
     /// Forgets the local answers of `key` (a limiter's store key) here, and has every other

@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use super::connection::{self, Link, Security, Topology};
-use super::{Conn, Inner, OpsCounters, Redis, Slices, Subscribers, durable, notify, server_clock};
+use super::{Conn, Inner, OpsCounters, Redis, Slices, durable, pubsub, server_clock};
 use crate::store::{Breaker, BreakerConfig, StoreError};
 
 pub(super) const DEFAULT_PREFIX: &str = "throttlebeam";
@@ -335,8 +335,7 @@ impl RedisBuilder {
                 commands: crate::stats::Counter::default(),
                 pinned_now: AtomicU64::new(0),
                 clock: server_clock::ServerClock::default(),
-                waiters: notify::Waiters::default(),
-                subscribers: Subscribers::default(),
+                pubsub: pubsub::PubSub::default(),
                 slices: Slices::default(),
                 rate_limit_queue: self.rate_limit_queue,
                 local_answers: self.local_answers,
