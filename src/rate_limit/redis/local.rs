@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
+use throttlebeam_supervisors::{Counters, Sweep, TtlTable};
 use tokio::time::Instant;
 
 use super::script::{Args, Operation, Ticket};
@@ -65,15 +66,14 @@ impl RedisBuilder {
     }
 }
 
-/// A denial answered locally (see [`LocalAnswers`]).
+/// A denial answered locally (see [`LocalAnswers`]), until `retry_after - 1 ms` after the
+/// call was sent (never later than the server's T): its expiry in the table.
+#[derive(Clone)]
 pub(super) struct Denied {
     pub(super) kinds: Box<str>,
     pub(super) numbers: Box<[u64]>,
     /// The cost denied: checks of this cost or more are answered.
     pub(super) cost: u32,
-    /// Answered locally before this instant: `retry_after - 1 ms` after the call was sent,
-    /// never later than the server's T.
-    pub(super) until: Instant,
     /// What retry-afters count down to: `retry_after` after the reply arrived, never earlier
     /// than the server's T.
     pub(super) admit_at: Instant,
@@ -98,9 +98,9 @@ pub(super) struct LocalAnswers {
     resets: OnceLock<Subscription>,
 }
 
-/// The denials kept.
+/// The denials kept, each until it ends (the table's expiry); a read never sees an ended one.
 struct Kept {
-    entries: dashmap::DashMap<String, Denied, ahash::RandomState>,
+    entries: TtlTable<String, Denied>,
     /// Bumped by every invalidation: a denial sent before one is not kept (its notice may
     /// have arrived before its reply).
     epoch: AtomicU64,
@@ -125,7 +125,7 @@ impl LocalAnswers {
     pub(super) fn new(max_keys: usize) -> Self {
         Self {
             kept: Arc::new(Kept {
-                entries: dashmap::DashMap::default(),
+                entries: TtlTable::new(Arc::new(Counters::new())),
                 epoch: AtomicU64::new(0),
             }),
             max_keys,
@@ -181,39 +181,46 @@ impl LocalAnswers {
     ) -> Option<RateLimitReply> {
         let subscription = subscription?;
         let entries = &self.kept.entries;
-        let entry = entries.get(&operation.key)?;
         let args = &operation.args;
         let now = Instant::now();
-        if now >= entry.until || entry.subscription != subscription {
-            drop(entry);
-            entries.remove_if(&operation.key, |_, d| {
-                now >= d.until || d.subscription != subscription
-            });
-            return None;
-        }
-        if args.cost < entry.cost || *entry.kinds != *args.kinds || *entry.numbers != *args.numbers
-        {
-            return None;
-        }
-        // Rounded up, as the server rounds: waiting it suffices.
-        let left = entry.admit_at.saturating_duration_since(now);
-        let retry_after_ms = u64::try_from(left.as_micros().div_ceil(1_000))
-            .unwrap_or(u64::MAX)
-            .max(1);
-        let reply = match (args.op, entry.decision) {
-            ("c", Some((limit, remaining, reset_at_ms))) => RateLimitReply::Decision(Decision {
-                allowed: false,
-                limit,
-                remaining,
-                reset_at_ms,
-                retry_after_ms,
-            }),
-            ("r", _) => {
-                RateLimitReply::Reservation(ShaperReservation::QueueFull { retry_after_ms })
+        let found = entries.read_at(&*operation.key, now, |entry| {
+            if entry.subscription != subscription {
+                return Err(());
             }
-            _ => return None,
+            if args.cost < entry.cost
+                || *entry.kinds != *args.kinds
+                || *entry.numbers != *args.numbers
+            {
+                return Ok(None);
+            }
+            // Rounded up, as the server rounds: waiting it suffices.
+            let left = entry.admit_at.saturating_duration_since(now);
+            let retry_after_ms = u64::try_from(left.as_micros().div_ceil(1_000))
+                .unwrap_or(u64::MAX)
+                .max(1);
+            Ok(match (args.op, entry.decision) {
+                ("c", Some((limit, remaining, reset_at_ms))) => {
+                    Some(RateLimitReply::Decision(Decision {
+                        allowed: false,
+                        limit,
+                        remaining,
+                        reset_at_ms,
+                        retry_after_ms,
+                    }))
+                }
+                ("r", _) => Some(RateLimitReply::Reservation(ShaperReservation::QueueFull {
+                    retry_after_ms,
+                })),
+                _ => None,
+            })
+        })?;
+        let Ok(reply) = found else {
+            // Kept under a subscription since lost: a notice may have been missed. A newer
+            // denial kept meanwhile may go with it, which only costs a round trip.
+            entries.remove(&*operation.key);
+            return None;
         };
-        drop(entry);
+        let reply = reply?;
         self.answered.incr();
         Some(reply)
     }
@@ -253,45 +260,37 @@ impl LocalAnswers {
         }
         let admit_at = now + Duration::from_millis(retry_after_ms);
         let Kept { entries, epoch } = &*self.kept;
-        if entries.len() >= self.max_keys {
-            entries.retain(|_, d| d.until > now);
-            if entries.len() >= self.max_keys {
-                return;
-            }
+        // A full table drops the ended denials, then keeps no new one: the server answers it.
+        if entries.len() >= self.max_keys && entries.sweep(now) >= self.max_keys {
+            return;
         }
         let args = &operation.args;
         let denied = Denied {
             kinds: args.kinds.as_str().into(),
             numbers: args.numbers.as_slice().into(),
             cost: args.cost,
-            until,
             admit_at,
             decision,
             subscription,
         };
         // Under the key's shard lock: an invalidation bumps the epoch before it removes the
         // key, so either this sees the bump, or the removal comes after this insertion.
-        match entries.entry(operation.key.clone()) {
-            dashmap::Entry::Occupied(mut held) => {
-                if epoch.load(Ordering::SeqCst) != ticket.epoch {
-                    return;
-                }
-                let kept = held.get();
-                let covers_more = kept.until > now
-                    && kept.cost < denied.cost
+        entries.upsert_at(operation.key.clone(), now, |held| {
+            if epoch.load(Ordering::SeqCst) != ticket.epoch {
+                return (None, ());
+            }
+            // A live denial of a smaller cost with the same limit answers more checks: kept.
+            let covers_more = held.is_some_and(|kept| {
+                kept.cost < denied.cost
                     && kept.subscription == subscription
                     && kept.kinds == denied.kinds
-                    && kept.numbers == denied.numbers;
-                if !covers_more {
-                    held.insert(denied);
-                }
-            }
-            dashmap::Entry::Vacant(slot) => {
-                if epoch.load(Ordering::SeqCst) == ticket.epoch {
-                    slot.insert(denied);
-                }
-            }
-        }
+                    && kept.numbers == denied.numbers
+            });
+            (
+                (!covers_more).then(|| (denied, until.saturating_duration_since(now))),
+                (),
+            )
+        });
     }
 
     /// Forgets the local answer of `key` (a stored key name), and stops keeping denials sent
