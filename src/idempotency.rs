@@ -12,6 +12,8 @@
 #[cfg(feature = "redis")]
 mod backend;
 mod claim;
+#[cfg(feature = "http")]
+mod claimed;
 mod config;
 mod full_key;
 mod options;
@@ -35,6 +37,10 @@ use throttlebeam_supervisors::catch_panic_fn;
 use tokio::time::Instant;
 
 use self::claim::{Ledger, Settled, Step, Tally, Ticket};
+#[cfg(feature = "http")]
+pub(crate) use self::claimed::Claimed;
+#[cfg(feature = "http")]
+use self::claimed::ClaimedRun;
 #[cfg(feature = "http")]
 pub(crate) use self::options::Fingerprint;
 pub use self::options::{IdempotencyOptions, InFlight};
@@ -346,26 +352,29 @@ impl IdempotencyHandle {
         })
     }
 
-    /// Runs `f` as the process of the key `claim` holds (`key`, as `claim` was looked up
-    /// with), as [`IdempotencyHandle::run_with`] does once it holds a key: its value is
-    /// stored (or the key released) before the run ends. Dropped before it ends, the run
-    /// moves into a process of its own.
+    /// Runs `work` as the process of the key `claim` holds (`key`, as `claim` was looked up
+    /// with), as [`IdempotencyHandle::run_with`] does once it holds a key: the value `work`
+    /// comes to is stored (or the key released) before the run ends. `work` also comes to
+    /// what its caller gets back besides that value (the run's output; an error when `work`
+    /// panicked), so the value is never cloned for the caller. Dropped before it ends, the
+    /// run moves into a process of its own.
     #[cfg(feature = "http")]
-    pub(crate) fn run_claim<T, J>(
+    pub(crate) fn run_claim<T, E, H, W>(
         &self,
         key: &str,
         claim: Claimed,
-        f: J,
-    ) -> Result<throttlebeam_supervisors::RunHere<Result<T, Error>>, Error>
+        work: W,
+    ) -> Result<throttlebeam_supervisors::RunHere<Result<H, Error>>, Error>
     where
-        J: Job<T>,
-        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        W: Future<Output = (Result<T, E>, H)> + Send + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+        H: Send + 'static,
+        T: Serialize + Send + Sync + 'static,
     {
-        let Claimed(ticket) = claim;
         // Boxed where it is built, as in `run_claimed`.
         self.runtime
             .core
-            .run_here_boxed(key, Box::pin(owned_run(ticket, f)))
+            .run_here_boxed(key, Box::pin(ClaimedRun::new(claim, work)))
     }
 
     /// [`IdempotencyHandle::run_with`] past its replay fast path (or for a caller that has
@@ -550,9 +559,6 @@ pub(crate) enum Looked<T> {
     Owner(Claimed),
 }
 
-/// A key claimed by [`IdempotencyHandle::look`]: dropped unrun, it is released.
-#[cfg(feature = "http")]
-pub(crate) struct Claimed(Ticket);
 
 /// What [`acquire`] ended with.
 enum Acquired<T> {
@@ -774,13 +780,10 @@ where
                 Err(e)
             }
         };
-        if let Err(error) = &outcome
-            && tokio::task::try_id() != started_in
+        if tokio::task::try_id() != started_in
+            && let Err(error) = &outcome
         {
-            Tally::bump(&ledger.tally.failures_after_caller_left);
-            let key = error.key().unwrap_or_default();
-            let error = claim::with_causes(error);
-            tracing::warn!(key, %error, "idempotency run failed after its caller left");
+            claimed::failed(Some(&ledger), error);
         }
         outcome
     }

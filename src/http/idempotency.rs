@@ -3,6 +3,7 @@
 mod backend;
 mod exchange;
 mod future;
+mod handler;
 mod request;
 
 use std::fmt;

@@ -113,8 +113,9 @@ where
 /// What [`look`] found at once.
 pub(super) type Looked = crate::idempotency::Looked<StoredResponse>;
 
-/// The run of a claimed key: its stored response, or why there is none.
-pub(super) type ClaimRun = RunHere<Result<StoredResponse, Error>>;
+/// The run of a claimed key: what the handler handed back (its response, stored or not), or
+/// the error of its panic.
+pub(super) type ClaimRun<H> = RunHere<Result<H, Error>>;
 
 /// The stored response of `key`, or the key claimed for this request, when either can be
 /// had at once; `None` when only [`run`] can tell (the key is in flight, or the store
@@ -127,17 +128,19 @@ pub(super) fn look(
     idempotency.look(key, options)
 }
 
-/// Runs `f` for the key [`look`] claimed: the handler's run, stored when it succeeds.
-pub(super) fn run_claim<J>(
+/// Runs `work` for the key [`look`] claimed: the handler's run, its response stored when
+/// `work` comes to one to store, and handed back to the caller either way.
+pub(super) fn run_claim<H, W>(
     idempotency: &IdempotencyHandle,
     key: &str,
     claim: Claimed,
-    f: J,
-) -> Result<ClaimRun, Error>
+    work: W,
+) -> Result<ClaimRun<H>, Error>
 where
-    J: Job<StoredResponse, Error = NotStored>,
+    W: Future<Output = (Result<StoredResponse, NotStored>, H)> + Send + 'static,
+    H: Send + 'static,
 {
-    idempotency.run_claim(key, claim, f)
+    idempotency.run_claim(key, claim, work)
 }
 
 /// The handler's response was handed back but not stored (a 5xx, too large, or its body

@@ -26,6 +26,11 @@ pin_project! {
     pub struct IdempotentFuture<S, ReqB, ResB>
     where
         S: Service<Request<RequestBody<ReqB>>>,
+        // The run of a claimed key hands the response back across tasks.
+        S::Error: Send,
+        S::Error: 'static,
+        ResB: Send,
+        ResB: 'static,
     {
         #[pin]
         kind: Kind<S, ReqB, ResB>,
@@ -37,6 +42,10 @@ pin_project! {
     enum Kind<S, ReqB, ResB>
     where
         S: Service<Request<RequestBody<ReqB>>>,
+        S::Error: Send,
+        S::Error: 'static,
+        ResB: Send,
+        ResB: 'static,
     {
         Passthrough { #[pin] future: S::Future },
         Ready { response: Option<Response<ResponseBody<ResB>>> },
@@ -51,6 +60,8 @@ pin_project! {
 impl<S, ReqB, ResB> IdempotentFuture<S, ReqB, ResB>
 where
     S: Service<Request<RequestBody<ReqB>>>,
+    S::Error: Send + 'static,
+    ResB: Send + 'static,
 {
     pub(super) fn passthrough(future: S::Future) -> Self {
         Self {
@@ -147,6 +158,8 @@ where
 impl<S, ReqB, ResB> fmt::Debug for IdempotentFuture<S, ReqB, ResB>
 where
     S: Service<Request<RequestBody<ReqB>>>,
+    S::Error: Send + 'static,
+    ResB: Send + 'static,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match &self.kind {

@@ -13,7 +13,7 @@ use crate::cell::RunCell;
 use crate::error::Error;
 use crate::idempotency::options::Fingerprint;
 use crate::idempotency::seam::{ClaimToken, IdempotencyStore, StoredResult};
-use crate::idempotency::store::{Form, Record, stored_result};
+use crate::idempotency::store::{Form, Pending, Record, stored_result};
 use crate::key::{InlineKey, shown};
 use crate::store::{StoreError, store_call};
 
@@ -266,6 +266,16 @@ impl Ticket {
         std::future::pending::<()>().await;
     }
 
+    /// [`Ticket::renew_from`] owning what it needs: for a run that keeps its ticket beside
+    /// its work instead of lending it.
+    pub(crate) fn renewing(&self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+        let renewer = self.renewer();
+        Box::pin(async move {
+            renewer.keep_renewing().await;
+            std::future::pending::<()>().await;
+        })
+    }
+
     /// What renews this ticket's lease from elsewhere.
     pub(crate) fn renewer(&self) -> Renewer {
         Renewer {
@@ -278,6 +288,73 @@ impl Ticket {
             start: self.claimed_at,
             lapse: self.lapse.clone(),
         }
+    }
+
+    /// [`Ticket::complete`] at once, when neither the store nor a shared store makes it wait
+    /// (the in-memory table): the result is stored and the claim removed in one step, under
+    /// the claim's lock, so a completing claim is never seen. Otherwise the ticket and the
+    /// value come back, for [`Ticket::complete`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Ticket::complete`].
+    pub(crate) fn complete_now<T>(mut self, value: T) -> Result<Result<(), Error>, (Self, T)>
+    where
+        T: Serialize + Send + Sync + 'static,
+    {
+        let ledger = &*self.ledger;
+        if ledger.shared.is_some() || !ledger.store.answers_at_once() {
+            return Err((self, value));
+        }
+        let record = match Record::new(ledger.store.form(), self.fingerprint, value) {
+            Ok(record) => record,
+            Err(e) => {
+                let error = unavailable(self.key(), Arc::new(e));
+                self.release_now();
+                return Ok(Err(error));
+            }
+        };
+        let (generation, token) = (self.generation, self.token);
+        let mut ended = Ended::NotOurs;
+        ledger.claims.remove_if(self.full.as_bytes(), generation, |claim| {
+            if claim.token != token {
+                return false;
+            }
+            ended = if ledger.is_closed() {
+                Ended::Closed
+            } else {
+                // A table that answers at once stores at once: nothing is awaited under the
+                // lock.
+                match ledger.store.put(&self.full, record.clone(), self.ttl) {
+                    Pending::Ready(Ok(())) => Ended::Stored,
+                    Pending::Ready(Err(e)) => Ended::Failed(e),
+                    Pending::Later(_) => Ended::Failed(Arc::new(std::io::Error::other(
+                        "a store that answers at once answered later",
+                    ))),
+                }
+            };
+            true
+        });
+        self.held = false;
+        let outcome = match ended {
+            Ended::Stored => {
+                self.cell.set(Ok(Settled::Done(record)));
+                return Ok(Ok(()));
+            }
+            Ended::NotOurs => {
+                tracing::debug!(key = %shown(self.key()), "idempotency completion rejected: lease lost");
+                return Ok(Err(Error::LeaseLost {
+                    key: shown(self.key()),
+                }));
+            }
+            Ended::Closed => Error::ShutDown {
+                key: shown(self.key()),
+            },
+            Ended::Failed(e) => unavailable(self.key(), e),
+        };
+        // Released: the next caller runs.
+        self.cell.set(Ok(Settled::Released));
+        Ok(Err(outcome))
     }
 
     /// Stores `value` as the key's result and wakes the waiters.
@@ -517,6 +594,17 @@ impl Ticket {
             }
         });
     }
+}
+
+/// How [`Ticket::complete_now`] found its claim.
+enum Ended {
+    Stored,
+    /// Taken over: the slot is another holder's.
+    NotOurs,
+    /// The runtime shut down: removed, nothing stored.
+    Closed,
+    /// The store refused the result: removed.
+    Failed(crate::error::BoxError),
 }
 
 impl Drop for Ticket {
