@@ -61,7 +61,9 @@ struct Claim {
     lease_until: Instant,
     /// Set once the holder is storing its result; no takeover after that.
     completing: bool,
-    cell: Arc<RunCell<Settled>>,
+    /// Where the claim's end is told, made by the first caller that waits for it: a claim
+    /// nobody waits for (most) costs no cell.
+    cell: Option<Arc<RunCell<Settled>>>,
 }
 
 /// What one look at a key found.
@@ -89,10 +91,13 @@ pub(crate) enum Step<T> {
 /// whose waiters must be woken) or wait.
 enum Joined<T> {
     /// The claim's generation, its key as the registry stored it (shared with the ticket),
-    /// and the cell of a holder whose lapsed claim this one took over.
-    Claimed(Generation, InlineKey, Option<Arc<RunCell<Settled>>>),
+    /// and the lapsed claim this one took over, if any.
+    Claimed(Generation, InlineKey, Option<Superseded>),
     Wait(Step<T>),
 }
+
+/// A lapsed claim taken over: the cell its waiters wait on, if any.
+struct Superseded(Option<Arc<RunCell<Settled>>>);
 
 /// Counters of what the ledger decided, for [`crate::idempotency::IdempotencyStats`].
 #[derive(Debug, Default)]
@@ -412,13 +417,12 @@ impl Ledger {
     ) -> Result<Step<T>, Error> {
         let fingerprint = options.fingerprint();
         let token = ClaimToken::new();
-        let cell = RunCell::new();
         let fresh = Claim {
             token,
             fingerprint,
             lease_until: now + options.lease(),
             completing: false,
-            cell: Arc::clone(&cell),
+            cell: None,
         };
         let joined = self.claims.update_with(
             full,
@@ -432,8 +436,9 @@ impl Ledger {
                             Tally::bump(&self.tally.fingerprint_mismatches);
                             return Err(Error::FingerprintMismatch { key: shown(key) });
                         }
+                        let cell = claim.cell.get_or_insert_with(|| self.new_cell());
                         return Ok(Joined::Wait(Step::Wait {
-                            cell: Arc::clone(&claim.cell),
+                            cell: Arc::clone(cell),
                             lease_until: (!claim.completing).then_some(claim.lease_until),
                         }));
                     }
@@ -442,7 +447,7 @@ impl Ledger {
                     Ok(Joined::Claimed(
                         generation,
                         InlineKey::from_bytes(full),
-                        Some(old.cell),
+                        Some(Superseded(old.cell)),
                     ))
                 }
                 SlotEntry::Vacant(vacant) => {
@@ -461,11 +466,13 @@ impl Ledger {
             Joined::Claimed(generation, stored, superseded) => (generation, stored, superseded),
             Joined::Wait(wait) => return Ok(wait),
         };
-        if let Some(old) = superseded {
+        if let Some(Superseded(old)) = superseded {
             Tally::bump(&self.tally.takeovers);
             tracing::debug!(key = %shown(key), "idempotency lease lapsed; key taken over");
             // Wakes the old holder's waiters; they will find the new claim.
-            old.set(Ok(Settled::Released));
+            if let Some(old) = old {
+                old.set(Ok(Settled::Released));
+            }
         }
         Ok(Step::Owner(Ticket {
             ledger: Arc::clone(self),
@@ -478,12 +485,21 @@ impl Ledger {
             ttl: options.ttl(),
             lease: options.lease(),
             claimed_at: now,
-            cell,
             held: true,
             fence: None,
             lapse: None,
             unanswered: false,
         }))
+    }
+
+    /// The cell a claim's first waiter makes; after shutdown it is told at once (the
+    /// shutdown's pass over the claims has gone by, or will tell it).
+    fn new_cell(&self) -> Arc<RunCell<Settled>> {
+        let cell = RunCell::new();
+        if self.is_closed() {
+            cell.set(Ok(Settled::Released));
+        }
+        cell
     }
 
     /// Pushes the lease of the claim `(generation, token)` on `full` out to
@@ -535,7 +551,7 @@ impl Ledger {
         self.closed.store(true, Ordering::Release);
         let mut cells = Vec::new();
         self.claims.retain(|_, claim| {
-            cells.push(Arc::clone(&claim.cell));
+            cells.extend(claim.cell.clone());
             true
         });
         for cell in cells {

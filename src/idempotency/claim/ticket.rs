@@ -34,7 +34,6 @@ pub(crate) struct Ticket {
     pub(super) lease: Duration,
     /// When the claim was made: its lease runs from here.
     pub(super) claimed_at: Instant,
-    pub(super) cell: Arc<RunCell<Settled>>,
     pub(super) held: bool,
     /// The fencing counter of the claim won in the shared store, if any.
     pub(super) fence: Option<u64>,
@@ -316,17 +315,21 @@ impl Ticket {
         };
         let (generation, token) = (self.generation, self.token);
         let mut ended = Ended::NotOurs;
-        ledger.claims.remove_if(self.full.as_bytes(), generation, |claim| {
+        let mut record = Some(record);
+        let removed = ledger.claims.remove_if(self.full.as_bytes(), generation, |claim| {
             if claim.token != token {
                 return false;
             }
             ended = if ledger.is_closed() {
                 Ended::Closed
             } else {
+                let record = record.take().expect("stored once");
+                // Waiters replay the record too: cloned only when there are any.
+                let kept = claim.cell.is_some().then(|| record.clone());
                 // A table that answers at once stores at once: nothing is awaited under the
                 // lock.
-                match ledger.store.put(&self.full, record.clone(), self.ttl) {
-                    Pending::Ready(Ok(())) => Ended::Stored,
+                match ledger.store.put(&self.full, record, self.ttl) {
+                    Pending::Ready(Ok(())) => Ended::Stored(kept),
                     Pending::Ready(Err(e)) => Ended::Failed(e),
                     Pending::Later(_) => Ended::Failed(Arc::new(std::io::Error::other(
                         "a store that answers at once answered later",
@@ -336,9 +339,12 @@ impl Ticket {
             true
         });
         self.held = false;
+        let waiters = removed.and_then(|claim| claim.cell);
         let outcome = match ended {
-            Ended::Stored => {
-                self.cell.set(Ok(Settled::Done(record)));
+            Ended::Stored(kept) => {
+                if let (Some(cell), Some(record)) = (waiters, kept) {
+                    cell.set(Ok(Settled::Done(record)));
+                }
                 return Ok(Ok(()));
             }
             Ended::NotOurs => {
@@ -353,7 +359,9 @@ impl Ticket {
             Ended::Failed(e) => unavailable(self.key(), e),
         };
         // Released: the next caller runs.
-        self.cell.set(Ok(Settled::Released));
+        if let Some(cell) = waiters {
+            cell.set(Ok(Settled::Released));
+        }
         Ok(Err(outcome))
     }
 
@@ -431,8 +439,9 @@ impl Ticket {
                     Completion::Lapsed(e) => {
                         // Not released in the store (the function ran: nothing
                         // may free the key early); the claim lapsed there.
-                        self.drop_local();
-                        self.cell.set(Ok(Settled::Released));
+                        if let Some(cell) = self.drop_local() {
+                            cell.set(Ok(Settled::Released));
+                        }
                         return Err(unavailable(self.key(), Arc::new(e)));
                     }
                 }
@@ -467,13 +476,16 @@ impl Ticket {
                 // Shutdown cleared the store while we were putting.
                 ledger.store.close();
             }
-            ledger
+            // Removed here, not by the drop.
+            self.held = false;
+            let removed = ledger
                 .claims
                 .remove_if(self.full.as_bytes(), generation, |claim| {
                     claim.token == token
                 });
-            self.held = false;
-            self.cell.set(Ok(Settled::Done(record)));
+            if let Some(cell) = removed.and_then(|claim| claim.cell) {
+                cell.set(Ok(Settled::Done(record)));
+            }
             Ok(())
         }
     }
@@ -536,23 +548,27 @@ impl Ticket {
     /// Ends the local claim with a result found in the shared store: local
     /// waiters replay it.
     pub(super) fn settle(mut self, record: Record) {
-        self.drop_local();
-        self.cell.set(Ok(Settled::Done(record)));
+        if let Some(cell) = self.drop_local() {
+            cell.set(Ok(Settled::Done(record)));
+        }
     }
 
-    /// Removes the local claim without touching the shared store.
-    fn drop_local(&mut self) {
+    /// Removes the local claim without touching the shared store; returns the cell its
+    /// waiters wait on, if any.
+    fn drop_local(&mut self) -> Option<Arc<RunCell<Settled>>> {
         if !std::mem::replace(&mut self.held, false) {
-            return;
+            return None;
         }
         let token = self.token;
-        self.ledger
+        let removed = self
+            .ledger
             .claims
             .remove_if(self.full.as_bytes(), self.generation, |claim| {
                 claim.token == token
             });
         self.fence = None;
         self.lapse = None;
+        removed.and_then(|claim| claim.cell)
     }
 
     /// Gives the key up so the next caller (or a waiting one) runs.
@@ -565,11 +581,13 @@ impl Ticket {
             return;
         }
         let shared = self.fence.is_some() || self.unanswered;
-        self.drop_local();
+        let waiters = self.drop_local();
         if shared {
             self.release_shared();
         }
-        self.cell.set(Ok(Settled::Released));
+        if let Some(cell) = waiters {
+            cell.set(Ok(Settled::Released));
+        }
     }
 
     /// Frees the claim in the shared store in the background (a drop cannot
@@ -598,7 +616,8 @@ impl Ticket {
 
 /// How [`Ticket::complete_now`] found its claim.
 enum Ended {
-    Stored,
+    /// Stored; the record again for the waiters, if any.
+    Stored(Option<Record>),
     /// Taken over: the slot is another holder's.
     NotOurs,
     /// The runtime shut down: removed, nothing stored.
