@@ -18,7 +18,10 @@
 //!
 //! After them, the floor of each idempotency row from the same run: what the layer cannot
 //! skip (SHA-256 of the body for the fingerprint, plus building the request for a replay, or
-//! the handler itself for a first request) as ns and as a ratio to that row's anchor.
+//! the handler itself for a first request) as ns and as a ratio to that row's anchor. A first
+//! request also has a floor with its table: the least work of any idempotency layer that
+//! keeps results in memory, [`LeastTable`], timed alone at its cap of 100,000 results, added
+//! to that floor (`compare http_idempotency_fresh_with_table` prints ours against it).
 //!
 //! Profile mode, for callgrind: `HTTP_BENCH_PROFILE=fresh|replay|rate_limit` (and
 //! `HTTP_BENCH_ITERS`, default 20 000) skips criterion and runs that many requests of one
@@ -26,22 +29,27 @@
 //! counts only them (the fixture's setup is left out). `HTTP_BENCH_PROFILE=bare` runs the
 //! bare handler the same way, the anchor to subtract. `HTTP_BENCH_FULL=1` with `fresh` first
 //! fills the result table to its cap, so the counted requests also evict (the steady state of
-//! the timed rounds). The command is in benches/README.md.
+//! the timed rounds). `HTTP_BENCH_PROFILE=least` counts [`LeastTable`]'s first requests at its
+//! cap. The command is in benches/README.md.
 
 #[path = "support/figures.rs"]
 #[allow(dead_code)]
 mod figures;
 use figures::{median, selected};
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::hint::black_box;
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
 use bytes::Bytes;
 use criterion::Criterion;
+use dashmap::DashMap;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use throttlebeam::clock::QuantaClock;
@@ -56,6 +64,8 @@ use tower_governor::governor::GovernorConfigBuilder;
 
 const CLIENTS: usize = 10_000;
 const KIB: usize = 1024;
+/// The results an idempotency table keeps: the runtime's default cap.
+const RESULTS: usize = throttlebeam::idempotency::DEFAULT_MAX_IDEMPOTENCY_RESULTS;
 
 type Svc = BoxCloneService<Request<Body>, Response<Body>, Infallible>;
 
@@ -211,6 +221,101 @@ fn fixture() -> Fixture {
     fixture
 }
 
+/// FxHash (rustc's): a fast hasher for [`LeastTable`], as the layer's own maps hash with
+/// aHash (std's SipHash would weigh on the floor).
+#[derive(Default)]
+struct Fx(u64);
+
+impl Hasher for Fx {
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for chunk in &mut chunks {
+            let word = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+            self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+        }
+        for byte in chunks.remainder() {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(*byte)).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+        }
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type FxMap<V> = DashMap<Arc<str>, V, BuildHasherDefault<Fx>>;
+
+/// The least work of any idempotency layer that keeps results in memory, for a first
+/// request besides the handler and the hash: look its key up in the results (a miss), claim
+/// the key in a concurrent map, store the result (fingerprint, expiry, body) in a concurrent
+/// map capped at 100,000 results, evicting the oldest from a queue of keys in insertion
+/// order, and free the claim. One allocation per request (the key, shared by the three).
+struct LeastTable {
+    claims: FxMap<u64>,
+    results: FxMap<([u8; 32], u64, Bytes)>,
+    order: Mutex<VecDeque<Arc<str>>>,
+    base: Instant,
+}
+
+impl LeastTable {
+    /// A table already at its cap, as the timed rounds find the layer's.
+    fn full(body: &Bytes) -> Self {
+        let table = Self {
+            claims: DashMap::default(),
+            results: DashMap::default(),
+            order: Mutex::new(VecDeque::new()),
+            base: Instant::now(),
+        };
+        for i in 0..RESULTS {
+            table.first_request(&Self::key(u64::MAX, i as u64), body);
+        }
+        table
+    }
+
+    /// A key as long as the layer's scoped keys of the fresh row.
+    fn key(round: u64, i: u64) -> String {
+        format!("14:http/anonymousfresh-{round}-{i}")
+    }
+
+    #[inline(never)]
+    fn first_request(&self, key: &str, body: &Bytes) -> bool {
+        if self.results.get(key).is_some() {
+            return false;
+        }
+        let key: Arc<str> = Arc::from(key);
+        self.claims.insert(Arc::clone(&key), 1);
+        let expires = self.base.elapsed().as_nanos() as u64 + 1_000_000_000;
+        self.results
+            .insert(Arc::clone(&key), ([7; 32], expires, body.clone()));
+        {
+            let mut order = self.order.lock().expect("order");
+            order.push_back(Arc::clone(&key));
+            while order.len() > RESULTS {
+                if let Some(oldest) = order.pop_front() {
+                    self.results.remove(&oldest);
+                }
+            }
+        }
+        self.claims.remove(&key);
+        true
+    }
+
+    /// ns per first request, median of `rounds` rounds of `ops` new keys each.
+    fn per_request(&self, body: &Bytes, rounds: u64, ops: u64) -> f64 {
+        let mut samples: Vec<f64> = (0..rounds)
+            .map(|round| {
+                let keys: Vec<String> = (0..ops).map(|i| Self::key(round, i)).collect();
+                let start = Instant::now();
+                for key in &keys {
+                    black_box(self.first_request(key, body));
+                }
+                start.elapsed().as_nanos() as f64 / ops as f64
+            })
+            .collect();
+        median(&mut samples)
+    }
+}
+
 struct Comparison {
     name: &'static str,
     ours: fn(&Fixture) -> &Svc,
@@ -299,12 +404,32 @@ fn profile_round(f: &Fixture, svc: &Svc, requests: Requests, ops: u64) -> Durati
     f.timed(svc, requests, ops)
 }
 
+/// Runs `ops` first requests through `table`, for callgrind to count on its own.
+#[inline(never)]
+fn profile_round_least(table: &LeastTable, body: &Bytes, keys: &[String]) -> Duration {
+    let start = Instant::now();
+    for key in keys {
+        black_box(table.first_request(key, body));
+    }
+    start.elapsed()
+}
+
 /// Profile mode: one path, `HTTP_BENCH_ITERS` times, without criterion.
 fn profile(f: &Fixture, path: &str) {
     let ops = std::env::var("HTTP_BENCH_ITERS")
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(20_000);
+    if path == "least" {
+        let table = LeastTable::full(&f.payload);
+        let keys: Vec<String> = (0..ops).map(|i| LeastTable::key(0, i)).collect();
+        let took = profile_round_least(&table, &f.payload, &keys);
+        println!(
+            "profile least: {ops} first requests, {:.1} ns each",
+            took.as_nanos() as f64 / ops as f64
+        );
+        return;
+    }
     let (svc, requests) = match path {
         "fresh" => (&f.idempotent, Requests::NewKey(0)),
         "replay" => (&f.idempotent, Requests::SameKey),
@@ -314,7 +439,7 @@ fn profile(f: &Fixture, path: &str) {
         "bare" => (&f.bare, Requests::SameKey),
         other => panic!(
             "HTTP_BENCH_PROFILE={other:?}: expected fresh, replay, rate_limit, \
-             rate_limit_no_headers, governor or bare"
+             rate_limit_no_headers, governor, bare or least"
         ),
     };
     // `HTTP_BENCH_FULL=1`: first fill the result table to its cap (the runtime's default
@@ -360,7 +485,7 @@ fn main() {
             "compare {}: ours {ours:.1} ns, anchor {anchor:.1} ns, ratio {ratio:.2}",
             cmp.name
         );
-        anchors.push((cmp.name, anchor));
+        anchors.push((cmp.name, ours, anchor));
     }
     // What no idempotency layer can skip, from the same run: the fingerprint (SHA-256 over
     // the 1 KiB body), and building the request the bench hands in (both sides pay that).
@@ -385,7 +510,7 @@ fn main() {
         black_box(f.request(Requests::SameKey, i));
     });
     println!("sha256 of 1 KiB: {sha:.1} ns; building a request: {build:.1} ns");
-    for (name, anchor) in anchors {
+    for (name, ours, anchor) in anchors {
         // A replay builds the request and hashes its body; a first request also runs the
         // handler, which is the whole anchor.
         let floor = match name {
@@ -397,5 +522,19 @@ fn main() {
             "floor {name}: at least {floor:.1} ns (ratio {:.2}) before any work of the layer's own",
             floor / anchor
         );
+        if name == "http_idempotency_fresh" {
+            // Plus the least table work of a first request, at the cap the timed rounds find.
+            let table = LeastTable::full(&f.payload);
+            let least = table.per_request(&f.payload, 21, 5_000);
+            let with_table = floor + least;
+            println!(
+                "least table for a first request (lookup, claim, store at the {RESULTS} cap, \
+                 release): {least:.1} ns"
+            );
+            println!(
+                "compare {name}_with_table: ours {ours:.1} ns, floor {with_table:.1} ns, ratio {:.2}",
+                ours / with_table
+            );
+        }
     }
 }
