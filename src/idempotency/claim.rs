@@ -30,13 +30,13 @@ use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry};
 use tokio::time::Instant;
 
-use super::full_key::{with_full_key, with_full_key_bytes};
+use super::full_key::{FullKey, with_full_key, with_full_key_bytes};
 use super::options::{Fingerprint, IdempotencyOptions};
 use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, KeyChanged};
 use super::store::{Pending, Record, ResultStore};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
-use crate::key::{InlineKey, shown};
+use crate::key::shown;
 use crate::store::{Fault, guard, store_call};
 
 mod ticket;
@@ -92,7 +92,7 @@ pub(crate) enum Step<T> {
 enum Joined<T> {
     /// The claim's generation, its key as the registry stored it (shared with the ticket),
     /// and the lapsed claim this one took over, if any.
-    Claimed(Generation, InlineKey, Option<Superseded>),
+    Claimed(Generation, FullKey, Option<Superseded>),
     Wait(Step<T>),
 }
 
@@ -119,7 +119,7 @@ impl Tally {
 
 /// Keys in flight plus the store of completed results.
 pub(crate) struct Ledger {
-    claims: Registry<InlineKey, Claim>,
+    claims: Registry<FullKey, Claim>,
     pub(crate) store: Box<dyn ResultStore>,
     /// The store shared with other instances, if any: claims go there
     /// too, and results live there instead of in `store`.
@@ -426,7 +426,7 @@ impl Ledger {
         };
         let joined = self.claims.update_with(
             full,
-            || InlineKey::from_bytes(full),
+            || FullKey::from_bytes(full),
             |slot| match slot {
                 SlotEntry::Occupied(slot) => {
                     let generation = slot.generation();
@@ -446,7 +446,7 @@ impl Ledger {
                     let old = std::mem::replace(claim, fresh);
                     Ok(Joined::Claimed(
                         generation,
-                        InlineKey::from_bytes(full),
+                        FullKey::from_bytes(full),
                         Some(Superseded(old.cell)),
                     ))
                 }
