@@ -49,8 +49,7 @@ pin_project! {
     {
         Passthrough { #[pin] future: S::Future },
         Ready { response: Option<Response<ResponseBody<ResB>>> },
-        // The request head waits boxed: every move of this future is then a few words.
-        Reading { #[pin] body: Limited<ReqB>, read: BodyRead, pending: Option<Box<Pending<S>>> },
+        Reading { #[pin] body: Limited<ReqB>, read: BodyRead, pending: Option<Pending<S>> },
         // The key claimed at once: the handler runs as its process.
         Claimed { claimed: Option<Claimed<ResB, S::Error>> },
         Guarded { exchange: Exchange<ResB, S::Error> },
@@ -82,7 +81,7 @@ where
             kind: Kind::Reading {
                 body,
                 read: BodyRead::default(),
-                pending: Some(Box::new(pending)),
+                pending: Some(pending),
             },
         }
     }
@@ -139,7 +138,7 @@ where
                         }
                     };
                     let pending = pending.take().expect("polled after completion");
-                    match (*pending).decide(outcome) {
+                    match pending.decide(outcome) {
                         Decided::Answer(response) => Kind::Ready {
                             response: Some(response),
                         },
