@@ -341,15 +341,10 @@ impl IdempotencyHandle {
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        let ledger = &self.state.ledger;
-        if let Some(value) = fast_replay(&self.runtime.core, ledger, key, options)? {
-            return Ok(Some(Looked::Replay(value)));
-        }
-        Ok(match ledger.claim_now(key, options)? {
-            Some(Step::Replay(value)) => Some(Looked::Replay(value)),
-            Some(Step::Owner(ticket)) => Some(Looked::Owner(Claimed(ticket))),
-            Some(Step::Wait { .. } | Step::Remote { .. }) | None => None,
-        })
+        check_key(key)?;
+        options.check(key)?;
+        self.runtime.core.check_open(key)?;
+        self.state.ledger.look_now(key, options)
     }
 
     /// Runs `work` as the process of the key `claim` holds (`key`, as `claim` was looked up

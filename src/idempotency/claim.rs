@@ -34,6 +34,8 @@ use super::full_key::{FullKey, with_full_key, with_full_key_bytes};
 use super::options::{Fingerprint, IdempotencyOptions};
 use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, KeyChanged};
 use super::store::{Pending, Record, ResultStore};
+#[cfg(feature = "http")]
+use super::{Claimed, Looked};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
 use crate::key::shown;
@@ -168,47 +170,77 @@ impl Ledger {
         })
     }
 
-    /// Claims the key at once when nothing needs waiting for: the key is free (this caller
-    /// now holds it), or completed since the replay fast path read it (replayed). `None` when
-    /// only [`Ledger::attempt`] can tell: the key is in flight (wait for it, or reject), or
-    /// the store answers later (a shared store, a remote result store).
-    ///
-    /// The same steps as `attempt` on a store that answers at once (the caller has taken the
-    /// replay fast path), without a future.
+    /// What a look finds at once, with the full key built once: the stored result (the
+    /// replay fast path), else the key claimed if it is free, when it still has no result
+    /// once claimed (a completion may land between the read and the claim). `None` when only
+    /// [`Ledger::attempt`] can tell: the key is in flight (wait for it, or reject), or the
+    /// store answers later (a shared store, a remote result store).
     #[cfg(feature = "http")]
-    pub(crate) fn claim_now<T>(
+    pub(crate) fn look_now<T>(
         self: &Arc<Self>,
         key: &str,
         options: &IdempotencyOptions,
-    ) -> Result<Option<Step<T>>, Error>
+    ) -> Result<Option<Looked<T>>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
     {
         if self.shared.is_some() || !self.store.answers_at_once() {
-            return Ok(None);
+            return self
+                .try_replay(key, options)
+                .transpose()
+                .map(|found| found.map(Looked::Replay));
         }
-        let now = Instant::now();
-        let ticket = match with_full_key_bytes(options.scope(), key, |full| {
-            self.join::<T>(full, key, options, now)
-        })? {
+        let fingerprint = options.fingerprint();
+        with_full_key_bytes(options.scope(), key, |full| {
+            match self.read_now::<T>(full, key, fingerprint.as_ref()) {
+                Some(found) => found.map(|value| Some(Looked::Replay(value))),
+                None => self.claim_now(full, key, options),
+            }
+        })
+    }
+
+    /// [`Ledger::look_now`] past a read that found nothing: claims the key if it is free.
+    /// Out of line, so the replay path's frame stays small.
+    #[cfg(feature = "http")]
+    #[inline(never)]
+    fn claim_now<T>(
+        self: &Arc<Self>,
+        full: &[u8],
+        key: &str,
+        options: &IdempotencyOptions,
+    ) -> Result<Option<Looked<T>>, Error>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        let ticket = match self.join::<T>(full, key, options, Instant::now())? {
             Step::Owner(ticket) => ticket,
             _ => return Ok(None),
         };
-        // A result stored between the fast path's read and the claim. (An early return drops
-        // the ticket, which releases the key.)
-        let found = match self.store.get_stored(&ticket.full, now) {
-            Pending::Ready(found) => found.map_err(|e| unavailable(key, e))?,
-            Pending::Later(_) => return Ok(None),
-        };
-        match found {
-            Some(record) => self
-                .replay(&record, key, options.fingerprint().as_ref())
-                .map(|value| Some(Step::Replay(value))),
-            None => {
-                Tally::bump(&self.tally.fresh);
-                Ok(Some(Step::Owner(ticket)))
-            }
+        // An early return drops the ticket, which releases the key.
+        if let Some(found) = self.read_now::<T>(full, key, ticket.fingerprint.as_ref()) {
+            return found.map(|value| Some(Looked::Replay(value)));
         }
+        Tally::bump(&self.tally.fresh);
+        Ok(Some(Looked::Owner(Claimed(ticket))))
+    }
+
+    /// The stored result of `full` for `key`'s caller, read at once from a store that answers
+    /// at once.
+    #[cfg(feature = "http")]
+    fn read_now<T>(
+        &self,
+        full: &[u8],
+        key: &str,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Option<Result<T, Error>>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        let mut out = None;
+        self.store.read_now(full, &mut |record| {
+            out = Some(self.replay(record, key, fingerprint));
+        });
+        out
     }
 
     /// One look at the key: replay it, claim it, or wait for its holder.
