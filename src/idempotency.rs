@@ -331,12 +331,14 @@ impl IdempotencyHandle {
     /// result, or the key now held by this caller (run it with
     /// [`IdempotencyHandle::run_claim`]); `None` when only [`IdempotencyHandle::run_after_miss`]
     /// can tell (the key is in flight, or the store answers later). What `run_with` does
-    /// first, without building a future.
+    /// first, without building a future, for a request with `fingerprint` instead of the
+    /// one of `options` (so a caller's options can be shared by every request, unchanged).
     #[cfg(feature = "http")]
     pub(crate) fn look<T>(
         &self,
         key: &str,
         options: &IdempotencyOptions,
+        fingerprint: Option<Fingerprint>,
     ) -> Result<Option<Looked<T>>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
@@ -344,7 +346,7 @@ impl IdempotencyHandle {
         check_key(key)?;
         options.check(key)?;
         self.runtime.core.check_open(key)?;
-        self.state.ledger.look_now(key, options)
+        self.state.ledger.look_now(key, options, fingerprint)
     }
 
     /// Runs `work` as the process of the key `claim` holds (`key`, as `claim` was looked up

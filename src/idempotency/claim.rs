@@ -175,26 +175,26 @@ impl Ledger {
     /// once claimed (a completion may land between the read and the claim). `None` when only
     /// [`Ledger::attempt`] can tell: the key is in flight (wait for it, or reject), or the
     /// store answers later (a shared store, a remote result store).
+    ///
+    /// `fingerprint` stands for the fingerprint of `options`: a caller whose options are
+    /// shared by every request keeps each request's apart.
     #[cfg(feature = "http")]
     pub(crate) fn look_now<T>(
         self: &Arc<Self>,
         key: &str,
         options: &IdempotencyOptions,
+        fingerprint: Option<Fingerprint>,
     ) -> Result<Option<Looked<T>>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
     {
         if self.shared.is_some() || !self.store.answers_at_once() {
-            return self
-                .try_replay(key, options)
-                .transpose()
-                .map(|found| found.map(Looked::Replay));
+            return Ok(None);
         }
-        let fingerprint = options.fingerprint();
         with_full_key_bytes(options.scope(), key, |full| {
             match self.read_now::<T>(full, key, fingerprint.as_ref()) {
                 Some(found) => found.map(|value| Some(Looked::Replay(value))),
-                None => self.claim_now(full, key, options),
+                None => self.claim_now(full, key, options, fingerprint),
             }
         })
     }
@@ -208,11 +208,12 @@ impl Ledger {
         full: &[u8],
         key: &str,
         options: &IdempotencyOptions,
+        fingerprint: Option<Fingerprint>,
     ) -> Result<Option<Looked<T>>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        let ticket = match self.join::<T>(full, key, options, Instant::now())? {
+        let ticket = match self.join::<T>(full, key, options, fingerprint, Instant::now())? {
             Step::Owner(ticket) => ticket,
             _ => return Ok(None),
         };
@@ -258,7 +259,7 @@ impl Ledger {
     {
         if let Some(shared) = &self.shared {
             let ticket = match with_full_key(options.scope(), key, |full| {
-                self.join(full.as_bytes(), key, options, now)
+                self.join(full.as_bytes(), key, options, options.fingerprint(), now)
             })? {
                 Step::Owner(ticket) => ticket,
                 other => return Ok(other),
@@ -286,7 +287,7 @@ impl Ledger {
         };
         // The full key on the stack: a claim needs it only as bytes.
         let ticket = match with_full_key_bytes(options.scope(), key, |full| {
-            self.join(full, key, options, now)
+            self.join(full, key, options, options.fingerprint(), now)
         })? {
             Step::Owner(ticket) => ticket,
             other => return Ok(other),
@@ -439,15 +440,16 @@ impl Ledger {
         }
     }
 
-    /// Claims a free or lapsed key, or joins the live claim on it.
+    /// Claims a free or lapsed key, or joins the live claim on it, for a caller whose
+    /// request has `fingerprint` (and the other settings of `options`).
     fn join<T>(
         self: &Arc<Self>,
         full: &[u8],
         key: &str,
         options: &IdempotencyOptions,
+        fingerprint: Option<Fingerprint>,
         now: Instant,
     ) -> Result<Step<T>, Error> {
-        let fingerprint = options.fingerprint();
         let token = ClaimToken::new();
         let fresh = Claim {
             token,

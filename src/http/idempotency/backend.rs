@@ -14,7 +14,7 @@ use crate::job::Job;
 use throttlebeam_supervisors::RunHere;
 
 use crate::idempotency::{
-    Claimed, IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, InFlight,
+    Claimed, Fingerprint, IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, InFlight,
 };
 
 /// A stored response: one serializable envelope, so a shared store can keep it as it is.
@@ -117,15 +117,16 @@ pub(super) type Looked = crate::idempotency::Looked<StoredResponse>;
 /// the error of its panic.
 pub(super) type ClaimRun<H> = RunHere<Result<H, Error>>;
 
-/// The stored response of `key`, or the key claimed for this request, when either can be
-/// had at once; `None` when only [`run`] can tell (the key is in flight, or the store
-/// answers later).
+/// The stored response of `key`, or the key claimed for this request (whose fingerprint is
+/// `fingerprint`), when either can be had at once; `None` when only [`run`] can tell (the
+/// key is in flight, or the store answers later).
 pub(super) fn look(
     idempotency: &IdempotencyHandle,
     key: &str,
     options: &IdempotencyOptions,
+    fingerprint: Fingerprint,
 ) -> Result<Option<Looked>, Error> {
-    idempotency.look(key, options)
+    idempotency.look(key, options, Some(fingerprint))
 }
 
 /// Runs `work` for the key [`look`] claimed: the handler's run, its response stored when

@@ -96,7 +96,7 @@ impl<S> Pending<S> {
             }
         };
         let options = match config.options(&parts) {
-            Ok(options) => options.with_fingerprint_digest(request::fingerprint(&parts, &bytes)),
+            Ok(options) => options,
             Err(ScopeTooLong(len)) => {
                 bump(&config.counters.invalid);
                 return Decided::Answer(problem(
@@ -108,7 +108,8 @@ impl<S> Pending<S> {
                 ));
             }
         };
-        let claim = match backend::look(&config.idempotency, &key, &options) {
+        let fingerprint = request::fingerprint(&parts, &bytes);
+        let claim = match backend::look(&config.idempotency, &key, &options, fingerprint) {
             Ok(Some(Looked::Replay(stored))) => {
                 bump(&config.counters.replays);
                 return Decided::Answer(replay(&stored));
@@ -123,8 +124,11 @@ impl<S> Pending<S> {
         let request =
             Request::from_parts(parts, RequestBody::buffered_with_trailers(bytes, trailers));
         let Some(claim) = claim else {
+            let options = options.into_owned().with_fingerprint_digest(fingerprint);
             return Decided::Run(Box::pin(exchange(config, inner, request, key, options)));
         };
+        // Its borrow of `config` ends here: the run takes `config`.
+        drop(options);
         // The key is ours: run the handler as its process, without the waits of a full run.
         let run_config = Arc::clone(&config);
         let handler = HandlerRun::new(run_config, inner, request);
