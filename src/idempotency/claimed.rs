@@ -32,8 +32,8 @@ pin_project! {
         // Built once the work is pending: work that ends at its first poll renews nothing.
         renewing: Option<Boxed<()>>,
         // A completion that must wait (a shared store), its ledger, and what to hand back
-        // after it.
-        completing: Option<(Boxed<Result<(), Error>>, Arc<Ledger>, H)>,
+        // after it: rare, so boxed whole (the run's box stays small).
+        completing: Option<Box<(Boxed<Result<(), Error>>, Arc<Ledger>, H)>>,
         // The task of the first poll: a run that ends in another has lost its caller.
         started_in: Option<Option<tokio::task::Id>>,
     }
@@ -106,16 +106,16 @@ where
             };
             // Boxed: a completion that waits is rare (a shared store).
             let ledger = ticket.ledger();
-            *this.completing = Some((Box::pin(ticket.complete(value)), ledger, handed));
+            *this.completing = Some(Box::new((Box::pin(ticket.complete(value)), ledger, handed)));
         }
-        let (completing, ledger, _) = this.completing.as_mut().expect("just set");
+        let (completing, ledger, _) = &mut **this.completing.as_mut().expect("just set");
         let completed = ready!(completing.as_mut().poll(cx));
         if let Err(error) = completed
             && tokio::task::try_id() != started_in
         {
             failed(Some(ledger), &error);
         }
-        let (_, _, handed) = this.completing.take().expect("just polled");
+        let (_, _, handed) = *this.completing.take().expect("just polled");
         Poll::Ready(Ok(handed))
     }
 }
