@@ -59,18 +59,18 @@ pub(crate) fn duration_problem(d: Duration) -> Option<&'static str> {
 /// Keys up to this many bytes live inside the map entry.
 pub(crate) const INLINE_KEY: usize = 22;
 
-/// A key as stored in a registry or store. Keys up to `N` bytes (at most 255; ids and IPs
-/// with the default) are kept inline, so a lookup compares them without chasing a pointer
-/// to another cache line, and a copy allocates nothing; longer ones go to the heap, shared
-/// by every clone (a claim, its ticket, the result stored and the results' eviction queue
-/// hold one allocation between them). Looked up by its bytes.
+/// A key as stored in a registry or store. Short keys (ids, IPs) are kept
+/// inline, so a lookup compares them without chasing a pointer to another
+/// cache line; longer ones go to the heap, shared by every clone (a claim, its ticket, the
+/// result stored and the results' eviction queue hold one allocation between them). Looked
+/// up by its bytes.
 #[derive(Debug, Clone)]
-pub(crate) enum InlineBytes<const N: usize> {
-    Inline { len: u8, bytes: [u8; N] },
+pub(crate) enum InlineKey {
+    Inline { len: u8, bytes: [u8; INLINE_KEY] },
     Heap(std::sync::Arc<[u8]>),
 }
 
-impl<const N: usize> InlineBytes<N> {
+impl InlineKey {
     #[inline]
     pub(crate) fn new(key: &str) -> Self {
         Self::from_bytes(key.as_bytes())
@@ -78,10 +78,10 @@ impl<const N: usize> InlineBytes<N> {
 
     #[inline]
     pub(crate) fn from_bytes(raw: &[u8]) -> Self {
-        if raw.len() <= N {
-            let mut bytes = [0; N];
+        if raw.len() <= INLINE_KEY {
+            let mut bytes = [0; INLINE_KEY];
             bytes[..raw.len()].copy_from_slice(raw);
-            // At most N (at most 255), so it fits a u8.
+            // At most INLINE_KEY, so it fits a u8.
             Self::Inline {
                 len: raw.len() as u8,
                 bytes,
@@ -107,9 +107,6 @@ impl<const N: usize> InlineBytes<N> {
     }
 }
 
-/// A key of a registry or store, inline up to [`INLINE_KEY`] bytes.
-pub(crate) type InlineKey = InlineBytes<INLINE_KEY>;
-
 /// Runs `f` on `key`'s slot in `registry`, building the stored key
 /// straight into its inline form if the key is new.
 #[cfg(feature = "runtime")]
@@ -121,10 +118,10 @@ pub(crate) fn update_slot<S, G: throttlebeam_supervisors::Stamp, R>(
     registry.update_with(key.as_bytes(), || InlineKey::new(key), f)
 }
 
-impl<const N: usize> From<Vec<u8>> for InlineBytes<N> {
+impl From<Vec<u8>> for InlineKey {
     #[inline]
     fn from(raw: Vec<u8>) -> Self {
-        if raw.len() <= N {
+        if raw.len() <= INLINE_KEY {
             Self::from_bytes(&raw)
         } else {
             Self::Heap(raw.into())
@@ -133,23 +130,23 @@ impl<const N: usize> From<Vec<u8>> for InlineBytes<N> {
 }
 
 // Hash and equality go through the bytes, as `Borrow<[u8]>` requires.
-impl<const N: usize> Hash for InlineBytes<N> {
+impl Hash for InlineKey {
     #[inline]
     fn hash<H: Hasher>(&self, state: &mut H) {
         self.as_bytes().hash(state);
     }
 }
 
-impl<const N: usize> PartialEq for InlineBytes<N> {
+impl PartialEq for InlineKey {
     #[inline]
     fn eq(&self, other: &Self) -> bool {
         self.as_bytes() == other.as_bytes()
     }
 }
 
-impl<const N: usize> Eq for InlineBytes<N> {}
+impl Eq for InlineKey {}
 
-impl<const N: usize> Borrow<[u8]> for InlineBytes<N> {
+impl Borrow<[u8]> for InlineKey {
     #[inline]
     fn borrow(&self) -> &[u8] {
         self.as_bytes()

@@ -30,7 +30,7 @@ use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Generation, Registry, SlotEntry};
 use tokio::time::Instant;
 
-use super::full_key::{FullKey, with_full_key, with_full_key_bytes};
+use super::full_key::{with_full_key, with_full_key_bytes};
 use super::options::{Fingerprint, IdempotencyOptions};
 use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, KeyChanged};
 use super::store::{Pending, Record, ResultStore};
@@ -38,7 +38,7 @@ use super::store::{Pending, Record, ResultStore};
 use super::{Claimed, Looked};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
-use crate::key::shown;
+use crate::key::{InlineKey, shown};
 use crate::store::{Fault, guard, store_call};
 
 mod ticket;
@@ -94,7 +94,7 @@ pub(crate) enum Step<T> {
 enum Joined<T> {
     /// The claim's generation, its key as the registry stored it (shared with the ticket),
     /// and the lapsed claim this one took over, if any.
-    Claimed(Generation, FullKey, Option<Superseded>),
+    Claimed(Generation, InlineKey, Option<Superseded>),
     Wait(Step<T>),
 }
 
@@ -121,7 +121,7 @@ impl Tally {
 
 /// Keys in flight plus the store of completed results.
 pub(crate) struct Ledger {
-    claims: Registry<FullKey, Claim>,
+    claims: Registry<InlineKey, Claim>,
     pub(crate) store: Box<dyn ResultStore>,
     /// The store shared with other instances, if any: claims go there
     /// too, and results live there instead of in `store`.
@@ -460,7 +460,7 @@ impl Ledger {
         };
         let joined = self.claims.update_with(
             full,
-            || FullKey::from_bytes(full),
+            || InlineKey::from_bytes(full),
             |slot| match slot {
                 SlotEntry::Occupied(slot) => {
                     let generation = slot.generation();
@@ -480,7 +480,7 @@ impl Ledger {
                     let old = std::mem::replace(claim, fresh);
                     Ok(Joined::Claimed(
                         generation,
-                        FullKey::from_bytes(full),
+                        InlineKey::from_bytes(full),
                         Some(Superseded(old.cell)),
                     ))
                 }

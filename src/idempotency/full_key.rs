@@ -3,14 +3,6 @@
 
 use std::cell::RefCell;
 
-use crate::key::InlineBytes;
-
-/// A full key as the claims and the results keep it: inline up to 54 bytes, which holds a
-/// UUID (36) under the HTTP layer's anonymous scope (`14:http/anonymous`) or a short tenant's,
-/// so the common claim and stored result allocate no key, and evicting a result reads no
-/// key from another cache line.
-pub(crate) type FullKey = InlineBytes<54>;
-
 /// The longest full key built on the stack; longer ones take the buffer of
 /// [`with_full_key`].
 const STACK: usize = 96;
@@ -89,17 +81,7 @@ pub(crate) fn with_full_key<R>(scope: Option<&str>, key: &str, f: impl FnOnce(&s
 
 #[cfg(test)]
 mod tests {
-    use super::{FullKey, with_full_key, with_full_key_bytes};
-
-    #[test]
-    fn a_uuid_under_the_http_anonymous_scope_is_kept_inline() {
-        let uuid = "8e03978e-40d5-43e8-bc93-6894a57f9324";
-        let full = with_full_key_bytes(Some("http/anonymous"), uuid, FullKey::from_bytes);
-        assert!(matches!(full, FullKey::Inline { len: 53, .. }), "{full:?}");
-        let longer = with_full_key_bytes(Some("http/anonymous/x"), uuid, FullKey::from_bytes);
-        assert!(matches!(longer, FullKey::Heap(_)), "{longer:?}");
-        assert_eq!(full.as_bytes(), b"14:http/anonymous8e03978e-40d5-43e8-bc93-6894a57f9324");
-    }
+    use super::{with_full_key, with_full_key_bytes};
 
     #[test]
     fn the_stack_form_is_the_buffer_form() {

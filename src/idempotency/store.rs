@@ -17,12 +17,11 @@ use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Sweeper, TtlTable};
 use tokio::time::Instant;
 
-use super::full_key::FullKey;
 use super::options::Fingerprint;
 use super::seam::StoredResult;
 use crate::clock::{RuntimeClock, WindowClock};
 use crate::error::{BoxError, Error};
-use crate::key::shown;
+use crate::key::{InlineKey, shown};
 use crate::wire::{self, WireError};
 
 /// `value` as a shared store keeps it: in the versioned envelope
@@ -266,7 +265,7 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
     /// checking its text again).
     fn get_stored(
         &self,
-        key: &FullKey,
+        key: &InlineKey,
         now: Instant,
     ) -> Pending<'_, Result<Option<Record>, BoxError>> {
         self.get(key.as_str(), now)
@@ -276,7 +275,7 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
     /// form, so a table keeps a clone instead of building the key again).
     fn put(
         &self,
-        key: &FullKey,
+        key: &InlineKey,
         record: Record,
         ttl: Duration,
     ) -> Pending<'_, Result<(), BoxError>>;
@@ -300,7 +299,7 @@ pub(crate) trait ResultStore: Send + Sync + 'static {
 pub(crate) struct ResultTable {
     // Records inline in the table: a replay touches the entry and the value. Expiries on
     // the windows' clock: a replay reads the time as a throttled call does, from the TSC.
-    table: Arc<TtlTable<FullKey, Record, WindowClock>>,
+    table: Arc<TtlTable<InlineKey, Record, WindowClock>>,
     /// When the last eviction warning was logged, in ms on the table's clock
     /// (`u64::MAX`: never).
     warned_at: AtomicU64,
@@ -314,7 +313,7 @@ const WARN_EVERY: Duration = Duration::from_secs(60);
 pub(crate) const ENTRY_OVERHEAD: u64 = 200;
 
 /// A stored result's weight against the byte budget.
-fn weigh(key: &FullKey, record: &Record) -> u64 {
+fn weigh(key: &InlineKey, record: &Record) -> u64 {
     key.as_bytes().len() as u64 + u64::from(record.weight()) + ENTRY_OVERHEAD
 }
 
@@ -382,7 +381,7 @@ impl ResultStore for ResultTable {
 
     fn get_stored(
         &self,
-        key: &FullKey,
+        key: &InlineKey,
         now: Instant,
     ) -> Pending<'_, Result<Option<Record>, BoxError>> {
         Pending::Ready(Ok(self.table.get_at(key.as_bytes(), now)))
@@ -390,7 +389,7 @@ impl ResultStore for ResultTable {
 
     fn put(
         &self,
-        key: &FullKey,
+        key: &InlineKey,
         record: Record,
         ttl: Duration,
     ) -> Pending<'_, Result<(), BoxError>> {

@@ -7,10 +7,10 @@ use std::time::Duration;
 use throttlebeam_supervisors::Counters;
 use tokio::time::Instant;
 
-use super::full_key::FullKey;
 use super::store::{Form, Pending, Record, ResultStore};
 use super::*;
 use crate::error::BoxError;
+use crate::key::InlineKey;
 
 /// Behaves like a store shared across processes: takes encoded values
 /// and answers after a round trip.
@@ -47,7 +47,7 @@ impl ResultStore for RemoteLike {
 
     fn put(
         &self,
-        key: &FullKey,
+        key: &InlineKey,
         record: Record,
         ttl: Duration,
     ) -> Pending<'_, Result<(), BoxError>> {
@@ -445,7 +445,7 @@ impl ResultStore for Shared {
     }
     fn put(
         &self,
-        key: &FullKey,
+        key: &InlineKey,
         record: Record,
         ttl: Duration,
     ) -> Pending<'_, Result<(), BoxError>> {

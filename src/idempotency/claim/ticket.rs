@@ -11,11 +11,10 @@ use tokio::time::Instant;
 use super::{Ledger, Settled, unavailable};
 use crate::cell::RunCell;
 use crate::error::Error;
-use crate::idempotency::full_key::FullKey;
 use crate::idempotency::options::Fingerprint;
 use crate::idempotency::seam::{ClaimToken, IdempotencyStore, StoredResult};
 use crate::idempotency::store::{Form, Pending, Record, stored_result};
-use crate::key::shown;
+use crate::key::{InlineKey, shown};
 use crate::store::{StoreError, store_call};
 
 /// The right to complete or release one claim; releases it when dropped.
@@ -24,7 +23,7 @@ use crate::store::{StoreError, store_call};
 pub(crate) struct Ticket {
     pub(super) ledger: Arc<Ledger>,
     /// The scoped key the ledger knows (the claim's own, shared).
-    pub(super) full: FullKey,
+    pub(super) full: InlineKey,
     /// How long the caller's key is (at most 1024 bytes): `full` ends with it, so the key
     /// needs no copy of its own (messages shorten it when they are made).
     pub(super) key_len: u16,
@@ -104,7 +103,7 @@ pub(crate) enum Renewal {
 /// Renews one claim's lease from wherever its holder lives.
 pub(crate) struct Renewer {
     ledger: Arc<Ledger>,
-    full: FullKey,
+    full: InlineKey,
     key: Box<str>,
     generation: Generation,
     token: ClaimToken,
