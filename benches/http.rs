@@ -243,7 +243,8 @@ impl Hasher for Fx {
             self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
         }
         for byte in chunks.remainder() {
-            self.0 = (self.0.rotate_left(5) ^ u64::from(*byte)).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+            self.0 =
+                (self.0.rotate_left(5) ^ u64::from(*byte)).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
         }
     }
 
@@ -363,7 +364,11 @@ where
                 .and_then(|k| k.to_str().ok())
                 .unwrap_or_default();
             let key = format!("14:http/anonymous{key}");
-            let bytes = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+            let bytes = body
+                .collect()
+                .await
+                .map(|c| c.to_bytes())
+                .unwrap_or_default();
             let mut hasher = <sha2::Sha256 as sha2::Digest>::new();
             for field in [
                 parts.method.as_str().as_bytes(),
@@ -388,7 +393,11 @@ where
                 .call(Request::from_parts(parts, Body::from(bytes)))
                 .await?;
             let (head, body) = response.into_parts();
-            let stored = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+            let stored = body
+                .collect()
+                .await
+                .map(|c| c.to_bytes())
+                .unwrap_or_default();
             table.complete(key, fingerprint, stored.clone());
             Ok(Response::from_parts(head, Body::from(stored)))
         })

@@ -556,7 +556,6 @@ pub(crate) enum Looked<T> {
     Owner(Claimed),
 }
 
-
 /// What [`acquire`] ended with.
 enum Acquired<T> {
     Replay(T),
@@ -780,10 +779,25 @@ where
         if tokio::task::try_id() != started_in
             && let Err(error) = &outcome
         {
-            claimed::failed(Some(&ledger), error);
+            failed(Some(&ledger), error);
         }
         outcome
     }
+}
+
+/// Counts and logs the `error` of a run whose caller is gone (`gone` is its ledger): nobody
+/// else sees it. A completion refused by a shutdown is no failure.
+fn failed(gone: Option<&Ledger>, error: &Error) {
+    let Some(ledger) = gone else {
+        return;
+    };
+    if matches!(error, Error::ShutDown { .. }) {
+        return;
+    }
+    Tally::bump(&ledger.tally.failures_after_caller_left);
+    let key = error.key().unwrap_or_default();
+    let error = claim::with_causes(error);
+    tracing::warn!(key, %error, "idempotency run failed after its caller left");
 }
 
 /// What `f` came to, as [`Error::from_run`] tells it, naming the key only in an error: a run

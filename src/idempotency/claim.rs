@@ -43,6 +43,8 @@ use crate::store::{Fault, guard, store_call};
 
 mod ticket;
 
+#[cfg(feature = "http")]
+pub(crate) use self::ticket::CompletedNow;
 pub(crate) use self::ticket::{Lapse, Renewer, Ticket};
 use self::ticket::{MAX_POLL, may_have_landed, renew_period};
 

@@ -10,7 +10,7 @@ use pin_project_lite::pin_project;
 use serde::Serialize;
 use throttlebeam_supervisors::CatchPanic;
 
-use super::claim::{Ledger, Tally, Ticket};
+use super::claim::{CompletedNow, Ledger, Ticket};
 use crate::error::Error;
 use crate::key::shown;
 
@@ -80,7 +80,7 @@ where
                 Err(panic) => {
                     let error = Error::panicked(ticket.key(), &panic);
                     ticket.release();
-                    failed(gone.as_deref(), &error);
+                    super::failed(gone.as_deref(), &error);
                     return Poll::Ready(Err(error));
                 }
             };
@@ -89,20 +89,20 @@ where
                 Err(e) => {
                     // The error is made only for a caller that is gone: this one has `handed`.
                     if gone.is_some() {
-                        failed(gone.as_deref(), &Error::failed(&shown(ticket.key()), e));
+                        super::failed(gone.as_deref(), &Error::failed(&shown(ticket.key()), e));
                     }
                     ticket.release();
                     return Poll::Ready(Ok(handed));
                 }
             };
             let (ticket, value) = match ticket.complete_now(value) {
-                Ok(completed) => {
+                CompletedNow::Done(completed) => {
                     if let Err(error) = completed {
-                        failed(gone.as_deref(), &error);
+                        super::failed(gone.as_deref(), &error);
                     }
                     return Poll::Ready(Ok(handed));
                 }
-                Err(waits) => waits,
+                CompletedNow::Waits(ticket, value) => (ticket, value),
             };
             // Boxed: a completion that waits is rare (a shared store).
             let ledger = ticket.ledger();
@@ -113,7 +113,7 @@ where
         if let Err(error) = completed
             && tokio::task::try_id() != started_in
         {
-            failed(Some(ledger), &error);
+            super::failed(Some(ledger), &error);
         }
         let (_, _, handed) = *this.completing.take().expect("just polled");
         Poll::Ready(Ok(handed))
@@ -124,19 +124,4 @@ where
 /// caller is gone.
 fn left(started_in: Option<tokio::task::Id>, ticket: &Ticket) -> Option<Arc<Ledger>> {
     (tokio::task::try_id() != started_in).then(|| ticket.ledger())
-}
-
-/// Counts and logs the `error` of a run whose caller is gone (`gone` is its ledger): nobody
-/// else sees it. A completion refused by a shutdown is no failure.
-pub(super) fn failed(gone: Option<&Ledger>, error: &Error) {
-    let Some(ledger) = gone else {
-        return;
-    };
-    if matches!(error, Error::ShutDown { .. }) {
-        return;
-    }
-    Tally::bump(&ledger.tally.failures_after_caller_left);
-    let key = error.key().unwrap_or_default();
-    let error = super::claim::with_causes(error);
-    tracing::warn!(key, %error, "idempotency run failed after its caller left");
 }

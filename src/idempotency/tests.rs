@@ -457,8 +457,7 @@ impl ResultStore for Shared {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_claim_gets_its_cell_from_its_first_waiter_and_one_made_after_shutdown_is_told_at_once()
-{
+async fn a_claim_gets_its_cell_from_its_first_waiter_and_one_made_after_shutdown_is_told_at_once() {
     let runtime = Runtime::builder().start().await.unwrap();
     let ledger = State::of(&runtime.core).ledger();
     let options = IdempotencyOptions::new();

@@ -11,8 +11,8 @@ use tokio::sync::oneshot;
 use tower_service::Service;
 
 use super::backend::{self, Looked, StoredResponse};
-use super::handler::{Handed, HandlerRun};
 use super::future::Exchange;
+use super::handler::{Handed, HandlerRun};
 use super::{Config, ScopeTooLong, refuse, replay, request, too_large};
 use crate::http::body::{BodyError, InBody, OutBody, RequestBody, ResponseBody};
 use crate::http::problem::{ProblemType, problem};

@@ -13,7 +13,7 @@ use crate::cell::RunCell;
 use crate::error::Error;
 use crate::idempotency::options::Fingerprint;
 use crate::idempotency::seam::{ClaimToken, IdempotencyStore, StoredResult};
-use crate::idempotency::store::{Form, Pending, Record, stored_result};
+use crate::idempotency::store::{Form, Record, stored_result};
 use crate::key::{InlineKey, shown};
 use crate::store::{StoreError, store_call};
 
@@ -267,6 +267,7 @@ impl Ticket {
 
     /// [`Ticket::renew_from`] owning what it needs: for a run that keeps its ticket beside
     /// its work instead of lending it.
+    #[cfg(feature = "http")]
     pub(crate) fn renewing(&self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
         let renewer = self.renewer();
         Box::pin(async move {
@@ -292,52 +293,54 @@ impl Ticket {
     /// [`Ticket::complete`] at once, when neither the store nor a shared store makes it wait
     /// (the in-memory table): the result is stored and the claim removed in one step, under
     /// the claim's lock, so a completing claim is never seen. Otherwise the ticket and the
-    /// value come back, for [`Ticket::complete`].
-    ///
-    /// # Errors
-    ///
-    /// As [`Ticket::complete`].
-    pub(crate) fn complete_now<T>(mut self, value: T) -> Result<Result<(), Error>, (Self, T)>
+    /// value come back, for [`Ticket::complete`]. A completion done at once fails as
+    /// [`Ticket::complete`] does.
+    #[cfg(feature = "http")]
+    pub(crate) fn complete_now<T>(mut self, value: T) -> CompletedNow<T>
     where
         T: Serialize + Send + Sync + 'static,
     {
+        use crate::idempotency::store::Pending;
+
         let ledger = &*self.ledger;
         if ledger.shared.is_some() || !ledger.store.answers_at_once() {
-            return Err((self, value));
+            return CompletedNow::Waits(self, value);
         }
         let record = match Record::new(ledger.store.form(), self.fingerprint, value) {
             Ok(record) => record,
             Err(e) => {
                 let error = unavailable(self.key(), Arc::new(e));
                 self.release_now();
-                return Ok(Err(error));
+                return CompletedNow::Done(Err(error));
             }
         };
         let (generation, token) = (self.generation, self.token);
         let mut ended = Ended::NotOurs;
         let mut record = Some(record);
-        let removed = ledger.claims.remove_if(self.full.as_bytes(), generation, |claim| {
-            if claim.token != token {
-                return false;
-            }
-            ended = if ledger.is_closed() {
-                Ended::Closed
-            } else {
-                let record = record.take().expect("stored once");
-                // Waiters replay the record too: cloned only when there are any.
-                let kept = claim.cell.is_some().then(|| record.clone());
-                // A table that answers at once stores at once: nothing is awaited under the
-                // lock.
-                match ledger.store.put(&self.full, record, self.ttl) {
-                    Pending::Ready(Ok(())) => Ended::Stored(kept),
-                    Pending::Ready(Err(e)) => Ended::Failed(e),
-                    Pending::Later(_) => Ended::Failed(Arc::new(std::io::Error::other(
-                        "a store that answers at once answered later",
-                    ))),
+        let removed = ledger
+            .claims
+            .remove_if(self.full.as_bytes(), generation, |claim| {
+                if claim.token != token {
+                    return false;
                 }
-            };
-            true
-        });
+                ended = if ledger.is_closed() {
+                    Ended::Closed
+                } else {
+                    let record = record.take().expect("stored once");
+                    // Waiters replay the record too: cloned only when there are any.
+                    let kept = claim.cell.is_some().then(|| record.clone());
+                    // A table that answers at once stores at once: nothing is awaited under the
+                    // lock.
+                    match ledger.store.put(&self.full, record, self.ttl) {
+                        Pending::Ready(Ok(())) => Ended::Stored(kept),
+                        Pending::Ready(Err(e)) => Ended::Failed(e),
+                        Pending::Later(_) => Ended::Failed(Arc::new(std::io::Error::other(
+                            "a store that answers at once answered later",
+                        ))),
+                    }
+                };
+                true
+            });
         self.held = false;
         let waiters = removed.and_then(|claim| claim.cell);
         let outcome = match ended {
@@ -345,11 +348,11 @@ impl Ticket {
                 if let (Some(cell), Some(record)) = (waiters, kept) {
                     cell.set(Ok(Settled::Done(record)));
                 }
-                return Ok(Ok(()));
+                return CompletedNow::Done(Ok(()));
             }
             Ended::NotOurs => {
                 tracing::debug!(key = %shown(self.key()), "idempotency completion rejected: lease lost");
-                return Ok(Err(Error::LeaseLost {
+                return CompletedNow::Done(Err(Error::LeaseLost {
                     key: shown(self.key()),
                 }));
             }
@@ -362,7 +365,7 @@ impl Ticket {
         if let Some(cell) = waiters {
             cell.set(Ok(Settled::Released));
         }
-        Ok(Err(outcome))
+        CompletedNow::Done(Err(outcome))
     }
 
     /// Stores `value` as the key's result and wakes the waiters.
@@ -560,12 +563,12 @@ impl Ticket {
             return None;
         }
         let token = self.token;
-        let removed = self
-            .ledger
-            .claims
-            .remove_if(self.full.as_bytes(), self.generation, |claim| {
-                claim.token == token
-            });
+        let removed =
+            self.ledger
+                .claims
+                .remove_if(self.full.as_bytes(), self.generation, |claim| {
+                    claim.token == token
+                });
         self.fence = None;
         self.lapse = None;
         removed.and_then(|claim| claim.cell)
@@ -614,7 +617,17 @@ impl Ticket {
     }
 }
 
+/// What [`Ticket::complete_now`] came to.
+#[cfg(feature = "http")]
+pub(crate) enum CompletedNow<T> {
+    /// Completed (or failed) at once.
+    Done(Result<(), Error>),
+    /// The store makes it wait: the ticket and the value, for [`Ticket::complete`].
+    Waits(Ticket, T),
+}
+
 /// How [`Ticket::complete_now`] found its claim.
+#[cfg(feature = "http")]
 enum Ended {
     /// Stored; the record again for the waiters, if any.
     Stored(Option<Record>),
