@@ -138,13 +138,18 @@ where
                         }
                     };
                     let pending = pending.take().expect("polled after completion");
+                    // An answer made at once, or a run that ends at its first poll (most do),
+                    // returns from here: the future is not rewritten for it.
                     match pending.decide(outcome) {
-                        Decided::Answer(response) => Kind::Ready {
-                            response: Some(response),
-                        },
-                        Decided::Claimed(claimed) => Kind::Claimed {
-                            claimed: Some(claimed),
-                        },
+                        Decided::Answer(response) => return Poll::Ready(Ok(response)),
+                        Decided::Claimed(mut claimed) => {
+                            if let Poll::Ready(ran) = Pin::new(&mut claimed.run).poll(cx) {
+                                return Poll::Ready(claimed.finish(ran));
+                            }
+                            Kind::Claimed {
+                                claimed: Some(claimed),
+                            }
+                        }
                         Decided::Run(exchange) => Kind::Guarded { exchange },
                     }
                 }
