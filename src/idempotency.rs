@@ -12,6 +12,8 @@
 #[cfg(feature = "redis")]
 mod backend;
 mod claim;
+#[cfg(feature = "http")]
+mod claimed;
 mod config;
 mod full_key;
 mod options;
@@ -35,6 +37,10 @@ use throttlebeam_supervisors::catch_panic_fn;
 use tokio::time::Instant;
 
 use self::claim::{Ledger, Settled, Step, Tally, Ticket};
+#[cfg(feature = "http")]
+pub(crate) use self::claimed::Claimed;
+#[cfg(feature = "http")]
+use self::claimed::ClaimedRun;
 #[cfg(feature = "http")]
 pub(crate) use self::options::Fingerprint;
 pub use self::options::{IdempotencyOptions, InFlight};
@@ -325,47 +331,47 @@ impl IdempotencyHandle {
     /// result, or the key now held by this caller (run it with
     /// [`IdempotencyHandle::run_claim`]); `None` when only [`IdempotencyHandle::run_after_miss`]
     /// can tell (the key is in flight, or the store answers later). What `run_with` does
-    /// first, without building a future.
+    /// first, without building a future, for a request with `fingerprint` instead of the
+    /// one of `options` (so a caller's options can be shared by every request, unchanged).
     #[cfg(feature = "http")]
     pub(crate) fn look<T>(
         &self,
         key: &str,
         options: &IdempotencyOptions,
+        fingerprint: Option<Fingerprint>,
     ) -> Result<Option<Looked<T>>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        let ledger = &self.state.ledger;
-        if let Some(value) = fast_replay(&self.runtime.core, ledger, key, options)? {
-            return Ok(Some(Looked::Replay(value)));
-        }
-        Ok(match ledger.claim_now(key, options)? {
-            Some(Step::Replay(value)) => Some(Looked::Replay(value)),
-            Some(Step::Owner(ticket)) => Some(Looked::Owner(Claimed(ticket))),
-            Some(Step::Wait { .. } | Step::Remote { .. }) | None => None,
-        })
+        check_key(key)?;
+        options.check(key)?;
+        self.runtime.core.check_open(key)?;
+        self.state.ledger.look_now(key, options, fingerprint)
     }
 
-    /// Runs `f` as the process of the key `claim` holds (`key`, as `claim` was looked up
-    /// with), as [`IdempotencyHandle::run_with`] does once it holds a key: its value is
-    /// stored (or the key released) before the run ends. Dropped before it ends, the run
-    /// moves into a process of its own.
+    /// Runs `work` as the process of the key `claim` holds (`key`, as `claim` was looked up
+    /// with), as [`IdempotencyHandle::run_with`] does once it holds a key: the value `work`
+    /// comes to is stored (or the key released) before the run ends. `work` also comes to
+    /// what its caller gets back besides that value (the run's output; an error when `work`
+    /// panicked), so the value is never cloned for the caller. Dropped before it ends, the
+    /// run moves into a process of its own.
     #[cfg(feature = "http")]
-    pub(crate) fn run_claim<T, J>(
+    pub(crate) fn run_claim<T, E, H, W>(
         &self,
         key: &str,
         claim: Claimed,
-        f: J,
-    ) -> Result<throttlebeam_supervisors::RunHere<Result<T, Error>>, Error>
+        work: W,
+    ) -> Result<throttlebeam_supervisors::RunHere<Result<H, Error>>, Error>
     where
-        J: Job<T>,
-        T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
+        W: Future<Output = (Result<T, E>, H)> + Send + 'static,
+        E: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
+        H: Send + 'static,
+        T: Serialize + Send + Sync + 'static,
     {
-        let Claimed(ticket) = claim;
         // Boxed where it is built, as in `run_claimed`.
         self.runtime
             .core
-            .run_here_boxed(key, Box::pin(owned_run(ticket, f)))
+            .run_here_boxed(key, Box::pin(ClaimedRun::new(claim, work)))
     }
 
     /// [`IdempotencyHandle::run_with`] past its replay fast path (or for a caller that has
@@ -549,10 +555,6 @@ pub(crate) enum Looked<T> {
     /// The key is now this caller's.
     Owner(Claimed),
 }
-
-/// A key claimed by [`IdempotencyHandle::look`]: dropped unrun, it is released.
-#[cfg(feature = "http")]
-pub(crate) struct Claimed(Ticket);
 
 /// What [`acquire`] ended with.
 enum Acquired<T> {
@@ -774,16 +776,28 @@ where
                 Err(e)
             }
         };
-        if let Err(error) = &outcome
-            && tokio::task::try_id() != started_in
+        if tokio::task::try_id() != started_in
+            && let Err(error) = &outcome
         {
-            Tally::bump(&ledger.tally.failures_after_caller_left);
-            let key = error.key().unwrap_or_default();
-            let error = claim::with_causes(error);
-            tracing::warn!(key, %error, "idempotency run failed after its caller left");
+            failed(Some(&ledger), error);
         }
         outcome
     }
+}
+
+/// Counts and logs the `error` of a run whose caller is gone (`gone` is its ledger): nobody
+/// else sees it. A completion refused by a shutdown is no failure.
+fn failed(gone: Option<&Ledger>, error: &Error) {
+    let Some(ledger) = gone else {
+        return;
+    };
+    if matches!(error, Error::ShutDown { .. }) {
+        return;
+    }
+    Tally::bump(&ledger.tally.failures_after_caller_left);
+    let key = error.key().unwrap_or_default();
+    let error = claim::with_causes(error);
+    tracing::warn!(key, %error, "idempotency run failed after its caller left");
 }
 
 /// What `f` came to, as [`Error::from_run`] tells it, naming the key only in an error: a run

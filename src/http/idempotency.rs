@@ -3,8 +3,10 @@
 mod backend;
 mod exchange;
 mod future;
+mod handler;
 mod request;
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -80,27 +82,31 @@ impl Config {
         self
     }
 
-    /// The options of a request whose head is `parts`, scoped, without its fingerprint.
-    fn options(&self, parts: &Parts) -> Result<IdempotencyOptions, ScopeTooLong> {
+    /// The options of a request whose head is `parts`, scoped, without its fingerprint:
+    /// borrowed when the scope is one every request of its kind shares (no credentials, or
+    /// one namespace), built for a scope of the request's own.
+    fn options(&self, parts: &Parts) -> Result<Cow<'_, IdempotencyOptions>, ScopeTooLong> {
         let credentials = || {
             if request::has_credentials(&parts.headers) {
-                self.base
-                    .clone()
-                    .with_scope(request::credentials_scope(&parts.headers))
+                Cow::Owned(
+                    self.base
+                        .clone()
+                        .with_scope(request::credentials_scope(&parts.headers)),
+                )
             } else {
-                self.anonymous.clone()
+                Cow::Borrowed(&self.anonymous)
             }
         };
         Ok(match &self.scope {
             Scope::Credentials => credentials(),
-            Scope::Shared => self.base.clone(),
+            Scope::Shared => Cow::Borrowed(&self.base),
             Scope::Tenant(f) => match f(parts) {
                 Some(tenant) => {
                     let scope = request::tenant_scope(&tenant);
                     if scope.len() > MAX_KEY_LEN {
                         return Err(ScopeTooLong(tenant.len()));
                     }
-                    self.base.clone().with_scope(scope)
+                    Cow::Owned(self.base.clone().with_scope(scope))
                 }
                 None => credentials(),
             },

@@ -34,6 +34,8 @@ use super::full_key::{with_full_key, with_full_key_bytes};
 use super::options::{Fingerprint, IdempotencyOptions};
 use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, KeyChanged};
 use super::store::{Pending, Record, ResultStore};
+#[cfg(feature = "http")]
+use super::{Claimed, Looked};
 use crate::cell::RunCell;
 use crate::error::{BoxError, Error};
 use crate::key::{InlineKey, shown};
@@ -41,6 +43,8 @@ use crate::store::{Fault, guard, store_call};
 
 mod ticket;
 
+#[cfg(feature = "http")]
+pub(crate) use self::ticket::CompletedNow;
 pub(crate) use self::ticket::{Lapse, Renewer, Ticket};
 use self::ticket::{MAX_POLL, may_have_landed, renew_period};
 
@@ -61,7 +65,9 @@ struct Claim {
     lease_until: Instant,
     /// Set once the holder is storing its result; no takeover after that.
     completing: bool,
-    cell: Arc<RunCell<Settled>>,
+    /// Where the claim's end is told, made by the first caller that waits for it: a claim
+    /// nobody waits for (most) costs no cell.
+    cell: Option<Arc<RunCell<Settled>>>,
 }
 
 /// What one look at a key found.
@@ -89,10 +95,13 @@ pub(crate) enum Step<T> {
 /// whose waiters must be woken) or wait.
 enum Joined<T> {
     /// The claim's generation, its key as the registry stored it (shared with the ticket),
-    /// and the cell of a holder whose lapsed claim this one took over.
-    Claimed(Generation, InlineKey, Option<Arc<RunCell<Settled>>>),
+    /// and the lapsed claim this one took over, if any.
+    Claimed(Generation, InlineKey, Option<Superseded>),
     Wait(Step<T>),
 }
+
+/// A lapsed claim taken over: the cell its waiters wait on, if any.
+struct Superseded(Option<Arc<RunCell<Settled>>>);
 
 /// Counters of what the ledger decided, for [`crate::idempotency::IdempotencyStats`].
 #[derive(Debug, Default)]
@@ -163,47 +172,78 @@ impl Ledger {
         })
     }
 
-    /// Claims the key at once when nothing needs waiting for: the key is free (this caller
-    /// now holds it), or completed since the replay fast path read it (replayed). `None` when
-    /// only [`Ledger::attempt`] can tell: the key is in flight (wait for it, or reject), or
-    /// the store answers later (a shared store, a remote result store).
+    /// What a look finds at once, with the full key built once: the stored result (the
+    /// replay fast path), else the key claimed if it is free, when it still has no result
+    /// once claimed (a completion may land between the read and the claim). `None` when only
+    /// [`Ledger::attempt`] can tell: the key is in flight (wait for it, or reject), or the
+    /// store answers later (a shared store, a remote result store).
     ///
-    /// The same steps as `attempt` on a store that answers at once (the caller has taken the
-    /// replay fast path), without a future.
+    /// `fingerprint` stands for the fingerprint of `options`: a caller whose options are
+    /// shared by every request keeps each request's apart.
     #[cfg(feature = "http")]
-    pub(crate) fn claim_now<T>(
+    pub(crate) fn look_now<T>(
         self: &Arc<Self>,
         key: &str,
         options: &IdempotencyOptions,
-    ) -> Result<Option<Step<T>>, Error>
+        fingerprint: Option<Fingerprint>,
+    ) -> Result<Option<Looked<T>>, Error>
     where
         T: DeserializeOwned + Clone + 'static,
     {
         if self.shared.is_some() || !self.store.answers_at_once() {
             return Ok(None);
         }
-        let now = Instant::now();
-        let ticket = match with_full_key_bytes(options.scope(), key, |full| {
-            self.join::<T>(full, key, options, now)
-        })? {
+        with_full_key_bytes(options.scope(), key, |full| {
+            match self.read_now::<T>(full, key, fingerprint.as_ref()) {
+                Some(found) => found.map(|value| Some(Looked::Replay(value))),
+                None => self.claim_now(full, key, options, fingerprint),
+            }
+        })
+    }
+
+    /// [`Ledger::look_now`] past a read that found nothing: claims the key if it is free.
+    /// Out of line, so the replay path's frame stays small.
+    #[cfg(feature = "http")]
+    #[inline(never)]
+    fn claim_now<T>(
+        self: &Arc<Self>,
+        full: &[u8],
+        key: &str,
+        options: &IdempotencyOptions,
+        fingerprint: Option<Fingerprint>,
+    ) -> Result<Option<Looked<T>>, Error>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        let ticket = match self.join::<T>(full, key, options, fingerprint, Instant::now())? {
             Step::Owner(ticket) => ticket,
             _ => return Ok(None),
         };
-        // A result stored between the fast path's read and the claim. (An early return drops
-        // the ticket, which releases the key.)
-        let found = match self.store.get_stored(&ticket.full, now) {
-            Pending::Ready(found) => found.map_err(|e| unavailable(key, e))?,
-            Pending::Later(_) => return Ok(None),
-        };
-        match found {
-            Some(record) => self
-                .replay(&record, key, options.fingerprint().as_ref())
-                .map(|value| Some(Step::Replay(value))),
-            None => {
-                Tally::bump(&self.tally.fresh);
-                Ok(Some(Step::Owner(ticket)))
-            }
+        // An early return drops the ticket, which releases the key.
+        if let Some(found) = self.read_now::<T>(full, key, ticket.fingerprint.as_ref()) {
+            return found.map(|value| Some(Looked::Replay(value)));
         }
+        Tally::bump(&self.tally.fresh);
+        Ok(Some(Looked::Owner(Claimed(ticket))))
+    }
+
+    /// The stored result of `full` for `key`'s caller, read at once from a store that answers
+    /// at once.
+    #[cfg(feature = "http")]
+    fn read_now<T>(
+        &self,
+        full: &[u8],
+        key: &str,
+        fingerprint: Option<&Fingerprint>,
+    ) -> Option<Result<T, Error>>
+    where
+        T: DeserializeOwned + Clone + 'static,
+    {
+        let mut out = None;
+        self.store.read_now(full, &mut |record| {
+            out = Some(self.replay(record, key, fingerprint));
+        });
+        out
     }
 
     /// One look at the key: replay it, claim it, or wait for its holder.
@@ -221,7 +261,7 @@ impl Ledger {
     {
         if let Some(shared) = &self.shared {
             let ticket = match with_full_key(options.scope(), key, |full| {
-                self.join(full.as_bytes(), key, options, now)
+                self.join(full.as_bytes(), key, options, options.fingerprint(), now)
             })? {
                 Step::Owner(ticket) => ticket,
                 other => return Ok(other),
@@ -249,7 +289,7 @@ impl Ledger {
         };
         // The full key on the stack: a claim needs it only as bytes.
         let ticket = match with_full_key_bytes(options.scope(), key, |full| {
-            self.join(full, key, options, now)
+            self.join(full, key, options, options.fingerprint(), now)
         })? {
             Step::Owner(ticket) => ticket,
             other => return Ok(other),
@@ -402,23 +442,23 @@ impl Ledger {
         }
     }
 
-    /// Claims a free or lapsed key, or joins the live claim on it.
+    /// Claims a free or lapsed key, or joins the live claim on it, for a caller whose
+    /// request has `fingerprint` (and the other settings of `options`).
     fn join<T>(
         self: &Arc<Self>,
         full: &[u8],
         key: &str,
         options: &IdempotencyOptions,
+        fingerprint: Option<Fingerprint>,
         now: Instant,
     ) -> Result<Step<T>, Error> {
-        let fingerprint = options.fingerprint();
         let token = ClaimToken::new();
-        let cell = RunCell::new();
         let fresh = Claim {
             token,
             fingerprint,
             lease_until: now + options.lease(),
             completing: false,
-            cell: Arc::clone(&cell),
+            cell: None,
         };
         let joined = self.claims.update_with(
             full,
@@ -432,8 +472,9 @@ impl Ledger {
                             Tally::bump(&self.tally.fingerprint_mismatches);
                             return Err(Error::FingerprintMismatch { key: shown(key) });
                         }
+                        let cell = claim.cell.get_or_insert_with(|| self.new_cell());
                         return Ok(Joined::Wait(Step::Wait {
-                            cell: Arc::clone(&claim.cell),
+                            cell: Arc::clone(cell),
                             lease_until: (!claim.completing).then_some(claim.lease_until),
                         }));
                     }
@@ -442,7 +483,7 @@ impl Ledger {
                     Ok(Joined::Claimed(
                         generation,
                         InlineKey::from_bytes(full),
-                        Some(old.cell),
+                        Some(Superseded(old.cell)),
                     ))
                 }
                 SlotEntry::Vacant(vacant) => {
@@ -461,11 +502,13 @@ impl Ledger {
             Joined::Claimed(generation, stored, superseded) => (generation, stored, superseded),
             Joined::Wait(wait) => return Ok(wait),
         };
-        if let Some(old) = superseded {
+        if let Some(Superseded(old)) = superseded {
             Tally::bump(&self.tally.takeovers);
             tracing::debug!(key = %shown(key), "idempotency lease lapsed; key taken over");
             // Wakes the old holder's waiters; they will find the new claim.
-            old.set(Ok(Settled::Released));
+            if let Some(old) = old {
+                old.set(Ok(Settled::Released));
+            }
         }
         Ok(Step::Owner(Ticket {
             ledger: Arc::clone(self),
@@ -478,12 +521,21 @@ impl Ledger {
             ttl: options.ttl(),
             lease: options.lease(),
             claimed_at: now,
-            cell,
             held: true,
             fence: None,
             lapse: None,
             unanswered: false,
         }))
+    }
+
+    /// The cell a claim's first waiter makes; after shutdown it is told at once (the
+    /// shutdown's pass over the claims has gone by, or will tell it).
+    fn new_cell(&self) -> Arc<RunCell<Settled>> {
+        let cell = RunCell::new();
+        if self.is_closed() {
+            cell.set(Ok(Settled::Released));
+        }
+        cell
     }
 
     /// Pushes the lease of the claim `(generation, token)` on `full` out to
@@ -535,7 +587,7 @@ impl Ledger {
         self.closed.store(true, Ordering::Release);
         let mut cells = Vec::new();
         self.claims.retain(|_, claim| {
-            cells.push(Arc::clone(&claim.cell));
+            cells.extend(claim.cell.clone());
             true
         });
         for cell in cells {

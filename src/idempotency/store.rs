@@ -300,10 +300,9 @@ pub(crate) struct ResultTable {
     // Records inline in the table: a replay touches the entry and the value. Expiries on
     // the windows' clock: a replay reads the time as a throttled call does, from the TSC.
     table: Arc<TtlTable<InlineKey, Record, WindowClock>>,
-    /// When the last eviction warning was logged, in ms after `base`
+    /// When the last eviction warning was logged, in ms on the table's clock
     /// (`u64::MAX`: never).
     warned_at: AtomicU64,
-    base: Instant,
 }
 
 /// Evictions are logged at warn at most this often.
@@ -332,13 +331,13 @@ impl ResultTable {
                 .with_max_weight(max_bytes, weigh)
                 .swept_by(sweeper),
             warned_at: AtomicU64::new(u64::MAX),
-            base: Instant::now(),
         }
     }
 
     /// Logs evictions at warn, at most once per [`WARN_EVERY`].
     fn evicted(&self, n: usize) {
-        let now = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+        // The table's clock: every eviction reads it, and it is cheaper than tokio's.
+        let now = self.table.now_ns() / 1_000_000;
         let last = self.warned_at.load(Ordering::Relaxed);
         let due = last == u64::MAX || now.saturating_sub(last) >= WARN_EVERY.as_millis() as u64;
         if due

@@ -455,3 +455,41 @@ impl ResultStore for Shared {
         self.0.close();
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_claim_gets_its_cell_from_its_first_waiter_and_one_made_after_shutdown_is_told_at_once() {
+    let runtime = Runtime::builder().start().await.unwrap();
+    let ledger = State::of(&runtime.core).ledger();
+    let options = IdempotencyOptions::new();
+    let (now, deadline) = (Instant::now(), Instant::now() + Duration::from_secs(1));
+    let claim = |key: &'static str| {
+        let ledger = Arc::clone(&ledger);
+        let options = options.clone();
+        async move {
+            match ledger.attempt::<u32>(key, &options, now, deadline).await {
+                Ok(Step::Owner(ticket)) => ticket,
+                _ => panic!("a free key is claimed"),
+            }
+        }
+    };
+    let wait = |key: &'static str| {
+        let ledger = Arc::clone(&ledger);
+        let options = options.clone();
+        async move {
+            match ledger.attempt::<u32>(key, &options, now, deadline).await {
+                Ok(Step::Wait { cell, .. }) => cell,
+                _ => panic!("a held key is waited for"),
+            }
+        }
+    };
+    let (waited, unwaited) = (claim("a").await, claim("b").await);
+    let (first, second) = (wait("a").await, wait("a").await);
+    assert!(Arc::ptr_eq(&first, &second), "one cell per claim");
+    assert!(first.get().is_none());
+    ledger.shutdown();
+    assert!(matches!(first.get(), Some(Ok(Settled::Released))));
+    // "b" had no waiter when the shutdown passed: its first one is told at once.
+    let late = wait("b").await;
+    assert!(matches!(late.get(), Some(Ok(Settled::Released))));
+    drop((waited, unwaited));
+}

@@ -195,6 +195,12 @@ where
         table
     }
 
+    /// The table's clock now, in nanoseconds after its base: the scale of every expiry, and
+    /// a reading as cheap as the clock (a timestamp counter, say).
+    pub fn now_ns(&self) -> u64 {
+        self.clock.now_ns()
+    }
+
     /// The cap set with [`TtlTable::with_max_len`], if any.
     pub fn max_len(&self) -> Option<usize> {
         self.bound.as_ref().map(|bound| bound.max_len)

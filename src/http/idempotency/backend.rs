@@ -14,7 +14,7 @@ use crate::job::Job;
 use throttlebeam_supervisors::RunHere;
 
 use crate::idempotency::{
-    Claimed, IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, InFlight,
+    Claimed, Fingerprint, IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, InFlight,
 };
 
 /// A stored response: one serializable envelope, so a shared store can keep it as it is.
@@ -113,31 +113,35 @@ where
 /// What [`look`] found at once.
 pub(super) type Looked = crate::idempotency::Looked<StoredResponse>;
 
-/// The run of a claimed key: its stored response, or why there is none.
-pub(super) type ClaimRun = RunHere<Result<StoredResponse, Error>>;
+/// The run of a claimed key: what the handler handed back (its response, stored or not), or
+/// the error of its panic.
+pub(super) type ClaimRun<H> = RunHere<Result<H, Error>>;
 
-/// The stored response of `key`, or the key claimed for this request, when either can be
-/// had at once; `None` when only [`run`] can tell (the key is in flight, or the store
-/// answers later).
+/// The stored response of `key`, or the key claimed for this request (whose fingerprint is
+/// `fingerprint`), when either can be had at once; `None` when only [`run`] can tell (the
+/// key is in flight, or the store answers later).
 pub(super) fn look(
     idempotency: &IdempotencyHandle,
     key: &str,
     options: &IdempotencyOptions,
+    fingerprint: Fingerprint,
 ) -> Result<Option<Looked>, Error> {
-    idempotency.look(key, options)
+    idempotency.look(key, options, Some(fingerprint))
 }
 
-/// Runs `f` for the key [`look`] claimed: the handler's run, stored when it succeeds.
-pub(super) fn run_claim<J>(
+/// Runs `work` for the key [`look`] claimed: the handler's run, its response stored when
+/// `work` comes to one to store, and handed back to the caller either way.
+pub(super) fn run_claim<H, W>(
     idempotency: &IdempotencyHandle,
     key: &str,
     claim: Claimed,
-    f: J,
-) -> Result<ClaimRun, Error>
+    work: W,
+) -> Result<ClaimRun<H>, Error>
 where
-    J: Job<StoredResponse, Error = NotStored>,
+    W: Future<Output = (Result<StoredResponse, NotStored>, H)> + Send + 'static,
+    H: Send + 'static,
 {
-    idempotency.run_claim(key, claim, f)
+    idempotency.run_claim(key, claim, work)
 }
 
 /// The handler's response was handed back but not stored (a 5xx, too large, or its body

@@ -6,22 +6,19 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use http::request::Parts;
 use http::{HeaderMap, Request, Response};
-use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError};
+use http_body_util::LengthLimitError;
 use tokio::sync::oneshot;
 use tower_service::Service;
 
-use super::backend::{self, Looked, NotStored, StoredResponse};
+use super::backend::{self, Looked, StoredResponse};
 use super::future::Exchange;
-use super::{Config, ScopeTooLong, is_grpc, refuse, replay, request, too_large};
+use super::handler::{Handed, HandlerRun};
+use super::{Config, ScopeTooLong, refuse, replay, request, too_large};
 use crate::http::body::{BodyError, InBody, OutBody, RequestBody, ResponseBody};
 use crate::http::problem::{ProblemType, problem};
 use crate::http::stats::bump;
 use crate::idempotency::{IdempotencyOptions, IdempotencyOutcome};
 use crate::key::MAX_KEY_LEN;
-
-/// What the handler's run hands back to its caller, stored or not.
-type Handed<B, E> = Result<Response<ResponseBody<B>>, E>;
 
 /// A guarded request whose body is being read.
 pub(super) struct Pending<S> {
@@ -32,7 +29,7 @@ pub(super) struct Pending<S> {
 }
 
 /// What a guarded request becomes once its body is read.
-pub(super) enum Decided<B, E> {
+pub(super) enum Decided<B: Send + 'static, E: Send + 'static> {
     /// Answered at once: a replay or a refusal; the run was never built.
     Answer(Response<ResponseBody<B>>),
     /// The key is this request's: the handler runs as the key's process.
@@ -42,24 +39,27 @@ pub(super) enum Decided<B, E> {
 }
 
 /// A request whose key it claimed at once, while the handler runs as the key's process: the
-/// run, and where the handler's response comes back.
-pub(super) struct Claimed<B, E> {
-    pub(super) run: backend::ClaimRun,
-    rx: oneshot::Receiver<Handed<B, E>>,
+/// run, which comes to the handler's response.
+pub(super) struct Claimed<B: Send + 'static, E: Send + 'static> {
+    pub(super) run: backend::ClaimRun<Handed<B, E>>,
     config: Arc<Config>,
-    key: String,
 }
 
-impl<B, E> Claimed<B, E> {
-    /// The answer once the run ended with `ran`.
-    pub(super) fn finish(self, ran: Result<StoredResponse, crate::Error>) -> Handed<B, E> {
-        let Self {
-            mut rx,
-            config,
-            key,
-            ..
-        } = self;
-        answer(&config, &key, &mut rx, ran.map(IdempotencyOutcome::Fresh))
+impl<B: Send + 'static, E: Send + 'static> Claimed<B, E> {
+    /// The answer once the run ended with `ran`: the handler's own response (stored or not),
+    /// or the refusal of a handler that panicked.
+    pub(super) fn finish(self, ran: Result<Handed<B, E>, crate::Error>) -> Handed<B, E> {
+        let counters = &self.config.counters;
+        match ran {
+            Ok(handed) => {
+                bump(&counters.fresh);
+                handed
+            }
+            Err(err) => {
+                let refusal = backend::refusal(&err, self.config.fail_fast);
+                Ok(refuse(&refusal, err.key().unwrap_or_default(), counters))
+            }
+        }
     }
 }
 
@@ -96,7 +96,7 @@ impl<S> Pending<S> {
             }
         };
         let options = match config.options(&parts) {
-            Ok(options) => options.with_fingerprint_digest(request::fingerprint(&parts, &bytes)),
+            Ok(options) => options,
             Err(ScopeTooLong(len)) => {
                 bump(&config.counters.invalid);
                 return Decided::Answer(problem(
@@ -108,7 +108,8 @@ impl<S> Pending<S> {
                 ));
             }
         };
-        let claim = match backend::look(&config.idempotency, &key, &options) {
+        let fingerprint = request::fingerprint(&parts, &bytes);
+        let claim = match backend::look(&config.idempotency, &key, &options, fingerprint) {
             Ok(Some(Looked::Replay(stored))) => {
                 bump(&config.counters.replays);
                 return Decided::Answer(replay(&stored));
@@ -123,20 +124,16 @@ impl<S> Pending<S> {
         let request =
             Request::from_parts(parts, RequestBody::buffered_with_trailers(bytes, trailers));
         let Some(claim) = claim else {
+            let options = options.into_owned().with_fingerprint_digest(fingerprint);
             return Decided::Run(Box::pin(exchange(config, inner, request, key, options)));
         };
+        // Its borrow of `config` ends here: the run takes `config`.
+        drop(options);
         // The key is ours: run the handler as its process, without the waits of a full run.
-        let (tx, rx) = oneshot::channel::<Handed<ResB, S::Error>>();
-        let job = Box::new(Handling { inner, request, tx });
         let run_config = Arc::clone(&config);
-        let handler = move || handler_run(run_config, job);
+        let handler = HandlerRun::new(run_config, inner, request);
         match backend::run_claim(&config.idempotency, &key, claim, handler) {
-            Ok(run) => Decided::Claimed(Claimed {
-                run,
-                rx,
-                config,
-                key,
-            }),
+            Ok(run) => Decided::Claimed(Claimed { run, config }),
             Err(err) => Decided::Answer(refuse(
                 &backend::refusal(&err, config.fail_fast),
                 &key,
@@ -170,8 +167,8 @@ impl<S, ReqB, ResB> Guarded<ReqB, ResB> for S where
 {
 }
 
-/// What the handler's run takes: the service, the request and where to hand its response.
-/// Boxed, so the futures that carry it to the run stay small.
+/// What the handler's run takes on the general path: the service, the request and where to
+/// hand its response. Boxed, so the futures that carry it to the run stay small.
 struct Handling<S, ReqB, ResB, E> {
     inner: S,
     request: Request<RequestBody<ReqB>>,
@@ -202,61 +199,17 @@ where
     async move {
         let mut rx = rx;
         let run_config = Arc::clone(&config);
-        let handler = move || handler_run(run_config, job);
-        let result = backend::run(&config.idempotency, &key, options, handler).await;
-        answer(&config, &key, &mut rx, result)
-    }
-}
-
-/// The handler's run for `handling`: calls the service, hands its response back (whole, or
-/// streaming when it is not stored) and returns what to store.
-///
-/// A plain function around an `async move` block, not an `async fn`, which would keep its
-/// arguments twice in its future.
-#[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
-fn handler_run<S, ReqB, ResB>(
-    config: Arc<Config>,
-    job: Box<Handling<S, ReqB, ResB, S::Error>>,
-) -> impl Future<Output = Result<StoredResponse, NotStored>> + Send + 'static
-where
-    S: Guarded<ReqB, ResB>,
-    ReqB: InBody,
-    ResB: OutBody,
-{
-    async move {
-        let Handling {
-            mut inner,
-            request,
-            tx,
-        } = *job;
-        let response = match inner.call(request).await {
-            Ok(response) => response,
-            Err(err) => {
-                let _ = tx.send(Err(err));
-                return Err(NotStored);
+        let handler = move || {
+            let Handling { inner, request, tx } = *job;
+            let run = HandlerRun::new(run_config, inner, request);
+            async move {
+                let (stored, handed) = run.await;
+                let _ = tx.send(handed);
+                stored
             }
         };
-        let (head, body) = response.into_parts();
-        // gRPC answers in trailers and may stream: it passes as it comes.
-        if !(config.store_when)(head.status) || is_grpc(&head.headers) {
-            let _ = tx.send(Ok(Response::from_parts(
-                head,
-                ResponseBody::streaming(body),
-            )));
-            return Err(NotStored);
-        }
-        match buffer(body, config.max_stored).await {
-            Buffered::Whole(bytes) => {
-                let stored =
-                    StoredResponse::new(head.status, &head.headers, &config.keep, bytes.clone());
-                let _ = tx.send(Ok(Response::from_parts(head, ResponseBody::full(bytes))));
-                Ok(stored)
-            }
-            Buffered::Partial(body) => {
-                let _ = tx.send(Ok(Response::from_parts(head, body)));
-                Err(NotStored)
-            }
-        }
+        let result = backend::run(&config.idempotency, &key, options, handler).await;
+        answer(&config, &key, &mut rx, result)
     }
 }
 
@@ -319,7 +272,7 @@ impl BodyRead {
     }
 
     /// How many bytes were read so far.
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         if self.rest.is_empty() {
             self.first.len()
         } else {
@@ -342,9 +295,11 @@ impl BodyRead {
 #[cfg(test)]
 pub(super) async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, BodyError>
 where
-    B: Body<Data = Bytes>,
+    B: http_body::Body<Data = Bytes>,
     B::Error: Into<BodyError>,
 {
+    use http_body_util::BodyExt;
+
     let mut body = std::pin::pin!(http_body_util::Limited::new(body, limit));
     let mut read = BodyRead::default();
     while let Some(frame) = body.frame().await {
@@ -354,49 +309,4 @@ where
         }
     }
     Ok(read.finish().0)
-}
-
-enum Buffered<B> {
-    Whole(Bytes),
-    /// Over the limit, or failed: what was read, then the rest (or the error).
-    Partial(ResponseBody<B>),
-}
-
-async fn buffer<B>(mut body: B, limit: usize) -> Buffered<B>
-where
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: Into<BodyError>,
-{
-    if body.size_hint().lower() > limit as u64 {
-        return Buffered::Partial(ResponseBody::streaming(body));
-    }
-    // One data frame (a full body, the usual case) is kept as it came, without a copy; only
-    // a body in several frames is copied into one buffer.
-    let mut read = BodyRead::default();
-    loop {
-        match body.frame().await {
-            None => return Buffered::Whole(read.finish().0),
-            Some(Ok(frame)) => match frame.into_data() {
-                Ok(data) => {
-                    read.push(data);
-                    if read.len() > limit {
-                        return Buffered::Partial(ResponseBody::resume(read.finish().0, body));
-                    }
-                }
-                // A response with trailers is not stored (the envelope has none): it passes
-                // whole, trailers included.
-                Err(frame) => {
-                    let trailers = frame.into_trailers().ok();
-                    return Buffered::Partial(ResponseBody::resume_with_trailers(
-                        read.finish().0,
-                        trailers,
-                        body,
-                    ));
-                }
-            },
-            Some(Err(err)) => {
-                return Buffered::Partial(ResponseBody::failed(read.finish().0, err.into()));
-            }
-        }
-    }
 }

@@ -26,6 +26,11 @@ pin_project! {
     pub struct IdempotentFuture<S, ReqB, ResB>
     where
         S: Service<Request<RequestBody<ReqB>>>,
+        // The run of a claimed key hands the response back across tasks.
+        S::Error: Send,
+        S::Error: 'static,
+        ResB: Send,
+        ResB: 'static,
     {
         #[pin]
         kind: Kind<S, ReqB, ResB>,
@@ -37,11 +42,14 @@ pin_project! {
     enum Kind<S, ReqB, ResB>
     where
         S: Service<Request<RequestBody<ReqB>>>,
+        S::Error: Send,
+        S::Error: 'static,
+        ResB: Send,
+        ResB: 'static,
     {
         Passthrough { #[pin] future: S::Future },
         Ready { response: Option<Response<ResponseBody<ResB>>> },
-        // The request head waits boxed: every move of this future is then a few words.
-        Reading { #[pin] body: Limited<ReqB>, read: BodyRead, pending: Option<Box<Pending<S>>> },
+        Reading { #[pin] body: Limited<ReqB>, read: BodyRead, pending: Option<Pending<S>> },
         // The key claimed at once: the handler runs as its process.
         Claimed { claimed: Option<Claimed<ResB, S::Error>> },
         Guarded { exchange: Exchange<ResB, S::Error> },
@@ -51,6 +59,8 @@ pin_project! {
 impl<S, ReqB, ResB> IdempotentFuture<S, ReqB, ResB>
 where
     S: Service<Request<RequestBody<ReqB>>>,
+    S::Error: Send + 'static,
+    ResB: Send + 'static,
 {
     pub(super) fn passthrough(future: S::Future) -> Self {
         Self {
@@ -71,7 +81,7 @@ where
             kind: Kind::Reading {
                 body,
                 read: BodyRead::default(),
-                pending: Some(Box::new(pending)),
+                pending: Some(pending),
             },
         }
     }
@@ -128,13 +138,18 @@ where
                         }
                     };
                     let pending = pending.take().expect("polled after completion");
-                    match (*pending).decide(outcome) {
-                        Decided::Answer(response) => Kind::Ready {
-                            response: Some(response),
-                        },
-                        Decided::Claimed(claimed) => Kind::Claimed {
-                            claimed: Some(claimed),
-                        },
+                    // An answer made at once, or a run that ends at its first poll (most do),
+                    // returns from here: the future is not rewritten for it.
+                    match pending.decide(outcome) {
+                        Decided::Answer(response) => return Poll::Ready(Ok(response)),
+                        Decided::Claimed(mut claimed) => {
+                            if let Poll::Ready(ran) = Pin::new(&mut claimed.run).poll(cx) {
+                                return Poll::Ready(claimed.finish(ran));
+                            }
+                            Kind::Claimed {
+                                claimed: Some(claimed),
+                            }
+                        }
                         Decided::Run(exchange) => Kind::Guarded { exchange },
                     }
                 }
@@ -147,6 +162,8 @@ where
 impl<S, ReqB, ResB> fmt::Debug for IdempotentFuture<S, ReqB, ResB>
 where
     S: Service<Request<RequestBody<ReqB>>>,
+    S::Error: Send + 'static,
+    ResB: Send + 'static,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let kind = match &self.kind {

@@ -34,7 +34,6 @@ pub(crate) struct Ticket {
     pub(super) lease: Duration,
     /// When the claim was made: its lease runs from here.
     pub(super) claimed_at: Instant,
-    pub(super) cell: Arc<RunCell<Settled>>,
     pub(super) held: bool,
     /// The fencing counter of the claim won in the shared store, if any.
     pub(super) fence: Option<u64>,
@@ -266,6 +265,17 @@ impl Ticket {
         std::future::pending::<()>().await;
     }
 
+    /// [`Ticket::renew_from`] owning what it needs: for a run that keeps its ticket beside
+    /// its work instead of lending it.
+    #[cfg(feature = "http")]
+    pub(crate) fn renewing(&self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+        let renewer = self.renewer();
+        Box::pin(async move {
+            renewer.keep_renewing().await;
+            std::future::pending::<()>().await;
+        })
+    }
+
     /// What renews this ticket's lease from elsewhere.
     pub(crate) fn renewer(&self) -> Renewer {
         Renewer {
@@ -278,6 +288,84 @@ impl Ticket {
             start: self.claimed_at,
             lapse: self.lapse.clone(),
         }
+    }
+
+    /// [`Ticket::complete`] at once, when neither the store nor a shared store makes it wait
+    /// (the in-memory table): the result is stored and the claim removed in one step, under
+    /// the claim's lock, so a completing claim is never seen. Otherwise the ticket and the
+    /// value come back, for [`Ticket::complete`]. A completion done at once fails as
+    /// [`Ticket::complete`] does.
+    #[cfg(feature = "http")]
+    pub(crate) fn complete_now<T>(mut self, value: T) -> CompletedNow<T>
+    where
+        T: Serialize + Send + Sync + 'static,
+    {
+        use crate::idempotency::store::Pending;
+
+        let ledger = &*self.ledger;
+        if ledger.shared.is_some() || !ledger.store.answers_at_once() {
+            return CompletedNow::Waits(self, value);
+        }
+        let record = match Record::new(ledger.store.form(), self.fingerprint, value) {
+            Ok(record) => record,
+            Err(e) => {
+                let error = unavailable(self.key(), Arc::new(e));
+                self.release_now();
+                return CompletedNow::Done(Err(error));
+            }
+        };
+        let (generation, token) = (self.generation, self.token);
+        let mut ended = Ended::NotOurs;
+        let mut record = Some(record);
+        let removed = ledger
+            .claims
+            .remove_if(self.full.as_bytes(), generation, |claim| {
+                if claim.token != token {
+                    return false;
+                }
+                ended = if ledger.is_closed() {
+                    Ended::Closed
+                } else {
+                    let record = record.take().expect("stored once");
+                    // Waiters replay the record too: cloned only when there are any.
+                    let kept = claim.cell.is_some().then(|| record.clone());
+                    // A table that answers at once stores at once: nothing is awaited under the
+                    // lock.
+                    match ledger.store.put(&self.full, record, self.ttl) {
+                        Pending::Ready(Ok(())) => Ended::Stored(kept),
+                        Pending::Ready(Err(e)) => Ended::Failed(e),
+                        Pending::Later(_) => Ended::Failed(Arc::new(std::io::Error::other(
+                            "a store that answers at once answered later",
+                        ))),
+                    }
+                };
+                true
+            });
+        self.held = false;
+        let waiters = removed.and_then(|claim| claim.cell);
+        let outcome = match ended {
+            Ended::Stored(kept) => {
+                if let (Some(cell), Some(record)) = (waiters, kept) {
+                    cell.set(Ok(Settled::Done(record)));
+                }
+                return CompletedNow::Done(Ok(()));
+            }
+            Ended::NotOurs => {
+                tracing::debug!(key = %shown(self.key()), "idempotency completion rejected: lease lost");
+                return CompletedNow::Done(Err(Error::LeaseLost {
+                    key: shown(self.key()),
+                }));
+            }
+            Ended::Closed => Error::ShutDown {
+                key: shown(self.key()),
+            },
+            Ended::Failed(e) => unavailable(self.key(), e),
+        };
+        // Released: the next caller runs.
+        if let Some(cell) = waiters {
+            cell.set(Ok(Settled::Released));
+        }
+        CompletedNow::Done(Err(outcome))
     }
 
     /// Stores `value` as the key's result and wakes the waiters.
@@ -354,8 +442,9 @@ impl Ticket {
                     Completion::Lapsed(e) => {
                         // Not released in the store (the function ran: nothing
                         // may free the key early); the claim lapsed there.
-                        self.drop_local();
-                        self.cell.set(Ok(Settled::Released));
+                        if let Some(cell) = self.drop_local() {
+                            cell.set(Ok(Settled::Released));
+                        }
                         return Err(unavailable(self.key(), Arc::new(e)));
                     }
                 }
@@ -390,13 +479,16 @@ impl Ticket {
                 // Shutdown cleared the store while we were putting.
                 ledger.store.close();
             }
-            ledger
+            // Removed here, not by the drop.
+            self.held = false;
+            let removed = ledger
                 .claims
                 .remove_if(self.full.as_bytes(), generation, |claim| {
                     claim.token == token
                 });
-            self.held = false;
-            self.cell.set(Ok(Settled::Done(record)));
+            if let Some(cell) = removed.and_then(|claim| claim.cell) {
+                cell.set(Ok(Settled::Done(record)));
+            }
             Ok(())
         }
     }
@@ -459,23 +551,27 @@ impl Ticket {
     /// Ends the local claim with a result found in the shared store: local
     /// waiters replay it.
     pub(super) fn settle(mut self, record: Record) {
-        self.drop_local();
-        self.cell.set(Ok(Settled::Done(record)));
+        if let Some(cell) = self.drop_local() {
+            cell.set(Ok(Settled::Done(record)));
+        }
     }
 
-    /// Removes the local claim without touching the shared store.
-    fn drop_local(&mut self) {
+    /// Removes the local claim without touching the shared store; returns the cell its
+    /// waiters wait on, if any.
+    fn drop_local(&mut self) -> Option<Arc<RunCell<Settled>>> {
         if !std::mem::replace(&mut self.held, false) {
-            return;
+            return None;
         }
         let token = self.token;
-        self.ledger
-            .claims
-            .remove_if(self.full.as_bytes(), self.generation, |claim| {
-                claim.token == token
-            });
+        let removed =
+            self.ledger
+                .claims
+                .remove_if(self.full.as_bytes(), self.generation, |claim| {
+                    claim.token == token
+                });
         self.fence = None;
         self.lapse = None;
+        removed.and_then(|claim| claim.cell)
     }
 
     /// Gives the key up so the next caller (or a waiting one) runs.
@@ -488,11 +584,13 @@ impl Ticket {
             return;
         }
         let shared = self.fence.is_some() || self.unanswered;
-        self.drop_local();
+        let waiters = self.drop_local();
         if shared {
             self.release_shared();
         }
-        self.cell.set(Ok(Settled::Released));
+        if let Some(cell) = waiters {
+            cell.set(Ok(Settled::Released));
+        }
     }
 
     /// Frees the claim in the shared store in the background (a drop cannot
@@ -517,6 +615,28 @@ impl Ticket {
             }
         });
     }
+}
+
+/// What [`Ticket::complete_now`] came to.
+#[cfg(feature = "http")]
+pub(crate) enum CompletedNow<T> {
+    /// Completed (or failed) at once.
+    Done(Result<(), Error>),
+    /// The store makes it wait: the ticket and the value, for [`Ticket::complete`].
+    Waits(Ticket, T),
+}
+
+/// How [`Ticket::complete_now`] found its claim.
+#[cfg(feature = "http")]
+enum Ended {
+    /// Stored; the record again for the waiters, if any.
+    Stored(Option<Record>),
+    /// Taken over: the slot is another holder's.
+    NotOurs,
+    /// The runtime shut down: removed, nothing stored.
+    Closed,
+    /// The store refused the result: removed.
+    Failed(crate::error::BoxError),
 }
 
 impl Drop for Ticket {
