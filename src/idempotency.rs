@@ -143,7 +143,7 @@ impl State {
         let ledger = Arc::new(Ledger::new(
             counters,
             core.cap,
-            Box::new(store),
+            store,
             config.shared_store(core),
         ));
         Self { ledger }

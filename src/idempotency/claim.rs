@@ -33,7 +33,7 @@ use tokio::time::Instant;
 use super::full_key::{with_full_key, with_full_key_bytes};
 use super::options::{Fingerprint, IdempotencyOptions};
 use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, KeyChanged};
-use super::store::{Pending, Record, ResultStore};
+use super::store::{Record, ResultTable};
 #[cfg(feature = "http")]
 use super::{Claimed, Looked};
 use crate::cell::RunCell;
@@ -124,7 +124,7 @@ impl Tally {
 /// Keys in flight plus the store of completed results.
 pub(crate) struct Ledger {
     claims: Registry<InlineKey, Claim>,
-    pub(crate) store: Box<dyn ResultStore>,
+    pub(crate) store: ResultTable,
     /// The store shared with other instances, if any: claims go there
     /// too, and results live there instead of in `store`.
     shared: Option<Arc<dyn IdempotencyStore>>,
@@ -137,7 +137,7 @@ impl Ledger {
     pub(crate) fn new(
         counters: Arc<Counters>,
         cap: usize,
-        store: Box<dyn ResultStore>,
+        store: ResultTable,
         shared: Option<Arc<dyn IdempotencyStore>>,
     ) -> Self {
         Self {
@@ -150,8 +150,8 @@ impl Ledger {
         }
     }
 
-    /// Replays a completed key at once when the store can answer without a
-    /// round trip: no claim, no future, one map read.
+    /// Replays a completed key at once from the runtime's table (not with a shared store):
+    /// no claim, no future, one map read.
     pub(crate) fn try_replay<T>(
         &self,
         key: &str,
@@ -164,11 +164,9 @@ impl Ledger {
             return None;
         }
         with_full_key_bytes(options.scope(), key, |full| {
-            let mut out = None;
-            self.store.read_now(full, &mut |record| {
-                out = Some(self.replay(record, key, options.fingerprint().as_ref()));
-            });
-            out
+            self.store.read(full, |record| {
+                self.replay(record, key, options.fingerprint().as_ref())
+            })
         })
     }
 
@@ -190,7 +188,7 @@ impl Ledger {
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        if self.shared.is_some() || !self.store.answers_at_once() {
+        if self.shared.is_some() {
             return Ok(None);
         }
         with_full_key_bytes(options.scope(), key, |full| {
@@ -227,8 +225,7 @@ impl Ledger {
         Ok(Some(Looked::Owner(Claimed(ticket))))
     }
 
-    /// The stored result of `full` for `key`'s caller, read at once from a store that answers
-    /// at once.
+    /// The stored result of `full` for `key`'s caller, read at once from the table.
     #[cfg(feature = "http")]
     fn read_now<T>(
         &self,
@@ -239,11 +236,8 @@ impl Ledger {
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        let mut out = None;
-        self.store.read_now(full, &mut |record| {
-            out = Some(self.replay(record, key, fingerprint));
-        });
-        out
+        self.store
+            .read(full, |record| self.replay(record, key, fingerprint))
     }
 
     /// One look at the key: replay it, claim it, or wait for its holder.
@@ -270,23 +264,8 @@ impl Ledger {
             let bound = store_bound(ticket.lease, now, deadline);
             return Box::pin(self.claim_shared(shared.as_ref(), ticket, key, bound)).await;
         }
-        // A store that answers at once was read by the replay fast path every run takes
-        // first (and a caller back from waiting has the look after the claim below): look
-        // before claiming only in a store that answers later.
-        let now = if self.store.answers_at_once() {
-            now
-        } else {
-            let lookup = with_full_key(options.scope(), key, |full| self.store.get(full, now));
-            let round_trip = matches!(lookup, Pending::Later(_));
-            let found = lookup.resolve().await.map_err(|e| unavailable(key, e))?;
-            if let Some(record) = found {
-                return self
-                    .replay(&record, key, options.fingerprint().as_ref())
-                    .map(Step::Replay);
-            }
-            // A round trip took time: claim with a fresh clock.
-            if round_trip { Instant::now() } else { now }
-        };
+        // The table was read by the replay fast path every run takes first (and a caller
+        // back from waiting has the look after the claim below).
         // The full key on the stack: a claim needs it only as bytes.
         let ticket = match with_full_key_bytes(options.scope(), key, |full| {
             self.join(full, key, options, options.fingerprint(), now)
@@ -295,13 +274,7 @@ impl Ledger {
             other => return Ok(other),
         };
         // An early return from here drops the ticket, which releases the key.
-        let found = self
-            .store
-            .get_stored(&ticket.full, now)
-            .resolve()
-            .await
-            .map_err(|e| unavailable(key, e))?;
-        match found {
+        match self.store.get(&ticket.full, now) {
             Some(record) => self
                 .replay(&record, key, options.fingerprint().as_ref())
                 .map(Step::Replay),

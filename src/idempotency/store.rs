@@ -1,13 +1,11 @@
-//! Completed results: the store trait and the in-memory store.
+//! Completed results: records and the runtime's result table.
 //!
-//! A store only keeps finished results for their TTL; who holds a key in
-//! flight is the ledger's business (see `claim.rs`). The memory store keeps
-//! the typed value, so a replay is a map get and a clone. A store shared by
-//! several processes (Redis) asks for the encoded form instead.
+//! The table only keeps finished results for their TTL; who holds a key in
+//! flight is the ledger's business (see `claim.rs`). It keeps the typed
+//! value, so a replay is a map get and a clone. A record read from a store
+//! shared by several processes holds the encoded bytes instead.
 
 use std::any::Any;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -20,7 +18,7 @@ use tokio::time::Instant;
 use super::options::Fingerprint;
 use super::seam::StoredResult;
 use crate::clock::{RuntimeClock, WindowClock};
-use crate::error::{BoxError, Error};
+use crate::error::Error;
 use crate::key::{InlineKey, shown};
 use crate::wire::{self, WireError};
 
@@ -40,15 +38,6 @@ pub(crate) fn stored_result<T: Serialize>(
 /// bincode settings a typed value is measured with: those of the envelope's
 /// payload, so a value weighs the same in memory as in a shared store.
 const CODEC: bincode::config::Configuration = bincode::config::standard();
-
-/// How a store wants values handed to it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Form {
-    /// The value itself; replaying it is a clone (in-process stores).
-    Typed,
-    /// bincode bytes, readable by another process (shared stores).
-    Encoded,
-}
 
 /// A value in its versioned envelope, readable by another process, with its
 /// type tag (the Rust type name), so a value of another type is refused
@@ -91,30 +80,15 @@ fn weight(bytes: usize) -> u32 {
 pub(crate) struct Record(Arc<Stored<dyn Any + Send + Sync>>);
 
 impl Record {
-    /// Wraps `value` in the form the store takes.
-    pub(crate) fn new<T>(
-        form: Form,
-        fingerprint: Option<Fingerprint>,
-        value: T,
-    ) -> Result<Self, WireError>
+    /// A record of the typed `value`: replaying it is a clone.
+    pub(crate) fn new<T>(fingerprint: Option<Fingerprint>, value: T) -> Self
     where
         T: Serialize + Send + Sync + 'static,
     {
-        Ok(Self(match form {
-            Form::Typed => Arc::new(Stored {
-                fingerprint,
-                weight: weight(encoded_len(&value)),
-                value,
-            }),
-            Form::Encoded => {
-                let bytes = wire::seal(&value)?.into_boxed_slice();
-                let tag: Box<str> = std::any::type_name::<T>().into();
-                Arc::new(Stored {
-                    fingerprint,
-                    weight: weight(bytes.len() + tag.len()),
-                    value: Encoded { bytes, tag },
-                })
-            }
+        Self(Arc::new(Stored {
+            fingerprint,
+            weight: weight(encoded_len(&value)),
+            value,
         }))
     }
 
@@ -193,9 +167,9 @@ impl Record {
 impl std::fmt::Debug for Record {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let form = if self.is_encoded() {
-            Form::Encoded
+            "encoded"
         } else {
-            Form::Typed
+            "typed"
         };
         f.debug_struct("Record")
             .field("fingerprint", &self.fingerprint().is_some())
@@ -204,27 +178,7 @@ impl std::fmt::Debug for Record {
     }
 }
 
-/// A store's answer: ready at once (memory, no allocation) or after a round
-/// trip (a remote store).
-pub(crate) enum Pending<'a, T> {
-    Ready(T),
-    #[cfg_attr(
-        not(test),
-        expect(dead_code, reason = "for the Redis store; unit tests use it now")
-    )]
-    Later(Pin<Box<dyn Future<Output = T> + Send + 'a>>),
-}
-
-impl<T> Pending<'_, T> {
-    pub(crate) async fn resolve(self) -> T {
-        match self {
-            Self::Ready(value) => value,
-            Self::Later(future) => future.await,
-        }
-    }
-}
-
-/// What a store holds, for [`ResultStore::counts`].
+/// What the table holds, for stats.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct StoreCounts {
     /// Results held, expired ones not yet swept included.
@@ -233,62 +187,6 @@ pub(crate) struct StoreCounts {
     pub(crate) bytes: u64,
     /// Results evicted by a cap or the byte budget before their TTL.
     pub(crate) evictions: u64,
-}
-
-/// Where completed results live for their TTL.
-///
-/// Keys arrive already scoped. A store never hands out an expired record,
-/// whether or not it has been swept.
-pub(crate) trait ResultStore: Send + Sync + 'static {
-    /// The form [`Record::new`] must produce for this store.
-    fn form(&self) -> Form;
-
-    /// Runs `read` on the live record for `key` now (on the store's own clock) without a
-    /// round trip, if this store can: `Some(found)`, or `None` when only
-    /// [`ResultStore::get`] can answer. The replay fast path.
-    fn read_now(&self, key: &[u8], read: &mut dyn FnMut(&Record)) -> Option<bool> {
-        let _ = (key, read);
-        None
-    }
-
-    /// Whether [`ResultStore::read_now`] always answers: then the replay fast path that every
-    /// run takes first has read the key, and a claim need not read it again before joining
-    /// (only after, to catch a result stored in between).
-    fn answers_at_once(&self) -> bool {
-        false
-    }
-
-    /// The live record for `key` as of `now`.
-    fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>>;
-
-    /// [`ResultStore::get`] for a key in its stored form (a table reads it without
-    /// checking its text again).
-    fn get_stored(
-        &self,
-        key: &InlineKey,
-        now: Instant,
-    ) -> Pending<'_, Result<Option<Record>, BoxError>> {
-        self.get(key.as_str(), now)
-    }
-
-    /// Stores `record` for `ttl`, replacing any record for `key` (handed over in its stored
-    /// form, so a table keeps a clone instead of building the key again).
-    fn put(
-        &self,
-        key: &InlineKey,
-        record: Record,
-        ttl: Duration,
-    ) -> Pending<'_, Result<(), BoxError>>;
-
-    /// Results held and evicted, for stats; zero where the store cannot
-    /// tell cheaply.
-    fn counts(&self) -> StoreCounts {
-        StoreCounts::default()
-    }
-
-    /// The runtime shut down: drop what this instance alone holds (a shared
-    /// store keeps its records for the other instances).
-    fn close(&self);
 }
 
 /// Results in a [`TtlTable`] swept by the runtime's sweeper, capped at
@@ -361,46 +259,30 @@ impl ResultTable {
     }
 }
 
-impl ResultStore for ResultTable {
-    fn form(&self) -> Form {
-        Form::Typed
-    }
-
+impl ResultTable {
+    /// Runs `f` on the live record for `key` now, on the table's clock, if there is one. The
+    /// replay fast path.
     #[inline]
-    fn read_now(&self, key: &[u8], read: &mut dyn FnMut(&Record)) -> Option<bool> {
-        Some(self.table.read(key, |record| read(record)).is_some())
+    pub(crate) fn read<R>(&self, key: &[u8], f: impl FnOnce(&Record) -> R) -> Option<R> {
+        self.table.read(key, f)
     }
 
-    fn answers_at_once(&self) -> bool {
-        true
+    /// The live record for `key` as of `now`.
+    pub(crate) fn get(&self, key: &InlineKey, now: Instant) -> Option<Record> {
+        self.table.get_at(key.as_bytes(), now)
     }
 
-    fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>> {
-        Pending::Ready(Ok(self.table.get_at(key.as_bytes(), now)))
-    }
-
-    fn get_stored(
-        &self,
-        key: &InlineKey,
-        now: Instant,
-    ) -> Pending<'_, Result<Option<Record>, BoxError>> {
-        Pending::Ready(Ok(self.table.get_at(key.as_bytes(), now)))
-    }
-
-    fn put(
-        &self,
-        key: &InlineKey,
-        record: Record,
-        ttl: Duration,
-    ) -> Pending<'_, Result<(), BoxError>> {
+    /// Stores `record` for `ttl`, replacing any record for `key`; evictions past the caps
+    /// are logged.
+    pub(crate) fn put(&self, key: &InlineKey, record: Record, ttl: Duration) {
         let evicted = self.table.insert(key.clone(), record, ttl);
         if evicted > 0 {
             self.evicted(evicted);
         }
-        Pending::Ready(Ok(()))
     }
 
-    fn counts(&self) -> StoreCounts {
+    /// Results held and evicted, for stats.
+    pub(crate) fn counts(&self) -> StoreCounts {
         StoreCounts {
             stored: self.table.len(),
             bytes: self.table.weight(),
@@ -408,7 +290,8 @@ impl ResultStore for ResultTable {
         }
     }
 
-    fn close(&self) {
+    /// The runtime shut down: drop every result.
+    pub(crate) fn close(&self) {
         self.table.clear();
     }
 }
@@ -429,7 +312,7 @@ mod tests {
             id: 7,
             note: "ok".into(),
         };
-        let record = Record::new(Form::Typed, Some([7; 32]), charge.clone()).unwrap();
+        let record = Record::new(Some([7; 32]), charge.clone());
         assert_eq!(record.fingerprint(), Some(&[7; 32]));
         assert_eq!(record.value::<Charge>("k").unwrap(), charge);
         assert!(matches!(
@@ -444,7 +327,7 @@ mod tests {
             id: 9,
             note: "paid".into(),
         };
-        let record = Record::new(Form::Encoded, None, charge.clone()).unwrap();
+        let record = Record::from_stored(stored_result(None, &charge).unwrap());
         assert!(record.is_encoded());
         assert_eq!(record.value::<Charge>("k").unwrap(), charge);
         assert!(matches!(

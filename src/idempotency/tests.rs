@@ -1,73 +1,11 @@
-//! Unit tests of the idempotency ledger: the paths only a store of its own reaches.
+//! Unit tests of the idempotency ledger: the paths only its internals reach.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
-use throttlebeam_supervisors::Counters;
 use tokio::time::Instant;
 
-use super::store::{Form, Pending, Record, ResultStore};
 use super::*;
-use crate::error::BoxError;
-use crate::key::InlineKey;
-
-/// Behaves like a store shared across processes: takes encoded values
-/// and answers after a round trip.
-#[derive(Default)]
-struct RemoteLike {
-    records: Mutex<HashMap<String, (Record, Instant)>>,
-    fail_puts: AtomicBool,
-    /// Holds the next lookup's answer (read at call time) until fired.
-    stall_next_get: Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
-}
-
-impl ResultStore for RemoteLike {
-    fn form(&self) -> Form {
-        Form::Encoded
-    }
-
-    fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>> {
-        let found = self
-            .records
-            .lock()
-            .unwrap()
-            .get(key)
-            .filter(|(_, expires_at)| *expires_at > now)
-            .map(|(record, _)| record.clone());
-        let stall = self.stall_next_get.lock().unwrap().take();
-        Pending::Later(Box::pin(async move {
-            if let Some(stall) = stall {
-                let _ = stall.await;
-            }
-            tokio::task::yield_now().await;
-            Ok(found)
-        }))
-    }
-
-    fn put(
-        &self,
-        key: &InlineKey,
-        record: Record,
-        ttl: Duration,
-    ) -> Pending<'_, Result<(), BoxError>> {
-        let key = key.as_str().to_owned();
-        Pending::Later(Box::pin(async move {
-            tokio::task::yield_now().await;
-            if self.fail_puts.load(Ordering::SeqCst) {
-                return Err(Arc::new(std::io::Error::other("connection refused")) as BoxError);
-            }
-            let expires_at = Instant::now() + ttl;
-            self.records
-                .lock()
-                .unwrap()
-                .insert(key, (record, expires_at));
-            Ok(())
-        }))
-    }
-
-    fn close(&self) {}
-}
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 struct Charge {
@@ -92,137 +30,6 @@ fn counted(
             })
         })
     }
-}
-
-#[tokio::test(start_paused = true)]
-async fn an_encoded_store_on_round_trips_runs_once_and_replays() {
-    let runtime = Runtime::builder().start().await.unwrap();
-    let core = &runtime.core;
-    let store = Arc::new(RemoteLike::default());
-    let ledger = Arc::new(Ledger::new(
-        Arc::new(Counters::new()),
-        usize::MAX,
-        Box::new(Shared(Arc::clone(&store))),
-        None,
-    ));
-    let runs = Arc::new(AtomicUsize::new(0));
-    let options = IdempotencyOptions::new().with_fingerprint("fp");
-
-    let (a, b) = tokio::join!(
-        run_in(core, &ledger, "k", counted(&runs, 1), options.clone()),
-        run_in(core, &ledger, "k", counted(&runs, 2), options.clone()),
-    );
-    let (a, b) = (a.unwrap(), b.unwrap());
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
-    assert_eq!(a.is_fresh(), !b.is_fresh());
-    assert_eq!(a.value(), b.value());
-
-    let again = run_in(core, &ledger, "k", counted(&runs, 3), options.clone())
-        .await
-        .unwrap();
-    assert_eq!(again, IdempotencyOutcome::Replay(a.into_inner()));
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
-
-    let other_type = run_in(
-        core,
-        &ledger,
-        "k",
-        || async { Ok::<_, std::io::Error>(String::new()) },
-        options.clone(),
-    )
-    .await;
-    assert!(matches!(other_type, Err(Error::TypeMismatch { .. })));
-
-    let mismatch = run_in(
-        core,
-        &ledger,
-        "k",
-        counted(&runs, 4),
-        options.with_fingerprint("other"),
-    )
-    .await;
-    assert!(matches!(mismatch, Err(Error::FingerprintMismatch { .. })));
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_store_that_refuses_the_result_fails_closed_and_releases_the_key() {
-    let runtime = Runtime::builder().start().await.unwrap();
-    let core = &runtime.core;
-    let store = Arc::new(RemoteLike::default());
-    store.fail_puts.store(true, Ordering::SeqCst);
-    let counters = Arc::new(Counters::new());
-    let ledger = Arc::new(Ledger::new(
-        Arc::clone(&counters),
-        usize::MAX,
-        Box::new(Shared(Arc::clone(&store))),
-        None,
-    ));
-    let runs = Arc::new(AtomicUsize::new(0));
-
-    let refused = run_in(
-        core,
-        &ledger,
-        "k",
-        counted(&runs, 1),
-        IdempotencyOptions::new(),
-    )
-    .await;
-    assert!(matches!(refused, Err(Error::StoreUnavailable { .. })));
-    assert_eq!(counters.keys(), 0, "the key is released");
-
-    store.fail_puts.store(false, Ordering::SeqCst);
-    let retry = run_in(
-        core,
-        &ledger,
-        "k",
-        counted(&runs, 2),
-        IdempotencyOptions::new(),
-    )
-    .await
-    .unwrap();
-    assert!(retry.is_fresh());
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_completion_between_lookup_and_claim_is_replayed_not_run_again() {
-    let runtime = Runtime::builder().start().await.unwrap();
-    let store = Arc::new(RemoteLike::default());
-    let ledger = Arc::new(Ledger::new(
-        Arc::new(Counters::new()),
-        usize::MAX,
-        Box::new(Shared(Arc::clone(&store))),
-        None,
-    ));
-    let runs = Arc::new(AtomicUsize::new(0));
-    let (fire, stalled) = tokio::sync::oneshot::channel();
-    *store.stall_next_get.lock().unwrap() = Some(stalled);
-
-    // Late looks first (and sees nothing), then stalls before claiming.
-    let late = {
-        let (runtime, ledger, f) = (runtime.clone(), Arc::clone(&ledger), counted(&runs, 2));
-        tokio::spawn(async move {
-            run_in(&runtime.core, &ledger, "k", f, IdempotencyOptions::new()).await
-        })
-    };
-    tokio::task::yield_now().await;
-    // Meanwhile another caller claims, runs, stores and frees the key.
-    let first = run_in(
-        &runtime.core,
-        &ledger,
-        "k",
-        counted(&runs, 1),
-        IdempotencyOptions::new(),
-    )
-    .await
-    .unwrap();
-    fire.send(()).unwrap();
-
-    assert!(first.is_fresh());
-    let late = late.await.unwrap().unwrap();
-    assert_eq!(late, IdempotencyOutcome::Replay(first.into_inner()));
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test(start_paused = true)]
@@ -337,12 +144,10 @@ async fn a_one_mib_fingerprint_is_kept_as_its_32_byte_digest() {
     .unwrap();
     assert_eq!(fresh, IdempotencyOutcome::Fresh(7));
 
-    let record =
-        super::full_key::with_full_key(None, "k", |full| ledger.store.get(full, Instant::now()))
-            .resolve()
-            .await
-            .unwrap()
-            .unwrap();
+    let record = super::full_key::with_full_key_bytes(None, "k", |full| {
+        ledger.store.read(full, super::store::Record::clone)
+    })
+    .unwrap();
     let digest: [u8; 32] = Sha256::digest(&body).into();
     assert_eq!(record.fingerprint(), Some(&digest));
     // Digest and value in one allocation: 33 + 8 bytes, padded.
@@ -431,29 +236,6 @@ async fn evictions_by_the_byte_budget_are_logged_with_the_bytes() {
     assert!(logged.contains("idempotency results evicted"), "{logged}");
     assert!(logged.contains("max_bytes=1000"), "{logged}");
     assert!(logged.contains("stored_bytes=805"), "{logged}");
-}
-
-/// Lets a test keep a handle on the store it gives the ledger.
-struct Shared(Arc<RemoteLike>);
-
-impl ResultStore for Shared {
-    fn form(&self) -> Form {
-        self.0.form()
-    }
-    fn get(&self, key: &str, now: Instant) -> Pending<'_, Result<Option<Record>, BoxError>> {
-        self.0.get(key, now)
-    }
-    fn put(
-        &self,
-        key: &InlineKey,
-        record: Record,
-        ttl: Duration,
-    ) -> Pending<'_, Result<(), BoxError>> {
-        self.0.put(key, record, ttl)
-    }
-    fn close(&self) {
-        self.0.close();
-    }
 }
 
 #[tokio::test(start_paused = true)]

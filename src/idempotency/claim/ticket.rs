@@ -13,7 +13,7 @@ use crate::cell::RunCell;
 use crate::error::Error;
 use crate::idempotency::options::Fingerprint;
 use crate::idempotency::seam::{ClaimToken, IdempotencyStore, StoredResult};
-use crate::idempotency::store::{Form, Record, stored_result};
+use crate::idempotency::store::{Record, stored_result};
 use crate::key::{InlineKey, shown};
 use crate::store::{StoreError, store_call};
 
@@ -300,20 +300,11 @@ impl Ticket {
     where
         T: Serialize + Send + Sync + 'static,
     {
-        use crate::idempotency::store::Pending;
-
         let ledger = &*self.ledger;
-        if ledger.shared.is_some() || !ledger.store.answers_at_once() {
+        if ledger.shared.is_some() {
             return CompletedNow::Waits(self, value);
         }
-        let record = match Record::new(ledger.store.form(), self.fingerprint, value) {
-            Ok(record) => record,
-            Err(e) => {
-                let error = unavailable(self.key(), Arc::new(e));
-                self.release_now();
-                return CompletedNow::Done(Err(error));
-            }
-        };
+        let record = Record::new(self.fingerprint, value);
         let (generation, token) = (self.generation, self.token);
         let mut ended = Ended::NotOurs;
         let mut record = Some(record);
@@ -329,15 +320,9 @@ impl Ticket {
                     let record = record.take().expect("stored once");
                     // Waiters replay the record too: cloned only when there are any.
                     let kept = claim.cell.is_some().then(|| record.clone());
-                    // A table that answers at once stores at once: nothing is awaited under the
-                    // lock.
-                    match ledger.store.put(&self.full, record, self.ttl) {
-                        Pending::Ready(Ok(())) => Ended::Stored(kept),
-                        Pending::Ready(Err(e)) => Ended::Failed(e),
-                        Pending::Later(_) => Ended::Failed(Arc::new(std::io::Error::other(
-                            "a store that answers at once answered later",
-                        ))),
-                    }
+                    // The table stores at once: nothing is awaited under the lock.
+                    ledger.store.put(&self.full, record, self.ttl);
+                    Ended::Stored(kept)
                 };
                 true
             });
@@ -359,7 +344,6 @@ impl Ticket {
             Ended::Closed => Error::ShutDown {
                 key: shown(self.key()),
             },
-            Ended::Failed(e) => unavailable(self.key(), e),
         };
         // Released: the next caller runs.
         if let Some(cell) = waiters {
@@ -449,30 +433,10 @@ impl Ticket {
                     }
                 }
                 // Local waiters replay the typed value, not the bytes.
-                match Record::new(Form::Typed, self.fingerprint, value) {
-                    Ok(record) => record,
-                    Err(e) => {
-                        self.release_now();
-                        return Err(unavailable(self.key(), Arc::new(e)));
-                    }
-                }
+                Record::new(self.fingerprint, value)
             } else {
-                let record = match Record::new(ledger.store.form(), self.fingerprint, value) {
-                    Ok(record) => record,
-                    Err(e) => {
-                        self.release_now();
-                        return Err(unavailable(self.key(), Arc::new(e)));
-                    }
-                };
-                let put = ledger
-                    .store
-                    .put(&self.full, record.clone(), self.ttl)
-                    .resolve()
-                    .await;
-                if let Err(e) = put {
-                    self.release_now();
-                    return Err(unavailable(self.key(), e));
-                }
+                let record = Record::new(self.fingerprint, value);
+                ledger.store.put(&self.full, record.clone(), self.ttl);
                 record
             };
             if ledger.is_closed() {
@@ -635,8 +599,6 @@ enum Ended {
     NotOurs,
     /// The runtime shut down: removed, nothing stored.
     Closed,
-    /// The store refused the result: removed.
-    Failed(crate::error::BoxError),
 }
 
 impl Drop for Ticket {
