@@ -108,4 +108,4 @@ pub use stats::{Counters, Snapshot, TimerGuard};
 pub use supervisor::{RunHere, StartError, Supervisor};
 pub use sweeper::{Sweep, Sweeper};
 pub use tree::{StartTreeError, Tree, TreeConfig};
-pub use ttl::{TokioClock, TtlClock, TtlTable};
+pub use ttl::{TokioClock, TtlClock, TtlTable, Update};
