@@ -536,19 +536,29 @@ impl MemoryIdempotencyStore {
             }
         };
         let (table, cap) = (&self.inner.table, self.inner.cap);
+        let evictions = self.evictions();
         let key: Arc<str> = Arc::from(key);
-        if let Some(reply) = table.update_within_at(Arc::clone(&key), now, cap, claim) {
-            return Ok(reply);
-        }
-        // A new key at the cap: drop what expired, then try once more.
-        table.sweep(now);
-        table
-            .update_within_at(key, now, cap, claim)
-            .ok_or(StoreError::Full { cap })
+        let reply = match table.update_within_at(Arc::clone(&key), now, cap, claim) {
+            Some(reply) => Ok(reply),
+            // A new key at the cap: drop what expired, then try once more.
+            None => {
+                table.sweep(now);
+                table
+                    .update_within_at(key, now, cap, claim)
+                    .ok_or(StoreError::Full { cap })
+            }
+        };
+        self.evicted_since(evictions, now);
+        reply
     }
 
-    /// Logs evictions at warn, at most once per [`WARN_EVERY`].
-    fn evicted(&self, n: u64, now: Instant) {
+    /// Logs evictions made since the count was `before` (by the write just
+    /// made, mostly) at warn, at most once per [`WARN_EVERY`].
+    fn evicted_since(&self, before: u64, now: Instant) {
+        let n = self.evictions().saturating_sub(before);
+        if n == 0 {
+            return;
+        }
         {
             let mut warned_at = self
                 .inner
@@ -614,10 +624,7 @@ impl IdempotencyStore for MemoryIdempotencyStore {
             }
         });
         // The table evicted past the budget (expired results first) as it stored.
-        let evicted = self.evictions().saturating_sub(evictions);
-        if evicted > 0 {
-            self.evicted(evicted, now);
-        }
+        self.evicted_since(evictions, now);
         let stored = match completion {
             Completion::Stored => {
                 self.inner.changed.notify_waiters();
@@ -649,15 +656,16 @@ impl IdempotencyStore for MemoryIdempotencyStore {
         token: ClaimToken,
         lease: Duration,
     ) -> IdempotencyStoreFuture<'a, bool> {
-        let renewed =
-            self.inner
-                .table
-                .update_at(Arc::from(key), Instant::now(), |held| match held {
-                    Some((held, _)) if held.held_by(token) => {
-                        (Update::Set(held.clone(), lease), true)
-                    }
-                    _ => (Update::Keep, false),
-                });
+        let (now, evictions) = (Instant::now(), self.evictions());
+        let renewed = self
+            .inner
+            .table
+            .update_at(Arc::from(key), now, |held| match held {
+                Some((held, _)) if held.held_by(token) => (Update::Set(held.clone(), lease), true),
+                _ => (Update::Keep, false),
+            });
+        // A budget lowered since the last write evicts at this one.
+        self.evicted_since(evictions, now);
         Box::pin(std::future::ready(Ok(renewed)))
     }
 
