@@ -9,16 +9,15 @@
 //! shares it. Callers on one instance still join one local claim, so a key
 //! costs one claim round trip per instance, not per caller.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use throttlebeam_supervisors::{Counters, Sweep, TtlTable, Update};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -323,13 +322,6 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     }
 }
 
-/// `now + d`, saturated: a lease or TTL too long to represent (up to
-/// [`Duration::MAX`]) lasts about thirty years instead of overflowing.
-fn later(now: Instant, d: Duration) -> Instant {
-    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
-    now.checked_add(d.min(FAR)).unwrap_or(now)
-}
-
 /// What [`MemoryIdempotencyStore`] holds for a key.
 #[derive(Debug, Clone)]
 enum Held {
@@ -342,13 +334,19 @@ enum Held {
     Completed(StoredResult, ClaimToken),
 }
 
-#[derive(Debug, Clone)]
-struct Entry {
-    held: Held,
-    until: Instant,
-    /// Which write made this entry: tells it from the queue slots of the
-    /// entries it replaced.
-    seq: u64,
+impl Held {
+    fn fingerprint(&self) -> Option<&[u8; 32]> {
+        match self {
+            Held::InFlight { fingerprint, .. } => fingerprint.as_ref(),
+            Held::Completed(result, _) => result.fingerprint.as_ref(),
+        }
+    }
+
+    /// Whether `token` holds the key in flight: a lapsed lease still does
+    /// until someone else claims the key.
+    fn held_by(&self, token: ClaimToken) -> bool {
+        matches!(self, Held::InFlight { token: t, .. } if *t == token)
+    }
 }
 
 /// Default cap on the keys a [`MemoryIdempotencyStore`] holds.
@@ -356,10 +354,21 @@ pub const DEFAULT_SHARED_MEMORY_KEYS: usize = 1_000_000;
 
 /// What a completed result held by a [`MemoryIdempotencyStore`] weighs
 /// against its byte budget beside its key, type tag and value.
-const ENTRY_OVERHEAD: usize = 200;
+const ENTRY_OVERHEAD: u64 = 200;
 
 /// Evictions are logged at warn at most this often.
 const WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// A key's weight against the byte budget: a completed result's bytes, and
+/// nothing for a key in flight, which the budget thus never evicts.
+fn weigh(key: &Arc<str>, held: &Held) -> u64 {
+    match held {
+        Held::InFlight { .. } => 0,
+        Held::Completed(result, _) => {
+            (key.len() + result.type_tag.len() + result.value.len()) as u64 + ENTRY_OVERHEAD
+        }
+    }
+}
 
 /// An in-process [`IdempotencyStore`]: several runtimes in one process
 /// given the same store (a clone) deduplicate together.
@@ -376,161 +385,22 @@ const WARN_EVERY: Duration = Duration::from_secs(60);
 /// ([`MemoryIdempotencyStore::evictions`]) and logged at warn at most once
 /// a minute. Keys in flight are never evicted.
 ///
-/// Every call costs O(log n) at most, at the cap too: expiries and
-/// completions are kept in order beside the keys, so finding what to drop
-/// never scans the store.
+/// Every call costs O(log n) amortised at most, at the cap too: the keys
+/// live in a [`TtlTable`] that keeps them in expiry order and its
+/// completed results in completion order, so finding what to drop never
+/// scans the store.
 #[derive(Clone)]
 pub struct MemoryIdempotencyStore {
     inner: Arc<MemoryInner>,
 }
 
 struct MemoryInner {
-    keys: Mutex<Keys>,
+    table: TtlTable<Arc<str>, Held>,
     fences: AtomicU64,
     changed: Arc<Notify>,
     cap: usize,
-    max_bytes: AtomicUsize,
-}
-
-/// The keys and the two orders kept beside them.
-#[derive(Default)]
-struct Keys {
-    map: HashMap<Arc<str>, Entry>,
-    /// Every entry's expiry, soonest first; a slot is stale once its entry
-    /// was renewed, replaced or removed (its `seq` or `until` differs).
-    expiries: BinaryHeap<Reverse<(Instant, u64, Arc<str>)>>,
-    /// Completed results in the order they were stored, for the byte
-    /// budget; a slot is stale once its entry was replaced or removed.
-    completed: VecDeque<(Arc<str>, u64)>,
-    /// What the completed results held weigh together.
-    bytes: usize,
-    seq: u64,
-    evictions: u64,
     /// When evictions were last logged.
-    warned_at: Option<Instant>,
-}
-
-impl Keys {
-    /// What a completed entry of `key` weighs; 0 for a key in flight.
-    fn weight(key: &str, entry: &Entry) -> usize {
-        match &entry.held {
-            Held::InFlight { .. } => 0,
-            Held::Completed(result, _) => {
-                key.len() + result.type_tag.len() + result.value.len() + ENTRY_OVERHEAD
-            }
-        }
-    }
-
-    /// Writes `entry` for `key` (replacing what was there) and files it in
-    /// the orders.
-    fn put(&mut self, key: &str, held: Held, until: Instant) {
-        self.seq += 1;
-        let seq = self.seq;
-        let key: Arc<str> = match self.map.get_key_value(key) {
-            Some((stored, _)) => Arc::clone(stored),
-            None => Arc::from(key),
-        };
-        let completed = matches!(held, Held::Completed(..));
-        let entry = Entry { held, until, seq };
-        self.bytes += Self::weight(&key, &entry);
-        if let Some(old) = self.map.insert(Arc::clone(&key), entry) {
-            self.bytes -= Self::weight(&key, &old);
-        }
-        if completed {
-            self.completed.push_back((Arc::clone(&key), seq));
-        }
-        self.expiries.push(Reverse((until, seq, key)));
-        self.compact();
-    }
-
-    /// Pushes `key`'s expiry out to `until`.
-    fn extend(&mut self, key: &str, until: Instant) {
-        let Some((stored, entry)) = self.map.get_key_value(key) else {
-            return;
-        };
-        let slot = (until, entry.seq, Arc::clone(stored));
-        if let Some(entry) = self.map.get_mut(key) {
-            entry.until = until;
-        }
-        self.expiries.push(Reverse(slot));
-        self.compact();
-    }
-
-    fn remove(&mut self, key: &str) -> Option<Entry> {
-        let entry = self.map.remove(key)?;
-        self.bytes -= Self::weight(key, &entry);
-        Some(entry)
-    }
-
-    /// Drops the entries expired by `now`, soonest first: only what has
-    /// expired (and stale slots) is looked at.
-    fn expire(&mut self, now: Instant) -> usize {
-        let mut removed = 0;
-        while let Some(Reverse((until, seq, key))) = self.expiries.peek() {
-            if *until > now {
-                break;
-            }
-            let live = self
-                .map
-                .get(&**key)
-                .is_some_and(|e| e.seq == *seq && e.until == *until);
-            if live {
-                let key = Arc::clone(key);
-                self.remove(&key);
-                removed += 1;
-            }
-            self.expiries.pop();
-        }
-        removed
-    }
-
-    /// Evicts the oldest completed results until they fit `max_bytes`;
-    /// returns how many went.
-    fn fit(&mut self, max_bytes: usize) -> usize {
-        let mut evicted = 0;
-        while self.bytes > max_bytes {
-            let Some((key, seq)) = self.completed.pop_front() else {
-                break;
-            };
-            let live = self
-                .map
-                .get(&*key)
-                .is_some_and(|e| e.seq == seq && matches!(e.held, Held::Completed(..)));
-            if live {
-                self.remove(&key);
-                evicted += 1;
-            }
-        }
-        self.evictions += evicted as u64;
-        evicted
-    }
-
-    /// Rebuilds an order once stale slots make up most of it: each rebuild
-    /// costs as much as the writes that made it stale, so writes stay
-    /// amortised O(log n).
-    fn compact(&mut self) {
-        let live = self.map.len();
-        if self.expiries.len() > 2 * live + 64 {
-            self.expiries = self
-                .map
-                .iter()
-                .map(|(key, e)| Reverse((e.until, e.seq, Arc::clone(key))))
-                .collect();
-        }
-        if self.completed.len() > 2 * live + 64 {
-            let map = &self.map;
-            self.completed.retain(|(key, seq)| {
-                map.get(&**key)
-                    .is_some_and(|e| e.seq == *seq && matches!(e.held, Held::Completed(..)))
-            });
-        }
-    }
-
-    fn shrink_to_fit(&mut self) {
-        self.map.shrink_to_fit();
-        self.expiries.shrink_to_fit();
-        self.completed.shrink_to_fit();
-    }
+    warned_at: Mutex<Option<Instant>>,
 }
 
 impl Default for MemoryIdempotencyStore {
@@ -541,10 +411,9 @@ impl Default for MemoryIdempotencyStore {
 
 impl std::fmt::Debug for MemoryIdempotencyStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let keys = self.lock();
         f.debug_struct("MemoryIdempotencyStore")
-            .field("keys", &keys.map.len())
-            .field("bytes", &keys.bytes)
+            .field("keys", &self.len())
+            .field("bytes", &self.bytes())
             .field("cap", &self.inner.cap)
             .field("max_bytes", &self.max_bytes())
             .finish()
@@ -561,13 +430,18 @@ impl MemoryIdempotencyStore {
     /// An empty store holding at most `cap` keys (at least 1).
     #[must_use]
     pub fn with_max_keys(cap: usize) -> Self {
+        let max_bytes = crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_BYTES as u64;
         Self {
             inner: Arc::new(MemoryInner {
-                keys: Mutex::new(Keys::default()),
+                // Not swept by a runtime: several share it. Expired keys go
+                // at the cap, past the budget and in `sweep`.
+                table: TtlTable::new(Arc::new(Counters::new()))
+                    .with_max_weight(max_bytes, weigh)
+                    .with_expiry_order(),
                 fences: AtomicU64::new(0),
                 changed: Arc::new(Notify::new()),
                 cap: cap.max(1),
-                max_bytes: AtomicUsize::new(crate::idempotency::DEFAULT_MAX_IDEMPOTENCY_BYTES),
+                warned_at: Mutex::new(None),
             }),
         }
     }
@@ -598,20 +472,20 @@ impl MemoryIdempotencyStore {
     /// ```
     #[must_use]
     pub fn with_max_bytes(self, max_bytes: usize) -> Self {
-        self.inner.max_bytes.store(max_bytes, Ordering::Relaxed);
+        self.inner.table.set_max_weight(max_bytes as u64);
         self
     }
 
     /// The byte budget of completed results.
     #[must_use]
     pub fn max_bytes(&self) -> usize {
-        self.inner.max_bytes.load(Ordering::Relaxed)
+        self.inner.table.max_weight().unwrap_or(u64::MAX) as usize
     }
 
     /// Keys held, expired ones not yet swept included.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.lock().map.len()
+        self.inner.table.len()
     }
 
     /// Whether the store holds no key.
@@ -623,108 +497,97 @@ impl MemoryIdempotencyStore {
     /// What the completed results held weigh together, in bytes.
     #[must_use]
     pub fn bytes(&self) -> usize {
-        self.lock().bytes
+        self.inner.table.weight() as usize
     }
 
     /// Completed results evicted by the byte budget before their TTL.
     #[must_use]
     pub fn evictions(&self) -> u64 {
-        self.lock().evictions
+        self.inner.table.evictions()
     }
 
     /// Drops expired keys; returns how many are left.
     pub fn sweep(&self) -> usize {
-        let mut keys = self.lock();
-        keys.expire(Instant::now());
-        keys.compact();
-        keys.shrink_to_fit();
-        keys.map.len()
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Keys> {
-        // A panic cannot leave the keys half-updated: nothing user-supplied
-        // runs under the lock, and every update completes its bookkeeping.
-        self.inner
-            .keys
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.inner.table.sweep(Instant::now())
     }
 
     fn claim_now(&self, key: &str, request: ClaimRequest<'_>) -> Result<ClaimReply, StoreError> {
         let now = Instant::now();
-        let mut keys = self.lock();
-        if let Some(entry) = keys.map.get(key).filter(|e| e.until > now) {
-            let fingerprint = match &entry.held {
-                Held::InFlight { fingerprint, .. } => fingerprint.as_ref(),
-                Held::Completed(result, _) => result.fingerprint.as_ref(),
-            };
-            if fingerprint != request.fingerprint {
-                return Ok(ClaimReply::Mismatch);
+        let claim = |held: Option<(&Held, Duration)>| match held {
+            Some((held, lease_left)) if !lease_left.is_zero() => {
+                let reply = if held.fingerprint() != request.fingerprint {
+                    ClaimReply::Mismatch
+                } else {
+                    match held {
+                        Held::InFlight { .. } => ClaimReply::Busy { lease_left },
+                        Held::Completed(result, _) => ClaimReply::Completed(result.clone()),
+                    }
+                };
+                (Update::Keep, reply)
             }
-            return Ok(match &entry.held {
-                Held::InFlight { .. } => ClaimReply::Busy {
-                    lease_left: entry.until - now,
-                },
-                Held::Completed(result, _) => ClaimReply::Completed(result.clone()),
-            });
-        }
-        if !keys.map.contains_key(key) && keys.map.len() >= self.inner.cap {
-            keys.expire(now);
-            if keys.map.len() >= self.inner.cap {
-                return Err(StoreError::Full {
-                    cap: self.inner.cap,
-                });
+            // Free, or lapsed: taken over.
+            _ => {
+                let fence = self.inner.fences.fetch_add(1, Ordering::Relaxed) + 1;
+                let held = Held::InFlight {
+                    token: request.token,
+                    fingerprint: request.fingerprint.copied(),
+                };
+                (Update::Set(held, request.lease), ClaimReply::Won { fence })
             }
-        }
-        let fence = self.inner.fences.fetch_add(1, Ordering::Relaxed) + 1;
-        keys.put(
-            key,
-            Held::InFlight {
-                token: request.token,
-                fingerprint: request.fingerprint.copied(),
-            },
-            later(now, request.lease),
-        );
-        Ok(ClaimReply::Won { fence })
+        };
+        let (table, cap) = (&self.inner.table, self.inner.cap);
+        let evictions = self.evictions();
+        let key: Arc<str> = Arc::from(key);
+        let reply = match table.update_within_at(Arc::clone(&key), now, cap, claim) {
+            Some(reply) => Ok(reply),
+            // A new key at the cap: drop what expired, then try once more.
+            None => {
+                table.sweep(now);
+                table
+                    .update_within_at(key, now, cap, claim)
+                    .ok_or(StoreError::Full { cap })
+            }
+        };
+        self.evicted_since(evictions, now);
+        reply
     }
 
-    /// Whether `token` holds `key` in flight (a lapsed lease still counts
-    /// until someone else claims the key).
-    fn holds(entry: Option<&Entry>, token: ClaimToken) -> bool {
-        matches!(entry, Some(Entry { held: Held::InFlight { token: t, .. }, .. }) if *t == token)
-    }
-
-    /// `token` already completed the key with `result` (and the record is
-    /// live): a retry of a completion that landed.
-    fn completed_by(
-        entry: Option<&Entry>,
-        token: ClaimToken,
-        result: &StoredResult,
-        now: Instant,
-    ) -> bool {
-        matches!(entry, Some(Entry { held: Held::Completed(stored, t), until, .. })
-            if *t == token && stored == result && *until > now)
-    }
-
-    /// Logs evictions at warn, at most once per [`WARN_EVERY`].
-    fn evicted(&self, keys: &mut Keys, n: usize, now: Instant) {
-        if keys
-            .warned_at
-            .is_some_and(|at| now.saturating_duration_since(at) < WARN_EVERY)
-        {
+    /// Logs evictions made since the count was `before` (by the write just
+    /// made, mostly) at warn, at most once per [`WARN_EVERY`].
+    fn evicted_since(&self, before: u64, now: Instant) {
+        let n = self.evictions().saturating_sub(before);
+        if n == 0 {
             return;
         }
-        keys.warned_at = Some(now);
+        {
+            let mut warned_at = self
+                .inner
+                .warned_at
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if warned_at.is_some_and(|at| now.saturating_duration_since(at) < WARN_EVERY) {
+                return;
+            }
+            *warned_at = Some(now);
+        }
         tracing::warn!(
             evicted = n,
-            evictions = keys.evictions,
-            bytes = keys.bytes,
+            evictions = self.evictions(),
+            bytes = self.bytes(),
             max_bytes = self.max_bytes(),
             "idempotency results evicted from a MemoryIdempotencyStore before their ttl: \
              its results reached their byte budget; raise it with \
              MemoryIdempotencyStore::with_max_bytes"
         );
     }
+}
+
+/// What a completion did.
+enum Completion {
+    Stored,
+    /// The same completion by the same owner landed before.
+    Repeated,
+    Refused,
 }
 
 impl IdempotencyStore for MemoryIdempotencyStore {
@@ -744,44 +607,43 @@ impl IdempotencyStore for MemoryIdempotencyStore {
         ttl: Duration,
     ) -> IdempotencyStoreFuture<'a, bool> {
         let now = Instant::now();
-        let stored = {
-            let mut keys = self.lock();
-            let entry = keys.map.get(key);
-            if Self::completed_by(entry, token, result, now) {
-                // A retry whose first completion landed: already stored.
-                return Box::pin(std::future::ready(Ok(true)));
+        let evictions = self.evictions();
+        let completion = self.inner.table.update_at(Arc::from(key), now, |held| {
+            let store = || Update::Set(Held::Completed(result.clone(), token), ttl);
+            match held {
+                Some((Held::Completed(stored, t), left))
+                    if !left.is_zero() && *t == token && stored == result =>
+                {
+                    (Update::Keep, Completion::Repeated)
+                }
+                Some((held, _)) if held.held_by(token) => (store(), Completion::Stored),
+                Some((_, left)) if !left.is_zero() => (Update::Keep, Completion::Refused),
+                // Nobody holds it: the record lapsed or vanished, so this
+                // owner's result is still the only one.
+                _ => (store(), Completion::Stored),
             }
-            // Nobody holds it: the record lapsed or vanished, so this
-            // owner's result is still the only one.
-            let free = entry.is_none_or(|e| e.until <= now);
-            if Self::holds(entry, token) || free {
-                keys.put(key, Held::Completed(result.clone(), token), later(now, ttl));
-                let max_bytes = self.max_bytes();
-                if keys.bytes > max_bytes {
-                    // Expired results go first: evicting a live one while
-                    // they still count would be an early expiry for nothing.
-                    keys.expire(now);
-                }
-                let evicted = keys.fit(max_bytes);
-                if evicted > 0 {
-                    self.evicted(&mut keys, evicted, now);
-                }
+        });
+        // The table evicted past the budget (expired results first) as it stored.
+        self.evicted_since(evictions, now);
+        let stored = match completion {
+            Completion::Stored => {
+                self.inner.changed.notify_waiters();
                 true
-            } else {
-                false
             }
+            Completion::Repeated => true,
+            Completion::Refused => false,
         };
-        if stored {
-            self.inner.changed.notify_waiters();
-        }
         Box::pin(std::future::ready(Ok(stored)))
     }
 
     fn release<'a>(&'a self, key: &'a str, token: ClaimToken) -> IdempotencyStoreFuture<'a, bool> {
-        let released = {
-            let mut keys = self.lock();
-            Self::holds(keys.map.get(key), token) && keys.remove(key).is_some()
-        };
+        let released =
+            self.inner
+                .table
+                .update_at(Arc::from(key), Instant::now(), |held| match held {
+                    Some((held, _)) if held.held_by(token) => (Update::Remove, true),
+                    _ => (Update::Keep, false),
+                });
         if released {
             self.inner.changed.notify_waiters();
         }
@@ -794,12 +656,16 @@ impl IdempotencyStore for MemoryIdempotencyStore {
         token: ClaimToken,
         lease: Duration,
     ) -> IdempotencyStoreFuture<'a, bool> {
-        let now = Instant::now();
-        let mut keys = self.lock();
-        let renewed = Self::holds(keys.map.get(key), token);
-        if renewed {
-            keys.extend(key, later(now, lease));
-        }
+        let (now, evictions) = (Instant::now(), self.evictions());
+        let renewed = self
+            .inner
+            .table
+            .update_at(Arc::from(key), now, |held| match held {
+                Some((held, _)) if held.held_by(token) => (Update::Set(held.clone(), lease), true),
+                _ => (Update::Keep, false),
+            });
+        // A budget lowered since the last write evicts at this one.
+        self.evicted_since(evictions, now);
         Box::pin(std::future::ready(Ok(renewed)))
     }
 

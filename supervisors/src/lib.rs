@@ -50,7 +50,7 @@
 //! |---|---|
 //! | [`Registry`] | keyed map of slots, one per busy key: lookup-or-start under one shard lock, generation stamps, compare-and-remove on idle exit, a cap on keys |
 //! | [`Supervisor`] | partitioned dynamic supervision of temporary per-key processes (one tokio task each), panics caught, graceful shutdown with a deadline |
-//! | [`TtlTable`] | entries that expire, checked on every read, swept periodically; optionally capped, oldest evicted first |
+//! | [`TtlTable`] | entries that expire, checked on every read, swept periodically; optionally capped by count and weight, oldest evicted first; compare-and-set per key ([`Update`]) |
 //! | [`Sweeper`] | sweeps its [`Sweep`] targets every interval, only while they hold entries |
 //! | [`Tree`] | the ractor supervision tree (root, partition actors, sweeper), startable under a host supervisor |
 //! | [`Counters`] | keys tracked, timers armed, TTL entries; [`Tree::snapshot`] adds live processes |
@@ -108,4 +108,4 @@ pub use stats::{Counters, Snapshot, TimerGuard};
 pub use supervisor::{RunHere, StartError, Supervisor};
 pub use sweeper::{Sweep, Sweeper};
 pub use tree::{StartTreeError, Tree, TreeConfig};
-pub use ttl::{TokioClock, TtlClock, TtlTable};
+pub use ttl::{TokioClock, TtlClock, TtlTable, Update};
