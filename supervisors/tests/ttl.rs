@@ -5,7 +5,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use throttlebeam_supervisors::{Counters, Sweep, Tree, TreeConfig, TtlTable};
+use throttlebeam_supervisors::{Counters, Sweep, Tree, TreeConfig, TtlTable, Update};
 use tokio::time::Instant;
 
 fn table() -> (Arc<Counters>, TtlTable<String, u32>) {
@@ -253,4 +253,212 @@ async fn a_swept_table_gives_its_memory_back() {
         "capacity {} of {peak}",
         table.capacity()
     );
+}
+
+const SEC: Duration = Duration::from_secs(1);
+
+fn capped(max_len: usize) -> (Arc<Counters>, TtlTable<u32, u32>) {
+    let counters = Arc::new(Counters::new());
+    (
+        Arc::clone(&counters),
+        TtlTable::new(Arc::clone(&counters)).with_max_len(max_len),
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn past_the_cap_the_oldest_inserted_go_first_and_are_counted() {
+    let (counters, table) = capped(3);
+    for k in 0..3 {
+        assert_eq!(table.insert(k, k * 10, 10 * SEC), 0);
+    }
+    // Replacing key 0 makes it the newest.
+    assert_eq!(table.insert(0, 1, 10 * SEC), 0);
+    assert_eq!(table.insert(3, 30, 10 * SEC), 1, "key 1 evicted");
+    assert_eq!(table.insert(4, 40, 10 * SEC), 1, "key 2 evicted");
+    assert_eq!(table.get(&1), None);
+    assert_eq!(table.get(&2), None);
+    assert_eq!(
+        (table.get(&0), table.get(&3), table.get(&4)),
+        (Some(1), Some(30), Some(40))
+    );
+    assert_eq!((table.len(), table.evictions()), (3, 2));
+    assert_eq!(counters.ttl_entries(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn past_the_weight_budget_the_oldest_go_first_and_weight_is_exact() {
+    let table: TtlTable<u32, Vec<u8>> = TtlTable::new(Arc::new(Counters::new()))
+        .with_max_len(100)
+        .with_max_weight(100, |k, v| u64::from(*k % 2) + v.len() as u64);
+    assert_eq!(
+        (table.max_len(), table.max_weight()),
+        (Some(100), Some(100))
+    );
+    table.insert(0, vec![0; 40], 10 * SEC);
+    table.insert(2, vec![0; 40], 20 * SEC);
+    assert_eq!(table.weight(), 80);
+    // Replacing an entry swaps its weight.
+    table.insert(0, vec![0; 10], 10 * SEC);
+    assert_eq!(table.weight(), 50);
+    // Past the budget the oldest (key 2: key 0 was replaced after it) go first.
+    assert_eq!(table.insert(4, vec![0; 60], 30 * SEC), 1);
+    assert_eq!(table.get(&2), None);
+    assert_eq!((table.weight(), table.evictions()), (70, 1));
+    // Odd keys weigh one more: the weigher sees the key.
+    table.insert(5, vec![0; 19], 30 * SEC);
+    assert_eq!(table.weight(), 90);
+    // Every way out takes the entry's weight off.
+    assert!(table.remove(&5).is_some());
+    assert_eq!(table.weight(), 70);
+    tokio::time::advance(10 * SEC).await;
+    assert_eq!(table.get(&0), None, "expired on read");
+    assert_eq!(table.weight(), 60);
+    table.insert(6, vec![0; 30], SEC);
+    tokio::time::advance(SEC).await;
+    assert_eq!(table.sweep(Instant::now()), 1);
+    assert_eq!(table.weight(), 60);
+    let nx = |live: Option<&Vec<u8>>| (live.is_none().then(|| (vec![0; 5], SEC)), ());
+    table.upsert_at(8, Instant::now(), nx);
+    assert_eq!(table.weight(), 65);
+    // An entry heavier than the whole budget evicts everything, itself last.
+    assert_eq!(table.insert(10, vec![0; 101], SEC), 3);
+    assert_eq!((table.len(), table.weight(), table.evictions()), (0, 0, 4));
+    table.insert(12, vec![0; 7], SEC);
+    table.clear();
+    assert_eq!(table.weight(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_uncapped_table_never_evicts() {
+    let table: TtlTable<u32, u32> = TtlTable::new(Arc::new(Counters::new()));
+    for k in 0..10_000 {
+        assert_eq!(table.insert(k, k, SEC), 0);
+    }
+    assert_eq!(
+        (table.len(), table.evictions(), table.max_len()),
+        (10_000, 0, None)
+    );
+}
+
+fn numbers() -> (Arc<Counters>, TtlTable<u32, u32>) {
+    let counters = Arc::new(Counters::new());
+    (Arc::clone(&counters), TtlTable::new(counters))
+}
+
+#[tokio::test(start_paused = true)]
+async fn upsert_sees_only_live_values_and_counts_new_entries() {
+    let (counters, t) = numbers();
+    let ttl = Duration::from_millis(100);
+    let nx = |v: u32| {
+        move |live: Option<&u32>| match live {
+            Some(_) => (None, false),
+            None => (Some((v, ttl)), true),
+        }
+    };
+    assert!(t.upsert_at(1, Instant::now(), nx(10)));
+    assert!(!t.upsert_at(1, Instant::now(), nx(11)));
+    assert_eq!(t.get(&1), Some(10));
+    assert_eq!(t.len(), 1);
+    // Expired: absent for `f`, replaced without counting twice.
+    tokio::time::advance(ttl).await;
+    assert!(t.upsert_at(1, Instant::now(), nx(12)));
+    assert_eq!(
+        (t.get(&1), t.len(), counters.ttl_entries()),
+        (Some(12), 1, 1)
+    );
+    // Compare-and-set: writes only when `f` says so.
+    let cas = |expect: u32, v: u32| {
+        move |live: Option<&u32>| {
+            if live == Some(&expect) {
+                (Some((v, ttl)), true)
+            } else {
+                (None, false)
+            }
+        }
+    };
+    assert!(!t.upsert_at(1, Instant::now(), cas(99, 13)));
+    assert!(t.upsert_at(1, Instant::now(), cas(12, 13)));
+    assert_eq!(t.get(&1), Some(13));
+    // Nothing written for a missing key when `f` declines.
+    assert!(!t.upsert_at(2, Instant::now(), cas(0, 1)));
+    assert_eq!(t.len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn evict_soonest_removes_the_earliest_expiries_first() {
+    let (counters, t) = numbers();
+    for k in 0..10u32 {
+        t.insert(k, k, Duration::from_secs(u64::from(10 - k)));
+    }
+    assert_eq!(t.evict_soonest(3), 3);
+    assert_eq!(t.len(), 7);
+    assert_eq!(counters.ttl_entries(), 7);
+    for k in 7..10 {
+        assert_eq!(t.get(&k), None, "{k} expires soonest");
+    }
+    for k in 0..7 {
+        assert_eq!(t.get(&k), Some(k));
+    }
+    assert_eq!(t.evict_soonest(100), 7);
+    assert!(t.is_empty());
+    assert_eq!(t.evict_soonest(1), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn update_sees_expired_entries_and_keeps_sets_or_removes() {
+    let (counters, t) = numbers();
+    let seen = |key| {
+        t.update_at(key, Instant::now(), |held: Option<(&u32, Duration)>| {
+            (Update::Keep, held.map(|(v, left)| (*v, left)))
+        })
+    };
+    assert_eq!(seen(1), None);
+    assert_eq!(t.len(), 0, "keeping a missing key adds nothing");
+    t.insert(1, 10, 3 * SEC);
+    tokio::time::advance(SEC).await;
+    assert_eq!(seen(1), Some((10, 2 * SEC)));
+    tokio::time::advance(5 * SEC).await;
+    assert_eq!(seen(1), Some((10, Duration::ZERO)), "expired, still shown");
+    assert_eq!(t.len(), 1, "and kept");
+    // Set revives it for a fresh TTL, counted once.
+    t.update_at(1, Instant::now(), |_| (Update::Set(11, SEC), ()));
+    assert_eq!(
+        (t.get(&1), t.len(), counters.ttl_entries()),
+        (Some(11), 1, 1)
+    );
+    // Remove uncounts it; removing a missing key does nothing.
+    t.update_at(1, Instant::now(), |_| (Update::Remove, ()));
+    t.update_at(2, Instant::now(), |_| (Update::Remove, ()));
+    assert_eq!((t.get(&1), t.len(), counters.ttl_entries()), (None, 0, 0));
+    // Set on a missing key inserts it.
+    t.update_at(3, Instant::now(), |held| {
+        assert!(held.is_none());
+        (Update::Set(30, SEC), ())
+    });
+    assert_eq!((t.get(&3), t.len()), (Some(30), 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn update_within_refuses_only_a_new_key_at_the_limit() {
+    let (counters, t) = numbers();
+    let put = |v: u32| move |_: Option<(&u32, Duration)>| (Update::Set(v, SEC), v);
+    assert_eq!(t.update_within_at(1, Instant::now(), 2, put(1)), Some(1));
+    assert_eq!(t.update_within_at(2, Instant::now(), 2, put(2)), Some(2));
+    let mut ran = false;
+    let refused = t.update_within_at(3, Instant::now(), 2, |_| {
+        ran = true;
+        (Update::Set(3, SEC), 3)
+    });
+    assert_eq!((refused, ran), (None, false), "refused without running f");
+    // A held key, expired too, is rewritten at the limit.
+    tokio::time::advance(SEC).await;
+    assert_eq!(t.update_within_at(1, Instant::now(), 2, put(10)), Some(10));
+    // A new key declined leaves the count as it was.
+    t.remove(&2);
+    let keep = |_: Option<(&u32, Duration)>| (Update::Keep, 0);
+    assert_eq!(t.update_within_at(4, Instant::now(), 2, keep), Some(0));
+    assert_eq!((t.len(), counters.ttl_entries()), (1, 1));
+    assert_eq!(t.update_within_at(4, Instant::now(), 2, put(4)), Some(4));
+    assert_eq!(t.update_within_at(5, Instant::now(), 2, put(5)), None);
+    assert_eq!((t.len(), t.get(&1), t.get(&4)), (2, Some(10), Some(4)));
 }
