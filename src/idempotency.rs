@@ -330,7 +330,7 @@ impl IdempotencyHandle {
     /// The replay fast path, then a claim made at once if the key is free: a stored
     /// result, or the key now held by this caller (run it with
     /// [`IdempotencyHandle::run_claim`]); `None` when only [`IdempotencyHandle::run_after_miss`]
-    /// can tell (the key is in flight, or the store answers later). What `run_with` does
+    /// can tell (the key is in flight, or a shared store answers later). What `run_with` does
     /// first, without building a future, for a request with `fingerprint` instead of the
     /// one of `options` (so a caller's options can be shared by every request, unchanged).
     #[cfg(feature = "http")]

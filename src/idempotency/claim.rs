@@ -174,7 +174,7 @@ impl Ledger {
     /// replay fast path), else the key claimed if it is free, when it still has no result
     /// once claimed (a completion may land between the read and the claim). `None` when only
     /// [`Ledger::attempt`] can tell: the key is in flight (wait for it, or reject), or the
-    /// store answers later (a shared store, a remote result store).
+    /// store answers later (a shared store).
     ///
     /// `fingerprint` stands for the fingerprint of `options`: a caller whose options are
     /// shared by every request keeps each request's apart.

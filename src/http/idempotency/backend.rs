@@ -119,7 +119,7 @@ pub(super) type ClaimRun<H> = RunHere<Result<H, Error>>;
 
 /// The stored response of `key`, or the key claimed for this request (whose fingerprint is
 /// `fingerprint`), when either can be had at once; `None` when only [`run`] can tell (the
-/// key is in flight, or the store answers later).
+/// key is in flight, or a shared store answers later).
 pub(super) fn look(
     idempotency: &IdempotencyHandle,
     key: &str,
