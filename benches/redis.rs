@@ -554,15 +554,21 @@ const PEER_CHECKS: u64 = 200_000;
 
 /// `PEER_CHECKS` checks of `strategy` over `PEER_CALLERS` tasks, on fresh keys (`hot`
 /// false: every check a new key) or all on one key: ns per check.
-async fn peer_round<S: Strategy>(redis: &Redis, strategy: S, namespace: String, hot: bool) -> f64
+/// The round's keys are deleted after it, unmeasured.
+async fn peer_round<S: Strategy>(
+    (url, redis): (&str, &Redis),
+    strategy: S,
+    namespace: String,
+    hot: bool,
+) -> f64
 where
     Redis: AsyncRateLimitStore<S>,
 {
     let limiter = Limiter::builder(strategy)
         .with_store(redis.clone())
-        .with_namespace(namespace)
+        .with_namespace(namespace.clone())
         .build();
-    concurrent_with(PEER_CALLERS, PEER_CHECKS, move |n| {
+    let ns = concurrent_with(PEER_CALLERS, PEER_CHECKS, move |n| {
         let limiter = limiter.clone();
         async move {
             let decision = if hot {
@@ -573,11 +579,44 @@ where
             black_box(decision.expect("decision"));
         }
     })
-    .await
+    .await;
+    forget_namespace(url, &namespace).await;
+    ns
+}
+
+/// Deletes the keys a round wrote under `namespace` (`SCAN` and `UNLINK`, unmeasured), so that
+/// every round starts on a server holding what the peer's run starts on: the keys of at most
+/// one round, not a million of earlier rounds (a fuller keyspace makes every `SET` dearer).
+async fn forget_namespace(url: &str, namespace: &str) {
+    let mut conn = multiplexed(url).await;
+    let pattern = format!("*:{namespace}:*");
+    let mut cursor = 0u64;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(&mut conn)
+            .await
+            .expect("SCAN");
+        if !keys.is_empty() {
+            let _: u64 = redis::cmd("UNLINK")
+                .arg(&keys)
+                .query_async(&mut conn)
+                .await
+                .expect("UNLINK");
+        }
+        if next == 0 {
+            return;
+        }
+        cursor = next;
+    }
 }
 
 /// `redis_vs_peer`: one strategy, fresh keys then one hot limited key, best of 3 rounds.
-async fn peer_side<S: Strategy>(redis: &Redis, name: &str, strategy: S)
+async fn peer_side<S: Strategy>(url: &str, redis: &Redis, name: &str, strategy: S)
 where
     Redis: AsyncRateLimitStore<S>,
 {
@@ -587,7 +626,7 @@ where
         let run = format!("{}-{round}", std::process::id());
         fresh = fresh.min(
             peer_round(
-                redis,
+                (url, redis),
                 strategy.clone(),
                 format!("peer-fresh-{name}-{run}"),
                 false,
@@ -596,7 +635,7 @@ where
         );
         hot = hot.min(
             peer_round(
-                redis,
+                (url, redis),
                 strategy.clone(),
                 format!("peer-hot-{name}-{run}"),
                 true,
@@ -618,27 +657,28 @@ where
     );
 }
 
-async fn vs_peer(redis: &Redis) {
+async fn vs_peer(url: &str, redis: &Redis) {
     let (limit, period) = (10, Duration::from_secs(60));
     // Warm-up, unmeasured: the scripts loaded, the pub/sub listener subscribed, the
     // runtime's threads and allocator busy.
     let warm = format!("peer-warm-{}", std::process::id());
     let window = FixedWindow::new(limit, period).expect("limit");
-    peer_round(redis, window, format!("{warm}-fixed"), false).await;
+    peer_round((url, redis), window, format!("{warm}-fixed"), false).await;
     peer_round(
-        redis,
+        (url, redis),
         Gcra::new(limit, period).expect("limit"),
         format!("{warm}-gcra"),
         false,
     )
     .await;
     peer_side(
+        url,
         redis,
         "fixed_window",
         FixedWindow::new(limit, period).expect("limit"),
     )
     .await;
-    peer_side(redis, "gcra", Gcra::new(limit, period).expect("limit")).await;
+    peer_side(url, redis, "gcra", Gcra::new(limit, period).expect("limit")).await;
 }
 
 fn main() {
@@ -661,7 +701,7 @@ fn main() {
             .await
             .expect("connects");
         if selected("redis_vs_peer") {
-            vs_peer(&redis).await;
+            vs_peer(&url, &redis).await;
         }
         if selected("redis_gcra") {
             gcra(&url, &redis).await;
