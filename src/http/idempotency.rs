@@ -4,6 +4,7 @@ mod backend;
 mod exchange;
 mod future;
 mod handler;
+mod read;
 mod request;
 
 use std::borrow::Cow;
@@ -24,8 +25,9 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use self::backend::{Refusal, StoredResponse};
-use self::exchange::{BodyRead, Claimed, Decided, Pending};
+use self::exchange::{Claimed, Decided, Pending};
 pub use self::future::IdempotentFuture;
+use self::read::BodyRead;
 use super::body::{BodyError, RequestBody, ResponseBody};
 use super::error::ConfigError;
 use super::problem::{ProblemType, problem};
@@ -718,7 +720,7 @@ mod tests {
     use http_body::Frame;
     use http_body_util::Full;
 
-    use super::exchange::read_body;
+    use super::read::read_body;
     use super::*;
 
     /// A body of `chunks`, one frame each, then trailers.

@@ -3,16 +3,15 @@
 
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, Request, Response};
 use http_body_util::LengthLimitError;
 use tokio::sync::oneshot;
-use tower_service::Service;
 
 use super::backend::{self, Looked, StoredResponse};
 use super::future::Exchange;
-use super::handler::{Handed, HandlerRun};
+use super::handler::{Guarded, Handed, HandlerRun};
 use super::{Config, ScopeTooLong, refuse, replay, request, too_large};
 use crate::http::body::{BodyError, InBody, OutBody, RequestBody, ResponseBody};
 use crate::http::problem::{ProblemType, problem};
@@ -143,30 +142,6 @@ impl<S> Pending<S> {
     }
 }
 
-/// The inner service the layer guards, with its future and error sent to the key's run: the
-/// bounds the exchange's steps share, named once.
-pub(super) trait Guarded<ReqB, ResB>:
-    Service<
-        Request<RequestBody<ReqB>>,
-        Response = Response<ResB>,
-        Future: Send + 'static,
-        Error: Send + 'static,
-    > + Send
-    + 'static
-{
-}
-
-impl<S, ReqB, ResB> Guarded<ReqB, ResB> for S where
-    S: Service<
-            Request<RequestBody<ReqB>>,
-            Response = Response<ResB>,
-            Future: Send + 'static,
-            Error: Send + 'static,
-        > + Send
-        + 'static
-{
-}
-
 /// What the handler's run takes on the general path: the service, the request and where to
 /// hand its response. Boxed, so the futures that carry it to the run stay small.
 struct Handling<S, ReqB, ResB, E> {
@@ -238,75 +213,4 @@ fn answer<B, E>(
             &config.counters,
         ),
     })
-}
-
-/// The data frames of a request body read so far: one frame (the usual case) is kept as it
-/// came, without a copy.
-#[derive(Default)]
-pub(super) struct BodyRead {
-    first: Bytes,
-    rest: BytesMut,
-    /// Rare: boxed, so the future that reads the body stays small.
-    trailers: Option<Box<HeaderMap>>,
-}
-
-impl BodyRead {
-    /// Keeps the request's trailers for the handler (they are not fingerprinted).
-    pub(super) fn trailers(&mut self, trailers: HeaderMap) {
-        match &mut self.trailers {
-            Some(kept) => kept.extend(trailers),
-            None => self.trailers = Some(Box::new(trailers)),
-        }
-    }
-
-    pub(super) fn push(&mut self, data: Bytes) {
-        if self.first.is_empty() {
-            self.first = data;
-        } else {
-            if self.rest.is_empty() {
-                self.rest.reserve(self.first.len() + data.len());
-                self.rest.extend_from_slice(&self.first);
-            }
-            self.rest.extend_from_slice(&data);
-        }
-    }
-
-    /// How many bytes were read so far.
-    pub(super) fn len(&self) -> usize {
-        if self.rest.is_empty() {
-            self.first.len()
-        } else {
-            self.rest.len()
-        }
-    }
-
-    pub(super) fn finish(&mut self) -> (Bytes, Option<HeaderMap>) {
-        let first = std::mem::take(&mut self.first);
-        let bytes = if self.rest.is_empty() {
-            first
-        } else {
-            std::mem::take(&mut self.rest).freeze()
-        };
-        (bytes, self.trailers.take().map(|t| *t))
-    }
-}
-
-/// The whole request body, up to `limit` bytes.
-#[cfg(test)]
-pub(super) async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, BodyError>
-where
-    B: http_body::Body<Data = Bytes>,
-    B::Error: Into<BodyError>,
-{
-    use http_body_util::BodyExt;
-
-    let mut body = std::pin::pin!(http_body_util::Limited::new(body, limit));
-    let mut read = BodyRead::default();
-    while let Some(frame) = body.frame().await {
-        // Trailers are not part of the fingerprint.
-        if let Ok(data) = frame?.into_data() {
-            read.push(data);
-        }
-    }
-    Ok(read.finish().0)
 }

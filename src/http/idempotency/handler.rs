@@ -13,9 +13,33 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::backend::{NotStored, StoredResponse};
-use super::exchange::{BodyRead, Guarded};
+use super::read::BodyRead;
 use super::{Config, is_grpc};
 use crate::http::body::{InBody, OutBody, RequestBody, ResponseBody};
+
+/// The inner service the layer guards, with its future and error sent to the key's run: the
+/// bounds the exchange's steps share, named once.
+pub(super) trait Guarded<ReqB, ResB>:
+    Service<
+        Request<RequestBody<ReqB>>,
+        Response = Response<ResB>,
+        Future: Send + 'static,
+        Error: Send + 'static,
+    > + Send
+    + 'static
+{
+}
+
+impl<S, ReqB, ResB> Guarded<ReqB, ResB> for S where
+    S: Service<
+            Request<RequestBody<ReqB>>,
+            Response = Response<ResB>,
+            Future: Send + 'static,
+            Error: Send + 'static,
+        > + Send
+        + 'static
+{
+}
 
 /// What the handler's run hands back to its caller, stored or not.
 pub(super) type Handed<B, E> = Result<Response<ResponseBody<B>>, E>;
