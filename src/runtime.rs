@@ -646,8 +646,8 @@ impl Runtime {
     /// | `throttlebeam_throttle_{executed,throttled,throttled_remotely,store_errors}_total` | counter | [`crate::throttle::ThrottleStats`] |
     /// | `throttlebeam_idempotency_stored_results`, `throttlebeam_idempotency_stored_bytes` | gauge | [`crate::idempotency::IdempotencyStats`] |
     /// | `throttlebeam_idempotency_{fresh,replays,fingerprint_mismatches,takeovers,in_flight_rejections,timeouts,evictions}_total` | counter | [`crate::idempotency::IdempotencyStats`] |
-    /// | `throttlebeam_trailing_{active,pending,keys,store_keys}` | gauge | [`crate::coalesce::CoalesceStats`], every coalescing throttle added up |
-    /// | `throttlebeam_trailing_{calls,leading_runs,trailing_runs,coalesced,store_errors,evictions}_total` | counter | [`crate::coalesce::CoalesceStats`] |
+    /// | `throttlebeam_coalesce_{active,pending,keys,store_keys}` | gauge | [`crate::coalesce::CoalesceStats`], every coalescing throttle added up |
+    /// | `throttlebeam_coalesce_{calls,leading_runs,trailing_runs,coalesced,store_errors,evictions}_total` | counter | [`crate::coalesce::CoalesceStats`] |
     /// | `throttlebeam_http_{replays,fresh,in_flight,reused,too_large,invalid,rate_limited,store_failures,no_peer}_total` | counter | `http::HttpStats` (feature `http`): the HTTP layers counting in this runtime |
     /// | `throttlebeam_redis_breaker_state` | gauge | the Redis backend's breaker (feature `redis`): 0 closed, 1 open, 2 half open |
     /// | `throttlebeam_redis_breaker_consecutive_failures`, `throttlebeam_redis_local_answer_keys` | gauge | `store::RedisStats` |

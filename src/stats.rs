@@ -57,7 +57,7 @@ pub struct Stats {
     /// Idempotency (counts since the runtime started; a restart keeps them).
     pub idempotency: IdempotencyStats,
     /// Every coalescing throttle of the runtime, added up.
-    pub trailing: CoalesceStats,
+    pub coalesce: CoalesceStats,
     /// The HTTP layers that count in this runtime (feature `http`).
     #[cfg(feature = "http")]
     #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
@@ -145,10 +145,10 @@ impl Stats {
                 "throttlebeam_idempotency_stored_results",
                 self.idempotency.stored_results,
             ),
-            ("throttlebeam_trailing_active", self.trailing.active),
-            ("throttlebeam_trailing_pending", self.trailing.pending),
-            ("throttlebeam_trailing_keys", self.trailing.keys),
-            ("throttlebeam_trailing_store_keys", self.trailing.store_keys),
+            ("throttlebeam_coalesce_active", self.coalesce.active),
+            ("throttlebeam_coalesce_pending", self.coalesce.pending),
+            ("throttlebeam_coalesce_keys", self.coalesce.keys),
+            ("throttlebeam_coalesce_store_keys", self.coalesce.store_keys),
         ];
         for (metric, value) in gauges {
             // Gauges are f64 by the facade's contract.
@@ -220,30 +220,30 @@ impl Stats {
                 "throttlebeam_idempotency_evictions_total",
                 self.idempotency.evictions,
             ),
-            ("throttlebeam_trailing_calls_total", self.trailing.calls),
+            ("throttlebeam_coalesce_calls_total", self.coalesce.calls),
             (
-                "throttlebeam_trailing_leading_runs_total",
-                self.trailing.leading_runs,
+                "throttlebeam_coalesce_leading_runs_total",
+                self.coalesce.leading_runs,
             ),
             (
-                "throttlebeam_trailing_trailing_runs_total",
-                self.trailing.trailing_runs,
+                "throttlebeam_coalesce_trailing_runs_total",
+                self.coalesce.trailing_runs,
             ),
             (
-                "throttlebeam_trailing_coalesced_total",
-                self.trailing.coalesced,
+                "throttlebeam_coalesce_coalesced_total",
+                self.coalesce.coalesced,
             ),
             (
-                "throttlebeam_trailing_store_errors_total",
-                self.trailing.store_errors,
+                "throttlebeam_coalesce_store_errors_total",
+                self.coalesce.store_errors,
             ),
             (
-                "throttlebeam_trailing_evictions_total",
-                self.trailing.evictions,
+                "throttlebeam_coalesce_evictions_total",
+                self.coalesce.evictions,
             ),
             (
-                "throttlebeam_trailing_unobserved_failures_total",
-                self.trailing.unobserved_failures,
+                "throttlebeam_coalesce_unobserved_failures_total",
+                self.coalesce.unobserved_failures,
             ),
         ];
         for (metric, value) in counters {

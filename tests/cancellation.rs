@@ -68,7 +68,7 @@ async fn assert_idle(rt: &Runtime, what: &str) {
         (0, 0),
         "{what}: {s:?}"
     );
-    let t = s.trailing;
+    let t = s.coalesce;
     assert_eq!(
         (t.active, t.pending, t.keys, t.timers),
         (0, 0, 0, 0),

@@ -844,7 +844,7 @@ async fn failures_nobody_hears_are_logged_and_counted() {
         .build()
         .unwrap();
     let log = Log::new();
-    let unheard = || rt.stats().trailing.unobserved_failures;
+    let unheard = || rt.stats().coalesce.unobserved_failures;
 
     // Heard: a leading caller and a trailing waiter get their errors.
     assert!(plain.call("heard", log.fail("lead", 10)).await.is_err());
@@ -1028,7 +1028,7 @@ async fn keys_count_open_windows_and_the_sweeper_stops_once_nothing_is_left() {
     assert_eq!(t.stats().keys, 2, "a's window is over");
     log.until(1300).await;
     assert_eq!(gauges(&t), IDLE);
-    assert_eq!(rt.stats().trailing.keys, 0);
+    assert_eq!(rt.stats().coalesce.keys, 0);
     // Still held until the sweep, which is armed meanwhile.
     assert_eq!((rt.stats().keys, rt.stats().timers), (3, 1));
     sleep(ms(60_000)).await;

@@ -76,7 +76,7 @@ fn assert_breaker_closed(redis: &Redis, what: &str) {
 async fn settle_idle(rt: &Runtime, what: &str) {
     let idle = || {
         let s = rt.stats();
-        let t = s.trailing;
+        let t = s.coalesce;
         s.keys + s.processes + s.timers + s.debounce.keys + s.throttle.windows == 0
             && t.active + t.pending + t.keys + t.timers == 0
     };

@@ -769,7 +769,7 @@ impl<T: Clone + Send + Sync + 'static> Service for Shared<T> {
         // The sleepers' wake-ups are timers the runtime does not count.
         let wakeups = self.wakeups();
         stats.timers += wakeups;
-        stats.trailing.add(&self.snapshot_with(wakeups));
+        stats.coalesce.add(&self.snapshot_with(wakeups));
     }
 }
 
