@@ -425,6 +425,90 @@ fn s14_a_durable_redis_killed_for_two_seconds_runs_no_key_twice_with_the_default
     );
 }
 
+/// S14, a server back but still loading its data: the owner's completion
+/// meets `LOADING` (the server is up and cannot serve yet). That is an
+/// outage, not a refusal: the completion is tried again until it is stored,
+/// and the key is not freed to run a second time. (Under load the loading
+/// window after a restart grows; a refused completion there ran the keys in
+/// flight twice.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s14_a_completion_that_meets_a_server_still_loading_is_tried_again_not_refused() {
+    let Some(mut node) = RedisNode::start_durable(
+        "s14_a_completion_that_meets_a_server_still_loading_is_tried_again_not_refused",
+    ) else {
+        return;
+    };
+    // 300 keys at 10 ms each: about 3 s of LOADING after the restart.
+    node.fill_for_slow_loading(300);
+    let url = node.url();
+    let owner_rt = instance(
+        Redis::builder(url.clone())
+            .connect()
+            .await
+            .expect("connects"),
+    )
+    .await;
+    // Long enough that nothing lapses on a busy machine: only the refusal can free the key.
+    let options = IdempotencyOptions::new()
+        .with_lease(Duration::from_secs(60))
+        .with_wait_timeout(Duration::from_secs(60));
+    let runs = Arc::new(AtomicU32::new(0));
+    let (go, gate) = tokio::sync::oneshot::channel::<()>();
+    let owner = tokio::spawn({
+        let (runs, options) = (Arc::clone(&runs), options.clone());
+        async move {
+            owner_rt
+                .idempotency()
+                .run_with("pay:loading", options, move || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    gate.await.expect("released");
+                    Ok::<_, std::io::Error>(7u64)
+                })
+                .await
+        }
+    });
+    // The function runs: the claim is in the append-only file.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while runs.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the function never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let node = tokio::task::spawn_blocking(move || {
+        node.restart_loading(10_000);
+        node
+    })
+    .await
+    .expect("restarted");
+    // The server answers LOADING: the function ends and its completion goes out now.
+    go.send(()).expect("the function waits");
+    let outcome = tokio::time::timeout(Duration::from_secs(60), owner)
+        .await
+        .expect("the owner ends")
+        .expect("no panic");
+    let outcome = outcome.expect("the completion was stored once the server had loaded");
+    assert_eq!(*outcome.value(), 7);
+    assert_eq!(
+        node.cli(&["PING"]).as_deref(),
+        Some("PONG"),
+        "loaded by the time the result was stored"
+    );
+    // Another instance replays it: the key ran once.
+    let other = instance(Redis::builder(url).connect().await.expect("connects")).await;
+    let replayed = other
+        .idempotency()
+        .run_with("pay:loading", options, {
+            let runs = Arc::clone(&runs);
+            move || async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, std::io::Error>(8u64)
+            }
+        })
+        .await
+        .expect("replayed");
+    assert_eq!(*replayed.value(), 7, "the owner's value");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the key ran once");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn i6_an_owner_instance_that_dies_is_taken_over_once_after_its_lease_and_its_late_completion_is_refused()
  {

@@ -695,12 +695,18 @@ enum Class {
 
 /// A reply the server made on purpose (a script error, a type error): the
 /// store is up, so it does not count against the breaker.
+///
+/// A server that answers but cannot serve yet (`LOADING` its data after a
+/// restart, `MASTERDOWN`, `TRYAGAIN`, `CLUSTERDOWN`) is not one: it is
+/// unavailable for now, so an owner's completion is tried again rather than
+/// refused (a refused completion frees a key whose function already ran).
 fn is_reply_error(e: &redis::RedisError) -> bool {
     !(e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_cluster_error()
-        || e.is_timeout())
+        || e.is_timeout()
+        || matches!(e.retry_method(), redis::RetryMethod::WaitAndRetry))
         && e.kind() != redis::ErrorKind::Client
 }
 

@@ -232,6 +232,65 @@ impl RedisNode {
         }
     }
 
+    /// Makes the next [`RedisNode::restart_loading`] of this durable node
+    /// slow: writes `keys` filler keys of 2 KB and rewrites the append-only
+    /// file, so they load from its snapshot part (where `key-load-delay`
+    /// applies).
+    #[allow(dead_code, reason = "not every test binary restarts a node slowly")]
+    pub fn fill_for_slow_loading(&self, keys: u32) {
+        let script =
+            format!("for i=1,{keys} do redis.call('SET','filler:'..i,string.rep('x',2000)) end");
+        assert!(self.cli(&["EVAL", &script, "0"]).is_some(), "filled");
+        assert!(self.cli(&["BGREWRITEAOF"]).is_some(), "rewrite started");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let info = self.cli(&["INFO", "persistence"]).unwrap_or_default();
+            if info.contains("aof_rewrite_in_progress:0")
+                && info.contains("aof_rewrite_scheduled:0")
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the rewrite did not end: {info}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills the server and starts it again loading every key slowly
+    /// (`key-load-delay` µs each) and answering clients between keys;
+    /// returns once it answers `LOADING`, so clients meet a server that is up
+    /// but cannot serve yet.
+    #[allow(dead_code, reason = "not every test binary restarts a node slowly")]
+    pub fn restart_loading(&mut self, key_load_delay_us: u32) {
+        assert!(self.durable, "only a durable node has data to load");
+        self.kill();
+        let child = Command::new(&self.bin)
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--protected-mode", "no"])
+            .args(["--appendonly", "yes", "--appendfsync", "always"])
+            .args(["--key-load-delay", &key_load_delay_us.to_string()])
+            // Clients are answered every 1 KB loaded (once per filler key), not every 2 MB.
+            .args(["--loading-process-events-interval-bytes", "1024"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server restarts");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let answer = cli(self.port, &["PING"]).unwrap_or_default();
+            if answer.starts_with("LOADING") {
+                return;
+            }
+            assert!(
+                answer != "PONG" && Instant::now() < deadline,
+                "the server did not answer LOADING (last answer: {answer:?})"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Stops the server process (SIGSTOP) without closing its sockets: every
     /// command sent to it hangs until [`RedisNode::thaw`].
     #[allow(dead_code, reason = "not every test binary freezes a node")]
