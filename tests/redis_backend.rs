@@ -152,3 +152,52 @@ async fn s15_a_probe_dropped_mid_command_never_leaves_the_breaker_half_open() {
         .expect("a new probe goes through, not BreakerOpen");
     assert_eq!(redis.stats().breaker.state, BreakerState::Closed);
 }
+
+/// S15, after an outage: the connection that saw it fails its next command
+/// whatever the server's state. That stale failure must not decide the
+/// probe, or every outage keeps the breaker open for a second cooldown: the
+/// first probe once the server is back closes the breaker.
+#[tokio::test]
+async fn s15_the_first_probe_after_an_outage_closes_the_breaker() {
+    let Some(mut node) = RedisNode::start("s15_the_first_probe_after_an_outage") else {
+        return;
+    };
+    let cooldown = Duration::from_millis(300);
+    let redis = Redis::builder(node.url())
+        .with_command_timeout(Duration::from_secs(5))
+        .with_breaker(
+            BreakerConfig::default()
+                .with_failures(3)
+                .with_cooldown(cooldown),
+        )
+        .connect()
+        .await
+        .expect("connects");
+    redis.ping().await.expect("ping");
+    node.kill();
+    for i in 0..3 {
+        let err = redis.ping().await.expect_err("node is down");
+        assert!(
+            matches!(err, StoreError::Unavailable(_) | StoreError::Timeout { .. }),
+            "call {i}: {err:?}"
+        );
+    }
+    assert_eq!(redis.stats().breaker.state, BreakerState::Open);
+    // The connection's last attempt to reconnect fails meanwhile (at once, refused, retried
+    // once within 200 ms): what it keeps is that failure.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Back and answering (the restart waits for PONG), then past the cooldown.
+    node.restart();
+    tokio::time::sleep(cooldown + Duration::from_millis(50)).await;
+    redis
+        .ping()
+        .await
+        .expect("the first probe after the outage answers");
+    let breaker = redis.stats().breaker;
+    assert_eq!(breaker.state, BreakerState::Closed, "{breaker:?}");
+    assert_eq!(
+        (breaker.opened, breaker.probes, breaker.recoveries),
+        (1, 1, 1),
+        "opened once, one probe closed it: {breaker:?}"
+    );
+}

@@ -176,8 +176,7 @@ impl Permit<'_> {
     }
 
     /// Whether this permit is the half-open breaker's probe.
-    #[cfg(test)]
-    fn is_probe(&self) -> bool {
+    pub(crate) fn is_probe(&self) -> bool {
         self.probe
     }
 }

@@ -635,6 +635,13 @@ impl Redis {
                 .map_err(|retry_in| StoreError::BreakerOpen { retry_in })?,
             Class::MustTry => breaker.admit_anyway(),
         };
+        if permit.is_probe()
+            && let Err(e) = self.reach(after).await
+        {
+            permit.record(false);
+            self.inner.link.suspect();
+            return Err(e);
+        }
         self.inner.commands.incr();
         let result = self.bounded(after, call(self.inner.link.conn())).await;
         let fault = matches!(&result, Err(e) if e.is_store_fault());
@@ -656,6 +663,31 @@ impl Redis {
             Err(_) => {}
         }
         result
+    }
+
+    /// Whether the server can be reached, asked before a probe: a `PING`,
+    /// sent again once if the first failed on the connection. After an
+    /// outage the connection that saw it fails its next command whatever the
+    /// server's state now (it reconnects meanwhile); that stale failure must
+    /// not decide the probe, or every outage keeps the breaker open for a
+    /// second cooldown. Only a server that cannot be reached fails this: any
+    /// answer, an error reply included, leaves the decision to the call.
+    async fn reach(&self, after: Duration) -> Result<(), StoreError> {
+        let ping = || async {
+            let ping = redis::cmd("PING");
+            match self.inner.link.conn() {
+                Conn::Single(mut c) => ping.query_async::<redis::Value>(&mut c).await,
+                Conn::Cluster(mut c) => ping.query_async::<redis::Value>(&mut c).await,
+            }
+        };
+        let answered = match self.bounded(after, ping()).await {
+            Err(StoreError::Unavailable(_)) => self.bounded(after, ping()).await,
+            answered => answered,
+        };
+        match answered {
+            Err(e @ (StoreError::Unavailable(_) | StoreError::Timeout { .. })) => Err(e),
+            _ => Ok(()),
+        }
     }
 
     async fn bounded<T>(
