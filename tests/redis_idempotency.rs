@@ -509,6 +509,93 @@ async fn s14_a_completion_that_meets_a_server_still_loading_is_tried_again_not_r
     assert_eq!(runs.load(Ordering::SeqCst), 1, "the key ran once");
 }
 
+/// S14, a server busy with another client's slow script: the owner's
+/// completion meets `BUSY`. Like `LOADING`, that is the server unable to
+/// serve for now, not a refusal: the completion is tried again (each try a
+/// failure the breaker counts) until the script ends, and the key runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s14_a_completion_that_meets_a_busy_server_is_tried_again_not_refused() {
+    let Some(node) =
+        RedisNode::start("s14_a_completion_that_meets_a_busy_server_is_tried_again_not_refused")
+    else {
+        return;
+    };
+    let url = node.url();
+    let owner_redis = Redis::builder(url.clone())
+        .connect()
+        .await
+        .expect("connects");
+    let owner_rt = instance(owner_redis.clone()).await;
+    let options = IdempotencyOptions::new()
+        .with_lease(Duration::from_secs(60))
+        .with_wait_timeout(Duration::from_secs(60));
+    let runs = Arc::new(AtomicU32::new(0));
+    let (go, gate) = tokio::sync::oneshot::channel::<()>();
+    let owner = tokio::spawn({
+        let (runs, options) = (Arc::clone(&runs), options.clone());
+        async move {
+            owner_rt
+                .idempotency()
+                .run_with("pay:busy", options, move || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    gate.await.expect("released");
+                    Ok::<_, std::io::Error>(7u64)
+                })
+                .await
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while runs.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the function never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (node, script) = tokio::task::spawn_blocking(move || {
+        let script = node.start_busy_script();
+        (node, script)
+    })
+    .await
+    .expect("busy");
+    go.send(()).expect("the function waits");
+    // The completion meets BUSY: a failure the breaker counts (a refusal would end the run).
+    let failures = owner_redis.stats().breaker.failures;
+    while owner_redis.stats().breaker.failures == failures && !owner.is_finished() {
+        assert!(Instant::now() < deadline, "the completion never went out");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        !owner.is_finished(),
+        "the completion ended while the server was busy: {:?}",
+        owner.await
+    );
+    let node = tokio::task::spawn_blocking(move || {
+        node.end_busy_script(script);
+        node
+    })
+    .await
+    .expect("ended");
+    let outcome = tokio::time::timeout(Duration::from_secs(60), owner)
+        .await
+        .expect("the owner ends")
+        .expect("no panic")
+        .expect("the completion was stored once the script ended");
+    assert_eq!(*outcome.value(), 7);
+    let other = instance(Redis::builder(url).connect().await.expect("connects")).await;
+    let replayed = other
+        .idempotency()
+        .run_with("pay:busy", options, {
+            let runs = Arc::clone(&runs);
+            move || async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, std::io::Error>(8u64)
+            }
+        })
+        .await
+        .expect("replayed");
+    assert_eq!(*replayed.value(), 7, "the owner's value");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the key ran once");
+    drop(node);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn i6_an_owner_instance_that_dies_is_taken_over_once_after_its_lease_and_its_late_completion_is_refused()
  {

@@ -728,18 +728,27 @@ enum Class {
 /// A reply the server made on purpose (a script error, a type error): the
 /// store is up, so it does not count against the breaker.
 ///
-/// A server that answers but cannot serve yet (`LOADING` its data after a
-/// restart, `MASTERDOWN`, `TRYAGAIN`, `CLUSTERDOWN`) is not one: it is
-/// unavailable for now, so an owner's completion is tried again rather than
-/// refused (a refused completion frees a key whose function already ran).
+/// A server that answers but cannot serve now (see [`is_not_serving_now`])
+/// is not one.
 fn is_reply_error(e: &redis::RedisError) -> bool {
     !(e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_cluster_error()
         || e.is_timeout()
-        || matches!(e.retry_method(), redis::RetryMethod::WaitAndRetry))
+        || is_not_serving_now(e))
         && e.kind() != redis::ErrorKind::Client
+}
+
+/// A server that answers but cannot serve for now: `LOADING` its data after
+/// a restart, `BUSY` running another client's slow script, `MASTERDOWN`,
+/// `NOREPLICAS`, `TRYAGAIN`, `CLUSTERDOWN`. It is unavailable, not refusing:
+/// an owner's completion is tried again rather than refused (a refused
+/// completion frees a key whose function already ran), and the breaker
+/// counts it.
+fn is_not_serving_now(e: &redis::RedisError) -> bool {
+    matches!(e.retry_method(), redis::RetryMethod::WaitAndRetry)
+        || matches!(e.code(), Some("BUSY" | "NOREPLICAS"))
 }
 
 /// `call` as `EVALSHA`, then as `EVAL` if the server does not know its script.

@@ -291,6 +291,49 @@ impl RedisNode {
         }
     }
 
+    /// Runs a script that never ends on its own (from `redis-cli`, in the
+    /// background), with `busy-reply-threshold` at 100 ms; returns once other
+    /// clients get `BUSY`. [`RedisNode::end_busy_script`] kills it.
+    #[allow(dead_code, reason = "not every test binary keeps a node busy")]
+    pub fn start_busy_script(&self) -> std::process::Child {
+        assert_eq!(
+            self.cli(&["CONFIG", "SET", "busy-reply-threshold", "100"])
+                .as_deref(),
+            Some("OK")
+        );
+        let child = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(["EVAL", "while true do end", "0"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-cli runs");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let answer = self.cli(&["GET", "busy-probe"]).unwrap_or_default();
+            if answer.starts_with("BUSY") {
+                return child;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the server never answered BUSY (last answer: {answer:?})"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Ends the script of [`RedisNode::start_busy_script`] (`SCRIPT KILL`).
+    #[allow(dead_code, reason = "not every test binary keeps a node busy")]
+    pub fn end_busy_script(&self, mut script: std::process::Child) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.cli(&["SCRIPT", "KILL"]).as_deref() != Some("OK") {
+            assert!(Instant::now() < deadline, "SCRIPT KILL never took");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = script.wait();
+    }
+
     /// Stops the server process (SIGSTOP) without closing its sockets: every
     /// command sent to it hangs until [`RedisNode::thaw`].
     #[allow(dead_code, reason = "not every test binary freezes a node")]
