@@ -301,7 +301,7 @@ impl RedisNode {
                 .as_deref(),
             Some("OK")
         );
-        let child = Command::new("redis-cli")
+        let mut child = Command::new("redis-cli")
             .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
             .args(["EVAL", "while true do end", "0"])
             .stdin(Stdio::null())
@@ -310,17 +310,17 @@ impl RedisNode {
             .spawn()
             .expect("redis-cli runs");
         let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let answer = self.cli(&["GET", "busy-probe"]).unwrap_or_default();
+        let mut answer = String::new();
+        while Instant::now() < deadline {
+            answer = self.cli(&["GET", "busy-probe"]).unwrap_or_default();
             if answer.starts_with("BUSY") {
                 return child;
             }
-            assert!(
-                Instant::now() < deadline,
-                "the server never answered BUSY (last answer: {answer:?})"
-            );
             std::thread::sleep(Duration::from_millis(10));
         }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the server never answered BUSY (last answer: {answer:?})");
     }
 
     /// Ends the script of [`RedisNode::start_busy_script`] (`SCRIPT KILL`).
