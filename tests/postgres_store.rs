@@ -484,3 +484,38 @@ async fn s16_a_listener_whose_runtime_ended_is_started_again_by_the_next_watcher
         .expect("woken through the new listener");
     assert_eq!(store.stats().subscriptions, 2);
 }
+
+/// A server that takes no writes now (a standby after a failover; here, sessions that are
+/// read-only) is an outage, not a refusal: `25006 read_only_sql_transaction` is
+/// `StoreError::Unavailable`, which counts against the breaker and which an owner's completion
+/// tries again rather than freeing a key whose function ran.
+#[tokio::test]
+async fn a_server_that_takes_no_writes_is_unavailable_not_a_refusal() {
+    let Some(schema) = PgSchema::create("a_server_that_takes_no_writes_is_unavailable").await
+    else {
+        return;
+    };
+    schema.store().await;
+    let separator = if schema.url().contains('?') { '&' } else { '?' };
+    let read_only = format!(
+        "{}{separator}options=-c%20default_transaction_read_only%3Don",
+        schema.url()
+    );
+    let store = PostgresStore::builder(&read_only)
+        .with_table(schema.table())
+        .with_application_name(&schema.name)
+        .connect()
+        .await
+        .expect("connects");
+    let e = store
+        .claim("k", request(ClaimToken::new(), None, LEASE))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+    assert!(e.is_store_fault(), "counted against the breaker");
+    let cause = std::error::Error::source(&e).map(ToString::to_string);
+    assert!(
+        cause.as_deref().is_some_and(|c| c.contains("read-only")),
+        "the server's reason is kept: {cause:?}"
+    );
+}

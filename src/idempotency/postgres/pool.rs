@@ -256,10 +256,11 @@ impl Drop for Conn {
 }
 
 /// A driver error as a store error: a broken connection, a server shutting
-/// down or out of resources, a serialization failure or deadlock are
-/// outages (they count against the breaker); a missing table is a
-/// configuration error; anything else the server refused is a protocol
-/// error.
+/// down or out of resources, a serialization failure or deadlock, a server
+/// that takes no writes now (a standby after a failover) are outages (they
+/// count against the breaker, and an owner's completion is tried again
+/// rather than refused); a missing table is a configuration error; anything
+/// else the server refused is a protocol error.
 pub(super) fn store_error(e: tokio_postgres::Error) -> StoreError {
     let Some(db) = e.as_db_error() else {
         return StoreError::unavailable(e);
@@ -271,8 +272,11 @@ pub(super) fn store_error(e: tokio_postgres::Error) -> StoreError {
             "{} (run PostgresStore::migrate to create the table)",
             db.message()
         )),
+        // read_only_sql_transaction: connected to a standby, or a session that writes nothing.
+        // The server's own error, not the driver's ("db error"): its message says why.
+        "25006" => StoreError::Unavailable(Arc::new(db.clone())),
         _ if matches!(code.get(..2), Some("08" | "40" | "53" | "55" | "57" | "58")) => {
-            StoreError::Unavailable(Arc::new(e))
+            StoreError::Unavailable(Arc::new(db.clone()))
         }
         _ => StoreError::Protocol(format!("postgres refused a statement: {db}")),
     }
