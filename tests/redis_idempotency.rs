@@ -425,6 +425,64 @@ fn s14_a_durable_redis_killed_for_two_seconds_runs_no_key_twice_with_the_default
     );
 }
 
+/// A run of a key whose function has started and waits for `go`: its claim is held.
+struct HeldRun {
+    runs: Arc<AtomicU32>,
+    go: tokio::sync::oneshot::Sender<()>,
+    owner: tokio::task::JoinHandle<Result<IdempotencyOutcome<u64>, Error>>,
+}
+
+/// Leases long enough that nothing lapses on a busy machine: only a refusal can free the key.
+fn held_options() -> IdempotencyOptions {
+    IdempotencyOptions::new()
+        .with_lease(Duration::from_secs(60))
+        .with_wait_timeout(Duration::from_secs(60))
+}
+
+/// Runs `key` on `rt` with a function that comes to 7 once released; returns once the
+/// function runs (the claim is in the store).
+async fn hold_run(rt: Runtime, key: &'static str) -> HeldRun {
+    let runs = Arc::new(AtomicU32::new(0));
+    let (go, gate) = tokio::sync::oneshot::channel::<()>();
+    let owner = tokio::spawn({
+        let runs = Arc::clone(&runs);
+        async move {
+            rt.idempotency()
+                .run_with(key, held_options(), move || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    gate.await.expect("released");
+                    Ok::<_, std::io::Error>(7u64)
+                })
+                .await
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while runs.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the function never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    HeldRun { runs, go, owner }
+}
+
+/// Another instance on `url` replays the owner's 7 for `key` without running it: the key
+/// ran once.
+async fn assert_replayed_once(url: String, key: &str, runs: &Arc<AtomicU32>) {
+    let other = instance(Redis::builder(url).connect().await.expect("connects")).await;
+    let replayed = other
+        .idempotency()
+        .run_with(key, held_options(), {
+            let runs = Arc::clone(runs);
+            move || async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, std::io::Error>(8u64)
+            }
+        })
+        .await
+        .expect("replayed");
+    assert_eq!(*replayed.value(), 7, "the owner's value");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the key ran once");
+}
+
 /// S14, a server back but still loading its data: the owner's completion
 /// meets `LOADING` (the server is up and cannot serve yet). That is an
 /// outage, not a refusal: the completion is tried again until it is stored,
@@ -448,31 +506,8 @@ async fn s14_a_completion_that_meets_a_server_still_loading_is_tried_again_not_r
             .expect("connects"),
     )
     .await;
-    // Long enough that nothing lapses on a busy machine: only the refusal can free the key.
-    let options = IdempotencyOptions::new()
-        .with_lease(Duration::from_secs(60))
-        .with_wait_timeout(Duration::from_secs(60));
-    let runs = Arc::new(AtomicU32::new(0));
-    let (go, gate) = tokio::sync::oneshot::channel::<()>();
-    let owner = tokio::spawn({
-        let (runs, options) = (Arc::clone(&runs), options.clone());
-        async move {
-            owner_rt
-                .idempotency()
-                .run_with("pay:loading", options, move || async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    gate.await.expect("released");
-                    Ok::<_, std::io::Error>(7u64)
-                })
-                .await
-        }
-    });
     // The function runs: the claim is in the append-only file.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while runs.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the function never ran");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let held = hold_run(owner_rt, "pay:loading").await;
     let node = tokio::task::spawn_blocking(move || {
         node.restart_loading(10_000);
         node
@@ -480,8 +515,8 @@ async fn s14_a_completion_that_meets_a_server_still_loading_is_tried_again_not_r
     .await
     .expect("restarted");
     // The server answers LOADING: the function ends and its completion goes out now.
-    go.send(()).expect("the function waits");
-    let outcome = tokio::time::timeout(Duration::from_secs(60), owner)
+    held.go.send(()).expect("the function waits");
+    let outcome = tokio::time::timeout(Duration::from_secs(60), held.owner)
         .await
         .expect("the owner ends")
         .expect("no panic");
@@ -492,21 +527,7 @@ async fn s14_a_completion_that_meets_a_server_still_loading_is_tried_again_not_r
         Some("PONG"),
         "loaded by the time the result was stored"
     );
-    // Another instance replays it: the key ran once.
-    let other = instance(Redis::builder(url).connect().await.expect("connects")).await;
-    let replayed = other
-        .idempotency()
-        .run_with("pay:loading", options, {
-            let runs = Arc::clone(&runs);
-            move || async move {
-                runs.fetch_add(1, Ordering::SeqCst);
-                Ok::<_, std::io::Error>(8u64)
-            }
-        })
-        .await
-        .expect("replayed");
-    assert_eq!(*replayed.value(), 7, "the owner's value");
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the key ran once");
+    assert_replayed_once(url, "pay:loading", &held.runs).await;
 }
 
 /// S14, a server busy with another client's slow script: the owner's
@@ -525,30 +546,8 @@ async fn s14_a_completion_that_meets_a_busy_server_is_tried_again_not_refused() 
         .connect()
         .await
         .expect("connects");
-    let owner_rt = instance(owner_redis.clone()).await;
-    let options = IdempotencyOptions::new()
-        .with_lease(Duration::from_secs(60))
-        .with_wait_timeout(Duration::from_secs(60));
-    let runs = Arc::new(AtomicU32::new(0));
-    let (go, gate) = tokio::sync::oneshot::channel::<()>();
-    let owner = tokio::spawn({
-        let (runs, options) = (Arc::clone(&runs), options.clone());
-        async move {
-            owner_rt
-                .idempotency()
-                .run_with("pay:busy", options, move || async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    gate.await.expect("released");
-                    Ok::<_, std::io::Error>(7u64)
-                })
-                .await
-        }
-    });
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while runs.load(Ordering::SeqCst) == 0 {
-        assert!(Instant::now() < deadline, "the function never ran");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let HeldRun { runs, go, owner } =
+        hold_run(instance(owner_redis.clone()).await, "pay:busy").await;
     let (node, script) = tokio::task::spawn_blocking(move || {
         let script = node.start_busy_script();
         (node, script)
@@ -558,6 +557,7 @@ async fn s14_a_completion_that_meets_a_busy_server_is_tried_again_not_refused() 
     go.send(()).expect("the function waits");
     // The completion meets BUSY: a failure the breaker counts (a refusal would end the run).
     let failures = owner_redis.stats().breaker.failures;
+    let deadline = Instant::now() + Duration::from_secs(30);
     while owner_redis.stats().breaker.failures == failures && !owner.is_finished() {
         assert!(Instant::now() < deadline, "the completion never went out");
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -579,20 +579,7 @@ async fn s14_a_completion_that_meets_a_busy_server_is_tried_again_not_refused() 
         .expect("no panic")
         .expect("the completion was stored once the script ended");
     assert_eq!(*outcome.value(), 7);
-    let other = instance(Redis::builder(url).connect().await.expect("connects")).await;
-    let replayed = other
-        .idempotency()
-        .run_with("pay:busy", options, {
-            let runs = Arc::clone(&runs);
-            move || async move {
-                runs.fetch_add(1, Ordering::SeqCst);
-                Ok::<_, std::io::Error>(8u64)
-            }
-        })
-        .await
-        .expect("replayed");
-    assert_eq!(*replayed.value(), 7, "the owner's value");
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the key ran once");
+    assert_replayed_once(url, "pay:busy", &runs).await;
     drop(node);
 }
 

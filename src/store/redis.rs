@@ -539,13 +539,7 @@ impl Redis {
 
     /// Sends one command, under the timeout and the breaker.
     pub(crate) async fn query<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
-        self.guarded(Class::Refusable, |conn| async move {
-            match conn {
-                Conn::Single(mut c) => cmd.query_async(&mut c).await,
-                Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
-            }
-        })
-        .await
+        self.guarded(Class::Refusable, |conn| send(cmd, conn)).await
     }
 
     /// Sends a pipeline (one round trip; in a cluster its keys share a
@@ -673,13 +667,8 @@ impl Redis {
     /// second cooldown. Only a server that cannot be reached fails this: any
     /// answer, an error reply included, leaves the decision to the call.
     async fn reach(&self, after: Duration) -> Result<(), StoreError> {
-        let ping = || async {
-            let ping = redis::cmd("PING");
-            match self.inner.link.conn() {
-                Conn::Single(mut c) => ping.query_async::<redis::Value>(&mut c).await,
-                Conn::Cluster(mut c) => ping.query_async::<redis::Value>(&mut c).await,
-            }
-        };
+        let cmd = redis::cmd("PING");
+        let ping = || send::<redis::Value>(&cmd, self.inner.link.conn());
         let answered = match self.bounded(after, ping()).await {
             Err(StoreError::Unavailable(_)) => self.bounded(after, ping()).await,
             answered => answered,
@@ -749,6 +738,14 @@ fn is_reply_error(e: &redis::RedisError) -> bool {
 fn is_not_serving_now(e: &redis::RedisError) -> bool {
     matches!(e.retry_method(), redis::RetryMethod::WaitAndRetry)
         || matches!(e.code(), Some("BUSY" | "NOREPLICAS"))
+}
+
+/// Sends `cmd` on `conn`.
+async fn send<T: FromRedisValue>(cmd: &Cmd, conn: Conn) -> redis::RedisResult<T> {
+    match conn {
+        Conn::Single(mut c) => cmd.query_async(&mut c).await,
+        Conn::Cluster(mut c) => cmd.query_async(&mut c).await,
+    }
 }
 
 /// `call` as `EVALSHA`, then as `EVAL` if the server does not know its script.

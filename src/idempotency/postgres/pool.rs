@@ -272,10 +272,11 @@ pub(super) fn store_error(e: tokio_postgres::Error) -> StoreError {
             "{} (run PostgresStore::migrate to create the table)",
             db.message()
         )),
-        // read_only_sql_transaction: connected to a standby, or a session that writes nothing.
-        // The server's own error, not the driver's ("db error"): its message says why.
-        "25006" => StoreError::Unavailable(Arc::new(db.clone())),
-        _ if matches!(code.get(..2), Some("08" | "40" | "53" | "55" | "57" | "58")) => {
+        // 25006 read_only_sql_transaction: connected to a standby, or a session that writes
+        // nothing. The cause is the server's own error, not the driver's ("db error").
+        _ if code == "25006"
+            || matches!(code.get(..2), Some("08" | "40" | "53" | "55" | "57" | "58")) =>
+        {
             StoreError::Unavailable(Arc::new(db.clone()))
         }
         _ => StoreError::Protocol(format!("postgres refused a statement: {db}")),
