@@ -651,7 +651,7 @@ impl Runtime {
     /// | `throttlebeam_http_{replays,fresh,in_flight,reused,too_large,invalid,rate_limited,store_failures,no_peer}_total` | counter | `http::HttpStats` (feature `http`): the HTTP layers counting in this runtime |
     /// | `throttlebeam_redis_breaker_state` | gauge | the Redis backend's breaker (feature `redis`): 0 closed, 1 open, 2 half open |
     /// | `throttlebeam_redis_breaker_consecutive_failures`, `throttlebeam_redis_local_answer_keys` | gauge | `store::RedisStats` |
-    /// | `throttlebeam_redis_{commands,local_answers,script_reloads,reconnects,failovers,subscriptions,notices}_total` | counter | `store::RedisStats`: round trips, rate-limit checks answered locally, `NOSCRIPT` reloads, reconnections (restarts, failovers followed), primaries Sentinel named and followed, pub/sub |
+    /// | `throttlebeam_redis_{commands,local_answers,fresh_key_writes,fresh_key_misses,script_reloads,reconnects,failovers,subscriptions,notices}_total` | counter | `store::RedisStats`: round trips, rate-limit checks answered locally, fresh keys' checks written with a plain `SET NX` and tries that found the key taken, `NOSCRIPT` reloads, reconnections (restarts, failovers followed), primaries Sentinel named and followed, pub/sub |
     /// | `throttlebeam_redis_breaker_{opened,probes,recoveries,refused,failures}_total` | counter | `store::BreakerStats`: the breaker's transitions and what it refused |
     ///
     /// # Examples

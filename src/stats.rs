@@ -290,10 +290,18 @@ impl crate::store::RedisStats {
             .set(f64::from(self.breaker.consecutive_failures));
         #[allow(clippy::cast_precision_loss)]
         gauge!("throttlebeam_redis_local_answer_keys", &label).set(self.local_answer_keys as f64);
-        let counters: [(&'static str, u64); 12] = [
+        let counters: [(&'static str, u64); 14] = [
             ("throttlebeam_redis_commands_total", self.commands),
             ("throttlebeam_redis_failovers_total", self.failovers),
             ("throttlebeam_redis_local_answers_total", self.local_answers),
+            (
+                "throttlebeam_redis_fresh_key_writes_total",
+                self.fresh_key_writes,
+            ),
+            (
+                "throttlebeam_redis_fresh_key_misses_total",
+                self.fresh_key_misses,
+            ),
             (
                 "throttlebeam_redis_script_reloads_total",
                 self.script_reloads,

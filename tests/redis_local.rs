@@ -148,10 +148,13 @@ where
     );
     assert_eq!(on_a.stats().local_answers, answered + 500);
     assert!(on_a.stats().denied >= 501);
-    // Another instance knows nothing of it: it asks the server, which agrees.
-    let sent_b = b.stats().commands;
+    // Another instance knows nothing of it: it asks the server, which agrees. Never having
+    // seen the key, it first tries it as a fresh key (a `SET NX`, which finds it taken), then
+    // the script decides.
+    let (sent_b, missed_b) = (b.stats().commands, b.stats().fresh_key_misses);
     assert!(!on_b.check_async("k").await.expect("decides").allowed);
-    assert_eq!(b.stats().commands, sent_b + 1, "{label}");
+    assert_eq!(b.stats().commands, sent_b + 2, "{label}");
+    assert_eq!(b.stats().fresh_key_misses, missed_b + 1, "{label}");
     // Another key of A's is not answered locally.
     assert!(on_a.check_async("other").await.expect("decides").allowed);
 }

@@ -1000,19 +1000,19 @@ async fn a_caller_that_gave_up_before_its_batch_went_out_is_never_charged() {
         .with_store(redis.clone())
         .with_namespace(unique("abandoned"))
         .build();
-    // Two go alone, ten queue; seven of those callers give up (drop their futures), three
+    // Four go alone, ten queue; seven of those callers give up (drop their futures), three
     // wait. Sent anyway, the seven would spend seven units nobody asked for any more.
-    let calls = start_checks(&limiter, "k", 12);
+    let calls = start_checks(&limiter, "k", 14);
     let kept: Vec<Call<'_>> = calls
         .into_iter()
         .enumerate()
-        .filter(|(i, _)| *i < 2 || i % 3 == 0)
+        .filter(|(i, _)| *i < 4 || (i - 4) % 3 == 0)
         .map(|(_, call)| call)
         .collect();
-    assert_eq!(kept.len(), 5);
+    assert_eq!(kept.len(), 8);
     let decided = futures_util::future::join_all(kept).await;
-    assert_eq!(remaining_sorted(decided), [95, 96, 97, 98, 99]);
-    assert_eq!(limiter.peek_async("k").await.unwrap().remaining, 95);
+    assert_eq!(remaining_sorted(decided), [92, 93, 94, 95, 96, 97, 98, 99]);
+    assert_eq!(limiter.peek_async("k").await.unwrap().remaining, 92);
 }
 
 #[tokio::test]
@@ -1025,9 +1025,9 @@ async fn a_full_batch_queue_refuses_at_once_and_drains_cleanly() {
         .with_store(redis.clone())
         .with_namespace(namespace.clone())
         .build();
-    // Two alone, four queued: the queue is full. The next is refused at its first poll,
+    // Four alone, four queued: the queue is full. The next is refused at its first poll,
     // unsent, with a store error that names the key and says why.
-    let calls = start_checks(&limiter, "k", 6);
+    let calls = start_checks(&limiter, "k", 8);
     let refused = limiter
         .check_async("k")
         .now_or_never()
@@ -1059,17 +1059,17 @@ async fn a_full_batch_queue_refuses_at_once_and_drains_cleanly() {
             .expect("decided at once");
         assert_eq!((e.outcome, e.allowed), (EnforceOutcome::Error, admits));
     }
-    // The six are decided as if nothing had been refused.
+    // The eight are decided as if nothing had been refused.
     let decided = futures_util::future::join_all(calls).await;
-    assert_eq!(remaining_sorted(decided), [94, 95, 96, 97, 98, 99]);
+    assert_eq!(remaining_sorted(decided), [92, 93, 94, 95, 96, 97, 98, 99]);
 
     // Callers that gave up make room: four queued and dropped, the next one queues.
     node.cli(&["CLIENT", "PAUSE", "100", "ALL"])
         .expect("pauses clients");
-    let mut calls = start_checks(&limiter, "k", 6);
-    calls.truncate(2);
+    let mut calls = start_checks(&limiter, "k", 8);
+    calls.truncate(4);
     calls.extend(start_checks(&limiter, "k", 1));
     let decided = futures_util::future::join_all(calls).await;
-    assert_eq!(remaining_sorted(decided), [91, 92, 93]);
-    assert_eq!(limiter.peek_async("k").await.unwrap().remaining, 91);
+    assert_eq!(remaining_sorted(decided), [87, 88, 89, 90, 91]);
+    assert_eq!(limiter.peek_async("k").await.unwrap().remaining, 87);
 }

@@ -9,7 +9,7 @@
 //! strategies' own integer maths on the server, atomically: a [`Tiered`] limit charges every
 //! tier or none in that same call.
 //!
-//! On a single node, operations that arrive while two calls are already in flight share the
+//! On a single node, operations that arrive while four calls are already in flight share the
 //! next call: the batch script runs each of them in arrival order, each exactly as it would
 //! run alone, at one `TIME`, and replies to each on its own (a key holding another
 //! strategy's state, or a value of another type, fails only its own operation and is left as
@@ -70,6 +70,7 @@
 //! [`RateLimitError::InsufficientCapacity`], decided before any round trip, as in memory.
 
 mod batcher;
+mod fresh;
 mod local;
 mod script;
 #[cfg(test)]
@@ -109,31 +110,57 @@ impl Redis {
                 operation.ticket = local.ticket(&operation.args, live);
             }
         }
+        if operation.args.op == "c" && self.inner.fresh_key_writes {
+            if batcher.guess.worth_trying(&operation.key) {
+                operation.fresh = fresh::check(&operation.args, self.server_now_us());
+            } else {
+                operation.known = true;
+            }
+        }
         let reset = (operation.args.op == "x").then(|| operation.key.clone());
         let reply = if self.is_cluster() {
             // A cluster runs a script on one slot's keys only: one call per operation.
-            self.alone(&operation).await
+            Box::pin(self.alone(&operation)).await
         } else {
             self.batched(operation).await
         };
         if let Some(key) = reset {
             // Whatever the reply: a reset that timed out may have run.
             local.forget(&key);
+            batcher.guess.forget(&key);
         }
         reply.map_err(|e| RateLimitError::store(request.key, e))
     }
 
-    /// Keeps `reply` to `operation` as a local answer if it is a denial that may be one.
+    /// Notes what the script's `reply` to `operation` says: a denial that may be answered
+    /// locally is kept, and a key a check found holding a state (or left holding one) is
+    /// known to hold it until the state ends, at least [`fresh::KNOWN_AT_LEAST`].
     fn remember(&self, operation: &Operation, reply: &RateLimitReply) {
+        let known = !operation.known && operation.args.op == "c" && self.inner.fresh_key_writes;
+        if operation.ticket.is_none() && !known {
+            return;
+        }
+        let batcher = self.batcher();
         if operation.ticket.is_some() {
-            let batcher = self.batcher();
             let local = &batcher.local;
             local.remember(operation, reply, local.subscription_live());
         }
+        if known && let RateLimitReply::Decision(decision) = reply {
+            let left = decision.reset_at_ms.saturating_sub(self.server_now_ms());
+            let life = std::time::Duration::from_millis(left).max(fresh::KNOWN_AT_LEAST);
+            batcher.guess.seen(&operation.key, life);
+        }
     }
 
-    /// One call of the script for one operation.
+    /// An operation alone: a fresh check's plain `SET NX`, and if that finds the key taken
+    /// (or the operation is not one), one call of the script.
     async fn alone(&self, operation: &Operation) -> Result<RateLimitReply, StoreError> {
+        if let Some(fresh) = &operation.fresh {
+            let written: redis::Value = self.query(&fresh::set(&operation.key, fresh)).await?;
+            if let Some(reply) = self.batcher().guess.outcome(fresh, &written)? {
+                return Ok(reply);
+            }
+        }
         static SCRIPT: OnceLock<LuaScript> = OnceLock::new();
         let mut call = cached(&SCRIPT, SINGLE, false).prepare_invoke();
         call.key(&operation.key).arg(self.pinned_us());

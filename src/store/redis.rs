@@ -85,6 +85,8 @@ pub(crate) struct Inner {
     pub(crate) rate_limit_queue: Option<std::num::NonZeroUsize>,
     /// The rate limiter's cap on keys answered locally, as the builder was given it.
     pub(crate) local_answers: Option<usize>,
+    /// Whether a rate-limit check of a key not seen may be written with a plain `SET NX`.
+    pub(crate) fresh_key_writes: bool,
     /// Durable idempotency claims, if on.
     durable: Option<durable::Durable>,
     /// Operational counters beside `commands` (see [`RedisStats`]).
@@ -173,7 +175,7 @@ impl Redis {
 /// | [`with_connect_timeout`](RedisBuilder::with_connect_timeout) | 1 s per connection attempt (behind Sentinel: the lookup, then the connection) |
 /// | [`with_command_timeout`](RedisBuilder::with_command_timeout) | 500 ms for each call, a client's retry included; also a cluster node's response timeout |
 /// | [`with_breaker`](RedisBuilder::with_breaker) | 5 consecutive failures open it for 10 s |
-/// | [`with_rate_limit_queue`](RedisBuilder::with_rate_limit_queue) | 16,384 rate-limit operations waiting for a batch (single node and Sentinel; two batch calls in flight) |
+/// | [`with_rate_limit_queue`](RedisBuilder::with_rate_limit_queue) | 16,384 rate-limit operations waiting for a batch (single node and Sentinel; four batch calls in flight) |
 ///
 /// # Rate limiting
 ///
@@ -265,6 +267,12 @@ pub struct RedisStats {
     /// Keys whose denials are answered locally now (ended ones not yet
     /// dropped included), at most `RedisBuilder::with_local_answers`.
     pub local_answer_keys: usize,
+    /// Rate-limit checks of fresh keys decided by a plain `SET … NX` rather than a script
+    /// call (see `RedisBuilder::with_fresh_key_writes`).
+    pub fresh_key_writes: u64,
+    /// Such `SET`s that found their key taken (another instance's state, a value of another
+    /// type), whose checks the script then decided.
+    pub fresh_key_misses: u64,
     /// Script calls the server did not know the script of (`NOSCRIPT`: a
     /// restarted or failed-over node, a flushed script cache), sent again
     /// with the script's text.
@@ -489,6 +497,7 @@ impl Redis {
     pub fn stats(&self) -> RedisStats {
         let pubsub = self.inner.pubsub.counts();
         let (local_answers, local_answer_keys) = self.local_answer_counts();
+        let (fresh_key_writes, fresh_key_misses) = self.fresh_key_counts();
         let ops = &self.inner.ops;
         RedisStats {
             commands: self.inner.commands.get(),
@@ -499,6 +508,8 @@ impl Redis {
             sharded_notices: pubsub.sharded_notices,
             local_answers,
             local_answer_keys,
+            fresh_key_writes,
+            fresh_key_misses,
             script_reloads: ops.script_reloads.load(Ordering::Relaxed),
             reconnects: ops.reconnects.load(Ordering::Relaxed),
             failovers: self.inner.link.failovers(),
@@ -774,6 +785,21 @@ impl Redis {
         if let Some(pinned) = self.pinned_ms() {
             return pinned;
         }
+        self.resync_clock_when_due();
+        self.inner.clock.now_ms()
+    }
+
+    /// [`Redis::server_now_ms`] in µs.
+    pub(crate) fn server_now_us(&self) -> u64 {
+        if let Some(pinned) = self.pinned_us_at() {
+            return pinned;
+        }
+        self.resync_clock_when_due();
+        self.inner.clock.now_us()
+    }
+
+    /// Measures the server's clock again (in the background) if a minute has passed.
+    fn resync_clock_when_due(&self) {
         if self.inner.clock.claim_resync()
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
@@ -784,7 +810,6 @@ impl Redis {
                 }
             });
         }
-        self.inner.clock.now_ms()
     }
 
     /// Measures the offset between the server's clock and this host's with
@@ -906,10 +931,25 @@ pub(crate) async fn each_server_bounded(
     command_timeout: Option<Duration>,
     check: impl AsyncFn(Redis),
 ) {
-    let bounded = |builder: RedisBuilder| match command_timeout {
-        Some(after) => builder.with_command_timeout(after),
-        None => builder,
-    };
+    each_server_with(
+        test,
+        |builder| match command_timeout {
+            Some(after) => builder.with_command_timeout(after),
+            None => builder,
+        },
+        check,
+    )
+    .await;
+}
+
+/// [`each_server`] on backends `configure` sets up.
+#[cfg(test)]
+pub(crate) async fn each_server_with(
+    test: &str,
+    configure: impl Fn(RedisBuilder) -> RedisBuilder,
+    check: impl AsyncFn(Redis),
+) {
+    let bounded = configure;
     if let Some(node) = harness::RedisNode::start(test) {
         check(
             bounded(Redis::builder(node.url()))
@@ -982,6 +1022,7 @@ mod tests {
             slices: Slices::default(),
             rate_limit_queue: None,
             local_answers: None,
+            fresh_key_writes: true,
             durable: None,
             ops: OpsCounters::default(),
         };

@@ -169,6 +169,12 @@ pub(super) struct Operation {
     /// For a check or a reservation whose denial this instance may answer locally: what held
     /// when it was sent (see [`LocalAnswers::remember`]).
     pub(super) ticket: Option<Ticket>,
+    /// For a check of a key this instance has not seen holding a state: its write and reply
+    /// if the key has none, sent as a plain `SET NX` before any script (see [`super::fresh`]).
+    pub(super) fresh: Option<super::fresh::Fresh>,
+    /// The key was known to hold a state when this was sent (so its decision need not be
+    /// noted again).
+    pub(super) known: bool,
 }
 
 /// What held when a check that may be answered locally later was sent: its denial is kept
@@ -325,6 +331,8 @@ impl Redis {
                 channel,
             },
             ticket: None,
+            fresh: None,
+            known: false,
         })
     }
 }

@@ -1,13 +1,15 @@
 use std::num::NonZeroU32;
 use std::time::Duration;
 
+use super::fresh::{self, Fresh, Guess, PROBE_EVERY};
 use super::local::LocalAnswers;
 use super::script::{Args, argument_sets, batch_replies, decode};
 use super::*;
 use crate::rate_limit::{
-    Decision, FixedWindow, Gcra, RateLimitOp, ShaperReservation, SlidingWindow, TokenBucket,
+    Decision, FixedWindow, Gcra, LeakyBucket, MemoryRateLimitStore, RateLimitOp, RateLimitStore,
+    ShaperReservation, SlidingWindow, Tiered, TokenBucket,
 };
-use crate::store::redis::{each_server, each_server_bounded};
+use crate::store::redis::{RedisBuilder, each_server, each_server_with};
 
 fn gcra() -> Gcra {
     Gcra::new(2, Duration::from_secs(1)).unwrap()
@@ -159,6 +161,12 @@ async fn hold_answers(redis: &Redis) {
     }
 }
 
+/// A backend whose checks all go through the script (no plain `SET NX` for fresh keys): for
+/// the tests of the batch script itself.
+fn scripts_only(builder: RedisBuilder) -> RedisBuilder {
+    builder.with_fresh_key_writes(false)
+}
+
 fn check_one() -> RateLimitOp {
     RateLimitOp::Check {
         cost: NonZeroU32::MIN,
@@ -169,8 +177,8 @@ fn check_one() -> RateLimitOp {
 async fn concurrent_operations_go_out_in_batches_and_each_is_decided_exactly() {
     // 250 operations at once, each alone on a cluster just created: what is decided is
     // checked here, not how fast, so the bound is looser than the default.
-    let bound = Some(Duration::from_secs(2));
-    each_server_bounded("rate_limit_batches", bound, async |redis: Redis| {
+    let bound = |b: RedisBuilder| scripts_only(b).with_command_timeout(Duration::from_secs(2));
+    each_server_with("rate_limit_batches", bound, async |redis: Redis| {
         redis.pin_time(1_000_000);
         let limit = FixedWindow::new(100, Duration::from_secs(60)).unwrap();
         let before = redis.stats().commands;
@@ -219,7 +227,7 @@ async fn sets_run(redis: &Redis) -> u64 {
 
 #[tokio::test]
 async fn a_batch_writes_a_hot_key_once_with_what_its_last_operation_left() {
-    each_server("rate_limit_hot_key", async |redis: Redis| {
+    each_server_with("rate_limit_hot_key", scripts_only, async |redis: Redis| {
         // A long window: its state must outlive the pause below.
         let window = FixedWindow::new(1_000, Duration::from_secs(3_600)).unwrap();
         apply(&redis, &window, "hot", check_one()).await.unwrap();
@@ -242,8 +250,8 @@ async fn a_batch_writes_a_hot_key_once_with_what_its_last_operation_left() {
         remaining.sort_unstable();
         assert_eq!(remaining, (959..999).collect::<Vec<u64>>());
         if !redis.is_cluster() {
-            // The first two went alone; the other 38 queued into one batch, one write.
-            assert_eq!(sets_run(&redis).await - sets, 3);
+            // The first four went alone; the other 36 queued into one batch, one write.
+            assert_eq!(sets_run(&redis).await - sets, 5);
         }
         // What was stored is what the last operation left.
         match apply(&redis, &window, "hot", RateLimitOp::Peek)
@@ -259,51 +267,57 @@ async fn a_batch_writes_a_hot_key_once_with_what_its_last_operation_left() {
 
 #[tokio::test]
 async fn each_operation_of_a_batch_is_answered_on_its_own() {
-    each_server("rate_limit_batch_errors", async |redis: Redis| {
-        // A long window: its state must outlive the pause below.
-        let window = FixedWindow::new(2, Duration::from_secs(3_600)).unwrap();
-        apply(&redis, &window, "window", check_one()).await.unwrap();
-        // A key holding a value of another type: refused, and left as it is.
-        let hashed = redis.key("hashed", ":r");
-        redis
-            .query::<()>(redis::cmd("HSET").arg(&hashed).arg("f").arg("v"))
-            .await
-            .unwrap();
-        let g = gcra();
-        hold_answers(&redis).await;
-        let before = redis.stats().commands;
-        // The first two fill the call slots; the other four wait and go together.
-        let (first, second, a, foreign, b, other_type) = tokio::join!(
-            apply(&redis, &g, "first", check_one()),
-            apply(&redis, &g, "second", check_one()),
-            apply(&redis, &g, "a", check_one()),
-            apply(&redis, &g, "window", check_one()),
-            apply(&redis, &g, "b", check_one()),
-            apply(&redis, &g, "hashed", check_one()),
-        );
-        let calls = redis.stats().commands - before;
-        if redis.is_cluster() {
-            assert_eq!(calls, 6);
-        } else {
-            assert_eq!(calls, 3, "two alone, then one batch of four");
-        }
-        let err = other_type.unwrap_err();
-        assert!(err.is_store(), "{err:?}");
-        let kind: String = redis.query(redis::cmd("TYPE").arg(&hashed)).await.unwrap();
-        assert_eq!(kind, "hash");
-        for ok in [first, second] {
-            assert!(matches!(ok.unwrap(), RateLimitReply::Decision(d) if d.allowed));
-        }
-        let err = foreign.unwrap_err();
-        assert!(err.is_store(), "{err:?}");
-        assert!(
-            format!("{err:?}").contains("holds the state of another strategy"),
-            "{err:?}"
-        );
-        for ok in [a, b] {
-            assert!(matches!(ok.unwrap(), RateLimitReply::Decision(d) if d.allowed));
-        }
-    })
+    each_server_with(
+        "rate_limit_batch_errors",
+        scripts_only,
+        async |redis: Redis| {
+            // A long window: its state must outlive the pause below.
+            let window = FixedWindow::new(2, Duration::from_secs(3_600)).unwrap();
+            apply(&redis, &window, "window", check_one()).await.unwrap();
+            // A key holding a value of another type: refused, and left as it is.
+            let hashed = redis.key("hashed", ":r");
+            redis
+                .query::<()>(redis::cmd("HSET").arg(&hashed).arg("f").arg("v"))
+                .await
+                .unwrap();
+            let g = gcra();
+            hold_answers(&redis).await;
+            let before = redis.stats().commands;
+            // The first four fill the call slots; the other four wait and go together.
+            let (first, second, third, fourth, a, foreign, b, other_type) = tokio::join!(
+                apply(&redis, &g, "first", check_one()),
+                apply(&redis, &g, "second", check_one()),
+                apply(&redis, &g, "third", check_one()),
+                apply(&redis, &g, "fourth", check_one()),
+                apply(&redis, &g, "a", check_one()),
+                apply(&redis, &g, "window", check_one()),
+                apply(&redis, &g, "b", check_one()),
+                apply(&redis, &g, "hashed", check_one()),
+            );
+            let calls = redis.stats().commands - before;
+            if redis.is_cluster() {
+                assert_eq!(calls, 8);
+            } else {
+                assert_eq!(calls, 5, "four alone, then one batch of four");
+            }
+            let err = other_type.unwrap_err();
+            assert!(err.is_store(), "{err:?}");
+            let kind: String = redis.query(redis::cmd("TYPE").arg(&hashed)).await.unwrap();
+            assert_eq!(kind, "hash");
+            for ok in [first, second, third, fourth] {
+                assert!(matches!(ok.unwrap(), RateLimitReply::Decision(d) if d.allowed));
+            }
+            let err = foreign.unwrap_err();
+            assert!(err.is_store(), "{err:?}");
+            assert!(
+                format!("{err:?}").contains("holds the state of another strategy"),
+                "{err:?}"
+            );
+            for ok in [a, b] {
+                assert!(matches!(ok.unwrap(), RateLimitReply::Decision(d) if d.allowed));
+            }
+        },
+    )
     .await;
 }
 
@@ -325,6 +339,8 @@ async fn a_denial_is_kept_only_when_sound_and_answered_until_shortly_before_its_
             key: key.to_owned(),
             args,
             ticket,
+            fresh: None,
+            known: false,
         }
     };
     let denial = |retry_after_ms| {
@@ -449,6 +465,8 @@ fn operations_with_the_same_arguments_share_one_set() {
             channel: String::new(),
         },
         ticket: None,
+        fresh: None,
+        known: false,
     };
     let ops = [
         op("a", "c", 1, &[2, 500_000, 1, 1_000_000]),
@@ -479,150 +497,162 @@ fn operations_with_the_same_arguments_share_one_set() {
 
 #[tokio::test]
 async fn a_batch_of_several_limits_and_operations_decides_each_with_its_own() {
-    each_server("rate_limit_batch_sets", async |redis: Redis| {
-        let now_us = 1_000_000_250;
-        redis.pin_time_us(now_us);
-        let (g, other) = (gcra(), Gcra::new(5, Duration::from_secs(1)).unwrap());
-        let window = FixedWindow::new(4, Duration::from_secs(60)).unwrap();
-        let two = RateLimitOp::Check {
-            cost: NonZeroU32::new(2).unwrap(),
-        };
-        // What the memory store decides for the same operations in the same order.
-        let memory_g = crate::rate_limit::MemoryRateLimitStore::new();
-        let memory_w = crate::rate_limit::MemoryRateLimitStore::new();
-        let expect_g = |strategy: &Gcra, key: &str, op| {
-            let request = RateLimitRequest {
-                key,
-                now_us,
-                strategy,
-                op,
+    each_server_with(
+        "rate_limit_batch_sets",
+        scripts_only,
+        async |redis: Redis| {
+            let now_us = 1_000_000_250;
+            redis.pin_time_us(now_us);
+            let (g, other) = (gcra(), Gcra::new(5, Duration::from_secs(1)).unwrap());
+            let window = FixedWindow::new(4, Duration::from_secs(60)).unwrap();
+            let two = RateLimitOp::Check {
+                cost: NonZeroU32::new(2).unwrap(),
             };
-            crate::rate_limit::RateLimitStore::apply(&memory_g, request).unwrap()
-        };
-        let expect_w = |key: &str, op| {
-            let request = RateLimitRequest {
-                key,
-                now_us,
-                strategy: &window,
-                op,
+            // What the memory store decides for the same operations in the same order.
+            let memory_g = crate::rate_limit::MemoryRateLimitStore::new();
+            let memory_w = crate::rate_limit::MemoryRateLimitStore::new();
+            let expect_g = |strategy: &Gcra, key: &str, op| {
+                let request = RateLimitRequest {
+                    key,
+                    now_us,
+                    strategy,
+                    op,
+                };
+                crate::rate_limit::RateLimitStore::apply(&memory_g, request).unwrap()
             };
-            crate::rate_limit::RateLimitStore::apply(&memory_w, request).unwrap()
-        };
-        let expected = [
-            expect_g(&g, "first", check_one()),
-            expect_g(&g, "second", check_one()),
-            expect_g(&g, "a", check_one()),
-            expect_w("w", two),
-            expect_g(&other, "o", check_one()),
-            expect_g(&g, "a", RateLimitOp::Peek),
-            expect_w("w", check_one()),
-            expect_g(&g, "a", check_one()),
-            expect_w("w", two),
-            expect_g(&other, "o", check_one()),
-            expect_g(&g, "a", RateLimitOp::Reset),
-            expect_g(&g, "a", check_one()),
-        ];
-        hold_answers(&redis).await;
-        let before = redis.stats().commands;
-        // The first two fill the call slots; the other ten go together, in this order
-        // (`join_all` polls them in order), with five different argument sets among them;
-        // a key's later operations see what its earlier ones wrote, a reset included.
-        type Call<'a> = std::pin::Pin<
-            Box<dyn Future<Output = Result<RateLimitReply, RateLimitError>> + Send + 'a>,
-        >;
-        let calls: Vec<Call<'_>> = vec![
-            Box::pin(apply(&redis, &g, "first", check_one())),
-            Box::pin(apply(&redis, &g, "second", check_one())),
-            Box::pin(apply(&redis, &g, "a", check_one())),
-            Box::pin(apply(&redis, &window, "w", two)),
-            Box::pin(apply(&redis, &other, "o", check_one())),
-            Box::pin(apply(&redis, &g, "a", RateLimitOp::Peek)),
-            Box::pin(apply(&redis, &window, "w", check_one())),
-            Box::pin(apply(&redis, &g, "a", check_one())),
-            Box::pin(apply(&redis, &window, "w", two)),
-            Box::pin(apply(&redis, &other, "o", check_one())),
-            Box::pin(apply(&redis, &g, "a", RateLimitOp::Reset)),
-            Box::pin(apply(&redis, &g, "a", check_one())),
-        ];
-        let got = futures_util::future::join_all(calls).await;
-        let calls = redis.stats().commands - before;
-        if !redis.is_cluster() {
-            assert_eq!(calls, 3, "two alone, then one batch of ten");
-        }
-        let got: Vec<RateLimitReply> = got.into_iter().map(Result::unwrap).collect();
-        assert_eq!(got, expected);
-        // The last check of the window was denied: 2 + 1 + 2 over a limit of 4.
-        assert!(matches!(got[8], RateLimitReply::Decision(d) if !d.allowed));
-        // What the batch left stored (writes to keys with a state wait for its end) is
-        // what the memory store holds.
-        let peek = RateLimitOp::Peek;
-        assert_eq!(
-            apply(&redis, &g, "a", peek).await.unwrap(),
-            expect_g(&g, "a", peek)
-        );
-        assert_eq!(
-            apply(&redis, &other, "o", peek).await.unwrap(),
-            expect_g(&other, "o", peek)
-        );
-        assert_eq!(
-            apply(&redis, &window, "w", peek).await.unwrap(),
-            expect_w("w", peek)
-        );
-    })
+            let expect_w = |key: &str, op| {
+                let request = RateLimitRequest {
+                    key,
+                    now_us,
+                    strategy: &window,
+                    op,
+                };
+                crate::rate_limit::RateLimitStore::apply(&memory_w, request).unwrap()
+            };
+            let expected = [
+                expect_g(&g, "first", check_one()),
+                expect_g(&g, "second", check_one()),
+                expect_g(&g, "third", check_one()),
+                expect_g(&g, "fourth", check_one()),
+                expect_g(&g, "a", check_one()),
+                expect_w("w", two),
+                expect_g(&other, "o", check_one()),
+                expect_g(&g, "a", RateLimitOp::Peek),
+                expect_w("w", check_one()),
+                expect_g(&g, "a", check_one()),
+                expect_w("w", two),
+                expect_g(&other, "o", check_one()),
+                expect_g(&g, "a", RateLimitOp::Reset),
+                expect_g(&g, "a", check_one()),
+            ];
+            hold_answers(&redis).await;
+            let before = redis.stats().commands;
+            // The first four fill the call slots; the other ten go together, in this order
+            // (`join_all` polls them in order), with five different argument sets among them;
+            // a key's later operations see what its earlier ones wrote, a reset included.
+            type Call<'a> = std::pin::Pin<
+                Box<dyn Future<Output = Result<RateLimitReply, RateLimitError>> + Send + 'a>,
+            >;
+            let calls: Vec<Call<'_>> = vec![
+                Box::pin(apply(&redis, &g, "first", check_one())),
+                Box::pin(apply(&redis, &g, "second", check_one())),
+                Box::pin(apply(&redis, &g, "third", check_one())),
+                Box::pin(apply(&redis, &g, "fourth", check_one())),
+                Box::pin(apply(&redis, &g, "a", check_one())),
+                Box::pin(apply(&redis, &window, "w", two)),
+                Box::pin(apply(&redis, &other, "o", check_one())),
+                Box::pin(apply(&redis, &g, "a", RateLimitOp::Peek)),
+                Box::pin(apply(&redis, &window, "w", check_one())),
+                Box::pin(apply(&redis, &g, "a", check_one())),
+                Box::pin(apply(&redis, &window, "w", two)),
+                Box::pin(apply(&redis, &other, "o", check_one())),
+                Box::pin(apply(&redis, &g, "a", RateLimitOp::Reset)),
+                Box::pin(apply(&redis, &g, "a", check_one())),
+            ];
+            let got = futures_util::future::join_all(calls).await;
+            let calls = redis.stats().commands - before;
+            if !redis.is_cluster() {
+                assert_eq!(calls, 5, "four alone, then one batch of ten");
+            }
+            let got: Vec<RateLimitReply> = got.into_iter().map(Result::unwrap).collect();
+            assert_eq!(got, expected);
+            // The last check of the window was denied: 2 + 1 + 2 over a limit of 4.
+            assert!(matches!(got[10], RateLimitReply::Decision(d) if !d.allowed));
+            // What the batch left stored (writes to keys with a state wait for its end) is
+            // what the memory store holds.
+            let peek = RateLimitOp::Peek;
+            assert_eq!(
+                apply(&redis, &g, "a", peek).await.unwrap(),
+                expect_g(&g, "a", peek)
+            );
+            assert_eq!(
+                apply(&redis, &other, "o", peek).await.unwrap(),
+                expect_g(&other, "o", peek)
+            );
+            assert_eq!(
+                apply(&redis, &window, "w", peek).await.unwrap(),
+                expect_w("w", peek)
+            );
+        },
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_task_dropped_with_its_runtime_wedges_nothing() {
-    each_server("rate_limit_batch_dropped", async |redis: Redis| {
-        if redis.is_cluster() {
-            return; // no batches on a cluster
-        }
-        // Twice: a runtime whose callers fill both call slots and queue a third
-        // operation, then give up; the batch task started for the queued one never
-        // runs before the runtime ends. Two abandoned tasks that kept their slots would
-        // wedge every later call. The server holds its answers meanwhile, so that no
-        // call can end at its first poll.
-        redis
-            .query::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(400).arg("ALL"))
-            .await
-            .unwrap();
-        let paused_at = tokio::time::Instant::now();
-        for _ in 0..2 {
-            let short_redis = redis.clone();
-            std::thread::spawn(move || {
-                let redis = short_redis;
-                let short = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                short.block_on(async {
-                    let g = gcra();
-                    let mut calls: Vec<_> = (0..3)
-                        .map(|_| Box::pin(apply(&redis, &g, "k", check_one())))
-                        .collect();
-                    for call in &mut calls {
-                        assert!(futures_util::FutureExt::now_or_never(call).is_none());
-                    }
-                    let batcher = redis.batcher();
-                    let state = batcher.lock();
-                    assert_eq!((state.alone, state.tasks, state.queue.len()), (2, 0, 1));
-                });
-            })
-            .join()
-            .unwrap();
-            let batcher = redis.batcher();
-            let state = batcher.lock();
-            assert_eq!((state.alone, state.tasks, state.queue.len()), (0, 0, 0));
-        }
-        tokio::time::sleep_until(paused_at + Duration::from_millis(500)).await;
-        let g = gcra();
-        let reply =
-            tokio::time::timeout(Duration::from_secs(5), apply(&redis, &g, "k", check_one()))
+    each_server_with(
+        "rate_limit_batch_dropped",
+        scripts_only,
+        async |redis: Redis| {
+            if redis.is_cluster() {
+                return; // no batches on a cluster
+            }
+            // Twice: a runtime whose callers fill the four call slots and queue a fifth
+            // operation, then give up; the batch task started for the queued one never
+            // runs before the runtime ends. Two abandoned tasks that kept their slots would
+            // wedge every later call. The server holds its answers meanwhile, so that no
+            // call can end at its first poll.
+            redis
+                .query::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(400).arg("ALL"))
                 .await
-                .expect("not wedged");
-        assert!(matches!(reply.unwrap(), RateLimitReply::Decision(_)));
-    })
+                .unwrap();
+            let paused_at = tokio::time::Instant::now();
+            for _ in 0..2 {
+                let short_redis = redis.clone();
+                std::thread::spawn(move || {
+                    let redis = short_redis;
+                    let short = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap();
+                    short.block_on(async {
+                        let g = gcra();
+                        let mut calls: Vec<_> = (0..5)
+                            .map(|_| Box::pin(apply(&redis, &g, "k", check_one())))
+                            .collect();
+                        for call in &mut calls {
+                            assert!(futures_util::FutureExt::now_or_never(call).is_none());
+                        }
+                        let batcher = redis.batcher();
+                        let state = batcher.lock();
+                        assert_eq!((state.alone, state.tasks, state.queue.len()), (4, 0, 1));
+                    });
+                })
+                .join()
+                .unwrap();
+                let batcher = redis.batcher();
+                let state = batcher.lock();
+                assert_eq!((state.alone, state.tasks, state.queue.len()), (0, 0, 0));
+            }
+            tokio::time::sleep_until(paused_at + Duration::from_millis(500)).await;
+            let g = gcra();
+            let reply =
+                tokio::time::timeout(Duration::from_secs(5), apply(&redis, &g, "k", check_one()))
+                    .await
+                    .expect("not wedged");
+            assert!(matches!(reply.unwrap(), RateLimitReply::Decision(_)));
+        },
+    )
     .await;
 }
 
@@ -647,4 +677,231 @@ async fn a_key_of_another_strategy_is_a_store_error_and_too_wide_a_tier_is_refus
         assert!(matches!(err, RateLimitError::TooLarge { .. }), "{err:?}");
     })
     .await;
+}
+
+/// A check of `cost` on an empty key, made by a plain `SET NX` (key `<name>-set`) and by the
+/// script (`<name>-script`): the same decision, the same stored state and life, and the
+/// memory store's decision at the pinned time `now_us`.
+async fn fresh_set_matches_the_script<S: ScriptedStrategy>(
+    redis: &Redis,
+    strategy: &S,
+    name: &str,
+    cost: u32,
+    now_us: u64,
+) where
+    Redis: AsyncRateLimitStore<S>,
+{
+    let op = RateLimitOp::Check {
+        cost: NonZeroU32::new(cost).unwrap(),
+    };
+    let (set_key, script_key) = (format!("{name}-set"), format!("{name}-script"));
+    let written = redis.stats().fresh_key_writes;
+    let by_set = apply(redis, strategy, &set_key, op).await.unwrap();
+    assert_eq!(
+        redis.stats().fresh_key_writes,
+        written + 1,
+        "{name}: one SET"
+    );
+    let request = RateLimitRequest {
+        key: &script_key,
+        now_us: 0,
+        strategy,
+        op,
+    };
+    let operation = redis.operation(&request).unwrap();
+    assert!(operation.fresh.is_none());
+    let by_script = redis.alone(&operation).await.unwrap();
+    assert_eq!(by_set, by_script, "{name}");
+    let memory = MemoryRateLimitStore::new();
+    let expected = RateLimitStore::apply(&memory, RateLimitRequest { now_us, ..request }).unwrap();
+    assert_eq!(by_set, expected, "{name}");
+    let stored = async |key: &str| {
+        let key = redis.key(key, ":r");
+        let raw: Vec<u8> = redis.query(redis::cmd("GET").arg(&key)).await.unwrap();
+        let ttl: i64 = redis.query(redis::cmd("PTTL").arg(&key)).await.unwrap();
+        (raw, ttl)
+    };
+    let ((set_raw, set_ttl), (script_raw, script_ttl)) =
+        (stored(&set_key).await, stored(&script_key).await);
+    assert_eq!(set_raw, script_raw, "{name}");
+    // The same life, give or take the time between the writes and the reads (generous for
+    // a busy machine): both expire on the server's clock.
+    assert!(
+        set_ttl > 0 && script_ttl > 0 && set_ttl.abs_diff(script_ttl) < 10_000,
+        "{name}: {set_ttl} ms, {script_ttl} ms"
+    );
+}
+
+#[tokio::test]
+async fn a_fresh_keys_first_check_is_one_set_that_writes_what_the_script_would() {
+    each_server("rate_limit_fresh_set", async |redis: Redis| {
+        let minute = Duration::from_secs(60);
+        let window = FixedWindow::new(4, minute).unwrap();
+        let sliding = SlidingWindow::new(4, minute).unwrap();
+        let bucket = TokenBucket::new(5, 2, Duration::from_secs(3)).unwrap();
+        let shaper = LeakyBucket::new(7, Duration::from_secs(2), Duration::from_secs(1)).unwrap();
+        let slow = Gcra::new(3, Duration::from_secs(7)).unwrap();
+        let tiered = Tiered::new(gcra(), window);
+        let sliding_tiers = Tiered::new(sliding, bucket);
+        // Inside a window, on a window's first and last microsecond, and at a time that
+        // splits an emission interval unevenly.
+        for (t, now_us) in [
+            1_000_000_250,
+            1_800_000_000_000,
+            1_800_000_000_001,
+            1_799_999_999_999,
+            1_700_000_123_457,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            redis.pin_time_us(now_us);
+            for cost in [1, 2] {
+                let at = |name: &str| format!("{name}-{t}-{cost}");
+                fresh_set_matches_the_script(&redis, &gcra(), &at("g"), cost, now_us).await;
+                fresh_set_matches_the_script(&redis, &slow, &at("slow"), cost, now_us).await;
+                fresh_set_matches_the_script(&redis, &window, &at("f"), cost, now_us).await;
+                fresh_set_matches_the_script(&redis, &sliding, &at("s"), cost, now_us).await;
+                fresh_set_matches_the_script(&redis, &bucket, &at("t"), cost, now_us).await;
+                fresh_set_matches_the_script(&redis, &shaper, &at("l"), cost, now_us).await;
+                fresh_set_matches_the_script(&redis, &tiered, &at("gf"), cost, now_us).await;
+                fresh_set_matches_the_script(&redis, &sliding_tiers, &at("st"), cost, now_us).await;
+            }
+        }
+        assert_eq!(redis.stats().fresh_key_misses, 0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_key_that_holds_anything_is_decided_by_the_script_and_then_known() {
+    each_server("rate_limit_fresh_taken", async |redis: Redis| {
+        let window = FixedWindow::new(3, Duration::from_secs(3_600)).unwrap();
+        let counts = || {
+            let stats = redis.stats();
+            (stats.fresh_key_writes, stats.fresh_key_misses)
+        };
+        let remaining = async |key: &str| match apply(&redis, &window, key, check_one()).await {
+            Ok(RateLimitReply::Decision(d)) => d.remaining,
+            other => panic!("{other:?}"),
+        };
+        let (w, m) = counts();
+        assert_eq!(remaining("k").await, 2);
+        assert_eq!(counts(), (w + 1, m), "a SET wrote the fresh key");
+        assert_eq!(remaining("k").await, 1);
+        assert_eq!(
+            counts(),
+            (w + 1, m + 1),
+            "the SET found it taken; the script decided"
+        );
+        assert_eq!(remaining("k").await, 0);
+        assert_eq!(
+            counts(),
+            (w + 1, m + 1),
+            "known now: straight to the script"
+        );
+        // A value of another type is left as it is, and the check is a store error.
+        let hashed = redis.key("hashed", ":r");
+        redis
+            .query::<()>(redis::cmd("HSET").arg(&hashed).arg("f").arg("v"))
+            .await
+            .unwrap();
+        let err = apply(&redis, &window, "hashed", check_one())
+            .await
+            .unwrap_err();
+        assert!(err.is_store(), "{err:?}");
+        let kind: String = redis.query(redis::cmd("TYPE").arg(&hashed)).await.unwrap();
+        assert_eq!(kind, "hash");
+        assert_eq!(counts(), (w + 1, m + 2));
+        // A reset empties the key and forgets it: its next check is a SET again.
+        apply(&redis, &window, "k", RateLimitOp::Reset)
+            .await
+            .unwrap();
+        assert_eq!(remaining("k").await, 2);
+        assert_eq!(counts(), (w + 2, m + 2));
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn with_fresh_key_writes_off_every_check_is_a_script_call() {
+    each_server_with(
+        "rate_limit_fresh_off",
+        scripts_only,
+        async |redis: Redis| {
+            let window = FixedWindow::new(3, Duration::from_secs(3_600)).unwrap();
+            for key in ["a", "b", "a"] {
+                apply(&redis, &window, key, check_one()).await.unwrap();
+            }
+            let stats = redis.stats();
+            assert_eq!((stats.fresh_key_writes, stats.fresh_key_misses), (0, 0));
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn tries_pause_while_most_find_their_key_taken_and_resume_when_they_write() {
+    let guess = Guess::new();
+    let fresh = Fresh {
+        value: Vec::new(),
+        px: 1,
+        reply: RateLimitReply::Reset,
+    };
+    let taken = redis::Value::Nil;
+    let wrote = redis::Value::Okay;
+    assert!(guess.worth_trying("a"));
+    // A miss for each hit still climbs (+2 - 1 a round): paused from 64.
+    for _ in 0..63 {
+        assert_eq!(guess.outcome(&fresh, &taken).unwrap(), None);
+        assert!(guess.worth_trying("a"));
+        assert_eq!(
+            guess.outcome(&fresh, &wrote).unwrap(),
+            Some(RateLimitReply::Reset)
+        );
+    }
+    assert_eq!(guess.outcome(&fresh, &taken).unwrap(), None);
+    // Paused: one check in PROBE_EVERY tries.
+    let tried = (0..10 * PROBE_EVERY)
+        .filter(|_| guess.worth_trying("a"))
+        .count();
+    assert_eq!(tried, 10);
+    // Probes that write bring it back.
+    for _ in 0..64 {
+        guess.outcome(&fresh, &wrote).unwrap();
+    }
+    assert!((0..100).all(|_| guess.worth_trying("a")));
+    // A key seen holding a state is not tried until it is forgotten (a reset).
+    guess.seen("k", Duration::from_secs(60));
+    assert!(!guess.worth_trying("k"));
+    guess.forget("k");
+    assert!(guess.worth_trying("k"));
+    // Any other reply to the SET is a protocol error, not a decision.
+    let err = guess.outcome(&fresh, &redis::Value::Int(1)).unwrap_err();
+    assert!(matches!(err, StoreError::Protocol(_)), "{err:?}");
+}
+
+#[test]
+fn only_checks_that_a_fresh_key_can_take_are_written_plainly() {
+    let args = |op, kinds: &str, numbers: Vec<u64>| Args {
+        op,
+        cost: 1,
+        slack: 1,
+        kinds: kinds.to_owned(),
+        numbers,
+        channel: String::new(),
+    };
+    let window = vec![4, 60_000_000, 0, 0];
+    assert!(fresh::check(&args("c", "f", window.clone()), 1_000_000).is_some());
+    // Peeks, forecasts, reservations and resets go to the script.
+    for op in ["p", "f", "r", "x"] {
+        assert!(fresh::check(&args(op, "f", window.clone()), 1_000_000).is_none());
+    }
+    // Parameters that would divide by zero, or that no fresh key can take, and a malformed
+    // set, are the script's to decide (or refuse).
+    assert!(fresh::check(&args("c", "f", vec![4, 0, 0, 0]), 1_000_000).is_none());
+    assert!(fresh::check(&args("c", "g", vec![1, 1_000_000, 0, 0]), 1_000_000).is_none());
+    assert!(fresh::check(&args("c", "t", vec![1, 1, 1, 0]), 1_000_000).is_none());
+    assert!(fresh::check(&args("c", "g", vec![1, 1_000_000, 1, 0]), 1_000_000).is_none());
+    assert!(fresh::check(&args("c", "ff", window), 1_000_000).is_none());
 }

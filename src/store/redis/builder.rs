@@ -47,6 +47,8 @@ pub struct RedisBuilder {
     pub(super) durable_claims: Option<durable::Durability>,
     /// See `RedisBuilder::with_local_answers` (`None`: the rate limiter's default).
     pub(crate) local_answers: Option<usize>,
+    /// See `RedisBuilder::with_fresh_key_writes`.
+    pub(crate) fresh_key_writes: bool,
 }
 
 impl std::fmt::Debug for RedisBuilder {
@@ -62,6 +64,8 @@ impl std::fmt::Debug for RedisBuilder {
             .field("command_timeout", &self.command_timeout)
             .field("breaker", &self.breaker)
             .field("rate_limit_queue", &self.rate_limit_queue)
+            .field("local_answers", &self.local_answers)
+            .field("fresh_key_writes", &self.fresh_key_writes)
             .finish()
     }
 }
@@ -99,6 +103,7 @@ impl RedisBuilder {
             rate_limit_queue: None,
             durable_claims: None,
             local_answers: None,
+            fresh_key_writes: true,
         }
     }
 
@@ -339,6 +344,7 @@ impl RedisBuilder {
                 slices: Slices::default(),
                 rate_limit_queue: self.rate_limit_queue,
                 local_answers: self.local_answers,
+                fresh_key_writes: self.fresh_key_writes,
                 durable,
                 ops: OpsCounters::default(),
             }),

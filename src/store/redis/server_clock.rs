@@ -39,8 +39,13 @@ pub(crate) fn wall_us() -> i64 {
 impl ServerClock {
     /// The server's time now, in ms since the epoch, as estimated here.
     pub(crate) fn now_ms(&self) -> u64 {
+        self.now_us() / 1000
+    }
+
+    /// The server's time now, in µs since the epoch, as estimated here.
+    pub(crate) fn now_us(&self) -> u64 {
         let us = wall_us().saturating_add(self.offset_us.load(Ordering::Relaxed));
-        u64::try_from(us.max(0) / 1000).unwrap_or(0)
+        u64::try_from(us.max(0)).unwrap_or(0)
     }
 
     /// Whether a measurement is due; if so the caller has claimed it, and
