@@ -38,7 +38,8 @@
 //!
 //! - `redis_vs_peer`: our side of the comparison with rate-limiter-flexible's
 //!   `RateLimiterRedis` (ioredis): 64 tasks, 200,000 checks, 10 per 60 s,
-//!   fixed window and GCRA, on fresh keys (every check a new key) and on one
+//!   fixed window, GCRA, token bucket and sliding window (the peer's limiter
+//!   is a fixed window), on fresh keys (every check a new key) and on one
 //!   hot limited key (denied after its first 10, so answered locally), the
 //!   best of 3 rounds, printing ns per check and checks per second. The Node
 //!   side runs against the same server: start a `redis-server`, point this
@@ -66,7 +67,9 @@ use std::time::{Duration, Instant};
 
 use figures::{median, selected};
 use support_redis::{RedisCluster, RedisNode};
-use throttlebeam::rate_limit::{AsyncRateLimitStore, FixedWindow, Gcra, Limiter, Strategy};
+use throttlebeam::rate_limit::{
+    AsyncRateLimitStore, FixedWindow, Gcra, Limiter, SlidingWindow, Strategy, TokenBucket,
+};
 use throttlebeam::store::Redis;
 use throttlebeam::{Runtime, ThrottleOutcome};
 
@@ -679,6 +682,20 @@ async fn vs_peer(url: &str, redis: &Redis) {
     )
     .await;
     peer_side(url, redis, "gcra", Gcra::new(limit, period).expect("limit")).await;
+    peer_side(
+        url,
+        redis,
+        "token_bucket",
+        TokenBucket::new(limit, limit, period).expect("limit"),
+    )
+    .await;
+    peer_side(
+        url,
+        redis,
+        "sliding_window",
+        SlidingWindow::new(limit, period).expect("limit"),
+    )
+    .await;
 }
 
 fn main() {

@@ -242,7 +242,8 @@ pub struct RedisStats {
     /// Commands and script calls sent, including the `TIME` reads that keep
     /// this instance's estimate of the server's clock (one at connect, then
     /// at most one a minute while leading windows are opened). A batch of
-    /// rate-limit operations sent together is one script call.
+    /// rate-limit operations sent together is one script call, and one
+    /// pipeline for its fresh keys' `SET`s.
     pub commands: u64,
     /// The circuit breaker.
     pub breaker: BreakerStats,
