@@ -138,7 +138,7 @@ impl Redis {
             // A cluster runs a script on one slot's keys only: one call per operation.
             Box::pin(self.alone(&operation)).await
         } else {
-            self.batched(operation).await
+            self.batched(&batcher, operation).await
         };
         if let Some(key) = reset {
             // Whatever the reply: a reset that timed out may have run.

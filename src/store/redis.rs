@@ -114,7 +114,10 @@ impl Redis {
     pub(crate) fn slice<T: std::any::Any + Send + Sync>(&self, make: impl FnOnce() -> T) -> Arc<T> {
         let slices = &self.inner.slices.0;
         let found = |list: &[Arc<dyn std::any::Any + Send + Sync>]| {
-            list.iter().find_map(|v| Arc::clone(v).downcast::<T>().ok())
+            // Looked at before cloned: a clone is an atomic increment on a shared line.
+            list.iter()
+                .find(|v| v.is::<T>())
+                .and_then(|v| Arc::clone(v).downcast::<T>().ok())
         };
         if let Some(value) = found(
             &slices
@@ -786,8 +789,9 @@ impl Redis {
         if let Some(pinned) = self.pinned_ms() {
             return pinned;
         }
-        self.resync_clock_when_due();
-        self.inner.clock.now_ms()
+        let wall = server_clock::wall_us();
+        self.resync_clock_when_due(wall);
+        self.inner.clock.at(wall) / 1000
     }
 
     /// [`Redis::server_now_ms`] in µs.
@@ -795,13 +799,16 @@ impl Redis {
         if let Some(pinned) = self.pinned_us_at() {
             return pinned;
         }
-        self.resync_clock_when_due();
-        self.inner.clock.now_us()
+        // One read of the wall clock for both.
+        let wall = server_clock::wall_us();
+        self.resync_clock_when_due(wall);
+        self.inner.clock.at(wall)
     }
 
-    /// Measures the server's clock again (in the background) if a minute has passed.
-    fn resync_clock_when_due(&self) {
-        if self.inner.clock.claim_resync()
+    /// Measures the server's clock again (in the background) if a minute has passed since
+    /// the last measurement (`wall_us`: this host's wall time now).
+    fn resync_clock_when_due(&self, wall_us: i64) {
+        if self.inner.clock.claim_resync(wall_us)
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             let redis = self.clone();

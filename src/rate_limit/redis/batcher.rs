@@ -382,8 +382,11 @@ impl Redis {
     /// Sends `operation` at once if a call slot is free and nothing is queued; otherwise
     /// queues it for the next batch (starting a task to send it if a slot is free) and waits
     /// for its reply, at most the command timeout. Refuses it, unsent, when the queue is full.
-    pub(super) async fn batched(&self, operation: Operation) -> Result<RateLimitReply, StoreError> {
-        let batches = self.batcher();
+    pub(super) async fn batched(
+        &self,
+        batches: &Batcher,
+        operation: Operation,
+    ) -> Result<RateLimitReply, StoreError> {
         let queued = {
             let mut state = batches.lock();
             if state.queue.is_empty() && state.slot_free() {

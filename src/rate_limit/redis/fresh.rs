@@ -217,7 +217,8 @@ impl Guess {
         {
             return false;
         }
-        self.known.get(key).is_none()
+        // Fresh keys alone leave the table empty: no lookup then.
+        self.known.is_empty() || self.known.get(key).is_none()
     }
 
     /// What the reply to a fresh check's `SET NX` means: its decision if the key was written,

@@ -37,21 +37,17 @@ pub(crate) fn wall_us() -> i64 {
 }
 
 impl ServerClock {
-    /// The server's time now, in ms since the epoch, as estimated here.
-    pub(crate) fn now_ms(&self) -> u64 {
-        self.now_us() / 1000
-    }
-
-    /// The server's time now, in µs since the epoch, as estimated here.
-    pub(crate) fn now_us(&self) -> u64 {
-        let us = wall_us().saturating_add(self.offset_us.load(Ordering::Relaxed));
+    /// The server's time when this host's wall clock reads `wall_us`.
+    pub(crate) fn at(&self, wall_us: i64) -> u64 {
+        let us = wall_us.saturating_add(self.offset_us.load(Ordering::Relaxed));
         u64::try_from(us.max(0)).unwrap_or(0)
     }
 
-    /// Whether a measurement is due; if so the caller has claimed it, and
-    /// no other caller gets `true` for the next minute.
-    pub(crate) fn claim_resync(&self) -> bool {
-        let now_s = u64::try_from(wall_us() / 1_000_000).unwrap_or(0);
+    /// Whether a measurement is due at this host's wall time `wall_us`; if
+    /// so the caller has claimed it, and no other caller gets `true` for the
+    /// next minute.
+    pub(crate) fn claim_resync(&self, wall_us: i64) -> bool {
+        let now_s = u64::try_from(wall_us / 1_000_000).unwrap_or(0);
         let last = self.synced_s.load(Ordering::Relaxed);
         // abs_diff: a wall clock stepped backwards still gets a measurement.
         now_s.abs_diff(last) >= RESYNC_S
@@ -94,17 +90,17 @@ mod tests {
         // The server is an hour ahead; the reply took 2 ms.
         let hour = 3_600_000_000;
         clock.record(now - 2_000, now - 1_000 + hour, now);
-        let estimate = i64::try_from(clock.now_ms()).unwrap() * 1000;
+        let estimate = i64::try_from(clock.at(wall_us()) / 1000).unwrap() * 1000;
         assert!((estimate - (wall_us() + hour)).abs() < 50_000, "{estimate}");
         // Just measured: none due.
-        assert!(!clock.claim_resync());
+        assert!(!clock.claim_resync(wall_us()));
     }
 
     #[test]
     fn a_measurement_is_claimed_by_one_caller_per_minute() {
         let clock = ServerClock::default();
-        assert!(clock.claim_resync(), "never measured: due");
-        assert!(!clock.claim_resync(), "claimed already");
+        assert!(clock.claim_resync(wall_us()), "never measured: due");
+        assert!(!clock.claim_resync(wall_us()), "claimed already");
         assert!(clock.takes_set_nx_get());
         assert!(clock.refuse_set_nx_get());
         assert!(!clock.refuse_set_nx_get(), "told once");
