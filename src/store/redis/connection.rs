@@ -317,8 +317,21 @@ pub(super) fn redact(url: &str) -> String {
     }
 }
 
+/// A TLS URL (`rediss://`) without the `redis-tls` feature.
+fn no_tls_feature(url: &str) -> StoreError {
+    StoreError::Config(format!(
+        "{:?} asks for TLS (rediss://): enable throttlebeam's `redis-tls` feature",
+        redact(url)
+    ))
+}
+
 /// `url` as connection details with the builder's credentials applied.
 fn info(url: &str, security: &Security) -> Result<ConnectionInfo, StoreError> {
+    // Before parsing: without its TLS support, the `redis` crate refuses a TLS URL with a
+    // message that names none of our features.
+    if !cfg!(feature = "redis-tls") && url.trim_start().starts_with("rediss:") {
+        return Err(no_tls_feature(url));
+    }
     let info = url.into_connection_info().map_err(|e| {
         StoreError::Config(format!("{:?} is not a usable Redis URL: {e}", redact(url)))
     })?;
@@ -338,10 +351,7 @@ fn info(url: &str, security: &Security) -> Result<ConnectionInfo, StoreError> {
         )));
     }
     if tls && !cfg!(feature = "redis-tls") {
-        return Err(StoreError::Config(format!(
-            "{:?} asks for TLS (rediss://): enable throttlebeam's `redis-tls` feature",
-            redact(url)
-        )));
+        return Err(no_tls_feature(url));
     }
     Ok(info)
 }
