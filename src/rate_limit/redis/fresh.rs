@@ -182,6 +182,10 @@ pub(super) const PROBE_EVERY: u32 = 64;
 /// try in three missing climbs there).
 const PAUSE_AT: u32 = 64;
 
+/// How far past [`PAUSE_AT`] misses count: a burst of first checks of one key (all but one
+/// miss) pauses tries, and a handful of probes that write (a few hundred checks) resume them.
+const PAUSE_MARGIN: u32 = 4;
+
 /// Which checks to send as a plain `SET NX` first: those of keys this instance has not seen
 /// holding a state, while such tries mostly find their key empty.
 pub(super) struct Guess {
@@ -265,7 +269,7 @@ impl Guess {
         let _ = self
             .score
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| {
-                Some((s + 2).min(2 * PAUSE_AT))
+                Some((s + 2).min(PAUSE_AT + PAUSE_MARGIN))
             });
     }
 

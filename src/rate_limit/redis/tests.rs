@@ -774,6 +774,34 @@ async fn a_fresh_keys_first_check_is_one_set_that_writes_what_the_script_would()
 }
 
 #[tokio::test]
+async fn concurrent_first_checks_of_one_key_split_between_set_and_script_decide_exactly() {
+    // 250 checks of one fresh key at once: none knows the key, so each tries a SET NX; one
+    // writes it, the others find it taken and go to the script, on a cluster each alone.
+    let bound = |b: RedisBuilder| b.with_command_timeout(Duration::from_secs(2));
+    each_server_with("rate_limit_fresh_burst", bound, async |redis: Redis| {
+        redis.pin_time(1_000_000);
+        let limit = FixedWindow::new(100, Duration::from_secs(60)).unwrap();
+        let calls = (0..250).map(|_| apply(&redis, &limit, "burst", check_one()));
+        let replies = futures_util::future::join_all(calls).await;
+        let mut remaining = Vec::new();
+        for reply in replies {
+            match reply.unwrap() {
+                RateLimitReply::Decision(d) if d.allowed => remaining.push(d.remaining),
+                RateLimitReply::Decision(d) => assert_eq!(d.remaining, 0),
+                other => panic!("{other:?}"),
+            }
+        }
+        // Exactly the limit, each admission seeing the ones before it, the SET's included.
+        remaining.sort_unstable();
+        assert_eq!(remaining, (0..100).collect::<Vec<u64>>());
+        let stats = redis.stats();
+        assert_eq!(stats.fresh_key_writes, 1, "{stats:?}");
+        assert!(stats.fresh_key_misses >= 1, "{stats:?}");
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_key_that_holds_anything_is_decided_by_the_script_and_then_known() {
     each_server("rate_limit_fresh_taken", async |redis: Redis| {
         let window = FixedWindow::new(3, Duration::from_secs(3_600)).unwrap();
@@ -866,8 +894,13 @@ async fn tries_pause_while_most_find_their_key_taken_and_resume_when_they_write(
         .filter(|_| guess.worth_trying("a"))
         .count();
     assert_eq!(tried, 10);
-    // Probes that write bring it back.
-    for _ in 0..64 {
+    // However many misses came, a few probes that write bring it back.
+    for _ in 0..1_000 {
+        guess.outcome(&fresh, &taken).unwrap();
+    }
+    for _ in 0..5 {
+        let tried = (0..PROBE_EVERY).filter(|_| guess.worth_trying("a")).count();
+        assert_eq!(tried, 1);
         guess.outcome(&fresh, &wrote).unwrap();
     }
     assert!((0..100).all(|_| guess.worth_trying("a")));
