@@ -469,7 +469,13 @@ impl<S: Strategy, St> Limiter<S, St> {
         if self.inner.namespace.is_empty() {
             Cow::Borrowed(key)
         } else {
-            Cow::Owned(format!("{}:{key}", self.inner.namespace))
+            // Pushed, not `format!`ted: the formatting machinery costs more than the copy.
+            let namespace = &self.inner.namespace;
+            let mut full = String::with_capacity(namespace.len() + 1 + key.len());
+            full.push_str(namespace);
+            full.push(':');
+            full.push_str(key);
+            Cow::Owned(full)
         }
     }
 }

@@ -105,35 +105,52 @@ struct OpsCounters {
 }
 
 /// State each primitive keeps per connection, one value per type: the
-/// connection holds it without knowing it.
+/// connection holds it without knowing it. A fixed number of slots, each
+/// set once, so that finding a value is plain reads (no lock: every
+/// rate-limit check looks its value up).
 #[derive(Default)]
-struct Slices(std::sync::RwLock<Vec<Arc<dyn std::any::Any + Send + Sync>>>);
+struct Slices {
+    slots: [std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>; SLICES],
+    /// Held while a slot is filled, so that a type gets one.
+    filling: std::sync::Mutex<()>,
+}
+
+/// Slots for primitives' values: one per primitive that keeps one, and room to spare.
+const SLICES: usize = 8;
 
 impl Redis {
     /// This connection's value of type `T`, made by `make` on first use.
+    ///
+    /// # Panics
+    ///
+    /// If more than [`SLICES`] types ask for one (a fixed, internal set).
     pub(crate) fn slice<T: std::any::Any + Send + Sync>(&self, make: impl FnOnce() -> T) -> Arc<T> {
-        let slices = &self.inner.slices.0;
-        let found = |list: &[Arc<dyn std::any::Any + Send + Sync>]| {
-            // Looked at before cloned: a clone is an atomic increment on a shared line.
-            list.iter()
+        let slices = &self.inner.slices;
+        let found = || {
+            slices
+                .slots
+                .iter()
+                .map_while(std::sync::OnceLock::get)
                 .find(|v| v.is::<T>())
                 .and_then(|v| Arc::clone(v).downcast::<T>().ok())
         };
-        if let Some(value) = found(
-            &slices
-                .read()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        ) {
+        if let Some(value) = found() {
             return value;
         }
-        let mut list = slices
-            .write()
+        let _filling = slices
+            .filling
+            .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(value) = found(&list) {
+        if let Some(value) = found() {
             return value;
         }
+        let free = slices
+            .slots
+            .iter()
+            .find(|slot| slot.get().is_none())
+            .expect("a slot for each primitive's per-connection value");
         let value = Arc::new(make());
-        list.push(value.clone());
+        let _ = free.set(value.clone());
         value
     }
 }
