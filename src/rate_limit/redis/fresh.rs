@@ -6,9 +6,10 @@
 //! a theoretical arrival time one cost after it, a bucket less one cost. So the check needs
 //! no script: this instance computes that state with the script's own maths (see
 //! `rate_limit.lua`, `run` without a state) at its estimate of the server's clock, and sends
-//! it as `SET key state PX ttl NX`, a command the server runs in about a fifth of the script's
-//! time. If the key holds anything (a state another instance wrote, a value of another type),
-//! the `SET` leaves it alone and the check goes to the script, which decides on the server's
+//! it as `SET key state PX ttl NX`, which costs the server a little over half what a check
+//! costs it in the batch script (2.9 µs against 5.1 µs on the project's machine). If the key
+//! holds anything (a state another instance wrote, a value of another type), the `SET` leaves
+//! it alone and the check goes to the script, which decides on the server's
 //! `TIME` as every other check does.
 //!
 //! Which keys are worth trying is guessed (see [`Guess`]): keys this instance saw holding a
@@ -36,8 +37,9 @@ impl RedisBuilder {
     /// the server's clock (measured with `TIME` at connect and once a minute: accurate to half
     /// a round trip plus a minute's drift) and writes it only if the key is still empty; a key
     /// that holds anything goes on to the script, which decides on the server's `TIME` as for
-    /// every other check. The server runs such a `SET` in about a fifth of a script's time, so
-    /// fresh keys (one check per client, per IP, per window) cost it far less.
+    /// every other check. Such a `SET` costs the server a little over half what a check costs
+    /// it in a script, and the client less too, so fresh keys (one check per client, per IP,
+    /// per window) go about 1.5 times as fast.
     ///
     /// The difference it makes to decisions is that estimate's error, once per key: a fixed or
     /// sliding window's first check within that error (well under a millisecond on a local
