@@ -126,12 +126,12 @@ impl Redis {
                 operation.ticket = local.ticket(&operation.args, live);
             }
         }
-        if operation.args.op == "c" && self.inner.fresh_key_writes {
-            if batcher.guess.worth_trying(&operation.key) {
-                operation.fresh = fresh::check(&operation.args, self.server_now_us());
-            } else {
-                operation.known = true;
-            }
+        if operation.args.op == "c"
+            && self.inner.fresh_key_writes
+            && batcher.guess.worth_trying(&operation.key)
+        {
+            operation.learn = true;
+            operation.fresh = fresh::check(&operation.args, self.server_now_us());
         }
         let reset = (operation.args.op == "x").then(|| operation.key.clone());
         let reply = if self.is_cluster() {
@@ -152,8 +152,7 @@ impl Redis {
     /// locally is kept, and a key a check found holding a state (or left holding one) is
     /// known to hold it until the state ends, at least [`fresh::KNOWN_AT_LEAST`].
     fn remember(&self, operation: &Operation, reply: &RateLimitReply) {
-        let known = !operation.known && operation.args.op == "c" && self.inner.fresh_key_writes;
-        if operation.ticket.is_none() && !known {
+        if operation.ticket.is_none() && !operation.learn {
             return;
         }
         let batcher = self.batcher();
@@ -161,7 +160,9 @@ impl Redis {
             let local = &batcher.local;
             local.remember(operation, reply, local.subscription_live());
         }
-        if known && let RateLimitReply::Decision(decision) = reply {
+        if operation.learn
+            && let RateLimitReply::Decision(decision) = reply
+        {
             let left = decision.reset_at_ms.saturating_sub(self.server_now_ms());
             let life = std::time::Duration::from_millis(left).max(fresh::KNOWN_AT_LEAST);
             batcher.guess.seen(&operation.key, life);

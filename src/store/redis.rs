@@ -944,40 +944,20 @@ mod harness;
 /// Runs `check` against a fresh single node, then a fresh 3-node cluster.
 #[cfg(test)]
 pub(crate) async fn each_server(test: &str, check: impl AsyncFn(Redis)) {
-    each_server_bounded(test, None, check).await;
+    each_server_with(test, |builder| builder, check).await;
 }
 
-/// [`each_server`] with another command timeout than the default (`None`), for tests that
-/// check what is decided, not how fast: a burst on a cluster just created, on a loaded
-/// machine, can take longer than the default.
-#[cfg(test)]
-pub(crate) async fn each_server_bounded(
-    test: &str,
-    command_timeout: Option<Duration>,
-    check: impl AsyncFn(Redis),
-) {
-    each_server_with(
-        test,
-        |builder| match command_timeout {
-            Some(after) => builder.with_command_timeout(after),
-            None => builder,
-        },
-        check,
-    )
-    .await;
-}
-
-/// [`each_server`] on backends `configure` sets up.
+/// [`each_server`] on backends `configure` sets up (another command timeout, for a test
+/// that checks what is decided rather than how fast; other settings).
 #[cfg(test)]
 pub(crate) async fn each_server_with(
     test: &str,
     configure: impl Fn(RedisBuilder) -> RedisBuilder,
     check: impl AsyncFn(Redis),
 ) {
-    let bounded = configure;
     if let Some(node) = harness::RedisNode::start(test) {
         check(
-            bounded(Redis::builder(node.url()))
+            configure(Redis::builder(node.url()))
                 .connect()
                 .await
                 .expect("connects"),
@@ -986,7 +966,7 @@ pub(crate) async fn each_server_with(
     }
     if let Some(cluster) = harness::RedisCluster::start(test) {
         check(
-            bounded(Redis::cluster(cluster.urls()))
+            configure(Redis::cluster(cluster.urls()))
                 .connect()
                 .await
                 .expect("connects"),

@@ -7,7 +7,7 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 
 use tokio::sync::oneshot;
 
-use super::fresh::{self, Guess};
+use super::fresh::{self, Fresh, Guess};
 use super::local::{DEFAULT_LOCAL_ANSWERS, LocalAnswers};
 use super::script::{BATCH, Operation, argument_sets, batch_replies, reply_of};
 use crate::rate_limit::RateLimitReply;
@@ -147,11 +147,7 @@ impl Redis {
     /// Fresh keys' checks written with a plain `SET NX`, and tries that found the key taken
     /// (for [`RedisStats`](crate::store::RedisStats)).
     pub(crate) fn fresh_key_counts(&self) -> (u64, u64) {
-        let guess = &self.batcher().guess;
-        (
-            guess.written.load(std::sync::atomic::Ordering::Relaxed),
-            guess.missed.load(std::sync::atomic::Ordering::Relaxed),
-        )
+        self.batcher().guess.counts()
     }
 }
 
@@ -261,9 +257,14 @@ impl Draining {
                 batch
             };
             // Fresh checks go as plain `SET NX`s, beside the script call of the others.
-            let (fresh, scripted): (Vec<Queued>, Vec<Queued>) = batch
-                .into_iter()
-                .partition(|queued| queued.operation.fresh.is_some());
+            let mut fresh = Vec::new();
+            let mut scripted = Vec::with_capacity(batch.len());
+            for mut queued in batch {
+                match queued.operation.fresh.take() {
+                    Some(write) => fresh.push((queued, write)),
+                    None => scripted.push(queued),
+                }
+            }
             let script = cached(&SCRIPT, BATCH, false);
             let ((), taken) = tokio::join!(self.script(script, scripted), self.sets(fresh));
             if !taken.is_empty() {
@@ -318,52 +319,45 @@ impl Draining {
                     let _ = queued.reply.send(answer);
                 }
             }
-            Err(error) => {
-                for queued in batch {
-                    let _ = queued.reply.send(Err(error.clone()));
-                }
-            }
+            Err(error) => fail(batch, &error),
         }
     }
 
-    /// Sends the fresh checks of `batch` as one pipeline of `SET NX`s and replies to those
-    /// that wrote their key; returns the others, with their writes dropped, for the script.
-    async fn sets(&self, batch: Vec<Queued>) -> Vec<Queued> {
+    /// Sends the fresh checks of `batch` (each with its write) as one pipeline of `SET NX`s
+    /// and replies to those that wrote their key; returns the others, for the script.
+    async fn sets(&self, batch: Vec<(Queued, Fresh)>) -> Vec<Queued> {
         if batch.is_empty() {
-            return batch;
+            return Vec::new();
         }
         let mut pipe = redis::pipe();
-        for queued in &batch {
-            if let Some(fresh) = &queued.operation.fresh {
-                pipe.add_command(fresh::set(&queued.operation.key, fresh));
-            }
+        for (queued, write) in &batch {
+            pipe.add_command(fresh::set(&queued.operation.key, write));
         }
-        let written = match self.redis.query_pipe::<Vec<redis::Value>>(&pipe).await {
-            Ok(written) if written.len() == batch.len() => written,
-            Ok(written) => {
-                let error = StoreError::Protocol(format!(
-                    "a pipeline of {} rate limit SET NX replied {} times",
-                    batch.len(),
-                    written.len()
-                ));
-                for queued in batch {
-                    let _ = queued.reply.send(Err(error.clone()));
+        let written = self
+            .redis
+            .query_pipe::<Vec<redis::Value>>(&pipe)
+            .await
+            .and_then(|written| {
+                if written.len() == batch.len() {
+                    Ok(written)
+                } else {
+                    Err(StoreError::Protocol(format!(
+                        "a pipeline of {} rate limit SET NX replied {} times",
+                        batch.len(),
+                        written.len()
+                    )))
                 }
-                return Vec::new();
-            }
+            });
+        let written = match written {
+            Ok(written) => written,
             Err(error) => {
-                for queued in batch {
-                    let _ = queued.reply.send(Err(error.clone()));
-                }
+                fail(batch.into_iter().map(|(queued, _)| queued), &error);
                 return Vec::new();
             }
         };
         let guess = &self.redis.batcher().guess;
         let mut taken = Vec::new();
-        for (mut queued, written) in batch.into_iter().zip(&written) {
-            let Some(fresh) = queued.operation.fresh.take() else {
-                continue;
-            };
+        for ((queued, fresh), written) in batch.into_iter().zip(&written) {
             match guess.outcome(&fresh, written) {
                 Ok(Some(reply)) => {
                     let _ = queued.reply.send(Ok(reply));
@@ -375,6 +369,13 @@ impl Draining {
             }
         }
         taken
+    }
+}
+
+/// Replies `error` to every operation of `batch`.
+fn fail(batch: impl IntoIterator<Item = Queued>, error: &StoreError) {
+    for queued in batch {
+        let _ = queued.reply.send(Err(error.clone()));
     }
 }
 

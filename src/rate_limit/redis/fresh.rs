@@ -67,7 +67,6 @@ impl RedisBuilder {
 }
 
 /// A check's write if its key has no state: the value and its life, and the reply it makes.
-#[derive(Debug, Clone, PartialEq)]
 pub(super) struct Fresh {
     /// The state, encoded as the script stores it: the kinds, then each tier's fields as
     /// little-endian doubles.
@@ -198,8 +197,8 @@ pub(super) struct Guess {
     /// Checks passed over while paused, to probe one in [`PROBE_EVERY`].
     skipped: AtomicU32,
     /// Checks written with a plain `SET`, and tries that found the key taken.
-    pub(super) written: AtomicU64,
-    pub(super) missed: AtomicU64,
+    written: AtomicU64,
+    missed: AtomicU64,
 }
 
 impl Guess {
@@ -239,11 +238,9 @@ impl Guess {
                 self.miss();
                 Ok(None)
             }
-            redis::Value::Okay => {
-                self.hit();
-                Ok(Some(fresh.reply))
-            }
-            redis::Value::SimpleString(s) if s == "OK" => {
+            ok if matches!(ok, redis::Value::Okay)
+                || matches!(ok, redis::Value::SimpleString(s) if s == "OK") =>
+            {
                 self.hit();
                 Ok(Some(fresh.reply))
             }
@@ -251,6 +248,14 @@ impl Guess {
                 "a rate limit key's SET NX replied {other:?}"
             ))),
         }
+    }
+
+    /// Checks written with a plain `SET`, and tries that found their key taken, so far.
+    pub(super) fn counts(&self) -> (u64, u64) {
+        (
+            self.written.load(Ordering::Relaxed),
+            self.missed.load(Ordering::Relaxed),
+        )
     }
 
     /// A try wrote its key.

@@ -172,9 +172,9 @@ pub(super) struct Operation {
     /// For a check of a key this instance has not seen holding a state: its write and reply
     /// if the key has none, sent as a plain `SET NX` before any script (see [`super::fresh`]).
     pub(super) fresh: Option<super::fresh::Fresh>,
-    /// The key was known to hold a state when this was sent (so its decision need not be
-    /// noted again).
-    pub(super) known: bool,
+    /// A check tried as a fresh key (its key not known to hold a state): the script's
+    /// decision on it, if it comes to that, is noted among the known keys.
+    pub(super) learn: bool,
 }
 
 /// What held when a check that may be answered locally later was sent: its denial is kept
@@ -332,7 +332,7 @@ impl Redis {
             },
             ticket: None,
             fresh: None,
-            known: false,
+            learn: false,
         })
     }
 }
