@@ -26,7 +26,17 @@
 //!   <= 1.3. Printed beside it: against a bare transaction holding only
 //!   the insert (what idempotency costs on top of the effect alone).
 //!
-//! Run: `cargo bench --features postgres --bench postgres` (all), or with a
+//! - `postgres_http_fresh` and `postgres_http_replay` (with `axum`): a POST through
+//!   `IdempotencyLayer::with_postgres_transaction` whose handler inserts a payment row in the
+//!   layer's transaction (the response stored and the key completed in it), against a
+//!   hand-written axum handler doing the same in one transaction with its own keys table
+//!   (`BEGIN`, `INSERT … ON CONFLICT DO NOTHING` of the key, the payment insert, the response
+//!   row, `COMMIT`; a replay reads the stored response after the conflict). Both served by an
+//!   axum `Router` in process (`oneshot`, the body read whole), on pools of the same kind and
+//!   size. Target: <= 1.3 for each.
+//!
+//! Run: `cargo bench --features postgres --bench postgres` (all; `--features postgres,axum`
+//! for the HTTP rows), or with a
 //! name filter: `cargo bench --features postgres --bench postgres -- replay`.
 
 #[path = "support/figures.rs"]
@@ -352,6 +362,214 @@ async fn transaction(store: &PostgresStore, pool: &Pool, schema: &PgSchema) {
     .await;
 }
 
+#[cfg(feature = "axum")]
+mod http_bench {
+    use std::sync::Arc;
+
+    use axum::Router;
+    use axum::extract::State;
+    use axum::http::{HeaderMap, StatusCode};
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::post;
+    use bytes::Bytes;
+    use deadpool_postgres::Pool;
+    use http_body_util::BodyExt;
+    use throttlebeam::Runtime;
+    use throttlebeam::http::{IdempotencyLayer, PgTransaction};
+    use throttlebeam::idempotency::postgres::PostgresStore;
+    use tower::ServiceExt;
+
+    use super::{REPLAY_ROUNDS, REPLAYS, ROUNDS, WRITES, compare, per_call};
+    use crate::support_postgres::PgSchema;
+
+    /// The payment's response body: what both sides answer.
+    fn receipt(id: i64) -> String {
+        format!(r#"{{"payment":{id},"status":"charged"}}"#)
+    }
+
+    async fn ours(State(table): State<Arc<str>>, tx: PgTransaction, body: Bytes) -> Response {
+        let amount = i64::try_from(body.len()).unwrap_or(0);
+        match tx
+            .query_one(
+                &format!("INSERT INTO {table} (amount) VALUES ($1) RETURNING id"),
+                &[&amount],
+            )
+            .await
+        {
+            Ok(row) => (StatusCode::CREATED, receipt(row.get(0))).into_response(),
+            Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+        }
+    }
+
+    #[derive(Clone)]
+    struct Anchor {
+        pool: Pool,
+        payments: Arc<str>,
+        keys: Arc<str>,
+    }
+
+    /// The hand-written handler: its own keys table, in one transaction.
+    async fn anchor(State(a): State<Anchor>, headers: HeaderMap, body: Bytes) -> Response {
+        let Some(key) = headers
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+        else {
+            return StatusCode::BAD_REQUEST.into_response();
+        };
+        let mut conn = a.pool.get().await.expect("connection");
+        let tx = conn.transaction().await.expect("BEGIN");
+        let claim = tx
+            .prepare_cached(&format!(
+                "INSERT INTO {} (key) VALUES ($1) ON CONFLICT DO NOTHING",
+                a.keys
+            ))
+            .await
+            .expect("prepare");
+        if tx.execute(&claim, &[&key]).await.expect("claim") == 0 {
+            let read = tx
+                .prepare_cached(&format!(
+                    "SELECT status, body FROM {} WHERE key = $1",
+                    a.keys
+                ))
+                .await
+                .expect("prepare");
+            let row = tx.query_one(&read, &[&key]).await.expect("stored response");
+            tx.commit().await.expect("COMMIT");
+            let status: Option<i32> = row.get(0);
+            let body: Option<Vec<u8>> = row.get(1);
+            return match (status, body) {
+                (Some(status), Some(body)) => (
+                    StatusCode::from_u16(u16::try_from(status).unwrap_or(500)).unwrap(),
+                    [("idempotent-replayed", "true")],
+                    body,
+                )
+                    .into_response(),
+                _ => StatusCode::CONFLICT.into_response(),
+            };
+        }
+        let amount = i64::try_from(body.len()).unwrap_or(0);
+        let insert = tx
+            .prepare_cached(&format!(
+                "INSERT INTO {} (amount) VALUES ($1) RETURNING id",
+                a.payments
+            ))
+            .await
+            .expect("prepare");
+        let id: i64 = tx
+            .query_one(&insert, &[&amount])
+            .await
+            .expect("payment")
+            .get(0);
+        let response = receipt(id);
+        let store = tx
+            .prepare_cached(&format!(
+                "UPDATE {} SET status = $2, body = $3 WHERE key = $1",
+                a.keys
+            ))
+            .await
+            .expect("prepare");
+        tx.execute(&store, &[&key, &201_i32, &response.as_bytes()])
+            .await
+            .expect("response row");
+        tx.commit().await.expect("COMMIT");
+        (StatusCode::CREATED, response).into_response()
+    }
+
+    async fn send(router: &Router, key: &str) -> (StatusCode, Bytes) {
+        let request = axum::http::Request::post("/pay")
+            .header("idempotency-key", key)
+            .body(axum::body::Body::from("{\"amount\":1500}"))
+            .expect("request");
+        let response = router.clone().oneshot(request).await.expect("served");
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        (status, body)
+    }
+
+    pub(super) async fn bench(schema: &PgSchema, store: &PostgresStore, pool: &Pool) {
+        let (payments, keys) = (
+            format!("\"{}\".payments", schema.name),
+            format!("\"{}\".http_keys", schema.name),
+        );
+        schema
+            .client()
+            .await
+            .batch_execute(&format!(
+                "CREATE TABLE {payments} (id bigserial PRIMARY KEY, amount bigint NOT NULL); \
+                 CREATE TABLE {keys} (key text PRIMARY KEY, status integer, body bytea)"
+            ))
+            .await
+            .expect("tables");
+        let runtime = Runtime::builder()
+            .with_postgres(store.clone())
+            .start()
+            .await
+            .expect("runtime");
+        let layer = IdempotencyLayer::builder(&runtime)
+            .with_required_key(true)
+            .with_shared_scope()
+            .with_postgres_transaction(store)
+            .build()
+            .expect("layer");
+        let ours_router = Router::new()
+            .route("/pay", post(ours))
+            .route_layer(layer)
+            .with_state(Arc::<str>::from(payments.as_str()));
+        let anchor_router = Router::new()
+            .route("/pay", post(anchor))
+            .with_state(Anchor {
+                pool: pool.clone(),
+                payments: Arc::from(payments.as_str()),
+                keys: Arc::from(keys.as_str()),
+            });
+        let (o, a) = (&ours_router, &anchor_router);
+        compare(
+            "postgres_http_fresh",
+            ROUNDS,
+            |round| {
+                per_call(WRITES, move |i| async move {
+                    let (status, _) = send(o, &format!("fresh:{round}:{i}")).await;
+                    assert_eq!(status, StatusCode::CREATED);
+                })
+            },
+            |round| {
+                per_call(WRITES, move |i| async move {
+                    let (status, _) = send(a, &format!("fresh:{round}:{i}")).await;
+                    assert_eq!(status, StatusCode::CREATED);
+                })
+            },
+        )
+        .await;
+        assert_eq!(send(o, "replayed").await.0, StatusCode::CREATED);
+        assert_eq!(send(a, "replayed").await.0, StatusCode::CREATED);
+        compare(
+            "postgres_http_replay",
+            REPLAY_ROUNDS,
+            |_| {
+                per_call(REPLAYS, move |_| async move {
+                    let (status, body) = send(o, "replayed").await;
+                    assert_eq!(status, StatusCode::CREATED);
+                    std::hint::black_box(body);
+                })
+            },
+            |_| {
+                per_call(REPLAYS, move |_| async move {
+                    let (status, body) = send(a, "replayed").await;
+                    assert_eq!(status, StatusCode::CREATED);
+                    std::hint::black_box(body);
+                })
+            },
+        )
+        .await;
+    }
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -379,6 +597,10 @@ fn main() {
         }
         if selected("postgres_transaction") {
             transaction(&store, &pool, &schema).await;
+        }
+        #[cfg(feature = "axum")]
+        if selected("postgres_http") {
+            http_bench::bench(&schema, &store, &pool).await;
         }
         println!("load average at the end: {}", load());
     });

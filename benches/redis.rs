@@ -28,7 +28,10 @@
 //! - `redis_gcra_hot_key`: the same checks, all on one key (a global limit), against the
 //!   same anchor; with the server's script time and CPU per check.
 //! - `redis_cluster_fresh`: the same decisions on a 3-node cluster, printing
-//!   throughput.
+//!   throughput (median of 5 rounds).
+//! - `redis_cluster_fresh_keys`: rate-limit checks (fixed window) of fresh keys on
+//!   a 3-node cluster, 64 callers, each a plain `SET NX` stamped with the
+//!   estimate of its slot's primary's clock; median of 5 rounds.
 //! - `redis_idempotency_replay`: replaying a completed key across instances
 //!   (one caller, one round trip each) against one `GET` of a key holding a
 //!   value of the same size through the same client. Target: <= 1.3.
@@ -801,18 +804,57 @@ fn main() {
             .await
             .expect("connects to the cluster");
         let runtime = Runtime::builder()
-            .with_redis(redis)
+            .with_redis(redis.clone())
             .start()
             .await
             .expect("runtime");
         ours_fresh(&runtime, 0).await;
-        let ns = ours_fresh(&runtime, 1).await;
+        let mut throttle_runs: Vec<f64> = Vec::new();
+        for run in 1..=5 {
+            throttle_runs.push(ours_fresh(&runtime, run).await);
+        }
+        let ns = median(&mut throttle_runs);
         println!(
-            "redis_cluster_fresh: {ns:.0} ns per decision, {:.0} decisions/s (3-node cluster, 64 callers)",
+            "redis_cluster_fresh: {ns:.0} ns per decision, {:.0} decisions/s (3-node cluster, 64 callers, median of 5)",
             1e9 / ns
+        );
+        // Rate-limit checks of fresh keys: each a plain `SET NX` of the state the script would
+        // write, stamped with the estimate of the clock of the key's slot's primary.
+        let limiter = Limiter::builder(FixedWindow::new(10, WINDOW).expect("a limit"))
+            .with_store(redis.clone())
+            .with_namespace(format!("cluster-fresh-{}", std::process::id()))
+            .build();
+        fresh_checks(&limiter, 0).await;
+        let before = redis.stats();
+        let mut check_runs: Vec<f64> = Vec::new();
+        for run in 1..=5 {
+            check_runs.push(fresh_checks(&limiter, run).await);
+        }
+        let after = redis.stats();
+        let ns = median(&mut check_runs);
+        println!(
+            "redis_cluster_fresh_keys: {ns:.0} ns per check, {:.0} checks/s (3-node cluster, 64 callers, \
+             median of 5; {} of {} checks written with SET NX)",
+            1e9 / ns,
+            after.fresh_key_writes - before.fresh_key_writes,
+            5 * DECISIONS
         );
         runtime.shutdown(Duration::from_secs(1)).await;
     });
+}
+
+/// `DECISIONS` checks of `limiter` over 64 callers, each of a key never checked before.
+async fn fresh_checks(limiter: &Limiter<FixedWindow, Redis>, run: u64) -> f64 {
+    let limiter = limiter.clone();
+    concurrent(DECISIONS, move |n| {
+        let limiter = limiter.clone();
+        async move {
+            let key = format!("fresh-check:{run}:{n}");
+            let decision = limiter.check_async(&key).await.expect("decided");
+            assert!(decision.allowed);
+        }
+    })
+    .await
 }
 
 /// Sequential operations per measurement of the idempotency benches.
@@ -838,7 +880,7 @@ async fn idempotency(runtime: &Runtime, url: &str) {
         .get_multiplexed_async_connection()
         .await
         .expect("connection");
-    // The replayed value: 8 bytes of bincode, as a GET of 8 bytes.
+    // The replayed value: 9 bytes of MessagePack, as a GET of 8 bytes.
     let stored = idem
         .run("bench:replay", || async { Ok::<_, Infallible>(u64::MAX) })
         .await

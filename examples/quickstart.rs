@@ -89,6 +89,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             IdempotencyOutcome::Replay(receipt) => {
                 println!("idempotency: attempt {attempt} replayed: {receipt}")
             }
+            // It ran, but a retry may not find it (never in memory while the runtime is up).
+            IdempotencyOutcome::Unrecorded(receipt, why) => {
+                println!("idempotency: attempt {attempt} ran, not recorded ({why}): {receipt}")
+            }
         }
     }
     println!(

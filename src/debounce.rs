@@ -693,10 +693,11 @@ impl DebounceHandle<AcrossInstances> {
     /// server's clock. Every caller, on any instance, that awaits its
     /// [`Debounced`] gets the outcome of the run that covered its call:
     /// callers on other instances receive it through Redis, encoded. Hence
-    /// the bounds: `T` must be `Serialize + DeserializeOwned` (bincode 2 with
-    /// serde), and every instance must use the same type for a key (a value
-    /// of another type is refused with [`Error::TypeMismatch`], not
-    /// misread). A function's error reaches other instances as its message
+    /// the bounds: `T` must be `Serialize + DeserializeOwned` (MessagePack
+    /// with serde, structs as maps: every serde form travels), and every
+    /// instance must use the same type for a key (a value that does not
+    /// decode as the caller's type is refused with [`Error::TypeMismatch`],
+    /// not misread). A function's error reaches other instances as its message
     /// ([`Error::Failed`] whose source displays it).
     ///
     /// Keys of this mode and of [`InProcess`] are tracked apart on the

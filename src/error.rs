@@ -117,20 +117,52 @@ pub enum Error {
         /// The key.
         key: String,
     },
-    /// The key is busy with work of another result type.
-    #[error("key {key:?} is busy with work of another result type")]
+    /// The key's result is of another type than the one asked for: the
+    /// result stored for it (idempotency: it does not decode as this type),
+    /// or the work in flight for it (a call of another result type is
+    /// pending).
+    #[error("key {key:?} holds a result of another type than the one asked for")]
     TypeMismatch {
         /// The key.
         key: String,
     },
-    /// An idempotency holder stopped renewing its lease before completing
-    /// (a live run or reservation renews it; this one's tokio runtime ended,
-    /// say) and another caller took the key over, so this result was not
-    /// stored.
+    /// An idempotency key's function ran, but its result could not be
+    /// stored: its encoding does not decode as its own type, say (the
+    /// source is then a [`WireError::RoundTrip`](crate::store::WireError::RoundTrip)
+    /// naming the type and why). The key is recorded as having run, so every
+    /// later call of it gets this error instead of running the function
+    /// again, until the record's TTL ends or the key is reset.
+    #[error("idempotency key {key:?} ran, but its result could not be stored")]
+    Unstorable {
+        /// The key.
+        key: String,
+        /// Why the result could not be stored.
+        #[source]
+        source: BoxError,
+    },
+    /// A transactional run (`PostgresStore::run_in_transaction`) was taken
+    /// over before it could commit: its transaction was rolled back, so
+    /// nothing of it was committed. (A run or reservation whose work ran and
+    /// was not recorded is [`IdempotencyOutcome::Unrecorded`](crate::IdempotencyOutcome::Unrecorded)
+    /// or [`Error::NotRecorded`].)
     #[error("lease on idempotency key {key:?} lapsed before completion")]
     LeaseLost {
         /// The key.
         key: String,
+    },
+    /// An idempotency holder's work ran (a reservation's result was produced), but its
+    /// result was not recorded as the key's, for `reason`; the key was not released for
+    /// another run by it. The value is the caller's own (see
+    /// [`IdempotencyOutcome::Unrecorded`](crate::IdempotencyOutcome::Unrecorded) for runs).
+    #[error("idempotency key {key:?} ran, but its result was not recorded: {reason}")]
+    NotRecorded {
+        /// The key.
+        key: String,
+        /// Why.
+        reason: NotRecorded,
+        /// The store's last error, when a store failure is why.
+        #[source]
+        source: Option<BoxError>,
     },
     /// Another call holds this idempotency key and is still running, and
     /// this call asked not to wait
@@ -176,7 +208,9 @@ impl Error {
             | Self::Timeout { key, .. }
             | Self::FingerprintMismatch { key }
             | Self::TypeMismatch { key }
+            | Self::Unstorable { key, .. }
             | Self::LeaseLost { key }
+            | Self::NotRecorded { key, .. }
             | Self::InFlight { key, .. }
             | Self::StoreUnavailable { key, .. } => Some(key),
             Self::InvalidSetting { prefix, .. } => Some(prefix),
@@ -224,6 +258,69 @@ impl Error {
             source: Arc::from(source.into()),
         }
     }
+}
+
+/// Why a function that ran and succeeded was not recorded as its key's result
+/// ([`IdempotencyOutcome::Unrecorded`](crate::IdempotencyOutcome::Unrecorded), [`Error::NotRecorded`](crate::Error::NotRecorded)).
+///
+/// None of these releases the key for another run: the claim holds until it lapses in the
+/// store (a lease after the holder's last renewal), or the key stays recorded as run
+/// ([`NotRecorded::Unstorable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum NotRecorded {
+    /// This holder's claim was taken over before its result was stored: its lease lapsed in
+    /// the shared store while it ran (its instance was cut off from the store, or paused,
+    /// for longer than the lease). The key's result, if any, is the new holder's, whose
+    /// function may run too.
+    LeaseLost,
+    /// The shared store refused the result (it answered that it did nothing: `OOM`,
+    /// `NOPERM`, `READONLY`, a standby) until the claim certainly lapsed there: a retry after
+    /// the lapse may run the function again.
+    StoreUnavailable,
+    /// The shared store did not confirm the result before the claim certainly lapsed there
+    /// (no answer: an outage, a partition, a paused server, for longer than the lease), and a
+    /// try that was sent may still land: the store may hold the result or not. A retry
+    /// replays it if it does, and may run the function again if it does not.
+    Unconfirmed,
+    /// The runtime shut down before the result was stored, and its results lived in this
+    /// runtime only (no shared store): nothing of it survives the runtime.
+    ShutDown,
+    /// The value cannot be stored for replays: its encoding does not read back as its type
+    /// (a field skipped when serialized with no default, say). The key is recorded as run
+    /// with the cause, so every later call gets [`Error::Unstorable`](crate::Error::Unstorable)
+    /// instead of running the function again. Checked for every value with a shared store;
+    /// in memory, for the first value of each type, so a type that a shared store could
+    /// never replay is found where it is developed.
+    Unstorable,
+}
+
+impl std::fmt::Display for NotRecorded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::LeaseLost => "its claim was taken over after its lease lapsed in the store",
+            Self::StoreUnavailable => {
+                "the store refused the result until the claim lapsed there"
+            }
+            Self::Unconfirmed => {
+                "the store did not confirm the result before the claim lapsed there (it may still land)"
+            }
+            Self::ShutDown => "the runtime shut down before the result was stored",
+            Self::Unstorable => "the result does not read back from its own encoding",
+        })
+    }
+}
+
+/// `error` and its sources, `: `-separated, for a log line.
+pub(crate) fn with_causes(error: &(dyn std::error::Error + '_)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(inner) = cause {
+        text.push_str(": ");
+        text.push_str(&inner.to_string());
+        cause = inner.source();
+    }
+    text
 }
 
 fn setting_message(prefix: &str, what: &str, reason: &str) -> String {

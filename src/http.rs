@@ -64,6 +64,9 @@ pub use self::error::ConfigError;
 pub use self::idempotency::{
     IDEMPOTENT_REPLAYED, IdempotencyLayer, IdempotencyLayerBuilder, Idempotent, IdempotentFuture,
 };
+#[cfg(all(feature = "runtime", feature = "postgres"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use self::idempotency::{MissingTransaction, PgTransaction, TransactionClient};
 pub use self::problem::{PROBLEM_JSON, ProblemType};
 pub use self::rate_limit::{
     RateLimit, RateLimitDenial, RateLimitFuture, RateLimitKey, RateLimitLayer,

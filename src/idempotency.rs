@@ -15,8 +15,11 @@ mod claim;
 #[cfg(feature = "http")]
 mod claimed;
 mod config;
+mod derived;
+mod fence;
 mod full_key;
 mod options;
+mod outcome;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
@@ -41,9 +44,12 @@ use self::claim::{Ledger, Settled, Step, Tally, Ticket};
 pub(crate) use self::claimed::Claimed;
 #[cfg(feature = "http")]
 use self::claimed::ClaimedRun;
+pub use self::derived::IdempotencyKey;
+pub use self::fence::Fence;
 #[cfg(feature = "http")]
 pub(crate) use self::options::Fingerprint;
 pub use self::options::{IdempotencyOptions, InFlight};
+pub use self::outcome::IdempotencyOutcome;
 pub use self::reservation::{IdempotencyReservation, IdempotencyReserved};
 pub use self::seam::{
     ClaimReply, ClaimRequest, ClaimToken, DEFAULT_SHARED_MEMORY_KEYS, IdempotencyStore,
@@ -52,6 +58,7 @@ pub use self::seam::{
 use self::store::ResultTable;
 use crate::cell::RunCell;
 use crate::error::Error;
+pub use crate::error::NotRecorded;
 use crate::error::check_key;
 use crate::job::Job;
 use crate::key::shown;
@@ -77,45 +84,6 @@ pub const DEFAULT_MAX_IDEMPOTENCY_RESULTS: usize = 100_000;
 /// with this budget they take at most 256 MiB (about 250 of them), the
 /// oldest evicted first.
 pub const DEFAULT_MAX_IDEMPOTENCY_BYTES: usize = 256 << 20;
-
-/// Whether an idempotent call ran its function or replayed a stored result.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[must_use]
-pub enum IdempotencyOutcome<T> {
-    /// This call ran the function; the value is also stored for replays.
-    Fresh(T),
-    /// Another call already ran it (or was running it); this is its value.
-    Replay(T),
-}
-
-impl<T> IdempotencyOutcome<T> {
-    /// The value, fresh or replayed.
-    pub fn into_inner(self) -> T {
-        match self {
-            Self::Fresh(value) | Self::Replay(value) => value,
-        }
-    }
-
-    /// The value, by reference.
-    #[must_use]
-    pub fn value(&self) -> &T {
-        match self {
-            Self::Fresh(value) | Self::Replay(value) => value,
-        }
-    }
-
-    /// Whether this call ran the function.
-    #[must_use]
-    pub fn is_fresh(&self) -> bool {
-        matches!(self, Self::Fresh(_))
-    }
-
-    /// Whether the value is another call's stored result.
-    #[must_use]
-    pub fn is_replay(&self) -> bool {
-        matches!(self, Self::Replay(_))
-    }
-}
 
 /// The idempotency part of a runtime: its ledger of keys in flight and its
 /// results store.
@@ -146,6 +114,10 @@ impl State {
             store,
             config.shared_store(core),
         ));
+        #[cfg(feature = "postgres")]
+        if let Some(postgres) = &config.postgres {
+            postgres::report_in(core, postgres);
+        }
         Self { ledger }
     }
 
@@ -205,6 +177,12 @@ impl Runtime {
 }
 
 impl IdempotencyHandle {
+    /// The runtime these calls run on.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
     /// [`IdempotencyHandle::run_with`] with the default
     /// [`IdempotencyOptions`]: no scope, no fingerprint, TTL 24 h, lease
     /// 30 s, duplicates wait up to 30 s.
@@ -261,7 +239,16 @@ impl IdempotencyHandle {
     /// long it takes. If `f` fails or panics, nothing is stored and the key
     /// is released, so a retry runs `f` again. If the process itself ends
     /// without finishing (its tokio runtime shut down, say), the key is
-    /// released too.
+    /// released too (its owner is certainly gone).
+    ///
+    /// Once `f` has succeeded, nothing frees the key for another run: its
+    /// value is stored, or the call ends in
+    /// [`IdempotencyOutcome::Unrecorded`] with the value and the reason
+    /// ([`NotRecorded`]), while the claim holds until it lapses in the store.
+    /// With a shared store, the owner retries the store through failures of
+    /// any kind (no answer, `OOM`, a refused command) until its claim has
+    /// certainly lapsed there, and a [`Runtime::shutdown`] whose grace ends
+    /// before `f` does still stores the result there.
     ///
     /// # Errors
     ///
@@ -274,18 +261,19 @@ impl IdempotencyHandle {
     ///   the key; `f` does not run.
     /// - [`Error::Timeout`]: this duplicate waited its wait timeout while the
     ///   first call was still running (which carries on and stores its result).
-    /// - [`Error::Failed`], [`Error::Panicked`]: `f` ran here and failed.
-    /// - [`Error::LeaseLost`]: `f` ran here but its process stopped renewing
-    ///   the lease (it cannot while it runs, so only with a shared store
-    ///   whose instance was cut off) and another call took the key over;
-    ///   its value was not stored.
+    /// - [`Error::Failed`], [`Error::Panicked`]: `f` ran here and failed
+    ///   (the key is released).
     /// - [`Error::TypeMismatch`]: the key's stored result is of another type.
     /// - [`Error::TooManyKeys`], [`Error::ShutDown`],
     ///   [`Error::StoreUnavailable`], [`Error::NoTokio`] (polled outside a
-    ///   tokio runtime).
+    ///   tokio runtime): nothing ran.
     ///
-    /// After shutdown began, a run whose `f` still finishes gets its value
-    /// as [`IdempotencyOutcome::Fresh`], but nothing is stored.
+    /// Every error but [`Error::Failed`] and [`Error::Panicked`] means `f`
+    /// did not run in this call. A run of `f` that succeeded but whose value
+    /// is not the key's recorded result is not an error:
+    /// [`IdempotencyOutcome::Unrecorded`] hands the value back with the
+    /// reason, e.g. [`NotRecorded::ShutDown`] for a run that outlived the
+    /// shutdown of a runtime with no shared store.
     ///
     /// # Examples
     ///
@@ -366,7 +354,7 @@ impl IdempotencyHandle {
         W: Future<Output = (Result<T, E>, H)> + Send + 'static,
         E: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
         H: Send + 'static,
-        T: Serialize + Send + Sync + 'static,
+        T: Serialize + DeserializeOwned + Send + Sync + 'static,
     {
         // Boxed where it is built, as in `run_claimed`.
         self.runtime
@@ -485,6 +473,7 @@ fn stats_of(ledger: &Ledger) -> IdempotencyStats {
 /// match Idempotency::run_with("key-from-client", options, charge).await {
 ///     Ok(IdempotencyOutcome::Fresh(charge)) => assert_eq!(charge, 1700), // ran in this call
 ///     Ok(IdempotencyOutcome::Replay(charge)) => assert_eq!(charge, 1700), // another call ran it
+///     Ok(IdempotencyOutcome::Unrecorded(charge, _)) => assert_eq!(charge, 1700), // ran, not stored
 ///     Err(Error::FingerprintMismatch { .. }) => {} // key reused for another request
 ///     Err(Error::Timeout { .. }) => {}             // the first call is still running
 ///     Err(e) => return Err(e),
@@ -744,7 +733,7 @@ where
         // drops the ticket: the key is released. Boxed where it is built: it
         // holds `f`'s whole future.
         let run = core.run_here_boxed(key, Box::pin(owned_run(ticket, f)))?;
-        run.await.map(IdempotencyOutcome::Fresh)
+        run.await
     }
 }
 
@@ -752,10 +741,13 @@ where
 /// the key released). The work's future is dropped before completing, so the two never take
 /// room in this future at once.
 #[allow(clippy::manual_async_fn)] // an `async fn` would hold its arguments twice
-fn owned_run<T, J>(ticket: Ticket, f: J) -> impl Future<Output = Result<T, Error>> + Send + 'static
+fn owned_run<T, J>(
+    ticket: Ticket,
+    f: J,
+) -> impl Future<Output = Result<IdempotencyOutcome<T>, Error>> + Send + 'static
 where
     J: Job<T>,
-    T: Serialize + Clone + Send + Sync + 'static,
+    T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static,
 {
     async move {
         // The run moves into a task of its own when its caller leaves: a
@@ -763,13 +755,16 @@ where
         let started_in = tokio::task::try_id();
         let ledger = ticket.ledger();
         let caught = {
-            let work = std::pin::pin!(catch_panic_fn(f));
+            // The function sees its claim's fence (`Fence::current`).
+            let work = std::pin::pin!(ticket.fence().scope(catch_panic_fn(f)));
             ticket.hold(work).await
         };
+        // The one decision of how a run ends: work that ran is completed (recorded, or told
+        // why not, never released); work that failed releases the key.
         let outcome = match ran(&ticket, caught) {
             Ok(value) => match ticket.complete(value.clone()).await {
-                Ok(()) | Err(Error::ShutDown { .. }) => Ok(value),
-                Err(e) => Err(e),
+                Ok(()) => Ok(IdempotencyOutcome::Fresh(value)),
+                Err(unrecorded) => Ok(IdempotencyOutcome::Unrecorded(value, unrecorded.why)),
             },
             Err(e) => {
                 ticket.release();
@@ -786,17 +781,14 @@ where
 }
 
 /// Counts and logs the `error` of a run whose caller is gone (`gone` is its ledger): nobody
-/// else sees it. A completion refused by a shutdown is no failure.
+/// else sees it. (A run that ran but was not recorded is logged where that is decided.)
 fn failed(gone: Option<&Ledger>, error: &Error) {
     let Some(ledger) = gone else {
         return;
     };
-    if matches!(error, Error::ShutDown { .. }) {
-        return;
-    }
     Tally::bump(&ledger.tally.failures_after_caller_left);
     let key = error.key().unwrap_or_default();
-    let error = claim::with_causes(error);
+    let error = crate::error::with_causes(error);
     tracing::warn!(key, %error, "idempotency run failed after its caller left");
 }
 

@@ -35,7 +35,7 @@
 //!
 //! | feature | default | what it adds |
 //! |---|---|---|
-//! | `runtime` | yes | the actor-per-key runtime and its primitives (ractor, bincode) |
+//! | `runtime` | yes | the actor-per-key runtime and its primitives (ractor, rmp-serde; bincode to read results stored by 0.2) |
 //! | `http` | yes | rate-limit headers, the [`Enforcer`](rate_limit::Enforcer), client-IP and HMAC keys, and the `http` module: `RateLimitLayer` (on the tower crates only: no runtime, no ractor) and, with `runtime`, `IdempotencyLayer` |
 //! | `tower` | no | the same as `http` (the layers' feature before 0.2) |
 //! | `axum` | no | `IntoResponse` for a rate-limit denial and axum's `ConnectInfo` as the client address (implies `http`) |
@@ -48,7 +48,7 @@
 //!
 //! Rate limiting alone ([`rate_limit`], [`clock`]) builds with `default-features = false`;
 //! `default-features = false, features = ["http"]` adds its HTTP helpers and `RateLimitLayer`,
-//! still without ractor and bincode.
+//! still without ractor, rmp-serde and bincode.
 //!
 //! # How it works
 //!
@@ -124,6 +124,8 @@ pub mod idempotency;
 #[cfg(feature = "runtime")]
 mod job;
 mod key;
+#[cfg(feature = "runtime")]
+mod log_every;
 pub mod rate_limit;
 #[cfg(feature = "runtime")]
 #[cfg_attr(docsrs, doc(cfg(feature = "runtime")))]

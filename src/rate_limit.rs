@@ -21,8 +21,9 @@
 //!   operation on the server's clock, decisions bit for bit equal to the memory store's, so
 //!   several instances share one limit (use the limiter's `*_async` methods).
 //! - **[`Limiter`]**: strategy + store + namespace + clock, with `check`, `check_n`,
-//!   `check_many`, `peek`, `forecast`, `reset`, per-key overrides, a fair `until_ready`
-//!   and [`LimiterStats`].
+//!   `check_many`, `peek`, `forecast`, `reset`, per-key overrides (kept in a shared store for
+//!   every instance, [`Limiter::set_override`], or for this one,
+//!   [`Limiter::set_local_override`]), a fair `until_ready` and [`LimiterStats`].
 //! - **Transport helpers** (feature `http`): [`HeaderOptions`] (draft, structured and legacy
 //!   headers, `Retry-After`), an [`Enforcer`] with a [`FailMode`], [`ClientIp`] and
 //!   [`KeyHasher`] keys.
@@ -99,14 +100,17 @@ pub use headers::{
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use keys::{ClientIp, KeyHasher, ProxyHeader, TrustProxy};
 pub use leaky::{LeakyBucket, LeakyState};
-pub use limiter::{Limiter, LimiterBuilder, LimiterStats};
+pub use limiter::{DEFAULT_OVERRIDE_REFRESH, Limiter, LimiterBuilder, LimiterStats};
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use redis::RuntimeStore;
 pub use script::ScriptedStrategy;
 #[doc(hidden)]
 pub use script::TierParams;
 pub use sliding_window::{SlidingWindow, SlidingWindowState};
 pub use store::{
     AsyncRateLimitStore, DEFAULT_LIMITER_MAX_KEYS, DEFAULT_STORE_CALL_TIMEOUT, FirstKeyHook,
-    MemoryRateLimitStore, RateLimitRequest, RateLimitStore,
+    MemoryRateLimitStore, RateLimitRequest, RateLimitStore, StoredOverride,
 };
 pub use strategy::{
     Applied, InsufficientCapacity, RateLimitOp, RateLimitReply, ShaperReservation, StateUpdate,

@@ -291,9 +291,11 @@ impl RuntimeBuilder {
             RedisChoice::Connecting(builder) => Backend::connecting(*builder),
         });
         let counters = Arc::new(Counters::new());
+        // The tree counts in counters of its own: what it counts there is the sweeper's tick,
+        // reported apart from the primitives' timers (`Stats::sweeping`).
         let tree = match host {
-            Some(host) => Tree::start_linked(config, counters.clone(), host).await,
-            None => Tree::start(config, counters.clone()).await,
+            Some(host) => Tree::start_linked(config, Arc::new(Counters::new()), host).await,
+            None => Tree::start(config, Arc::new(Counters::new())).await,
         }
         .map_err(|e| Error::Start(Arc::new(e)))?;
         let core = Arc::new(Core {
@@ -307,6 +309,8 @@ impl RuntimeBuilder {
             settings: self.settings,
             #[cfg(feature = "redis")]
             redis,
+            #[cfg(feature = "redis")]
+            warned_not_connected: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             restarts: AtomicU64::new(0),
             services: Services::default(),
@@ -340,6 +344,9 @@ pub(crate) struct Core {
     /// (see [`Core::redis`]).
     #[cfg(feature = "redis")]
     redis: Option<Backend>,
+    /// Whether [`Runtime::redis`] warned that the background connection is not up.
+    #[cfg(feature = "redis")]
+    warned_not_connected: AtomicBool,
     closed: AtomicBool,
     restarts: AtomicU64,
     services: Services,
@@ -504,16 +511,20 @@ impl Runtime {
     /// Live figures: the runtime's own and each primitive's.
     #[must_use]
     pub fn stats(&self) -> Stats {
-        let snapshot = self.core.tree.snapshot();
+        let tree = self.core.tree.snapshot();
+        let counters = &self.core.counters;
         let mut stats = Stats {
-            keys: snapshot.keys,
-            processes: snapshot.processes,
-            timers: snapshot.timers,
-            ttl_entries: snapshot.ttl_entries,
+            keys: counters.keys(),
+            processes: tree.processes,
+            timers: counters.timers(),
+            sweeping: tree.timers > 0,
+            ttl_entries: counters.ttl_entries(),
             down: self.core.tree.is_down(),
             restarts: self.core.restarts.load(Ordering::Relaxed),
             ..Stats::default()
         };
+        // Each primitive adds its figures, and takes out of `keys` the windows it still holds
+        // that are over (kept until the sweep, or the key's next call).
         for service in self.core.services.all() {
             service.stats(&mut stats);
         }
@@ -521,15 +532,31 @@ impl Runtime {
     }
 
     /// The Redis this runtime shares through ([`RuntimeBuilder::with_redis`],
-    /// [`RuntimeBuilder::with_redis_from_env`]), if any: a cheap clone of the connection,
-    /// for a rate limiter's store (`Limiter::builder(..).with_store(redis)`). `None` while a
-    /// connection made in the background ([`RuntimeBuilder::with_redis_connecting`]) is not
-    /// up yet.
+    /// [`RuntimeBuilder::with_redis_from_env`]), if any and connected: a cheap clone of the
+    /// connection. `None` while a connection made in the background
+    /// ([`RuntimeBuilder::with_redis_connecting`], `with_redis_from_env`) is not up yet, so
+    /// a rate limiter built from it must not pick its store by this: build it with
+    /// `LimiterBuilder::with_runtime_store(&runtime)`, which follows the connection (and
+    /// keeps state in memory only for a runtime with no Redis at all). Called while such a
+    /// connection is not up, it logs a warning saying so, once per runtime.
     #[cfg(feature = "redis")]
     #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
     #[must_use]
     pub fn redis(&self) -> Option<crate::store::Redis> {
-        self.core.redis().cloned()
+        let redis = self.core.redis().cloned();
+        if redis.is_none()
+            && self.core.backend().is_some()
+            && !self.core.warned_not_connected.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(
+                runtime = %self.core.name,
+                "Runtime::redis() is None: the runtime still connects to Redis in the \
+                 background. A rate limiter or layer that picks its store by it keeps its \
+                 state in memory, per instance, for good; build it with \
+                 LimiterBuilder::with_runtime_store(&runtime), which follows the connection"
+            );
+        }
+        redis
     }
 
     /// The cap on tracked keys ([`RuntimeBuilder::with_max_keys`]).
@@ -636,7 +663,8 @@ impl Runtime {
     /// |---|---|---|
     /// | `throttlebeam_keys` | gauge | keys tracked, every primitive |
     /// | `throttlebeam_processes` | gauge | per-key processes alive |
-    /// | `throttlebeam_timers` | gauge | timers armed |
+    /// | `throttlebeam_timers` | gauge | timers armed for keys (the sweeper's tick apart) |
+    /// | `throttlebeam_sweeping` | gauge | 1 while the sweeper's tick is armed |
     /// | `throttlebeam_ttl_entries` | gauge | entries in TTL tables |
     /// | `throttlebeam_down` | gauge | 1 while the root is down |
     /// | `throttlebeam_restarts_total` | counter | restarts after a failed root |
@@ -651,7 +679,7 @@ impl Runtime {
     /// | `throttlebeam_http_{replays,fresh,in_flight,reused,too_large,invalid,rate_limited,store_failures,no_peer}_total` | counter | `http::HttpStats` (feature `http`): the HTTP layers counting in this runtime |
     /// | `throttlebeam_redis_breaker_state` | gauge | the Redis backend's breaker (feature `redis`): 0 closed, 1 open, 2 half open |
     /// | `throttlebeam_redis_breaker_consecutive_failures`, `throttlebeam_redis_local_answer_keys` | gauge | `store::RedisStats` |
-    /// | `throttlebeam_redis_{commands,local_answers,fresh_key_writes,fresh_key_misses,script_reloads,reconnects,failovers,subscriptions,notices}_total` | counter | `store::RedisStats`: round trips, rate-limit checks answered locally, fresh keys' checks written with a plain `SET NX` and tries that found the key taken, `NOSCRIPT` reloads, reconnections (restarts, failovers followed), primaries Sentinel named and followed, pub/sub |
+    /// | `throttlebeam_redis_{commands,local_answers,fresh_key_writes,fresh_key_misses,script_reloads,reconnects,failovers,subscriptions,notices,notices_lost}_total` | counter | `store::RedisStats`: round trips, rate-limit checks answered locally, fresh keys' checks written with a plain `SET NX` and tries that found the key taken, `NOSCRIPT` reloads, reconnections (restarts, failovers followed), primaries Sentinel named and followed, pub/sub, notices the server refused to publish |
     /// | `throttlebeam_redis_breaker_{opened,probes,recoveries,refused,failures}_total` | counter | `store::BreakerStats`: the breaker's transitions and what it refused |
     ///
     /// # Examples
@@ -669,7 +697,7 @@ impl Runtime {
     pub fn export_metrics(&self) {
         self.stats().export(&self.core.name);
         #[cfg(feature = "redis")]
-        if let Some(redis) = self.redis() {
+        if let Some(redis) = self.core.redis() {
             redis.stats().export(&self.core.name);
         }
     }

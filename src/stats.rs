@@ -35,12 +35,20 @@ use crate::stripe::Striped;
 #[non_exhaustive]
 pub struct Stats {
     /// Keys tracked now, over every primitive (the budget
-    /// [`crate::runtime::RuntimeBuilder::with_max_keys`] caps).
+    /// [`crate::runtime::RuntimeBuilder::with_max_keys`] caps). A throttle window that is
+    /// over does not count, though its slot is kept until the sweep or the key's next call
+    /// (SCENARIOS W9).
     pub keys: usize,
     /// Per-key processes alive now.
     pub processes: usize,
-    /// Timers scheduled now (per-key timers and the sweeper tick).
+    /// Timers armed now for keys: debounce deadlines, trailing runs waiting for their
+    /// window, leases renewed while a function runs. A window that is over holds none; the
+    /// sweeper's tick is [`Stats::sweeping`].
     pub timers: usize,
+    /// Whether the sweeper's tick is armed: it is while a map it sweeps holds entries (ended
+    /// windows waiting to be forgotten included), and it sleeps with no timer once they are
+    /// all empty.
+    pub sweeping: bool,
     /// Entries held in the runtime's TTL tables (completed idempotency
     /// results), expired ones not yet swept included.
     pub ttl_entries: usize,
@@ -62,6 +70,12 @@ pub struct Stats {
     #[cfg(feature = "http")]
     #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
     pub http: crate::http::HttpStats,
+    /// The PostgreSQL store of the runtime ([`RuntimeBuilder::with_postgres`](crate::runtime::RuntimeBuilder::with_postgres)),
+    /// or of its idempotency layer's transactions: its statements, pool and transactional
+    /// runs (feature `postgres`; all zero without one).
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub postgres: crate::idempotency::postgres::PostgresStats,
 }
 
 /// Counters of the debounce primitive of one runtime.
@@ -106,7 +120,8 @@ pub struct ThrottleStats {
     pub executed: u64,
     /// Calls turned away inside a window.
     pub throttled: u64,
-    /// Windows tracked now, expired ones not yet swept included.
+    /// Windows open now (one that is over does not count, though its slot is kept until the
+    /// sweep or its key's next call).
     pub windows: usize,
     /// Slots the window map holds memory for (it gives memory back after a
     /// flood once swept).
@@ -131,10 +146,11 @@ impl Stats {
     pub(crate) fn export(&self, name: &str) {
         use metrics::{counter, gauge};
         let label = [("runtime", name.to_owned())];
-        let gauges: [(&'static str, usize); 14] = [
+        let gauges: [(&'static str, usize); 15] = [
             ("throttlebeam_keys", self.keys),
             ("throttlebeam_processes", self.processes),
             ("throttlebeam_timers", self.timers),
+            ("throttlebeam_sweeping", usize::from(self.sweeping)),
             ("throttlebeam_ttl_entries", self.ttl_entries),
             ("throttlebeam_down", usize::from(self.down)),
             ("throttlebeam_debounce_keys", self.debounce.keys),
@@ -270,6 +286,55 @@ impl Stats {
                 counter!(metric, &label).absolute(value);
             }
         }
+        #[cfg(feature = "postgres")]
+        {
+            let pg = &self.postgres;
+            let tx = &pg.transactions;
+            #[allow(clippy::cast_precision_loss)]
+            gauge!("throttlebeam_postgres_pool_size", &label).set(pg.pool_size as f64);
+            let counters: [(&'static str, u64); 13] = [
+                ("throttlebeam_postgres_statements_total", pg.statements),
+                ("throttlebeam_postgres_pool_waits_total", pg.pool_waits),
+                (
+                    "throttlebeam_postgres_pool_timeouts_total",
+                    pg.pool_timeouts,
+                ),
+                ("throttlebeam_postgres_notices_total", pg.notices),
+                ("throttlebeam_postgres_swept_total", pg.swept),
+                ("throttlebeam_postgres_transactions_fresh_total", tx.fresh),
+                (
+                    "throttlebeam_postgres_transactions_replays_total",
+                    tx.replays,
+                ),
+                (
+                    "throttlebeam_postgres_transactions_fingerprint_mismatches_total",
+                    tx.fingerprint_mismatches,
+                ),
+                (
+                    "throttlebeam_postgres_transactions_in_flight_total",
+                    tx.in_flight,
+                ),
+                (
+                    "throttlebeam_postgres_transactions_takeovers_total",
+                    tx.takeovers,
+                ),
+                (
+                    "throttlebeam_postgres_transactions_committed_total",
+                    tx.committed,
+                ),
+                (
+                    "throttlebeam_postgres_transactions_rolled_back_total",
+                    tx.rolled_back,
+                ),
+                (
+                    "throttlebeam_postgres_transactions_pool_waits_total",
+                    tx.pool_waits,
+                ),
+            ];
+            for (metric, value) in counters {
+                counter!(metric, &label).absolute(value);
+            }
+        }
     }
 }
 
@@ -290,7 +355,7 @@ impl crate::store::RedisStats {
             .set(f64::from(self.breaker.consecutive_failures));
         #[allow(clippy::cast_precision_loss)]
         gauge!("throttlebeam_redis_local_answer_keys", &label).set(self.local_answer_keys as f64);
-        let counters: [(&'static str, u64); 14] = [
+        let counters: [(&'static str, u64); 15] = [
             ("throttlebeam_redis_commands_total", self.commands),
             ("throttlebeam_redis_failovers_total", self.failovers),
             ("throttlebeam_redis_local_answers_total", self.local_answers),
@@ -309,6 +374,7 @@ impl crate::store::RedisStats {
             ("throttlebeam_redis_reconnects_total", self.reconnects),
             ("throttlebeam_redis_subscriptions_total", self.subscriptions),
             ("throttlebeam_redis_notices_total", self.notices),
+            ("throttlebeam_redis_notices_lost_total", self.notices_lost),
             (
                 "throttlebeam_redis_breaker_opened_total",
                 self.breaker.opened,

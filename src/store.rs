@@ -28,6 +28,9 @@ pub use self::breaker::{BreakerConfig, BreakerState, BreakerStats};
 #[cfg(feature = "runtime")]
 pub(crate) use self::guard::store_call;
 pub(crate) use self::guard::{Fault, guard};
+#[cfg(all(feature = "redis", any(test, feature = "test-util")))]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub use self::redis::SteppedClock;
 #[cfg(feature = "redis")]
 pub use self::redis::{
     REDIS_CA_FILE_ENV, REDIS_CLIENT_CERT_FILE_ENV, REDIS_CLIENT_KEY_FILE_ENV, REDIS_CLUSTER_ENV,
@@ -59,9 +62,18 @@ pub enum StoreError {
         /// Time until the breaker lets a probe through.
         retry_in: Duration,
     },
-    /// The store could not be reached or refused the command.
+    /// The store could not be reached, or the command's fate is unknown (the connection
+    /// broke after it was sent).
     #[error("store unavailable")]
     Unavailable(#[source] Arc<dyn std::error::Error + Send + Sync + 'static>),
+    /// The store answered that it cannot serve the command now, and did not apply it: at
+    /// `maxmemory` (`OOM`), loading its data (`LOADING`), busy with a slow script (`BUSY`), a
+    /// replica since a failover (`READONLY`), no primary or replicas (`MASTERDOWN`,
+    /// `NOREPLICAS`, `CLUSTERDOWN`, `TRYAGAIN`); PostgreSQL's read-only, resource,
+    /// serialization and shutdown errors. A store fault (the breaker counts it), like
+    /// [`StoreError::Unavailable`], except that nothing was done.
+    #[error("store cannot serve now")]
+    NotServing(#[source] Arc<dyn std::error::Error + Send + Sync + 'static>),
     /// The store answered with something this library did not expect.
     #[error("unexpected store reply: {0}")]
     Protocol(String),
@@ -127,7 +139,28 @@ impl StoreError {
     pub fn is_store_fault(&self) -> bool {
         matches!(
             self,
-            Self::Timeout { .. } | Self::Unavailable(_) | Self::Panicked { .. } | Self::Auth(_)
+            Self::Timeout { .. }
+                | Self::Unavailable(_)
+                | Self::NotServing(_)
+                | Self::Panicked { .. }
+                | Self::Auth(_)
+        )
+    }
+
+    /// Whether the command may have been applied although it failed: it was sent and no
+    /// answer says it was not (a timeout, a connection broken after sending, a reply this
+    /// library did not expect, a store that panicked). `false` for a refusal made before
+    /// sending and for a store's own answer that it did nothing.
+    #[must_use]
+    pub fn may_have_been_applied(&self) -> bool {
+        !matches!(
+            self,
+            Self::BreakerOpen { .. }
+                | Self::Config(_)
+                | Self::Full { .. }
+                | Self::Overloaded { .. }
+                | Self::NotServing(_)
+                | Self::Auth(_)
         )
     }
 }

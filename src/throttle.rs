@@ -259,9 +259,15 @@ impl Service for State {
     }
 
     fn stats(&self, stats: &mut Stats) {
+        let held = self.windows.registry.len();
+        let now = self.windows.clock.now_ns();
+        let open = self.windows.registry.count(|w| w.until > now).min(held);
+        // Windows that are over stay in the registry until the sweep or their key's next
+        // call: tracked, but counted neither here nor in the runtime's keys (W9).
+        stats.keys = stats.keys.saturating_sub(held - open);
         stats.throttle.executed = self.executed.get();
         stats.throttle.throttled = self.throttled.get();
-        stats.throttle.windows = self.windows.registry.len();
+        stats.throttle.windows = open;
         stats.throttle.capacity = self.windows.registry.capacity();
         stats.throttle.throttled_remotely = self.throttled_remotely.get();
         stats.throttle.store_errors = self.store_errors.get();

@@ -584,6 +584,7 @@ async fn owner_dropped_at_every_poll(rt: Runtime, options: IdempotencyOptions) {
                 IdempotencyOutcome::Replay(v) => assert_eq!(v, k, "cut {k}"),
                 // Dropped before its function started: the key was freed.
                 IdempotencyOutcome::Fresh(v) => assert_eq!(v, 100 + k, "cut {k}"),
+                other => panic!("cut {k}: {other:?}"),
             }
             assert_eq!(runs.get(), 1, "cut {k}: the function ran once in all");
             sleep(TTL).await;

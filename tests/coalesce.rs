@@ -494,11 +494,13 @@ async fn an_open_window_with_nothing_pending_costs_no_process() {
     assert_eq!(gauges(&t), (0, 0, 1, 0));
     assert_eq!(rt.stats().processes, 0);
 
-    // The window [1200, 2200) is over: the key counts no more, and the next
-    // call leads at once, though the slot has not been swept.
+    // The window [1200, 2200) is over: the key counts no more, here or in the
+    // runtime's keys (W9), and the next call leads at once, though the slot
+    // has not been swept.
     log.until(2200).await;
     assert_eq!(gauges(&t), IDLE);
-    assert_eq!(rt.stats().keys, 1, "not swept yet");
+    assert_eq!(rt.stats().keys, 0, "over, though not swept yet");
+    assert!(rt.stats().sweeping, "not swept yet");
     assert_eq!(
         t.call_and_wait("k", log.work("again", 100)).await.unwrap(),
         "again"
@@ -539,11 +541,10 @@ async fn pending_trailing_runs_wait_without_a_process_each() {
         .collect();
     settle().await;
     // One timer per waiting key, held by one sleeper process, and counted
-    // in the runtime's timers too (beside the sweeper's tick, if armed).
+    // in the runtime's timers too (the sweeper's tick is not one of them).
     assert_eq!(gauges(&t), (0, 100, 100, 100));
     assert_eq!(rt.stats().processes, 1);
-    let timers = rt.stats().timers;
-    assert!((100..=101).contains(&timers), "runtime timers: {timers}");
+    assert_eq!(rt.stats().timers, 100);
     for w in waits {
         let (v, _) = w.await.unwrap();
         assert_eq!(v.unwrap(), "trail");
@@ -1008,8 +1009,9 @@ async fn a_long_run_extends_its_lease_in_the_store() {
     assert!(store.get("lease:k").is_none());
 }
 
-/// Issue 30 item 12, W6, W9: `keys` counts windows open now. Once the last
-/// window is over it is 0 at once, without waiting for the runtime's sweep
+/// Issue 30 item 12, issue 50, W6, W9: `keys` counts windows open now, the
+/// throttle's and the runtime's alike. Once the last window is over both are
+/// 0 at once, and no timer is left, without waiting for the runtime's sweep
 /// (60 s); the sweep then forgets the slots, and the sweeper stops once
 /// nothing is left.
 #[tokio::test(start_paused = true)]
@@ -1017,32 +1019,38 @@ async fn keys_count_open_windows_and_the_sweeper_stops_once_nothing_is_left() {
     let rt = runtime().await;
     let t = throttle(&rt, 1000).await;
     let log = Log::new();
+    let runtime_wide = || {
+        let s = rt.stats();
+        (s.keys, s.timers, s.sweeping)
+    };
     // Runs [0, 100), [100, 200), [200, 300): windows end at 1100, 1200, 1300.
     for key in ["a", "b", "c"] {
         assert!(t.call(key, log.work(key, 100)).await.unwrap());
     }
     assert_eq!(gauges(&t), (0, 0, 3, 0));
+    settle().await;
+    assert_eq!(runtime_wide(), (3, 0, true));
     log.until(1099).await;
-    assert_eq!(t.stats().keys, 3);
+    assert_eq!((t.stats().keys, runtime_wide()), (3, (3, 0, true)));
     log.until(1100).await;
     assert_eq!(t.stats().keys, 2, "a's window is over");
+    assert_eq!(runtime_wide(), (2, 0, true), "a's window is over");
+    log.until(1299).await;
+    assert_eq!((t.stats().keys, runtime_wide()), (1, (1, 0, true)));
     log.until(1300).await;
     assert_eq!(gauges(&t), IDLE);
     assert_eq!(rt.stats().coalesce.keys, 0);
-    // Still held until the sweep, which is armed meanwhile.
-    assert_eq!((rt.stats().keys, rt.stats().timers), (3, 1));
+    // Held until the sweep, which is armed meanwhile, but counted nowhere.
+    assert_eq!(runtime_wide(), (0, 0, true));
     sleep(ms(60_000)).await;
     settle().await;
-    assert_eq!(
-        (rt.stats().keys, rt.stats().timers),
-        (0, 0),
-        "swept; the sweeper stopped"
-    );
+    assert_eq!(runtime_wide(), (0, 0, false), "swept; the sweeper stopped");
     // Nothing wakes it again until a key comes back.
     sleep(ms(600_000)).await;
-    assert_eq!(rt.stats().timers, 0);
+    assert!(!rt.stats().sweeping);
     assert!(t.call("a", log.work("a", 100)).await.unwrap());
-    assert_eq!((t.stats().keys, rt.stats().timers), (1, 1));
+    settle().await;
+    assert_eq!((t.stats().keys, runtime_wide()), (1, (1, 0, true)));
 }
 
 // ---------------------------------------------------------------- W10

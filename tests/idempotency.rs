@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use throttlebeam::{
     Error, IdempotencyHandle, IdempotencyOptions, IdempotencyOutcome, Runtime, clock::MAX_TIMER,
-    idempotency::IdempotencyReserved, idempotency::InFlight, store::MAX_KEY_LEN,
+    idempotency::IdempotencyReserved, idempotency::InFlight, idempotency::NotRecorded,
+    store::MAX_KEY_LEN,
 };
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
@@ -961,10 +962,11 @@ async fn calls_after_shutdown_fail_and_waiters_are_woken() {
     let reserve = idem.reserve::<u32>("s:3", opts()).await;
     assert!(matches!(reserve, Err(Error::ShutDown { .. })));
 
-    // The running function is never cancelled; its caller still gets its value.
+    // The running function is never cancelled; its caller still gets its value, told the
+    // truth: results lived in this runtime only, which is gone (I14).
     assert_eq!(
         running.await.unwrap().unwrap(),
-        IdempotencyOutcome::Fresh(2)
+        IdempotencyOutcome::Unrecorded(2, NotRecorded::ShutDown)
     );
     assert_eq!(rt.stats().ttl_entries, 0, "nothing stored after shutdown");
     assert_eq!(rt.stats().keys, 0);
@@ -1630,4 +1632,46 @@ async fn the_memory_store_evicts_its_oldest_results_past_its_byte_budget() {
     complete(9).await;
     assert_eq!(store.evictions(), 1, "expired results were dropped instead");
     assert_eq!(store.bytes(), ONE);
+}
+
+/// S22: a run sees its claim's fence, which grows with every claim of its key (a holder that
+/// failed holds a smaller one than the next), and a reservation has its own; outside a run
+/// there is none.
+#[tokio::test(start_paused = true)]
+async fn s22_a_run_and_a_reservation_hold_a_fence_that_grows_with_every_claim() {
+    use throttlebeam::idempotency::Fence;
+    let (_rt, idem) = idempotency().await;
+    assert_eq!(Fence::current(), None);
+    let failed = idem
+        .run("fenced:1", || async {
+            Err::<Fence, _>(std::io::Error::other(
+                Fence::current().map(|f| f.get()).unwrap_or(0).to_string(),
+            ))
+        })
+        .await
+        .unwrap_err();
+    let first: u64 = std::error::Error::source(&failed)
+        .unwrap()
+        .to_string()
+        .parse()
+        .unwrap();
+    assert!(first > 0, "the failed run had a fence");
+    let second = idem
+        .run("fenced:1", || async {
+            Ok::<_, std::io::Error>(Fence::current().expect("in a run"))
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(second.get() > first, "{second} after {first}");
+    let IdempotencyReserved::Fresh(reservation) =
+        idem.reserve::<u32>("fenced:2", opts()).await.unwrap()
+    else {
+        panic!("fresh key");
+    };
+    assert!(
+        reservation.fence() > second,
+        "one counter for the runtime's claims"
+    );
+    reservation.complete(1).await.unwrap();
 }

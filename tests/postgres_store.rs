@@ -96,7 +96,7 @@ async fn a_result_is_stored_in_the_versioned_envelope_with_its_type_tag() {
     assert!(row.get::<_, bool>(0));
     assert_eq!(row.get::<_, String>(1), std::any::type_name::<Vec<u32>>());
     let bytes: Vec<u8> = row.get(2);
-    assert_eq!(&bytes[..3], b"tb\x01", "the envelope: magic and version 1");
+    assert_eq!(&bytes[..3], b"tb\x02", "the envelope: magic and version 2");
     assert!(row.get::<_, i64>(3) >= 1);
     assert!(
         row.get::<_, bool>(4),
@@ -106,7 +106,7 @@ async fn a_result_is_stored_in_the_versioned_envelope_with_its_type_tag() {
     admin
         .execute(
             &format!(
-                "UPDATE {} SET value = '\\x746202'::bytea WHERE key = $1",
+                "UPDATE {} SET value = '\\x746203'::bytea WHERE key = $1",
                 schema.table()
             ),
             &[&b"-env:1".as_slice()],
@@ -121,7 +121,7 @@ async fn a_result_is_stored_in_the_versioned_envelope_with_its_type_tag() {
     let throttlebeam::Error::StoreUnavailable { source, .. } = &refused else {
         panic!("{refused:?}")
     };
-    assert!(source.to_string().contains("format version 2"), "{source}");
+    assert!(source.to_string().contains("format version 3"), "{source}");
 }
 
 #[tokio::test]
@@ -487,8 +487,9 @@ async fn s16_a_listener_whose_runtime_ended_is_started_again_by_the_next_watcher
 
 /// A server that takes no writes now (a standby after a failover; here, sessions that are
 /// read-only) is an outage, not a refusal: `25006 read_only_sql_transaction` is
-/// `StoreError::Unavailable`, which counts against the breaker and which an owner's completion
-/// tries again rather than freeing a key whose function ran.
+/// `StoreError::NotServing` (the server answered and did nothing), which counts against the
+/// breaker and which an owner's completion tries again rather than freeing a key whose
+/// function ran.
 #[tokio::test]
 async fn a_server_that_takes_no_writes_is_unavailable_not_a_refusal() {
     let Some(schema) = PgSchema::create("a_server_that_takes_no_writes_is_unavailable").await
@@ -511,8 +512,9 @@ async fn a_server_that_takes_no_writes_is_unavailable_not_a_refusal() {
         .claim("k", request(ClaimToken::new(), None, LEASE))
         .await
         .unwrap_err();
-    assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+    assert!(matches!(e, StoreError::NotServing(_)), "{e:?}");
     assert!(e.is_store_fault(), "counted against the breaker");
+    assert!(!e.may_have_been_applied(), "it did nothing");
     let cause = std::error::Error::source(&e).map(ToString::to_string);
     assert!(
         cause.as_deref().is_some_and(|c| c.contains("read-only")),

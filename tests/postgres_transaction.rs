@@ -14,7 +14,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use support::postgres::PgSchema;
-use throttlebeam::idempotency::postgres::{PostgresStore, TransactionFuture, tokio_postgres};
+use throttlebeam::idempotency::postgres::tokio_postgres::IsolationLevel;
+use throttlebeam::idempotency::postgres::{
+    PostgresStore, TransactionFuture, TransactionOptions, is_serialization_failure, tokio_postgres,
+};
 use throttlebeam::{Error, IdempotencyOptions, IdempotencyOutcome, Runtime, idempotency::InFlight};
 use tokio::sync::{Semaphore, oneshot};
 use tokio::time::Instant;
@@ -360,8 +363,8 @@ async fn p2_a_run_whose_connection_is_killed_mid_closure_leaves_no_effect_and_th
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_taken_over_before_its_commit_is_rolled_back_with_lease_lost() {
-    let Some(schema) = PgSchema::create("a_run_taken_over_before_its_commit").await else {
+async fn a_live_runs_claim_cannot_be_taken_over_its_row_is_locked_until_it_commits() {
+    let Some(schema) = PgSchema::create("a_live_runs_claim_is_locked").await else {
         return;
     };
     schema.create_effects().await;
@@ -390,43 +393,25 @@ async fn a_run_taken_over_before_its_commit_is_rolled_back_with_lease_lost() {
         }
     });
     started_rx.await.unwrap();
-    // Another owner took the key over (as after a lapsed lease): its token
-    // is in the row now.
-    let changed = admin
-        .execute(
-            &format!(
-                "UPDATE {} SET token = '\\x00000000000000000000000000000001'::bytea \
-                  WHERE key = '-pay:stolen'::bytea",
-                schema.table()
-            ),
-            &[],
-        )
-        .await
-        .unwrap();
-    assert_eq!(changed, 1);
-    go_tx.send(()).unwrap();
-    let outcome = run.await.unwrap();
-    assert!(
-        matches!(outcome, Err(Error::LeaseLost { .. })),
-        "{outcome:?}"
-    );
+    // Another owner trying to take the key over (as after a lapsed lease) waits for the
+    // run's row lock: with a lock timeout it gives up, and the claim stays the run's.
+    let stolen = admin
+        .batch_execute(&format!(
+            "BEGIN; SET LOCAL lock_timeout = '200ms'; \
+             UPDATE {} SET token = '\\x00000000000000000000000000000001'::bytea \
+              WHERE key = '-pay:stolen'::bytea; COMMIT",
+            schema.table()
+        ))
+        .await;
+    let code = stolen.unwrap_err().code().cloned();
     assert_eq!(
-        schema.effects_of(&admin, "pay:stolen").await,
-        0,
-        "rolled back"
+        code,
+        Some(tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE)
     );
-    let still: bool = admin
-        .query_one(
-            &format!(
-                "SELECT NOT done FROM {} WHERE key = '-pay:stolen'::bytea",
-                schema.table()
-            ),
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert!(still, "the other owner's claim is left alone");
+    admin.batch_execute("ROLLBACK").await.unwrap();
+    go_tx.send(()).unwrap();
+    assert_eq!(run.await.unwrap().unwrap(), IdempotencyOutcome::Fresh(1));
+    assert_eq!(schema.effects_of(&admin, "pay:stolen").await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -757,4 +742,488 @@ async fn p3_the_pool_broken_mid_flood_commits_no_effect_twice_and_every_key_comp
     assert!(killed.load(Ordering::SeqCst) > 0, "the pools were broken");
     assert!((0..2_000).all(|k| runs[k].load(Ordering::SeqCst) >= 1));
     assert_one_effect_per_key(&schema, 2_000).await;
+}
+
+/// A closure that writes an effect, sleeps `hold` inside its transaction (reading before and
+/// after, so that its snapshot matters), and returns `value`.
+fn long(
+    effects: String,
+    key: &str,
+    value: i64,
+    hold: Duration,
+    runs: &Arc<AtomicU32>,
+) -> impl for<'t> FnOnce(
+    &'t mut tokio_postgres::Transaction<'_>,
+) -> TransactionFuture<'t, i64, tokio_postgres::Error>
++ Send
++ 'static {
+    let (key, runs) = (key.to_owned(), Arc::clone(runs));
+    move |tx| {
+        Box::pin(async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            // The snapshot is taken here, after the claim's lock (reads of nothing another
+            // run writes: two runs of other keys never conflict at SERIALIZABLE).
+            let _: String = tx.query_one("SELECT now()::text", &[]).await?.get(0);
+            tx.execute(
+                &format!("INSERT INTO {effects} (key, value) VALUES ($1, $2)"),
+                &[&key, &value],
+            )
+            .await?;
+            tokio::time::sleep(hold).await;
+            let _: String = tx.query_one("SELECT now()::text", &[]).await?.get(0);
+            Ok(value)
+        })
+    }
+}
+
+/// The server's name for the isolation level of a session of `store`'s.
+async fn isolation_of(store: &PostgresStore) -> String {
+    let outcome = store
+        .run_in_transaction(
+            &format!("probe:{}", std::process::id()),
+            IdempotencyOptions::new().with_ttl(Duration::from_millis(10)),
+            |tx| {
+                Box::pin(async move {
+                    let level: String = tx
+                        .query_one("SHOW transaction_isolation", &[])
+                        .await?
+                        .get(0);
+                    Ok::<_, tokio_postgres::Error>(level)
+                })
+            },
+        )
+        .await
+        .unwrap();
+    outcome.into_inner()
+}
+
+/// Runs `long` on `key` from `owner` while a duplicate on `other` waits for it, and checks
+/// that the run completed once, past its lease, and the duplicate replayed it.
+async fn a_long_run_completes_once(
+    schema: &PgSchema,
+    owner: &PostgresStore,
+    other: &PostgresStore,
+    key: &str,
+    options: IdempotencyOptions,
+    transaction: TransactionOptions,
+    hold: Duration,
+) {
+    let runs = Arc::new(AtomicU32::new(0));
+    let started = Instant::now();
+    let first = tokio::spawn({
+        let (owner, options, run) = (
+            owner.clone(),
+            options.clone(),
+            long(schema.effects(), key, 7, hold, &runs),
+        );
+        let key = key.to_owned();
+        async move {
+            owner
+                .run_in_transaction_with(&key, options, transaction, run)
+                .await
+        }
+    });
+    // The duplicate starts once the run holds the key.
+    let admin = schema.client().await;
+    while admin
+        .query_opt(
+            &format!(
+                "SELECT 1 FROM {} WHERE key = ('-' || $1::text)::bytea",
+                schema.table()
+            ),
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .is_none()
+    {
+        tokio::task::yield_now().await;
+    }
+    let duplicate = other
+        .run_in_transaction_with(
+            key,
+            options.clone().with_wait_timeout(hold * 4),
+            transaction,
+            long(schema.effects(), key, 8, Duration::ZERO, &runs),
+        )
+        .await
+        .unwrap();
+    let first = first.await.unwrap().unwrap();
+    assert_eq!(first, IdempotencyOutcome::Fresh(7), "{key}");
+    assert_eq!(duplicate, IdempotencyOutcome::Replay(7), "{key}");
+    assert!(started.elapsed() >= hold, "{key}");
+    assert!(hold > options.lease(), "the run outlived its lease");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "{key}: never taken over");
+    assert_eq!(schema.effects_of(&admin, key).await, 1, "{key}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p5_repeatable_read_and_serializable_runs_longer_than_their_lease_complete_once() {
+    let Some(schema) = PgSchema::create("p5_isolation_levels_short_lease").await else {
+        return;
+    };
+    schema.create_effects().await;
+    let owner = schema.store().await;
+    let other = schema.builder().connect().await.unwrap();
+    let lease = IdempotencyOptions::new().with_lease(Duration::from_millis(300));
+    let hold = Duration::from_millis(1_500);
+    // The level as an option of the run.
+    for (key, level, name) in [
+        ("rc", IsolationLevel::ReadCommitted, "read committed"),
+        ("rr", IsolationLevel::RepeatableRead, "repeatable read"),
+        ("sz", IsolationLevel::Serializable, "serializable"),
+    ] {
+        let transaction = TransactionOptions::new().with_isolation_level(level);
+        let level_seen = owner
+            .run_in_transaction_with(
+                &format!("level:{key}"),
+                IdempotencyOptions::new(),
+                transaction,
+                |tx| {
+                    Box::pin(async move {
+                        let level: String = tx
+                            .query_one("SHOW transaction_isolation", &[])
+                            .await?
+                            .get(0);
+                        Ok::<_, tokio_postgres::Error>(level)
+                    })
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(level_seen.value(), name);
+        a_long_run_completes_once(
+            &schema,
+            &owner,
+            &other,
+            key,
+            lease.clone(),
+            transaction,
+            hold,
+        )
+        .await;
+    }
+    // The level from the session's default (`default_transaction_isolation`).
+    for (key, level) in [
+        ("session-rr", "repeatable%5C%20read"),
+        ("session-sz", "serializable"),
+    ] {
+        let url = format!(
+            "{}?options=-c%20default_transaction_isolation%3D{level}",
+            schema.url()
+        );
+        let store = |url: &str| {
+            PostgresStore::builder(url)
+                .with_table(schema.table())
+                .with_application_name(&schema.name)
+                .connect()
+        };
+        let (owner, other) = (store(&url).await.unwrap(), store(&url).await.unwrap());
+        assert_eq!(isolation_of(&owner).await, level.replace("%5C%20", " "));
+        a_long_run_completes_once(
+            &schema,
+            &owner,
+            &other,
+            key,
+            lease.clone(),
+            TransactionOptions::new(),
+            hold,
+        )
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p5_a_serialization_failure_of_the_closures_own_statements_is_reported_and_retryable() {
+    let Some(schema) = PgSchema::create("p5_serialization_failure").await else {
+        return;
+    };
+    schema.create_effects().await;
+    let store = schema.store().await;
+    let admin = schema.client().await;
+    admin
+        .batch_execute(&format!(
+            "INSERT INTO {} (key, value) VALUES ('balance', 100)",
+            schema.effects()
+        ))
+        .await
+        .unwrap();
+    let (read_tx, read_rx) = oneshot::channel();
+    let (go_tx, go_rx) = oneshot::channel::<()>();
+    let effects = schema.effects();
+    let serializable =
+        TransactionOptions::new().with_isolation_level(IsolationLevel::RepeatableRead);
+    let run = tokio::spawn({
+        let store = store.clone();
+        async move {
+            store
+                .run_in_transaction_with(
+                    "pay:ser",
+                    IdempotencyOptions::new(),
+                    serializable,
+                    move |tx| {
+                        Box::pin(async move {
+                            let balance: i64 = tx
+                                .query_one(
+                                    &format!("SELECT value FROM {effects} WHERE key = 'balance'"),
+                                    &[],
+                                )
+                                .await?
+                                .get(0);
+                            let _ = read_tx.send(());
+                            let _ = go_rx.await;
+                            tx.execute(
+                                &format!("UPDATE {effects} SET value = $1 WHERE key = 'balance'"),
+                                &[&(balance - 10)],
+                            )
+                            .await?;
+                            Ok::<_, tokio_postgres::Error>(balance - 10)
+                        })
+                    },
+                )
+                .await
+        }
+    });
+    read_rx.await.unwrap();
+    // A concurrent update commits after the run's snapshot: the run's own update fails.
+    admin
+        .batch_execute(&format!(
+            "UPDATE {} SET value = 50 WHERE key = 'balance'",
+            schema.effects()
+        ))
+        .await
+        .unwrap();
+    go_tx.send(()).unwrap();
+    let failed = run.await.unwrap().unwrap_err();
+    assert!(matches!(failed, Error::Failed { .. }), "{failed:?}");
+    assert!(is_serialization_failure(&failed), "{failed:?}");
+    // Released: the same call again runs, on the new balance.
+    let effects = schema.effects();
+    let retry = store
+        .run_in_transaction_with("pay:ser", IdempotencyOptions::new(), serializable, move |tx| {
+            Box::pin(async move {
+                let row = tx
+                    .query_one(
+                        &format!(
+                            "UPDATE {effects} SET value = value - 10 WHERE key = 'balance' RETURNING value"
+                        ),
+                        &[],
+                    )
+                    .await?;
+                Ok::<_, tokio_postgres::Error>(row.get::<_, i64>(0))
+            })
+        })
+        .await
+        .unwrap();
+    assert_eq!(retry, IdempotencyOutcome::Fresh(40));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p5_two_runs_longer_than_their_lease_on_a_pool_of_two_each_run_once() {
+    let Some(schema) = PgSchema::create("p5_two_long_runs_pool_of_two").await else {
+        return;
+    };
+    schema.create_effects().await;
+    let owner = schema.builder().with_pool_size(2).connect().await.unwrap();
+    owner.migrate().await.unwrap();
+    let other = schema.builder().with_pool_size(2).connect().await.unwrap();
+    let options = IdempotencyOptions::new().with_lease(Duration::from_millis(300));
+    let hold = Duration::from_millis(1_500);
+    let (a, b) = tokio::join!(
+        a_long_run_completes_once(
+            &schema,
+            &owner,
+            &other,
+            "long:a",
+            options.clone(),
+            TransactionOptions::new(),
+            hold
+        ),
+        a_long_run_completes_once(
+            &schema,
+            &owner,
+            &other,
+            "long:b",
+            options.clone(),
+            TransactionOptions::new(),
+            hold
+        ),
+    );
+    let ((), ()) = (a, b);
+    let stats = owner.stats();
+    assert_eq!(stats.transactions.takeovers, 0);
+    assert_eq!(stats.transactions.committed, 2);
+}
+
+/// With every setting at its default: a 30 s lease, runs of 31 s at SERIALIZABLE (the
+/// session's default) on a pool of 2, a duplicate of each waiting on another instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p5_with_default_settings_two_serializable_runs_longer_than_the_lease_on_a_pool_of_two_each_run_once()
+ {
+    let Some(schema) = PgSchema::create("p5_defaults_long_runs").await else {
+        return;
+    };
+    schema.create_effects().await;
+    let url = format!(
+        "{}?options=-c%20default_transaction_isolation%3Dserializable",
+        schema.url()
+    );
+    let store = |url: &str| {
+        PostgresStore::builder(url)
+            .with_table(schema.table())
+            .with_application_name(&schema.name)
+            .with_pool_size(2)
+            .connect()
+    };
+    let (owner, other) = (store(&url).await.unwrap(), store(&url).await.unwrap());
+    owner.migrate().await.unwrap();
+    let options = IdempotencyOptions::new();
+    let hold = options.lease() + Duration::from_secs(1);
+    let (a, b) = tokio::join!(
+        a_long_run_completes_once(
+            &schema,
+            &owner,
+            &other,
+            "default:a",
+            options.clone(),
+            TransactionOptions::new(),
+            hold
+        ),
+        a_long_run_completes_once(
+            &schema,
+            &owner,
+            &other,
+            "default:b",
+            options.clone(),
+            TransactionOptions::new(),
+            hold
+        ),
+    );
+    let ((), ()) = (a, b);
+}
+
+/// Set in the child process of the kill test: the schema its run writes in.
+const HOLDER: &str = "THROTTLEBEAM_TEST_POSTGRES_HOLDER";
+
+/// The child: a transactional run with default settings that writes its effect, says so,
+/// and holds its transaction until it is killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_holds_a_transaction_until_killed() {
+    let Ok(schema) = std::env::var(HOLDER) else {
+        // Run by p6_a_killed_owner_process_lets_a_waiting_duplicate_run_within_a_second.
+        return;
+    };
+    let store = PostgresStore::builder(&support::postgres::url())
+        .with_table(format!("{schema}.idempotency"))
+        .with_application_name(&schema)
+        .connect()
+        .await
+        .unwrap();
+    let outcome = store
+        .run_in_transaction("pay:held", IdempotencyOptions::new(), move |tx| {
+            Box::pin(async move {
+                tx.execute(
+                    &format!(
+                        "INSERT INTO \"{schema}\".effects (key, value) VALUES ('pay:held', 1)"
+                    ),
+                    &[],
+                )
+                .await?;
+                println!("{WRITTEN}");
+                std::future::pending::<()>().await;
+                Ok::<_, tokio_postgres::Error>(1_i64)
+            })
+        })
+        .await;
+    panic!("the child was not killed: {outcome:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p6_a_killed_owner_process_lets_a_waiting_duplicate_run_within_a_second() {
+    if std::env::var_os(HOLDER).is_some() {
+        return;
+    }
+    let Some(schema) = PgSchema::create("p6_owner_killed_takeover").await else {
+        return;
+    };
+    schema.create_effects().await;
+    let store = schema.store().await;
+    let admin = schema.client().await;
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_holds_a_transaction_until_killed",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(HOLDER, &schema.name)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let written = tokio::task::spawn_blocking(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.contains(WRITTEN))
+    });
+    let written = tokio::time::timeout(Duration::from_secs(60), written).await;
+    if !matches!(written, Ok(Ok(true))) {
+        child.kill().unwrap();
+        child.wait().unwrap();
+        panic!("the child never wrote its effect");
+    }
+    // A duplicate waits for the child's run (default settings: a 30 s lease and wait).
+    let runs = Arc::new(AtomicU32::new(0));
+    let waiter = tokio::spawn({
+        let (store, effects, runs) = (store.clone(), schema.effects(), Arc::clone(&runs));
+        async move {
+            let outcome = store
+                .run_in_transaction(
+                    "pay:held",
+                    IdempotencyOptions::new(),
+                    effect(effects, "pay:held", 2, &runs),
+                )
+                .await;
+            (outcome, Instant::now())
+        }
+    });
+    // The child's claim is held by its transaction alone: its grace is over.
+    while admin
+        .query_opt(
+            &format!(
+                "SELECT 1 FROM {} WHERE key = '-pay:held'::bytea AND expires_at <= clock_timestamp()",
+                schema.table()
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .is_none()
+    {
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        !waiter.is_finished(),
+        "the duplicate waits for the live run"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    // kill -9 of the owner, mid-transaction.
+    child.kill().unwrap();
+    let killed = Instant::now();
+    child.wait().unwrap();
+    let (outcome, at) = waiter.await.unwrap();
+    assert_eq!(outcome.unwrap(), IdempotencyOutcome::Fresh(2));
+    let took = at - killed;
+    println!("the duplicate ran {took:?} after the owner was killed");
+    assert!(took < Duration::from_millis(1_500), "{took:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        schema.effects_of(&admin, "pay:held").await,
+        1,
+        "only the duplicate's"
+    );
+    assert_eq!(store.stats().transactions.takeovers, 1);
 }

@@ -1065,19 +1065,56 @@ fn reset_forgets_a_key() {
     assert!(limiter.check("k").unwrap().allowed);
 }
 
-#[test]
-fn per_key_overrides_change_the_quota_of_some_keys() {
+#[tokio::test]
+async fn per_key_overrides_change_the_quota_of_some_keys() {
     let (limiter, _clock) = manual(Gcra::new(1, Duration::from_secs(1)).unwrap());
     limiter
         .set_override("vip", Gcra::new(3, Duration::from_secs(1)).unwrap())
+        .await
         .unwrap();
     assert_eq!(limiter.check("vip").unwrap().limit, 3);
     assert_eq!(limiter.check("vip").unwrap().remaining, 1);
     assert_eq!(limiter.check("someone").unwrap().limit, 1);
     assert_eq!(limiter.peek("vip").unwrap().remaining, 1);
     assert_eq!(limiter.strategy_for("vip").limit(), 3);
-    assert!(limiter.remove_override("vip").is_some());
+    assert!(limiter.remove_override("vip").await.unwrap().is_some());
     assert_eq!(limiter.peek("vip").unwrap().limit, 1);
+}
+
+/// Issue 50 item 3: an override of this instance's own says so in its name, and wins over
+/// one kept in the store (in memory, the limiter itself).
+#[tokio::test]
+async fn a_local_override_wins_over_a_shared_one_and_goes_alone() {
+    let (limiter, _clock) = manual(Gcra::new(1, Duration::from_secs(1)).unwrap());
+    let three = Gcra::new(3, Duration::from_secs(1)).unwrap();
+    let five = Gcra::new(5, Duration::from_secs(1)).unwrap();
+    limiter.set_override("vip", three).await.unwrap();
+    limiter.set_local_override("vip", five).unwrap();
+    assert_eq!(limiter.strategy_for("vip").limit(), 5);
+    assert_eq!(limiter.remove_local_override("vip"), Some(five));
+    assert_eq!(limiter.strategy_for("vip").limit(), 3);
+    assert_eq!(limiter.remove_local_override("vip"), None);
+    assert_eq!(limiter.remove_override("vip").await.unwrap(), Some(three));
+    assert_eq!(limiter.strategy_for("vip").limit(), 1);
+}
+
+/// An override given a life applies for that life, then the default does (paused time).
+#[tokio::test(start_paused = true)]
+async fn an_override_for_a_while_expires() {
+    let limiter = Limiter::new(Gcra::new(1, Duration::from_secs(1)).unwrap());
+    let three = Gcra::new(3, Duration::from_secs(1)).unwrap();
+    limiter
+        .set_override_for("vip", three, Duration::from_secs(60))
+        .await
+        .unwrap();
+    tokio::time::advance(Duration::from_millis(59_999)).await;
+    assert_eq!(limiter.strategy_for("vip").limit(), 3);
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert_eq!(limiter.strategy_for("vip").limit(), 1);
+    assert!(matches!(
+        limiter.set_override_for("vip", three, Duration::ZERO).await,
+        Err(RateLimitError::InvalidDuration { .. })
+    ));
 }
 
 /// A store that records the keys it is asked for.
@@ -1239,7 +1276,7 @@ fn r14_keys_follow_the_one_key_rule() {
         limiter.forecast(&long, 1).map(drop),
         limiter.reset("").map(drop),
         limiter.check_many(&["ok", ""], 1).map(drop),
-        limiter.set_override("", Gcra::new(1, Duration::from_secs(1)).unwrap()),
+        limiter.set_local_override("", Gcra::new(1, Duration::from_secs(1)).unwrap()),
     ] {
         assert!(matches!(result, Err(RateLimitError::InvalidKey { .. })));
     }
@@ -1520,4 +1557,92 @@ fn a_bounded_limiter_store_stays_bounded() {
         limiter.stats().evictions
     );
     assert!(limiter.stats().evictions >= 1_000 - 64);
+}
+
+// ---------------------------------------------------------------------------------------------
+// What an override means for a key's state (issue 50 item 3): the same in memory and in Redis
+// (tests/redis_rate_limit.rs compares both on random sequences of changing limits).
+// ---------------------------------------------------------------------------------------------
+
+/// One check of `cost` on `key` at `now_us` under `strategy`, in `store`.
+fn spend<S: Strategy>(
+    store: &MemoryRateLimitStore<S::State>,
+    strategy: &S,
+    key: &str,
+    now_us: u64,
+    cost: u32,
+) -> Decision
+where
+    MemoryRateLimitStore<S::State>: RateLimitStore<S>,
+{
+    store.check(key, now_us, strategy, nz(cost)).unwrap()
+}
+
+/// A token bucket keeps its tokens under another capacity, capped at it at once (even at the
+/// instant it was last written), and refills at the new rate.
+#[test]
+fn an_override_keeps_a_buckets_tokens_capped_at_its_capacity() {
+    let store = MemoryRateLimitStore::new();
+    let ten = TokenBucket::new(10, 1, Duration::from_secs(1)).unwrap();
+    let five = TokenBucket::new(5, 1, Duration::from_secs(1)).unwrap();
+    let twenty = TokenBucket::new(20, 1, Duration::from_secs(1)).unwrap();
+    let t0 = 1_000_000_000;
+    assert_eq!(spend(&store, &ten, "k", t0, 2).remaining, 8);
+    // Lowered: 8 tokens held, 5 allowed, at the same microsecond.
+    assert_eq!(spend(&store, &five, "k", t0, 1).remaining, 4);
+    // Raised half a second later: the 4 tokens left and half a token more (one a second, up
+    // to 20), less the one spent.
+    let d = spend(&store, &twenty, "k", t0 + 500_000, 1);
+    assert_eq!((d.limit, d.remaining), (20, 3));
+    // A bucket that was full again under the limits that wrote it is at rest: full under
+    // any others too.
+    assert_eq!(spend(&store, &five, "j", t0, 1).remaining, 4);
+    assert_eq!(spend(&store, &twenty, "j", t0 + 1_000_000, 1).remaining, 19);
+}
+
+/// A window keeps its count against another limit: a raised limit admits what it leaves room
+/// for, a lowered one denies until the window ends.
+#[test]
+fn an_override_keeps_a_windows_count_against_its_limit() {
+    let store = MemoryRateLimitStore::new();
+    let two = FixedWindow::new(2, Duration::from_secs(60)).unwrap();
+    let five = FixedWindow::new(5, Duration::from_secs(60)).unwrap();
+    let t0 = 60_000_000;
+    assert!(spend(&store, &two, "k", t0, 2).allowed);
+    assert!(!spend(&store, &two, "k", t0, 1).allowed);
+    assert_eq!(spend(&store, &five, "k", t0 + 1, 1).remaining, 2);
+    let d = spend(&store, &two, "k", t0 + 2, 1);
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after_ms, 60_000, "until the window ends");
+}
+
+/// A state comes to rest under the limits that wrote it: from then on it is no state, whatever
+/// limits read it. Here a count spent in a 1 ms window is not carried into the 60 s window that
+/// holds it, once its own window is over.
+#[test]
+fn a_state_at_rest_under_the_limits_that_wrote_it_is_no_state() {
+    let store = MemoryRateLimitStore::new();
+    let short = FixedWindow::new(1, Duration::from_millis(1)).unwrap();
+    let long = FixedWindow::new(1, Duration::from_secs(60)).unwrap();
+    assert!(spend(&store, &short, "k", 0, 1).allowed);
+    // Within the short window the count holds in the long one too.
+    assert!(!spend(&store, &long, "k", 999, 1).allowed);
+    assert!(spend(&store, &long, "k", 1_000_000, 1).allowed);
+}
+
+/// A GCRA's arrival time carries over, so the time a key's spending holds is kept; its
+/// sub-microsecond fraction, counted in the quota that wrote it, is read as a whole
+/// microsecond by a quota whose fraction cannot hold it.
+#[test]
+fn an_override_keeps_a_gcras_arrival_time_to_the_microsecond() {
+    let store = MemoryRateLimitStore::new();
+    // 3 per second: one costs 333,333 and a third µs.
+    let three = Gcra::per_second(nz(3)).with_burst(nz(1));
+    let one = Gcra::per_second(nz(1)).with_burst(nz(1));
+    assert!(spend(&store, &three, "k", 0, 1).allowed);
+    // Arrival time 333,333 µs and a third: under one per second, 333,334 µs.
+    let d = spend(&store, &one, "k", 333_333, 1);
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after_ms, 1);
+    assert!(store.check("k", 333_334, &one, nz(1)).unwrap().allowed);
 }

@@ -21,7 +21,8 @@ async fn connects_to_a_single_node_and_pings() {
     redis.ping().await.expect("ping");
     assert!(!redis.is_cluster());
     assert_eq!(redis.prefix(), "throttlebeam");
-    // `TIME` at connect (the server's clock, for leading windows), then `PING`.
+    // `CONFIG GET maxmemory-policy` (warned about unless `noeviction`), then `PING` (the
+    // clock's `TIME`s at connect are not counted).
     assert_eq!(redis.stats().commands, 2);
     assert_eq!(redis.stats().breaker.state, BreakerState::Closed);
 }

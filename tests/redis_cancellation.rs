@@ -335,6 +335,7 @@ async fn a_shared_idempotent_run_dropped_at_every_await_runs_once_and_replays_ev
                 match next {
                     IdempotencyOutcome::Replay(v) => assert_eq!(v, k, "cut {k}"),
                     IdempotencyOutcome::Fresh(v) => assert_eq!(v, 100 + k, "cut {k}"),
+                    other => panic!("cut {k}: {other:?}"),
                 }
                 // And this instance replays the same.
                 let again = ia
@@ -409,6 +410,7 @@ async fn a_durable_idempotent_run_dropped_at_every_await_runs_once_and_replays_e
                         assert_eq!(v, 100 + k, "cut {k}");
                         assert_eq!(on_replica().as_deref(), Some("c"), "cut {k}");
                     }
+                    other => panic!("cut {k}: {other:?}"),
                 }
                 let again = ia
                     .run_with(&key, options(), slow(&runs, ms(20), 200 + k))

@@ -13,7 +13,7 @@ use support::redis::{RedisCluster, RedisNode};
 use throttlebeam::store::{BreakerConfig, Redis};
 use throttlebeam::{
     Error, IdempotencyOptions, IdempotencyOutcome, Runtime, idempotency::IdempotencyReserved,
-    idempotency::InFlight, idempotency::MemoryIdempotencyStore,
+    idempotency::InFlight, idempotency::MemoryIdempotencyStore, idempotency::NotRecorded,
 };
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
@@ -660,7 +660,16 @@ async fn i6_an_owner_instance_that_dies_is_taken_over_once_after_its_lease_and_i
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     // The dead owner's late completion is refused.
     let late = reservation.complete(1).await;
-    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    assert!(
+        matches!(
+            late,
+            Err(Error::NotRecorded {
+                reason: NotRecorded::LeaseLost,
+                ..
+            })
+        ),
+        "{late:?}"
+    );
     let replay = runtimes[0]
         .idempotency()
         .run_with("charge:1", options, || async {

@@ -486,3 +486,107 @@ async fn a_manual_sentinel_failover_is_followed() {
     // machine's delays on top).
     assert!(followed < Duration::from_secs(8), "{followed:?}");
 }
+
+/// The pub/sub clients of `server` other than the Sentinels' own (`name=sentinel-…`).
+fn our_subscribers(server: &support::managed::Server) -> usize {
+    server
+        .cli(&["CLIENT", "LIST", "TYPE", "pubsub"])
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| !l.contains("name=sentinel"))
+        .count()
+}
+
+/// Issue 50, item 2: the broadcast listener follows the primary across a Sentinel failover
+/// (before, it stayed on the old primary for the life of its connection). After
+/// `SENTINEL FAILOVER`, within a `PING` period of the backend following the new primary,
+/// the listener is subscribed there, and a reset on another instance re-admits a key this
+/// instance answered locally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pubsub_listener_follows_the_primary_across_a_sentinel_failover() {
+    use throttlebeam::rate_limit::FixedWindow;
+
+    let Some(setup) = SentinelSetup::start("the_pubsub_listener_follows_the_primary") else {
+        return;
+    };
+    let a = Redis::builder(setup.url())
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("connects through Sentinel: {}", chain(&e)));
+    let limit = || FixedWindow::new(1, Duration::from_secs(3_600)).unwrap();
+    let on_a = Limiter::builder(limit())
+        .with_store(a.clone())
+        .with_namespace("follow")
+        .build();
+    assert!(on_a.check_async("k").await.unwrap().allowed);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while a.stats().subscriptions < 1 {
+        assert!(Instant::now() < deadline, "subscribed: {:?}", a.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(our_subscribers(&setup.primary), 1, "on the primary");
+    assert_eq!(our_subscribers(&setup.replica), 0);
+
+    assert_eq!(
+        setup.sentinels[0]
+            .cli(&["SENTINEL", "FAILOVER", support::managed::MASTER])
+            .as_deref(),
+        Some("OK")
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while a.stats().failovers < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the backend followed: {:?}",
+            a.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let followed = Instant::now();
+    while our_subscribers(&setup.replica) < 1 || a.stats().subscriptions < 2 {
+        assert!(
+            followed.elapsed() < Duration::from_secs(10),
+            "the listener moved to the new primary: {:?}",
+            a.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let took = followed.elapsed();
+    println!("pub/sub listener on the new primary {took:?} after the backend followed it");
+    // A PING period (1 s), a reconnection's pause and the subscription, on a busy machine.
+    assert!(took < Duration::from_secs(4), "{took:?}");
+
+    // Denied and answered locally under the new subscription; a reset elsewhere re-admits.
+    let b = Redis::builder(setup.url())
+        .connect()
+        .await
+        .expect("B connects");
+    let on_b = Limiter::builder(limit())
+        .with_store(b)
+        .with_namespace("follow")
+        .build();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(!on_a.check_async("k").await.unwrap().allowed);
+        let local = a.stats().local_answers;
+        assert!(!on_a.check_async("k").await.unwrap().allowed);
+        if a.stats().local_answers > local {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "answered locally: {:?}",
+            a.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    on_b.reset_async("k").await.unwrap();
+    while !on_a.check_async("k").await.unwrap().allowed {
+        assert!(
+            Instant::now() < deadline,
+            "the reset reached A: {:?}",
+            a.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

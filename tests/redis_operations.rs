@@ -61,9 +61,9 @@ where
     }
     limiter.reset_async("k0").await.expect("resets");
     limiter.check_async("k0").await.expect("decides");
-    limiter.set_override("k1", bigger).expect("override");
+    limiter.set_override("k1", bigger).await.expect("override");
     limiter.check_async("k1").await.expect("decides");
-    limiter.remove_override("k1");
+    limiter.remove_override("k1").await.expect("removed");
 }
 
 async fn mixed_workload(runtime: &Runtime, redis: &Redis) {
@@ -305,6 +305,8 @@ async fn stats_show_round_trips_reloads_reconnects_and_breaker_transitions() {
     let limiter = Limiter::builder(Gcra::new(100, MINUTE).expect("gcra"))
         .with_store(redis.clone())
         .build();
+    // A limiter's first call reads the overrides kept in the store: read them first.
+    limiter.refresh_overrides().await.expect("reads overrides");
     let start = redis.stats();
     limiter.check_async("k").await.expect("decides");
     let after = redis.stats();

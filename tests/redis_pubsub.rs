@@ -2,15 +2,20 @@
 //! instance wakes by an `SPUBLISH` notice on its key's shard channel when
 //! another instance completes the key, also after the primary that owned
 //! the slot failed or handed it over (`CLUSTER FAILOVER`); with no
-//! subscription possible it still completes by polling.
+//! subscription possible it still completes by polling. A subscriber
+//! connection that goes silent without FIN or RST (a fault proxy stops
+//! forwarding) is noticed within 2 s: local answers stop, and once it is
+//! replaced a reset elsewhere re-admits here.
 #![cfg(feature = "redis")]
 
 mod support;
 
 use std::time::Duration;
 
-use support::redis::{RedisCluster, ReplicatedCluster};
+use support::proxy::FaultProxy;
+use support::redis::{RedisCluster, RedisNode, ReplicatedCluster};
 use throttlebeam::idempotency::IdempotencyReserved;
+use throttlebeam::rate_limit::{FixedWindow, Limiter};
 use throttlebeam::store::Redis;
 use throttlebeam::{IdempotencyOptions, IdempotencyOutcome, Runtime};
 use tokio::time::Instant;
@@ -482,4 +487,163 @@ async fn with_no_subscription_possible_a_waiter_completes_by_polling() {
     let stats = b_redis.stats();
     assert_eq!(stats.sharded_subscriptions, 0, "{stats:?}");
     assert_eq!(stats.sharded_notices, 0, "{stats:?}");
+}
+
+/// The port the server sees the one pub/sub client of this server coming from
+/// (`CLIENT LIST TYPE pubsub`), once there is exactly one.
+fn subscriber_port(node: &RedisNode) -> Option<u16> {
+    let list = node.cli(&["CLIENT", "LIST", "TYPE", "pubsub"])?;
+    let ports: Vec<u16> = list
+        .lines()
+        .filter_map(|line| {
+            let addr = line
+                .split_whitespace()
+                .find_map(|f| f.strip_prefix("addr="))?;
+            addr.rsplit_once(':')?.1.parse().ok()
+        })
+        .collect();
+    match ports[..] {
+        [port] => Some(port),
+        _ => None,
+    }
+}
+
+/// Issue 50, item 2: the subscriber connection is blackholed (the proxy stops forwarding
+/// it, both sockets stay open: no FIN, no RST) while the data connection keeps working.
+/// The PING every second, answered within a second, notices it: local answers stop within
+/// 2 s (plus scheduling), the connection is replaced, and a reset on another instance
+/// re-admits the key here. Before, nothing ever noticed: local answers went on for the
+/// life of the process and the reset was never heard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_subscriber_is_noticed_and_replaced_and_a_reset_elsewhere_readmits_here() {
+    let test = "a_silent_subscriber_is_noticed_and_replaced";
+    let Some(node) = RedisNode::start(test) else {
+        return;
+    };
+    let proxy = FaultProxy::start(node.port);
+    // Instance A reaches the server through the proxy, B directly; both with defaults.
+    let a = Redis::builder(proxy.url())
+        .connect()
+        .await
+        .expect("A connects");
+    let b = Redis::builder(node.url())
+        .connect()
+        .await
+        .expect("B connects");
+    let limit = || FixedWindow::new(1, Duration::from_secs(3_600)).expect("a limit");
+    let on_a = Limiter::builder(limit())
+        .with_store(a.clone())
+        .with_namespace("silent")
+        .build();
+    let on_b = Limiter::builder(limit())
+        .with_store(b.clone())
+        .with_namespace("silent")
+        .build();
+
+    // A's first check subscribes; once live, a denial is kept and answered locally.
+    assert!(on_a.check_async("k").await.expect("decided").allowed);
+    assert!(eventually(Duration::from_secs(20), || a.stats().subscriptions == 1).await);
+    assert!(!on_a.check_async("k").await.expect("decided").allowed);
+    let local = a.stats().local_answers;
+    assert!(!on_a.check_async("k").await.expect("decided").allowed);
+    assert_eq!(a.stats().local_answers, local + 1, "answered locally");
+
+    let port = subscriber_port(&node).expect("A's one subscriber connection");
+    assert!(
+        proxy.blackhole_upstream_port(port),
+        "it goes through the proxy"
+    );
+    let blackholed = Instant::now();
+    // Checks every 20 ms; the first one not answered locally went to the server.
+    let stopped = loop {
+        let before = a.stats().local_answers;
+        let decision = on_a.check_async("k").await.expect("decided");
+        assert!(!decision.allowed);
+        if a.stats().local_answers == before {
+            break blackholed.elapsed();
+        }
+        assert!(
+            blackholed.elapsed() < Duration::from_secs(20),
+            "local answers never stopped: {:?}",
+            a.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    eprintln!("local answers stopped {stopped:?} after the subscriber went silent");
+    assert!(
+        stopped <= Duration::from_millis(2_500),
+        "within PING_EVERY + PONG_WITHIN (2 s) and scheduling: {stopped:?}"
+    );
+
+    proxy.heal();
+    // Replaced by a new subscription (numbered 2); a denial is kept under it.
+    assert!(
+        eventually(Duration::from_secs(20), || a.stats().subscriptions == 2).await,
+        "{:?}",
+        a.stats()
+    );
+    assert!(!on_a.check_async("k").await.expect("decided").allowed);
+    let local = a.stats().local_answers;
+    assert!(!on_a.check_async("k").await.expect("decided").allowed);
+    assert_eq!(a.stats().local_answers, local + 1, "answered locally again");
+    // A reset on B is heard here: the key is admitted at once, an hour before its window ends.
+    on_b.reset_async("k").await.expect("reset");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !on_a.check_async("k").await.expect("decided").allowed {
+        assert!(
+            Instant::now() < deadline,
+            "the reset never reached A: {:?}",
+            a.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Issue 50, item 2, sharded: the primary that holds a waiter's shard channel stops answering
+/// its clients for 3 s (`CLIENT PAUSE … ALL`: the connection stays open and silent, the
+/// cluster bus goes on, so the cluster sees nothing wrong). The sharded connection's `PING`
+/// to that primary goes unanswered, so the connection is replaced and the channel subscribed
+/// again (without the `PING`, the paused connection would simply resume and nothing would be
+/// subscribed again); the waiter then still wakes by the notice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_sharded_connection_is_replaced_and_waiters_still_wake_by_notices() {
+    let Some(cluster) = RedisCluster::start("a_silent_sharded_connection_is_replaced") else {
+        return;
+    };
+    let (_a_redis, a) = instance(cluster.urls()).await;
+    let (b_redis, b) = instance(cluster.urls()).await;
+    let waited = wake_across(&a, &b, &b_redis, "pubsub:paused", 0, async || {
+        let owner = cluster
+            .nodes
+            .iter()
+            .find(|n| {
+                n.cli(&["PUBSUB", "SHARDCHANNELS"])
+                    .is_some_and(|c| c.contains("pubsub:paused"))
+            })
+            .expect("the slot's owner holds the subscription");
+        let subscribed = b_redis.stats().sharded_subscriptions;
+        assert_eq!(
+            owner.cli(&["CLIENT", "PAUSE", "3000", "ALL"]).as_deref(),
+            Some("OK")
+        );
+        let paused = Instant::now();
+        assert!(
+            eventually(Duration::from_secs(30), || {
+                b_redis.stats().sharded_subscriptions > subscribed
+            })
+            .await,
+            "the paused connection was never replaced: {:?}",
+            b_redis.stats()
+        );
+        eprintln!(
+            "subscribed again on a new sharded connection {:?} after the pause began",
+            paused.elapsed()
+        );
+    })
+    .await;
+    eprintln!("woke {waited:?} after the completion");
+    assert!(
+        waited < POLL,
+        "woke {waited:?} after the completion: polling, not the notice"
+    );
 }

@@ -239,11 +239,29 @@ where
     Redis: AsyncRateLimitStore<S>,
     MemoryRateLimitStore<S::State>: RateLimitStore<S>,
 {
+    let steps: Vec<(Step, usize)> = steps.iter().map(|s| (*s, 0)).collect();
+    replay_switching(redis, &[strategy], start, &steps).await
+}
+
+/// Replays `steps`, each with the strategy it names among `strategies` (one of them: no
+/// override; several: a key's limits changed by overrides set and removed between steps).
+async fn replay_switching<S>(
+    redis: &Redis,
+    strategies: &[S],
+    start: u64,
+    steps: &[(Step, usize)],
+) -> Result<(), String>
+where
+    S: ScriptedStrategy,
+    Redis: AsyncRateLimitStore<S>,
+    MemoryRateLimitStore<S::State>: RateLimitStore<S>,
+{
     let memory = MemoryRateLimitStore::<S::State>::new();
     let case = unique("bit");
-    let limit = strategy.limit();
     let mut now = start;
-    for (i, step) in steps.iter().enumerate() {
+    for (i, (step, which)) in steps.iter().enumerate() {
+        let strategy = &strategies[which % strategies.len()];
+        let limit = strategy.limit();
         now = match step.time {
             Move::Stay => now,
             Move::Forward(d) | Move::Jump(d) => now + d,
@@ -266,7 +284,7 @@ where
         let request = || RateLimitRequest {
             key: &key,
             now_us: now,
-            strategy: &strategy,
+            strategy,
             op,
         };
         let in_memory = shown(memory.apply(request()));
@@ -274,7 +292,7 @@ where
         let in_redis = shown(redis.apply_async(request()).await);
         if in_memory != in_redis {
             return Err(format!(
-                "step {i} at {now} µs, {op:?} on key {}:\n memory {in_memory:?}\n redis  {in_redis:?}",
+                "step {i} at {now} µs, {op:?} on key {} with strategy {which}:\n memory {in_memory:?}\n redis  {in_redis:?}",
                 step.key
             ));
         }
@@ -293,6 +311,112 @@ async fn replay_spec(redis: &Redis, spec: Spec, start: u64, steps: &[Step]) -> R
         Spec::BucketSliding(s) => replay(redis, s, start, steps).await,
         Spec::Three(s) => replay(redis, s, start, steps).await,
     }
+}
+
+/// Three strategies of one kind (and shape, for tiers): the default and two overrides.
+#[derive(Debug, Clone)]
+enum Trio {
+    Gcra([Gcra; 3]),
+    TokenBucket([TokenBucket; 3]),
+    Fixed([FixedWindow; 3]),
+    Sliding([SlidingWindow; 3]),
+    Leaky([LeakyBucket; 3]),
+    GcraFixed([Tiered<Gcra, FixedWindow>; 3]),
+    BucketSliding([Tiered<TokenBucket, SlidingWindow>; 3]),
+}
+
+fn three<T: std::fmt::Debug, S: proptest::strategy::Strategy<Value = T>>(
+    one: impl Fn() -> S,
+) -> impl proptest::strategy::Strategy<Value = [T; 3]> {
+    (one(), one(), one()).prop_map(|(a, b, c)| [a, b, c])
+}
+
+fn trios() -> impl proptest::strategy::Strategy<Value = Trio> {
+    prop_oneof![
+        three(gcra).prop_map(Trio::Gcra),
+        three(token_bucket).prop_map(Trio::TokenBucket),
+        three(fixed_window).prop_map(Trio::Fixed),
+        three(sliding_window).prop_map(Trio::Sliding),
+        three(leaky).prop_map(Trio::Leaky),
+        three(|| (gcra(), fixed_window()).prop_map(|(a, b)| Tiered::new(a, b)))
+            .prop_map(Trio::GcraFixed),
+        three(|| (token_bucket(), sliding_window()).prop_map(|(a, b)| Tiered::new(a, b)))
+            .prop_map(Trio::BucketSliding),
+    ]
+}
+
+/// Steps that each pick the default (0) or an override (1, 2), the default most often.
+fn switching_steps() -> impl proptest::strategy::Strategy<Value = Vec<(Step, usize)>> {
+    prop::collection::vec(
+        (
+            (moves(), 0..2u8, ops()).prop_map(|(time, key, op)| Step { time, key, op }),
+            prop_oneof![3 => Just(0usize), 2 => Just(1usize), 1 => Just(2usize)],
+        ),
+        1..48,
+    )
+}
+
+async fn replay_trio(
+    redis: &Redis,
+    trio: Trio,
+    start: u64,
+    steps: &[(Step, usize)],
+) -> Result<(), String> {
+    match trio {
+        Trio::Gcra(s) => replay_switching(redis, &s, start, steps).await,
+        Trio::TokenBucket(s) => replay_switching(redis, &s, start, steps).await,
+        Trio::Fixed(s) => replay_switching(redis, &s, start, steps).await,
+        Trio::Sliding(s) => replay_switching(redis, &s, start, steps).await,
+        Trio::Leaky(s) => replay_switching(redis, &s, start, steps).await,
+        Trio::GcraFixed(s) => replay_switching(redis, &s, start, steps).await,
+        Trio::BucketSliding(s) => replay_switching(redis, &s, start, steps).await,
+    }
+}
+
+/// Issue 50 item 3: what an override means for a key's state is the same in memory and in
+/// Redis. Keys whose limits change between steps (an override set, replaced, removed: a
+/// larger or smaller capacity, window, limit, rate or burst) get the same replies, field for
+/// field, from both stores: 128 random sequences of up to 47 steps.
+fn overrides_bit_identical(redis: &Redis, rt: &tokio::runtime::Runtime) {
+    let config = Config {
+        cases: 128,
+        source_file: Some(file!()),
+        failure_persistence: Some(Box::new(FileFailurePersistence::SourceParallel(
+            "proptest-regressions",
+        ))),
+        ..Config::default()
+    };
+    let mut runner = TestRunner::new(config);
+    let result = runner.run(
+        &(trios(), starts(), switching_steps()),
+        |(trio, start, steps)| {
+            rt.block_on(replay_trio(redis, trio, start, &steps))
+                .map_err(TestCaseError::fail)
+        },
+    );
+    if let Err(e) = result {
+        panic!("memory and Redis disagree on an override: {e}");
+    }
+}
+
+#[test]
+fn overrides_mean_the_same_in_memory_and_on_a_single_node() {
+    let Some(node) = RedisNode::start("overrides_mean_the_same_on_a_single_node") else {
+        return;
+    };
+    let rt = tokio_rt();
+    let redis = rt.block_on(single(&node));
+    overrides_bit_identical(&redis, &rt);
+}
+
+#[test]
+fn overrides_mean_the_same_in_memory_and_on_a_cluster() {
+    let Some(nodes) = RedisCluster::start("overrides_mean_the_same_on_a_cluster") else {
+        return;
+    };
+    let rt = tokio_rt();
+    let redis = rt.block_on(cluster(&nodes));
+    overrides_bit_identical(&redis, &rt);
 }
 
 /// Runs the property on one server: 192 random sequences of up to 47 steps each.
@@ -596,6 +720,7 @@ where
             "vip",
             SlidingWindow::new(10, Duration::from_secs(1)).unwrap(),
         )
+        .await
         .unwrap();
     // The two spent units still count against the larger quota.
     assert_eq!(limiter.check_async("vip").await.unwrap().remaining, 7);
@@ -1000,6 +1125,8 @@ async fn a_caller_that_gave_up_before_its_batch_went_out_is_never_charged() {
         .with_store(redis.clone())
         .with_namespace(unique("abandoned"))
         .build();
+    // Its first call would wait for the first read of the overrides: read them first.
+    limiter.refresh_overrides().await.unwrap();
     // Four go alone, ten queue; seven of those callers give up (drop their futures), three
     // wait. Sent anyway, the seven would spend seven units nobody asked for any more.
     let calls = start_checks(&limiter, "k", 14);
@@ -1025,6 +1152,8 @@ async fn a_full_batch_queue_refuses_at_once_and_drains_cleanly() {
         .with_store(redis.clone())
         .with_namespace(namespace.clone())
         .build();
+    // Its first call would wait for the first read of the overrides: read them first.
+    limiter.refresh_overrides().await.unwrap();
     // Four alone, four queued: the queue is full. The next is refused at its first poll,
     // unsent, with a store error that names the key and says why.
     let calls = start_checks(&limiter, "k", 8);

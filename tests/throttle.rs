@@ -228,10 +228,52 @@ async fn open_windows_are_swept_and_cost_no_process() {
         stats.processes, 0,
         "an open window with nothing running is not a process"
     );
-    assert_eq!(stats.timers, 1, "only the sweeper tick");
+    assert_eq!(stats.timers, 0, "an open window holds no timer");
+    assert!(stats.sweeping, "the sweeper ticks");
     sleep(ms(1001)).await;
     assert_eq!(rt.stats().keys, 0);
-    assert_eq!(rt.stats().timers, 0, "the sweeper goes dormant");
+    assert!(!rt.stats().sweeping, "the sweeper goes dormant");
+}
+
+/// Issue 50, W9: the runtime's `keys` and the throttle's `windows` count
+/// windows open now. A window that is over counts nowhere from its last
+/// instant on, though its slot waits for the sweep (60 s by default), and it
+/// holds no timer at any point.
+#[tokio::test(start_paused = true)]
+async fn w9_a_window_that_is_over_counts_nowhere_before_the_sweep() {
+    let rt = runtime().await;
+    let t = rt.throttle();
+    let t0 = Instant::now();
+    let ok = || async { Ok::<_, Oops>(()) };
+    assert!(t.call("a", ms(100), ok).await.unwrap().is_executed());
+    advance(ms(50)).await;
+    assert!(t.call("b", ms(100), ok).await.unwrap().is_executed());
+    let gauges = || {
+        let s = rt.stats();
+        (s.keys, s.throttle.windows, s.timers)
+    };
+    assert_eq!(gauges(), (2, 2, 0));
+    // a's window is [0, 100), b's [50, 150).
+    advance(t0 + ms(99) - Instant::now()).await;
+    assert_eq!(gauges(), (2, 2, 0));
+    advance(ms(1)).await;
+    assert_eq!(gauges(), (1, 1, 0), "a's window is over at 100");
+    advance(ms(49)).await;
+    assert_eq!(gauges(), (1, 1, 0));
+    advance(ms(1)).await;
+    assert_eq!(gauges(), (0, 0, 0), "b's window is over at 150");
+    // Still held (the sweep has not run) and the sweeper still ticks for them.
+    assert!(rt.stats().sweeping);
+    // A key over its window opens a new one in the same slot: counted again.
+    assert!(t.call("a", ms(100), ok).await.unwrap().is_executed());
+    assert_eq!(gauges(), (1, 1, 0));
+    sleep(ms(60_000)).await;
+    settle().await;
+    let s = rt.stats();
+    assert_eq!(
+        (s.keys, s.throttle.windows, s.timers, s.sweeping),
+        (0, 0, 0, false)
+    );
 }
 
 /// Under a cap of 2 keys: `a` and `b` run (100 ms windows), `c` is refused.
@@ -292,7 +334,10 @@ async fn a_full_key_cap_makes_room_from_windows_that_are_over_without_the_sweepe
         tokio::task::yield_now().await;
     }
     tokio::time::advance(ms(150)).await;
-    assert_eq!(rt.stats().keys, 2, "the sweeper has not run");
+    // Both windows are over: counted nowhere (W9), though they fill the cap until a
+    // pass or the sweeper forgets them.
+    assert_eq!(rt.stats().keys, 0, "over");
+    assert!(rt.stats().sweeping, "the sweeper has not run");
     assert!(!t.call("c", ms(100), ok).await.unwrap().is_throttled());
     assert_eq!(rt.stats().keys, 1, "a and b were over and forgotten");
     assert!(t.call("c", ms(100), ok).await.unwrap().is_throttled());

@@ -769,7 +769,14 @@ impl<T: Clone + Send + Sync + 'static> Service for Shared<T> {
         // The sleepers' wake-ups are timers the runtime does not count.
         let wakeups = self.wakeups();
         stats.timers += wakeups;
-        stats.coalesce.add(&self.snapshot_with(wakeups));
+        let held = self.registry.len();
+        let snapshot = self.snapshot_with(wakeups);
+        // Windows that are over stay in the registry until the sweep or their key's next
+        // call: counted neither in the throttle's keys nor in the runtime's (W9).
+        stats.keys = stats
+            .keys
+            .saturating_sub(held.saturating_sub(snapshot.keys));
+        stats.coalesce.add(&snapshot);
     }
 }
 

@@ -112,7 +112,8 @@ return 1
 
 const PUBLISH: &str = r"
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[1])
-redis.call('PUBLISH', ARGV[2], ARGV[3])
+local sent = redis.pcall('PUBLISH', ARGV[2], ARGV[3])
+if type(sent) == 'table' and sent.err then return 2 end
 return 1
 ";
 
@@ -120,7 +121,8 @@ const CANCEL: &str = r"
 if redis.call('HGET', KEYS[1], 'b') ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
 redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[2])
-redis.call('PUBLISH', ARGV[3], ARGV[4])
+local sent = redis.pcall('PUBLISH', ARGV[3], ARGV[4])
+if type(sent) == 'table' and sent.err then return 2 end
 return 1
 ";
 
@@ -128,7 +130,8 @@ const FLUSH: &str = r"
 local b = redis.call('HGET', KEYS[1], 'b')
 if not b then return 0 end
 redis.call('HSET', KEYS[1], 'f', '1')
-redis.call('PUBLISH', ARGV[1], 'F' .. b .. ' ' .. string.len(ARGV[2]) .. ' ' .. ARGV[2])
+local sent = redis.pcall('PUBLISH', ARGV[1], 'F' .. b .. ' ' .. string.len(ARGV[2]) .. ' ' .. ARGV[2])
+if type(sent) == 'table' and sent.err then return 2 end
 return 1
 ";
 
@@ -464,7 +467,8 @@ impl Redis {
             .arg(ms(OUTCOME_KEEP))
             .arg(self.debounce_channel())
             .arg(notice.frame());
-        let _: i64 = self.invoke(&invocation).await?;
+        let answer: i64 = self.invoke(&invocation).await?;
+        self.notice_sent(answer, key);
         Ok(())
     }
 
@@ -494,7 +498,8 @@ impl Redis {
                 .arg(self.debounce_channel())
                 .arg(notice.frame());
             let cancelled: i64 = self.invoke(&invocation).await?;
-            if cancelled == 1 {
+            self.notice_sent(cancelled, key);
+            if cancelled >= 1 {
                 return Ok(Some(burst));
             }
         }
@@ -511,7 +516,8 @@ impl Redis {
             .arg(self.debounce_channel())
             .arg(key);
         let flushed: i64 = self.invoke(&invocation).await?;
-        Ok(flushed == 1)
+        self.notice_sent(flushed, key);
+        Ok(flushed >= 1)
     }
 }
 

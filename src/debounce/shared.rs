@@ -48,7 +48,7 @@
 //! # Costs
 //!
 //! Per burst: one script per instance per round trip of local calls, one
-//! fire, one publish; the outcome (bincode) stays in Redis for 10 s. Every
+//! fire, one publish; the outcome (MessagePack) stays in Redis for 10 s. Every
 //! instance hears every notice of the prefix on its one subscription (a
 //! parse and a registry lookup each), so very busy fleets may want a prefix
 //! per group of instances that share keys.

@@ -6,6 +6,8 @@ mod future;
 mod handler;
 mod read;
 mod request;
+#[cfg(feature = "postgres")]
+mod transaction;
 
 use std::borrow::Cow;
 use std::fmt;
@@ -28,6 +30,8 @@ use self::backend::{Refusal, StoredResponse};
 use self::exchange::{Claimed, Decided, Pending};
 pub use self::future::IdempotentFuture;
 use self::read::BodyRead;
+#[cfg(feature = "postgres")]
+pub use self::transaction::{MissingTransaction, PgTransaction, TransactionClient};
 use super::body::{BodyError, RequestBody, ResponseBody};
 use super::error::ConfigError;
 use super::problem::{ProblemType, problem};
@@ -71,6 +75,19 @@ struct Config {
     base: IdempotencyOptions,
     /// `base` scoped to clients without credentials, built once.
     anonymous: IdempotencyOptions,
+    /// The store whose transaction guarded requests run in, if any.
+    #[cfg(feature = "postgres")]
+    transactions: Option<transaction::Transactions>,
+}
+
+impl Config {
+    /// Whether guarded requests run in a transaction of the layer's.
+    fn transactional(&self) -> bool {
+        #[cfg(feature = "postgres")]
+        return self.transactions.is_some();
+        #[cfg(not(feature = "postgres"))]
+        false
+    }
 }
 
 /// A request's scope that the runtime cannot take: the detail of the 400.
@@ -358,7 +375,60 @@ impl IdempotencyLayerBuilder {
             counters: stats::counters_of(runtime),
             base: IdempotencyOptions::new(),
             anonymous: IdempotencyOptions::new(),
+            #[cfg(feature = "postgres")]
+            transactions: None,
         }
+    }
+
+    /// Runs every guarded request in a transaction of `store`'s that its handler writes in
+    /// ([`PgTransaction`], from the request's extensions or, with `axum`, as an extractor):
+    /// the handler's writes, the stored response and the completion of the request's key
+    /// commit together under the layer's claim, or not at all. Every rule of the layer holds
+    /// as without it (key and scope limits, 422 for another fingerprint, 409 with
+    /// `Retry-After` while in flight, the store rule, problem+json answers); a status the
+    /// store rule does not store rolls the transaction back, so the retry runs the handler
+    /// again. The claim is the transaction's own (its row locked as its first statement): no
+    /// renewal, never taken over while it lives, free within about a second once its
+    /// connection dies. A request without a key (when keys are optional) gets a transaction
+    /// too, committed by the same rule.
+    ///
+    /// Keys and stored responses are `store`'s: give the runtime the same store
+    /// ([`RuntimeBuilder::with_postgres`](crate::runtime::RuntimeBuilder::with_postgres)) so
+    /// that its other idempotent calls share them. The transactions begin at the store's
+    /// [`TransactionOptions`](crate::idempotency::postgres::TransactionOptions)
+    /// ([`with_transaction_options`](Self::with_transaction_options) sets others). A response
+    /// whose status is stored but which cannot be (over
+    /// [`with_max_stored_response`](Self::with_max_stored_response), with trailers, gRPC) is
+    /// rolled back and answered 500.
+    ///
+    /// See [`PgTransaction`] for an example.
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub fn with_postgres_transaction(
+        mut self,
+        store: &crate::idempotency::postgres::PostgresStore,
+    ) -> Self {
+        crate::idempotency::postgres::count_in(&self.config.idempotency, store);
+        self.config.transactions = Some(transaction::Transactions {
+            store: store.clone(),
+            options: store.transaction_options(),
+        });
+        self
+    }
+
+    /// The isolation level and timeout of the transactions of
+    /// [`with_postgres_transaction`](Self::with_postgres_transaction) (default: the store's).
+    /// Without it set first, this does nothing.
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub fn with_transaction_options(
+        mut self,
+        options: crate::idempotency::postgres::TransactionOptions,
+    ) -> Self {
+        if let Some(transactions) = &mut self.config.transactions {
+            transactions.options = options;
+        }
+        self
     }
 
     /// Guards these methods instead of POST and PATCH.
@@ -586,6 +656,20 @@ where
         }
         let key = match request::key(req.headers()) {
             Ok(Some(key)) => key,
+            #[cfg(feature = "postgres")]
+            Ok(None) if !config.required && config.transactional() => {
+                // No key, but the handler still writes in a transaction of the layer's.
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
+                let run = transaction::exchange(
+                    Arc::clone(config),
+                    inner,
+                    req.map(RequestBody::streaming),
+                    None,
+                    IdempotencyOptions::new(),
+                );
+                return IdempotentFuture::guarded(Box::pin(run));
+            }
             Ok(None) if !config.required => {
                 return IdempotentFuture::passthrough(
                     self.inner.call(req.map(RequestBody::streaming)),

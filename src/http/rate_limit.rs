@@ -165,7 +165,11 @@ impl RateLimitLayer {
     /// # Examples
     ///
     /// One limit shared by every instance through the runtime's Redis when the environment
-    /// names one (`THROTTLEBEAM_REDIS_URL`), each instance's own in memory otherwise:
+    /// names one (`THROTTLEBEAM_REDIS_URL`), each instance's own in memory otherwise. The
+    /// runtime connects in the background: until Redis answers, requests get the enforcer's
+    /// fail mode (open by default: passed, without rate-limit headers), never a limit kept
+    /// in memory. (`runtime.redis()` is `None` until then: a store picked by it would stay in
+    /// memory for good.)
     ///
     /// ```no_run
     /// # #[cfg(feature = "redis")]
@@ -176,13 +180,10 @@ impl RateLimitLayer {
     /// use throttlebeam::rate_limit::{Enforcer, Gcra, Limiter};
     ///
     /// let runtime = Runtime::builder().with_redis_from_env().start().await?;
-    /// let gcra = Gcra::new(100, Duration::from_secs(60))?;
-    /// let layer = match runtime.redis() {
-    ///     Some(redis) => RateLimitLayer::new(Enforcer::new(
-    ///         Limiter::builder(gcra).with_store(redis).build(),
-    ///     )),
-    ///     None => RateLimitLayer::new(Enforcer::new(Limiter::new(gcra))),
-    /// };
+    /// let limiter = Limiter::builder(Gcra::new(100, Duration::from_secs(60))?)
+    ///     .with_runtime_store(&runtime)
+    ///     .build();
+    /// let layer = RateLimitLayer::new(Enforcer::new(limiter));
     /// # let _ = layer;
     /// # Ok(()) }
     /// ```

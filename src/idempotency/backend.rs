@@ -69,6 +69,10 @@ impl IdempotencyStore for BackendStore {
         }
     }
 
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
     fn watch(&self, key: &str) -> KeyChanged {
         match self.0.get() {
             Some(redis) => IdempotencyStore::watch(redis, key),

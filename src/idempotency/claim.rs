@@ -36,16 +36,18 @@ use super::seam::{ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, KeyCha
 use super::store::{Record, ResultTable};
 #[cfg(feature = "http")]
 use super::{Claimed, Looked};
+use super::{Fence, NotRecorded};
 use crate::cell::RunCell;
-use crate::error::{BoxError, Error};
+use crate::error::{BoxError, Error, with_causes};
 use crate::key::{InlineKey, shown};
+use crate::log_every::LogEvery;
 use crate::store::{Fault, guard, store_call};
 
 mod ticket;
 
 #[cfg(feature = "http")]
 pub(crate) use self::ticket::CompletedNow;
-pub(crate) use self::ticket::{Lapse, Renewer, Ticket};
+pub(crate) use self::ticket::{Lapse, Renewer, Ticket, Unrecorded};
 use self::ticket::{MAX_POLL, may_have_landed, renew_period};
 
 /// How a claim ended, as its waiters see it.
@@ -129,6 +131,10 @@ pub(crate) struct Ledger {
     /// too, and results live there instead of in `store`.
     shared: Option<Arc<dyn IdempotencyStore>>,
     pub(crate) tally: Tally,
+    /// Lines logged for many calls at once, at most once per interval each.
+    pub(crate) logs: Logs,
+    /// The fencing counter of claims made without a shared store.
+    fences: AtomicU64,
     cap: usize,
     closed: AtomicBool,
 }
@@ -140,11 +146,14 @@ impl Ledger {
         store: ResultTable,
         shared: Option<Arc<dyn IdempotencyStore>>,
     ) -> Self {
+        let logs = Logs::new(shared.as_deref().map_or("memory", |s| s.name()));
         Self {
             claims: Registry::new(counters, cap),
             store,
             shared,
             tally: Tally::default(),
+            logs,
+            fences: AtomicU64::new(0),
             cap,
             closed: AtomicBool::new(false),
         }
@@ -308,10 +317,10 @@ impl Ledger {
         // An early return (or this future dropped) drops the ticket, which
         // releases the local claim, and the shared one if it may be there.
         ticket.unanswered = reply.as_ref().is_err_and(may_have_landed);
-        let reply = reply.map_err(|e| unavailable(key, Arc::new(e)))?;
+        let reply = reply.map_err(|e| self.logs.failing_closed(key, Arc::new(e)))?;
         match reply {
             ClaimReply::Won { fence } => {
-                ticket.fence = Some(fence);
+                ticket.fence = Fence::new(fence);
                 // The store started the lease no later than its reply.
                 ticket.lapse = Some(Lapse::new(Instant::now() + ticket.lease));
                 Ok(Step::Owner(ticket))
@@ -495,9 +504,12 @@ impl Ledger {
             lease: options.lease(),
             claimed_at: now,
             held: true,
-            fence: None,
+            // Without a shared store the ledger's counter fences; a shared store's claim
+            // replaces it with the store's.
+            fence: Fence::new(self.fences.fetch_add(1, Ordering::Relaxed) + 1),
             lapse: None,
             unanswered: false,
+            ran: false,
         }))
     }
 
@@ -595,27 +607,82 @@ fn watch(shared: &dyn IdempotencyStore, key: &str) -> KeyChanged {
     )
 }
 
-/// `error` and its sources, `: `-separated, for a log line.
-pub(crate) fn with_causes(error: &(dyn std::error::Error + '_)) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(inner) = cause {
-        text.push_str(": ");
-        text.push_str(&inner.to_string());
-        cause = inner.source();
-    }
-    text
+/// How often a line that many calls would log goes out, with a count of the others: one line
+/// per breaker cooldown (by default) and cause, not one per call.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// The ledger's log lines that many calls share.
+pub(crate) struct Logs {
+    /// What kind of shared store the ledger has ("memory" without one).
+    store: &'static str,
+    failing_closed: LogEvery,
+    unrecorded: LogEvery,
 }
 
-/// The error of a store that failed `key`'s caller (idempotency fails
-/// closed), logged at warn with its causes.
-fn unavailable(key: &str, source: BoxError) -> Error {
-    if tracing::enabled!(tracing::Level::WARN) {
-        let error = with_causes(&*source);
-        tracing::warn!(key = %shown(key), %error, "idempotency store unavailable; failing closed");
+impl Logs {
+    fn new(store: &'static str) -> Self {
+        Self {
+            store,
+            failing_closed: LogEvery::new(LOG_EVERY),
+            unrecorded: LogEvery::new(LOG_EVERY),
+        }
     }
-    Error::StoreUnavailable {
-        key: shown(key),
-        source,
+
+    /// The error of a store that failed `key`'s caller before anything ran (idempotency fails
+    /// closed), logged at warn with its causes at most once per [`LOG_EVERY`].
+    pub(crate) fn failing_closed(&self, key: &str, source: BoxError) -> Error {
+        if tracing::enabled!(tracing::Level::WARN)
+            && let Some(held_back) = self.failing_closed.due()
+        {
+            let error = with_causes(&*source);
+            tracing::warn!(
+                store = self.store,
+                key = %shown(key),
+                %error,
+                held_back,
+                "idempotency store unavailable; failing closed (nothing ran): one line per \
+                 {LOG_EVERY:?}, held_back counts the calls since the last"
+            );
+        }
+        Error::StoreUnavailable {
+            key: shown(key),
+            source,
+        }
+    }
+
+    /// Logs a result that ran but was not recorded (`cause`: the store's last error), at most
+    /// once per [`LOG_EVERY`]: at error when the store is why (a retry after the lease may run
+    /// the operation again), at warn for a claim taken over.
+    pub(crate) fn unrecorded(
+        &self,
+        key: &str,
+        why: NotRecorded,
+        cause: Option<&(dyn std::error::Error + Send + Sync)>,
+    ) {
+        let Some(held_back) = self.unrecorded.due() else {
+            return;
+        };
+        let error = cause.map(|e| with_causes(e)).unwrap_or_default();
+        if why == NotRecorded::LeaseLost {
+            tracing::warn!(
+                store = self.store,
+                key,
+                %why,
+                held_back,
+                "idempotency result not recorded: this holder's lease lapsed in the store while it \
+                 ran (cut off or paused past its lease); the key is another holder's"
+            );
+        } else {
+            tracing::error!(
+                store = self.store,
+                key,
+                %why,
+                %error,
+                held_back,
+                "idempotency result not recorded: the store did not take it before the claim \
+                 lapsed there; its key was not released, but a retry after the lease may run the \
+                 operation again"
+            );
+        }
     }
 }

@@ -8,9 +8,13 @@ use std::task::{Context, Poll, ready};
 
 use pin_project_lite::pin_project;
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::CatchPanic;
 
-use super::claim::{CompletedNow, Ledger, Ticket};
+use tokio::task::futures::TaskLocalFuture;
+
+use super::Fence;
+use super::claim::{CompletedNow, Ledger, Ticket, Unrecorded};
 use crate::error::Error;
 use crate::key::shown;
 
@@ -27,13 +31,14 @@ pin_project! {
     /// Dropped before it ends, the ticket goes with it: the key is released.
     pub(crate) struct ClaimedRun<W, H> {
         ticket: Option<Ticket>,
+        // The work sees its claim's fence (`Fence::current`).
         #[pin]
-        work: CatchPanic<W>,
+        work: CatchPanic<TaskLocalFuture<Fence, W>>,
         // Built once the work is pending: work that ends at its first poll renews nothing.
         renewing: Option<Boxed<()>>,
-        // A completion that must wait (a shared store), its ledger, and what to hand back
-        // after it: rare, so boxed whole (the run's box stays small).
-        completing: Option<Box<(Boxed<Result<(), Error>>, Arc<Ledger>, H)>>,
+        // A completion that must wait (a shared store) and what to hand back after it: rare,
+        // so boxed whole (the run's box stays small).
+        completing: Option<Box<(Boxed<Result<(), Unrecorded>>, H)>>,
         // The task of the first poll: a run that ends in another has lost its caller.
         started_in: Option<Option<tokio::task::Id>>,
     }
@@ -41,9 +46,10 @@ pin_project! {
 
 impl<W: Future, H> ClaimedRun<W, H> {
     pub(super) fn new(claim: Claimed, work: W) -> Self {
+        let work = throttlebeam_supervisors::catch_panic(claim.0.fence().scope(work));
         Self {
             ticket: Some(claim.0),
-            work: throttlebeam_supervisors::catch_panic(work),
+            work,
             renewing: None,
             completing: None,
             started_in: None,
@@ -54,7 +60,7 @@ impl<W: Future, H> ClaimedRun<W, H> {
 impl<W, T, E, H> Future for ClaimedRun<W, H>
 where
     W: Future<Output = (Result<T, E>, H)>,
-    T: Serialize + Send + Sync + 'static,
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
     E: Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
 {
     type Output = Result<H, Error>;
@@ -95,27 +101,18 @@ where
                     return Poll::Ready(Ok(handed));
                 }
             };
+            // Not recorded (logged by the ticket): the handler ran, its response goes out.
             let (ticket, value) = match ticket.complete_now(value) {
-                CompletedNow::Done(completed) => {
-                    if let Err(error) = completed {
-                        super::failed(gone.as_deref(), &error);
-                    }
-                    return Poll::Ready(Ok(handed));
-                }
+                CompletedNow::Done => return Poll::Ready(Ok(handed)),
                 CompletedNow::Waits(ticket, value) => (ticket, value),
             };
             // Boxed: a completion that waits is rare (a shared store).
-            let ledger = ticket.ledger();
-            *this.completing = Some(Box::new((Box::pin(ticket.complete(value)), ledger, handed)));
+            *this.completing = Some(Box::new((Box::pin(ticket.complete(value)), handed)));
         }
-        let (completing, ledger, _) = &mut **this.completing.as_mut().expect("just set");
-        let completed = ready!(completing.as_mut().poll(cx));
-        if let Err(error) = completed
-            && tokio::task::try_id() != started_in
-        {
-            super::failed(Some(ledger), &error);
-        }
-        let (_, _, handed) = *this.completing.take().expect("just polled");
+        let (completing, _) = &mut **this.completing.as_mut().expect("just set");
+        // Not recorded (logged by the ticket): the handler ran, its response goes out.
+        let _ = ready!(completing.as_mut().poll(cx));
+        let (_, handed) = *this.completing.take().expect("just polled");
         Poll::Ready(Ok(handed))
     }
 }

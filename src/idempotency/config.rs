@@ -17,6 +17,9 @@ pub(super) struct IdempotencyConfig {
     pub(super) max_bytes: usize,
     /// Where claims and results are shared, if the builder named a store.
     pub(super) store: Option<Arc<dyn IdempotencyStore>>,
+    /// That store, when it is PostgreSQL: its figures go in the runtime's stats.
+    #[cfg(feature = "postgres")]
+    pub(super) postgres: Option<crate::idempotency::postgres::PostgresStore>,
 }
 
 impl Default for IdempotencyConfig {
@@ -25,6 +28,8 @@ impl Default for IdempotencyConfig {
             max_results: DEFAULT_MAX_IDEMPOTENCY_RESULTS,
             max_bytes: DEFAULT_MAX_IDEMPOTENCY_BYTES,
             store: None,
+            #[cfg(feature = "postgres")]
+            postgres: None,
         }
     }
 }
@@ -92,8 +97,8 @@ impl RuntimeBuilder {
     /// (counted in [`IdempotencyStats::evictions`](crate::idempotency::IdempotencyStats),
     /// logged at warn at most once a minute), so large results cannot
     /// exhaust memory however few they are. A result weighs its key, its
-    /// value's bincode-encoded size (the measure of a value's size that
-    /// works for every type) and about 200 bytes for its entry; a result
+    /// value's encoded size, as a shared store would keep it (MessagePack:
+    /// the measure of a value's size that works for every type) and about 200 bytes for its entry; a result
     /// heavier than the whole budget is not kept (a retry runs again). What
     /// the results weigh now is [`IdempotencyStats::stored_bytes`](crate::idempotency::IdempotencyStats).
     ///
@@ -122,8 +127,8 @@ impl RuntimeBuilder {
     /// runtime given the same store: one execution per key across all of
     /// them (see [`IdempotencyStore`]). Callers on
     /// this runtime still join one local claim per key, so a key costs one
-    /// claim round trip per runtime, not per caller. Results travel
-    /// bincode-encoded with their type name. Without a shared store (the
+    /// claim round trip per runtime, not per caller. Results travel encoded
+    /// (MessagePack, in the versioned envelope) with their type name. Without a shared store (the
     /// default) results stay in this runtime's own table as typed values.
     ///
     /// # Examples
@@ -142,7 +147,12 @@ impl RuntimeBuilder {
     /// # Ok(()) }
     /// ```
     pub fn with_idempotency_store(mut self, store: impl IdempotencyStore) -> Self {
-        self.settings.get_mut::<IdempotencyConfig>().store = Some(Arc::new(store));
+        let config = self.settings.get_mut::<IdempotencyConfig>();
+        config.store = Some(Arc::new(store));
+        #[cfg(feature = "postgres")]
+        {
+            config.postgres = None;
+        }
         self
     }
 
@@ -174,7 +184,8 @@ impl RuntimeBuilder {
     /// ```
     #[cfg(feature = "postgres")]
     #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-    pub fn with_postgres(self, store: crate::idempotency::postgres::PostgresStore) -> Self {
+    pub fn with_postgres(mut self, store: crate::idempotency::postgres::PostgresStore) -> Self {
+        self.settings.get_mut::<IdempotencyConfig>().postgres = Some(store.clone());
         self.with_idempotency_store(store)
     }
 }

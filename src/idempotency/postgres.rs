@@ -79,6 +79,47 @@
 //! # use throttlebeam::idempotency::postgres::tokio_postgres;
 //! ```
 //!
+//! **Behind an HTTP route**: an [`IdempotencyLayer`](crate::http::IdempotencyLayer) built
+//! [`with_postgres_transaction`](crate::http::IdempotencyLayerBuilder::with_postgres_transaction)
+//! hands its handler the transaction ([`PgTransaction`](crate::http::PgTransaction)), and the
+//! handler's writes, the stored response and the key's completion commit together under the
+//! layer's claim (features `http`, or `axum` for the extractor).
+//!
+//! # Transactional runs
+//!
+//! A transactional run's claim is held by its own transaction, not renewed beside it:
+//!
+//! - the claim is the table's one claim statement (the runtime's too), sent on the connection
+//!   the run will use, with a one-second *grace* as its lease (shorter if the run's lease is)
+//!   and an unflushed commit: duplicates on every instance see the key in flight with its
+//!   fingerprint (422 for another body, 409 or a wait for the same) without blocking;
+//! - the transaction begins on that connection at the run's isolation level
+//!   ([`TransactionOptions::with_isolation_level`]; by default the session's
+//!   `default_transaction_isolation`), and its first statement locks the claim's row
+//!   (`SELECT … FOR UPDATE`), so its snapshot follows the claim. The closure cannot set the
+//!   level itself (`SET TRANSACTION ISOLATION LEVEL` must come first): that is what the option
+//!   is for;
+//! - from then on the row lock is the claim. Nothing renews it and no second connection is
+//!   needed: a live run is never taken over, however long it lasts and however full the pool
+//!   (a claim whose lease ended is taken over only if no transaction holds its row:
+//!   `FOR UPDATE SKIP LOCKED`, with a 200 ms `lock_timeout` answered as busy). Once the owner's
+//!   connection dies (a killed process, `pg_terminate_backend`) the lock goes with it, and a
+//!   waiting duplicate's next look, at most half a second later, takes the key over;
+//! - inside the transaction the row is reached by its `ctid` alone, never through an index,
+//!   so at SERIALIZABLE no predicate lock of the table's index makes concurrent runs of other
+//!   keys conflict; runs succeed at READ COMMITTED, REPEATABLE READ and SERIALIZABLE. A
+//!   serialization failure of the closure's own statements is [`Error::Failed`](crate::Error::Failed)
+//!   with the driver's error as its source ([`is_serialization_failure`]): the key was
+//!   released, and calling again runs it again;
+//! - the completion (in the transaction, compare-and-set on the token and on the transaction
+//!   that locked the row) and the commit make the run visible, effect and record together.
+//!
+//! An orphaned transaction (its client cut off without the server noticing) holds its key
+//! until the server ends it: every run sets `statement_timeout` and
+//! `idle_in_transaction_session_timeout` to [`TransactionOptions::with_timeout`] (60 s by
+//! default), so at most twice that (120 s by default). Keep a closure's waits between two
+//! statements (a card network's answer) under that timeout.
+//!
 //! # The table
 //!
 //! [`PostgresStore::migrate`] creates it (once; running it again changes
@@ -92,10 +133,14 @@
 #![doc = include_str!("postgres/schema.sql")]
 //! ```
 //!
+//! It is quiet (`client_min_messages = warning`: no "already exists" notices on every start).
+//! [`PostgresStore::undo_migration_sql`] gives the SQL that drops it all again.
+//!
 //! A row is a key in flight until its lease ends, or a completed result until
 //! its TTL ends; either way an expired row is free. Results are stored in the
-//! same versioned envelope as in Redis (`tb`, a format version, then bincode
-//! 2), with their Rust type name, so another build reads them or refuses them
+//! same versioned envelope as in Redis (`tb`, a format version, then
+//! MessagePack; bincode 2 in version 1, still read), with their Rust type
+//! name, so another build reads them or refuses them
 //! ([`Error::StoreUnavailable`](crate::Error::StoreUnavailable) with a
 //! [`WireError`](crate::store::WireError)), never misreads them.
 //!
@@ -144,7 +189,21 @@
 //! nothing, except an owner's renewals and completions, which always go out
 //! (a run that happened must not lose its result to a short outage). A
 //! statement whose caller goes away before it answered is cancelled on the
-//! server and its connection discarded. Connections are plain TCP (no TLS).
+//! server and its connection discarded.
+//!
+//! Connections are plain TCP unless the URL asks for TLS (feature `postgres-tls`, rustls on
+//! ring): `sslmode=require` (encrypted; the certificate checked only against a CA if one is
+//! given), `verify-ca` (its chain against the CA), `verify-full` (its chain and host name),
+//! the CA from `sslrootcert=<file>` or [`PostgresBuilder::with_ca_pem`]. Without the feature
+//! no TLS stack is compiled, and a URL asking for TLS is a configuration error.
+//!
+//! The pool is the store's own ([`PostgresBuilder::with_pool_size`], 16 by default) or the
+//! application's ([`PostgresBuilder::with_pool`]). A transactional run holds one connection
+//! for its whole transaction; past the pool's size, a call waits for a connection at most the
+//! command timeout (5 s by default) and then fails with
+//! [`Error::StoreUnavailable`](crate::Error::StoreUnavailable) naming the pool (an HTTP 503),
+//! having run nothing; [`PostgresStats::pool_waits`] and [`PostgresStats::pool_timeouts`]
+//! count both.
 //!
 //! The default runtime ([`Runtime::global`](crate::Runtime::global)) uses
 //! the database [`POSTGRES_URL_ENV`] names, connecting and migrating in the
@@ -152,9 +211,12 @@
 //! fail closed.
 
 mod notify;
+#[cfg(feature = "http")]
+mod open;
 mod pool;
 mod sql;
 mod sweep;
+mod tls;
 mod transaction;
 
 use std::sync::Arc;
@@ -163,9 +225,15 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+#[cfg(feature = "http")]
+pub(crate) use self::open::{Begun, Ended, Open};
+pub(crate) use self::pool::Conn;
 use self::pool::{Class, Connections};
 use self::sql::{Sql, TableName};
-pub use self::transaction::TransactionFuture;
+pub(crate) use self::transaction::{
+    Acquired, CommitFailed, Locked, Owner, TransactionFailed, acquire, lost_at_lock, unavailable,
+};
+pub use self::transaction::{TransactionFuture, TransactionOptions, is_serialization_failure};
 use crate::store::{BreakerConfig, BreakerStats, StoreError};
 use crate::{
     idempotency::ClaimReply, idempotency::ClaimRequest, idempotency::ClaimToken,
@@ -178,6 +246,10 @@ use crate::{
 /// [`Error`](tokio_postgres::Error), [`ToSql`](tokio_postgres::types::ToSql))
 /// are the ones of the version in use.
 pub use tokio_postgres;
+
+/// The connection pool this module uses, re-exported so that a pool made by the application
+/// ([`PostgresBuilder::with_pool`]) is of the version in use.
+pub use deadpool_postgres;
 
 /// The environment variable the default runtime reads its PostgreSQL from:
 /// a URL (`postgres://user@host:5432/db`) or key-value string
@@ -219,6 +291,13 @@ pub struct PostgresBuilder {
     sweep_interval: Duration,
     sweep_batch: u32,
     auto_migrate: bool,
+    transaction: TransactionOptions,
+    /// A pool made elsewhere, used instead of opening one.
+    pool: Option<deadpool_postgres::Pool>,
+    /// What the URL asked of TLS.
+    tls: tls::Asked,
+    /// A CA (PEM) to check the server's certificate against.
+    ca_pem: Option<Vec<u8>>,
 }
 
 impl std::fmt::Debug for PostgresBuilder {
@@ -237,7 +316,10 @@ impl std::fmt::Debug for PostgresBuilder {
 
 impl PostgresBuilder {
     fn new(url: &str) -> Self {
+        let (url, tls) = tls::split(url);
         Self {
+            tls,
+            ca_pem: None,
             config: url
                 .parse::<tokio_postgres::Config>()
                 .map_err(|e| format!("invalid postgres url: {e}")),
@@ -250,7 +332,67 @@ impl PostgresBuilder {
             sweep_interval: Duration::from_secs(60),
             sweep_batch: 1_000,
             auto_migrate: false,
+            transaction: TransactionOptions::new(),
+            pool: None,
         }
+    }
+
+    /// Sends the store's statements and transactional runs through `pool`, a pool the
+    /// application made (and shares with its own queries), instead of opening one: the
+    /// store's statements and the application's take turns on its connections, and
+    /// [`with_pool_size`](Self::with_pool_size) is ignored (the pool's own size holds). The
+    /// URL still names the database, for the one connection the store opens outside the pool
+    /// (its `LISTEN` for wake-ups), so it must name the pool's database.
+    ///
+    /// A transactional run holds one connection of the pool for its whole transaction, and
+    /// the store's statements wait for a connection at most the command timeout: size the
+    /// pool for the application's queries plus the runs in flight.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use throttlebeam::idempotency::postgres::{PostgresStore, deadpool_postgres, tokio_postgres};
+    ///
+    /// let url = "postgres://app@127.0.0.1/shop";
+    /// let manager = deadpool_postgres::Manager::new(url.parse()?, tokio_postgres::NoTls);
+    /// let pool = deadpool_postgres::Pool::builder(manager).max_size(32).build()?;
+    /// // The application queries `pool`; the store shares it.
+    /// let store = PostgresStore::builder(url).with_pool(pool.clone()).connect().await?;
+    /// # drop(store); Ok(()) }
+    /// ```
+    pub fn with_pool(mut self, pool: deadpool_postgres::Pool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    /// The CA (PEM, one or more certificates) that the server's certificate must chain to,
+    /// as `sslrootcert=<file>` in the URL gives it (feature `postgres-tls`). With it,
+    /// `sslmode=require` (and `prefer`) check the chain as `verify-ca` does; `verify-full`
+    /// checks the host name too. Without the feature, a CA is a configuration error.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo(ca_pem: Vec<u8>) -> Result<(), throttlebeam::store::StoreError> {
+    /// use throttlebeam::idempotency::postgres::PostgresStore;
+    ///
+    /// let store = PostgresStore::builder("postgres://app@db.internal/shop?sslmode=verify-full")
+    ///     .with_ca_pem(ca_pem)
+    ///     .connect()
+    ///     .await?;
+    /// # drop(store); Ok(()) }
+    /// ```
+    pub fn with_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.ca_pem = Some(pem.into());
+        self
+    }
+
+    /// The isolation level and timeout of this store's transactional runs (default: the
+    /// session's isolation level, 60 s), see [`TransactionOptions`].
+    pub fn with_transaction_options(mut self, options: TransactionOptions) -> Self {
+        self.transaction = options;
+        self
     }
 
     /// The table (default `throttlebeam_idempotency`), optionally
@@ -322,7 +464,7 @@ impl PostgresBuilder {
     fn build(self, ready: bool) -> Result<Arc<Inner>, StoreError> {
         let mut config = self.config.map_err(StoreError::Config)?;
         let table = TableName::parse(&self.table)?;
-        if self.pool_size < MIN_POOL {
+        if self.pool.is_none() && self.pool_size < MIN_POOL {
             return Err(StoreError::Config(format!(
                 "postgres pool size {} is below the minimum of {MIN_POOL}",
                 self.pool_size
@@ -350,13 +492,20 @@ impl PostgresBuilder {
             config.application_name("throttlebeam");
         }
         config.connect_timeout(self.connect_timeout);
-        let connections = Connections::new(
-            config,
-            self.pool_size,
-            self.command_timeout,
-            self.connect_timeout,
-            self.breaker,
-        )?;
+        let tls = tls::connector(&mut config, &self.tls, self.ca_pem.as_deref())?;
+        let connections = match self.pool {
+            Some(pool) => {
+                Connections::with_pool(pool, config, tls, self.command_timeout, self.breaker)
+            }
+            None => Connections::new(
+                config,
+                tls,
+                self.pool_size,
+                self.command_timeout,
+                self.connect_timeout,
+                self.breaker,
+            )?,
+        };
         Ok(Arc::new(Inner {
             sql: Sql::new(table),
             connections,
@@ -369,6 +518,8 @@ impl PostgresBuilder {
             ready: AtomicBool::new(ready),
             connecting: AtomicBool::new(false),
             auto_migrate: self.auto_migrate,
+            transaction: self.transaction,
+            runs: RunCounters::default(),
         }))
     }
 
@@ -406,7 +557,7 @@ impl PostgresBuilder {
 }
 
 /// The store's shared state.
-struct Inner {
+pub(crate) struct Inner {
     sql: Sql,
     connections: Connections,
     waiters: notify::Waiters,
@@ -421,6 +572,70 @@ struct Inner {
     /// A background connection attempt runs.
     connecting: AtomicBool,
     auto_migrate: bool,
+    /// The default options of transactional runs.
+    transaction: TransactionOptions,
+    /// What transactional runs came to.
+    runs: RunCounters,
+}
+
+/// Counters of transactional runs (store-wide, whoever runs them).
+#[derive(Debug, Default)]
+pub(crate) struct RunCounters {
+    pub(crate) fresh: AtomicU64,
+    pub(crate) replays: AtomicU64,
+    pub(crate) fingerprint_mismatches: AtomicU64,
+    pub(crate) in_flight: AtomicU64,
+    pub(crate) takeovers: AtomicU64,
+    pub(crate) committed: AtomicU64,
+    pub(crate) rolled_back: AtomicU64,
+    pub(crate) pool_waits: AtomicU64,
+}
+
+/// Reports `store`'s figures in the stats of the runtime of `idempotency`
+/// (`runtime.stats().postgres`), unless that runtime reports a store already.
+pub(crate) fn count_in(idempotency: &crate::IdempotencyHandle, store: &PostgresStore) {
+    report_in(&idempotency.runtime().core, store);
+}
+
+/// Reports `store`'s figures in the stats of `core`'s runtime, unless it reports one already.
+pub(crate) fn report_in(core: &crate::runtime::Core, store: &PostgresStore) {
+    let _ = core.service(|_| StatsService(store.clone()));
+}
+
+/// A store's figures in a runtime's stats.
+struct StatsService(PostgresStore);
+
+impl crate::runtime::Service for StatsService {
+    fn stats(&self, stats: &mut crate::Stats) {
+        stats.postgres = self.0.stats();
+    }
+}
+
+/// `value`'s stored form for a request with `fingerprint`, checked to read back (see
+/// `checked_stored_result`).
+#[cfg(feature = "http")]
+pub(crate) fn stored_result<T>(
+    fingerprint: Option<crate::idempotency::Fingerprint>,
+    value: &T,
+) -> Result<StoredResult, crate::Error>
+where
+    T: Serialize + serde::de::DeserializeOwned + 'static,
+{
+    crate::idempotency::store::checked_stored_result(fingerprint, value)
+        .map_err(|e| unavailable("(response)", e))
+}
+
+/// Whether a claim failed only because its key is contended this instant: a lock it would
+/// have waited for past the claim's `lock_timeout`, or a serialization failure or deadlock of
+/// the claim's own statement (a database whose default isolation is SERIALIZABLE). The claim
+/// answers busy; the store did not fail.
+fn is_contention(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    e.code().is_some_and(|code| {
+        *code == SqlState::LOCK_NOT_AVAILABLE
+            || *code == SqlState::T_R_SERIALIZATION_FAILURE
+            || *code == SqlState::T_R_DEADLOCK_DETECTED
+    })
 }
 
 /// Why a call found a store connecting in the background not connected
@@ -486,15 +701,28 @@ impl Inner {
         let fingerprint = request.fingerprint.map(|f| &f[..]);
         let lease = millis(request.lease);
         let durable = true;
-        let row = self
-            .connections
-            .query_one(
-                Class::Refusable,
-                &self.sql.claim,
-                &[&key.as_bytes(), &&token[..], &fingerprint, &lease, &durable],
-            )
-            .await?;
-        claim_reply(&row, request.fingerprint)
+        let connections = &self.connections;
+        let sql = &self.sql.claim;
+        connections
+            .guarded(Class::Refusable, async {
+                let mut conn = connections.get().await?;
+                connections.count();
+                match conn
+                    .query_one(
+                        sql,
+                        &[&key.as_bytes(), &&token[..], &fingerprint, &lease, &durable],
+                    )
+                    .await
+                {
+                    Ok(row) => claim_reply(&row, request.fingerprint),
+                    // Contended this instant (a lock, a serialization failure): look again soon.
+                    Err(e) if is_contention(&e) => Ok(ClaimReply::Busy {
+                        lease_left: Duration::from_millis(50),
+                    }),
+                    Err(e) => Err(pool::store_error(e)),
+                }
+            })
+            .await
     }
 
     async fn complete(
@@ -708,6 +936,61 @@ pub struct PostgresStats {
     /// Whether the server has answered (a store connecting in the
     /// background is not connected until it does).
     pub connected: bool,
+    /// Connections the pool may open ([`PostgresBuilder::with_pool_size`], or the size of a
+    /// pool given with [`PostgresBuilder::with_pool`]).
+    pub pool_size: usize,
+    /// Times a statement or a transactional run found no connection free and waited for one
+    /// (at most the command timeout).
+    pub pool_waits: u64,
+    /// Times that wait ran out: the caller failed with [`Error::StoreUnavailable`](crate::Error::StoreUnavailable)
+    /// (an HTTP 503), nothing ran.
+    pub pool_timeouts: u64,
+    /// Transactional runs (through [`PostgresStore::run_in_transaction`] or the HTTP layer's
+    /// transactions).
+    pub transactions: TransactionStats,
+}
+
+impl Default for PostgresStats {
+    /// All zero: no store.
+    fn default() -> Self {
+        Self {
+            statements: 0,
+            breaker: crate::store::Breaker::new(BreakerConfig::default()).stats(),
+            subscriptions: 0,
+            notices: 0,
+            swept: 0,
+            connected: false,
+            pool_size: 0,
+            pool_waits: 0,
+            pool_timeouts: 0,
+            transactions: TransactionStats::default(),
+        }
+    }
+}
+
+/// Counters of a [`PostgresStore`]'s transactional runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[non_exhaustive]
+pub struct TransactionStats {
+    /// Runs that claimed their key and began their transaction.
+    pub fresh: u64,
+    /// Calls answered with a committed result.
+    pub replays: u64,
+    /// Calls refused for another fingerprint.
+    pub fingerprint_mismatches: u64,
+    /// Calls that found their key in flight and were refused at once or waited past their
+    /// wait timeout.
+    pub in_flight: u64,
+    /// Claims that took over a key whose holder was gone (its lease over and its row locked
+    /// by no transaction).
+    pub takeovers: u64,
+    /// Runs whose transaction committed with their result.
+    pub committed: u64,
+    /// Runs rolled back: the closure or handler failed, panicked or answered a status that is
+    /// not stored, or the transaction around it failed.
+    pub rolled_back: u64,
+    /// Runs that waited for a connection to claim their key on.
+    pub pool_waits: u64,
 }
 
 impl PostgresStore {
@@ -764,6 +1047,24 @@ impl PostgresStore {
         &self.inner.sql.migrate
     }
 
+    /// The SQL that undoes [`PostgresStore::migrate`] for this store's table: drops the
+    /// claim function, the table (every key and result in it) and the fencing sequence. For
+    /// the default table it is:
+    ///
+    /// ```sql
+    #[doc = include_str!("postgres/undo.sql")]
+    /// ```
+    #[must_use]
+    pub fn undo_migration_sql(&self) -> &str {
+        &self.inner.sql.undo
+    }
+
+    /// The options transactional runs begin with unless told otherwise
+    /// ([`PostgresBuilder::with_transaction_options`]).
+    pub fn transaction_options(&self) -> TransactionOptions {
+        self.inner.transaction
+    }
+
     /// The table, as configured (`table` or `schema.table`).
     #[must_use]
     pub fn table(&self) -> String {
@@ -774,7 +1075,23 @@ impl PostgresStore {
     #[must_use]
     pub fn stats(&self) -> PostgresStats {
         let (subscriptions, notices) = self.inner.waiters.counts();
+        let (pool_waits, pool_timeouts) = self.inner.connections.pool_counts();
+        let runs = &self.inner.runs;
+        let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
         PostgresStats {
+            pool_size: self.inner.connections.pool_size().0,
+            pool_waits,
+            pool_timeouts,
+            transactions: TransactionStats {
+                fresh: read(&runs.fresh),
+                replays: read(&runs.replays),
+                fingerprint_mismatches: read(&runs.fingerprint_mismatches),
+                in_flight: read(&runs.in_flight),
+                takeovers: read(&runs.takeovers),
+                committed: read(&runs.committed),
+                rolled_back: read(&runs.rolled_back),
+                pool_waits: read(&runs.pool_waits),
+            },
             statements: self.inner.connections.statements(),
             breaker: self.inner.connections.breaker.stats(),
             subscriptions,
@@ -838,6 +1155,10 @@ impl IdempotencyStore for PostgresStore {
 
     fn watch(&self, key: &str) -> KeyChanged {
         notify::watch(&self.inner, key)
+    }
+
+    fn name(&self) -> &'static str {
+        "postgres"
     }
 }
 

@@ -14,8 +14,12 @@
 //! In flight, the record expires with the lease (the owner renews it while
 //! its function runs, so only an owner that is gone lets it lapse);
 //! completed, with the result's TTL. The fencing counter lives beside it at
-//! `{prefix:key}:in` and only ever grows, so a claim's counter orders it
-//! after every earlier claim of the key. Completion and release publish the
+//! `{prefix:key}:in` with the token of the claim that took it
+//! (`<fence>:<token>`, kept for the result's TTL) and only ever grows, so a
+//! claim's counter orders it after every earlier claim of the key; a
+//! completion that finds the record gone stores only if that last claim is
+//! its own (an owner paused past its lease, whose key was taken over and
+//! released since, is fenced off). Completion and release publish the
 //! key on one channel per prefix (on a cluster, on the key's own shard
 //! channel), so waiters elsewhere wake at once (see "Waiters" below).
 //!
@@ -53,8 +57,14 @@ use crate::{
 };
 
 const CLAIM: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 'v', 'ty')
+local rec = redis.call('HMGET', KEYS[1], 's', 'fp', 'v', 'ty', 't', 'n')
 if rec[1] then
+  -- The same claim sent again (its reply was lost; a cluster client re-sends after an I/O
+  -- error): still this claimant's, with its lease from now.
+  if rec[1] == 'f' and rec[5] == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    return {'won', rec[6]}
+  end
   if (rec[2] or '') ~= ARGV[2] then return {'mismatch'} end
   if rec[1] == 'c' then return {'replay', rec[3] or '', rec[4] or ''} end
   return {'busy', redis.call('PTTL', KEYS[1])}
@@ -62,10 +72,14 @@ end
 -- Monotonic across a failover (see the module docs): never below the server's clock in µs.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local fence = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, now)
+-- The last claim, `<fence>:<token>` (a build before 0.3 wrote the fence alone).
+local last = redis.call('GET', KEYS[2]) or '0'
+local n = #last
+if n > 17 and string.sub(last, n - 16, n - 16) == ':' then last = string.sub(last, 1, n - 17) end
+local fence = math.max((tonumber(last) or 0) + 1, now)
 -- Written as digits: Lua would print a number this large as 1.7e+15.
 local digits = string.format('%.0f', fence)
-redis.call('SET', KEYS[2], digits, 'PX', ARGV[4])
+redis.call('SET', KEYS[2], digits .. ':' .. ARGV[1], 'PX', ARGV[4])
 redis.call('HSET', KEYS[1], 's', 'f', 't', ARGV[1], 'n', digits, 'fp', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {'won', fence}
@@ -83,10 +97,24 @@ if rec[1] == 'c' then
   return 0
 end
 if rec[1] == 'f' and rec[2] ~= ARGV[1] then return 0 end
+if not rec[1] then
+  -- The record is gone (the claim lapsed, or was released): the result is still the only one
+  -- unless the key was claimed since this owner's claim (fenced: its late result is refused).
+  local last = redis.call('GET', KEYS[2])
+  if last then
+    local n = #last
+    if n <= 17 or string.sub(last, n - 16, n - 16) ~= ':' or string.sub(last, n - 15) ~= ARGV[1] then
+      return 0
+    end
+  end
+end
 redis.call('HSET', KEYS[1], 's', 'c', 't', ARGV[1], 'fp', ARGV[2], 'v', ARGV[3], 'ty', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
--- PUBLISH, or SPUBLISH on a cluster (the channel shares the key's slot).
-redis.call(ARGV[8], ARGV[6], ARGV[7])
+-- PUBLISH, or SPUBLISH on a cluster (the channel shares the key's slot). Never an error after
+-- the write (Redis does not undo a script's writes): a notice refused (a user without channel
+-- rights) is answered 2, and waiters poll.
+local sent = redis.pcall(ARGV[8], ARGV[6], ARGV[7])
+if type(sent) == 'table' and sent.err then return 2 end
 return 1
 ";
 
@@ -94,7 +122,8 @@ const RELEASE: &str = r"
 local rec = redis.call('HMGET', KEYS[1], 's', 't')
 if rec[1] ~= 'f' or rec[2] ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call(ARGV[4], ARGV[2], ARGV[3])
+local sent = redis.pcall(ARGV[4], ARGV[2], ARGV[3])
+if type(sent) == 'table' and sent.err then return 2 end
 return 1
 ";
 
@@ -214,6 +243,7 @@ impl Redis {
         static SCRIPT: std::sync::OnceLock<LuaScript> = std::sync::OnceLock::new();
         let mut call = cached(&SCRIPT, COMPLETE, false).prepare_invoke();
         call.key(self.key(key, ":i"))
+            .key(self.key(key, ":in"))
             .arg(&token.to_bytes()[..])
             .arg(fingerprint_arg(result.fingerprint.as_ref()))
             .arg(&result.value[..])
@@ -222,8 +252,10 @@ impl Redis {
         let (channel, publish) = self.notice(key);
         call.arg(channel).arg(key).arg(publish);
         // The owner's run happened: never refused by an open breaker.
-        let stored = |&stored: &i64| stored == 1;
-        Ok(self.invoke_replicated_must_try(&call, stored).await? == 1)
+        let stored = |&stored: &i64| stored >= 1;
+        let answer: i64 = self.invoke_replicated_must_try(&call, stored).await?;
+        self.notice_sent(answer, key);
+        Ok(answer >= 1)
     }
 
     pub(crate) async fn release_key(
@@ -236,7 +268,9 @@ impl Redis {
         call.key(self.key(key, ":i")).arg(&token.to_bytes()[..]);
         let (channel, publish) = self.notice(key);
         call.arg(channel).arg(key).arg(publish);
-        Ok(self.invoke::<i64>(&call).await? == 1)
+        let answer: i64 = self.invoke(&call).await?;
+        self.notice_sent(answer, key);
+        Ok(answer >= 1)
     }
 
     pub(crate) async fn renew_key(
@@ -327,6 +361,10 @@ impl IdempotencyStore for Redis {
 
     fn watch(&self, key: &str) -> KeyChanged {
         KeyChanged::new(self.watch_key(key).into_changed())
+    }
+
+    fn name(&self) -> &'static str {
+        "redis"
     }
 }
 
@@ -605,8 +643,59 @@ mod tests {
                 3
             };
             assert!(r.release(key, token(owner)).await.unwrap());
+            // Fenced for good: with the key free again, the old owner's late result is still
+            // refused (a claim came after its own), so the next caller runs.
+            assert!(!r.complete(key, token(1), &late, TTL).await.unwrap());
+            assert_eq!(r.read_record(key).await.unwrap(), RecordReply::Missing);
             match r.claim(key, request(4, None, LEASE)).await.unwrap() {
                 ClaimReply::Won { fence } => assert!(fence > wins[0], "fences grow"),
+                other => panic!("{other:?}"),
+            }
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_result_whose_claim_lapsed_with_nobody_after_it_is_still_stored() {
+        each_server("claims_lapsed_unclaimed", async |r: Redis| {
+            let key = "order:10";
+            let short = Duration::from_millis(50);
+            assert!(matches!(
+                r.claim(key, request(1, None, short)).await.unwrap(),
+                ClaimReply::Won { .. }
+            ));
+            tokio::time::sleep(Duration::from_millis(80)).await;
+            assert_eq!(r.read_record(key).await.unwrap(), RecordReply::Missing);
+            // Nobody claimed since: the owner's result is the only one, stored.
+            let result = StoredResult::new(None, "s", b"mine".to_vec());
+            assert!(r.complete(key, token(1), &result, TTL).await.unwrap());
+            assert_eq!(
+                r.claim(key, request(2, None, LEASE)).await.unwrap(),
+                ClaimReply::Completed(result)
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_fence_written_by_an_older_build_is_read_and_grows() {
+        each_server("claims_old_fence", async |r: Redis| {
+            let key = "order:11";
+            let old = 9_000_000_000_000_000_u64;
+            let _: () = r
+                .query(
+                    redis::cmd("SET")
+                        .arg(r.key(&format!("-{key}"), ":in"))
+                        .arg(old),
+                )
+                .await
+                .unwrap();
+            match r
+                .claim(&format!("-{key}"), request(1, None, LEASE))
+                .await
+                .unwrap()
+            {
+                ClaimReply::Won { fence } => assert_eq!(fence, old + 1),
                 other => panic!("{other:?}"),
             }
         })

@@ -3,9 +3,10 @@
 use std::marker::PhantomData;
 
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use tokio::sync::oneshot;
 
-use super::claim::{Renewer, Ticket};
+use super::claim::{Renewer, Ticket, Unrecorded};
 use crate::error::Error;
 use crate::key::shown;
 
@@ -34,7 +35,7 @@ pub enum IdempotencyReserved<T> {
 /// the next caller runs. The renewal runs on the tokio runtime that made
 /// the reservation: if that runtime ends first, renewal stops, the lease
 /// lapses, another caller may take the key over, and this reservation's
-/// `complete` is then refused with [`Error::LeaseLost`].
+/// `complete` is then refused with [`Error::NotRecorded`].
 ///
 /// # Examples
 ///
@@ -64,7 +65,7 @@ pub struct IdempotencyReservation<T> {
 
 impl<T> IdempotencyReservation<T>
 where
-    T: Serialize + Send + Sync + 'static,
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
 {
     /// Holds `ticket` and starts renewing its lease on the current tokio
     /// runtime; without one, the ticket is dropped (released).
@@ -88,18 +89,46 @@ where
         &self.key
     }
 
+    /// The claim's fencing token, for downstream writes made while holding it (see
+    /// [`Fence`](crate::idempotency::Fence)).
+    #[must_use]
+    pub fn fence(&self) -> crate::idempotency::Fence {
+        self.ticket.fence()
+    }
+
     /// Stores `value` as the key's result for the TTL of the reservation's
     /// options and hands it to every waiting duplicate.
     ///
+    /// With a shared store this holds through store failures shorter than the lease (the
+    /// result is retried until stored) and through a shutdown of the runtime (the store
+    /// outlives it).
+    ///
     /// # Errors
     ///
-    /// [`Error::LeaseLost`] if the lease lapsed (renewal stopped with its
-    /// tokio runtime) and another caller took the key over (nothing is
-    /// stored); [`Error::ShutDown`] if the runtime shut down (nothing is
-    /// stored); [`Error::StoreUnavailable`] if the store refused the result
-    /// (the key is released).
+    /// [`Error::NotRecorded`]: the result is not the key's, and the key was not released
+    /// for another run by it; the reason says why: [`NotRecorded::LeaseLost`] (the lease
+    /// lapsed, say because renewal stopped with its tokio runtime, and another caller took
+    /// the key over), [`NotRecorded::StoreUnavailable`] (the shared store did not take it
+    /// before the claim lapsed there; the store's error is the source),
+    /// [`NotRecorded::ShutDown`] (the runtime shut down and has no shared store).
+    ///
+    /// [`NotRecorded::LeaseLost`]: crate::idempotency::NotRecorded::LeaseLost
+    /// [`NotRecorded::StoreUnavailable`]: crate::idempotency::NotRecorded::StoreUnavailable
+    /// [`NotRecorded::ShutDown`]: crate::idempotency::NotRecorded::ShutDown
     pub async fn complete(self, value: T) -> Result<(), Error> {
-        self.ticket.complete(value).await
+        let key = self.key;
+        let completing = self.ticket.completes_at_once();
+        let completion = self.ticket.complete(value);
+        let completed = if completing {
+            completion.await
+        } else {
+            // A completion that waits for a shared store goes on in a task of its own: the
+            // work it records happened, so dropping this future must not drop its result.
+            tokio::spawn(completion)
+                .await
+                .unwrap_or_else(|_| Err(Unrecorded::cancelled()))
+        };
+        completed.map_err(|unrecorded| unrecorded.into_error(&key))
     }
 
     /// Gives the key up without a result: the next caller, or one of the

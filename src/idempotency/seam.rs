@@ -102,18 +102,27 @@ fn process_seed() -> u64 {
 
 /// A completed result as a shared store keeps it: the fingerprint digest of
 /// the request that produced it, the value's type tag and the value in a
-/// versioned envelope (three header bytes, `t`, `b` and the format version,
-/// then, in version 1, the value in bincode 2 `standard()`).
+/// versioned envelope: three header bytes, `t`, `b` and the format version,
+/// then the value. Version 2, written, is MessagePack with structs as maps
+/// (self-describing: every serde form reads back, `serde_json::Value`,
+/// untagged and internally tagged enums, `flatten` and
+/// `skip_serializing_if` too); version 1, bincode 2 `standard()`, written by
+/// 0.2, is still read. A store keeps the bytes as they are.
 ///
 /// A value this build cannot read (another format version, no envelope,
 /// over 256 MiB) is refused with [`Error::StoreUnavailable`](crate::Error::StoreUnavailable),
 /// whose source is a [`WireError`](crate::store::WireError): fail closed, never
-/// misread.
+/// misread. The envelope of format version 255 holds no value but why a
+/// key's result could not be stored: it replays as
+/// [`Error::Unstorable`](crate::Error::Unstorable), and the key does not run
+/// again.
 ///
-/// The type tag is the Rust type name of the value. A replay as another
-/// type is refused with [`Error::TypeMismatch`](crate::Error::TypeMismatch)
-/// rather than misread (bincode is not self-describing); a build in which
-/// the type has another path refuses older results the same way.
+/// The type tag is the Rust type name of the value. In version 2 a replay
+/// as another type decodes the value, and is refused with
+/// [`Error::TypeMismatch`](crate::Error::TypeMismatch) only if it does not
+/// read as that type, so a type moved or renamed between builds still
+/// replays its results. In version 1, which names no fields, another tag is
+/// refused before decoding: a type of the same shape would misread.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct StoredResult {
@@ -320,6 +329,12 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         let _ = key;
         KeyChanged::never()
     }
+
+    /// What kind of store this is, for log lines (`"redis"`, `"postgres"`, …); `"custom"`
+    /// by default.
+    fn name(&self) -> &'static str {
+        "custom"
+    }
 }
 
 /// What [`MemoryIdempotencyStore`] holds for a key.
@@ -328,6 +343,8 @@ enum Held {
     InFlight {
         token: ClaimToken,
         fingerprint: Option<[u8; 32]>,
+        /// The claim's fencing counter, answered again to the same claim sent twice.
+        fence: u64,
     },
     /// Completed by `token`: the same `complete` repeated by it (its first
     /// reply was lost) is answered `true` again.
@@ -514,6 +531,13 @@ impl MemoryIdempotencyStore {
     fn claim_now(&self, key: &str, request: ClaimRequest<'_>) -> Result<ClaimReply, StoreError> {
         let now = Instant::now();
         let claim = |held: Option<(&Held, Duration)>| match held {
+            // The same claim sent again (its reply was lost): still the claimant's.
+            Some((held @ Held::InFlight { token, fence, .. }, lease_left))
+                if !lease_left.is_zero() && *token == request.token =>
+            {
+                let won = ClaimReply::Won { fence: *fence };
+                (Update::Set(held.clone(), request.lease), won)
+            }
             Some((held, lease_left)) if !lease_left.is_zero() => {
                 let reply = if held.fingerprint() != request.fingerprint {
                     ClaimReply::Mismatch
@@ -531,6 +555,7 @@ impl MemoryIdempotencyStore {
                 let held = Held::InFlight {
                     token: request.token,
                     fingerprint: request.fingerprint.copied(),
+                    fence,
                 };
                 (Update::Set(held, request.lease), ClaimReply::Won { fence })
             }
@@ -667,6 +692,10 @@ impl IdempotencyStore for MemoryIdempotencyStore {
         // A budget lowered since the last write evicts at this one.
         self.evicted_since(evictions, now);
         Box::pin(std::future::ready(Ok(renewed)))
+    }
+
+    fn name(&self) -> &'static str {
+        "memory"
     }
 
     fn watch(&self, _key: &str) -> KeyChanged {

@@ -5,11 +5,13 @@
 //! value, so a replay is a map get and a clone. A record read from a store
 //! shared by several processes holds the encoded bytes instead.
 
-use std::any::Any;
-use std::sync::Arc;
+use std::any::{Any, TypeId};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::{Counters, Sweeper, TtlTable};
@@ -24,6 +26,11 @@ use crate::wire::{self, WireError};
 
 /// `value` as a shared store keeps it: in the versioned envelope
 /// ([`crate::wire`]), with its type tag.
+///
+/// Unchecked: a value whose encoding its type cannot read back is stored
+/// all the same, and then never replays. Completions call
+/// [`checked_stored_result`]; tests build records with this.
+#[cfg(test)]
 pub(crate) fn stored_result<T: Serialize>(
     fingerprint: Option<Fingerprint>,
     value: &T,
@@ -35,16 +42,137 @@ pub(crate) fn stored_result<T: Serialize>(
     ))
 }
 
-/// bincode settings a typed value is measured with: those of the envelope's
-/// payload, so a value weighs the same in memory as in a shared store.
-const CODEC: bincode::config::Configuration = bincode::config::standard();
+/// `value` as a shared store keeps it (in the versioned envelope
+/// ([`crate::wire`]), with its type tag), checked: the envelope is decoded back as a `T` before
+/// it is handed out, so a value a shared store could keep but never hand
+/// back fails with [`WireError::RoundTrip`] (naming the type and why)
+/// before anything is stored, never as a result that replays as "another
+/// type" for its whole TTL.
+///
+/// Every value is checked, not only the first of its type: whether a value
+/// reads back can depend on the value (a `skip_serializing_if =
+/// "Vec::is_empty"` field without a default fails only when empty). The
+/// check is one decode of the bytes just encoded, beside a store round trip.
+///
+/// # Errors
+///
+/// [`WireError::RoundTrip`] when the encoding does not decode as a `T`;
+/// [`WireError::TooLarge`] or [`WireError::Codec`] when it cannot be encoded.
+pub(crate) fn checked_stored_result<T>(
+    fingerprint: Option<Fingerprint>,
+    value: &T,
+) -> Result<StoredResult, WireError>
+where
+    T: Serialize + DeserializeOwned + 'static,
+{
+    Ok(StoredResult::new(
+        fingerprint,
+        std::any::type_name::<T>(),
+        wire::seal_checked(value)?,
+    ))
+}
+
+/// Result types whose first value [`check_round_trip`] read back.
+static ROUND_TRIPPED: LazyLock<ArcSwap<HashSet<TypeId, ahash::RandomState>>> =
+    LazyLock::new(ArcSwap::default);
+
+/// The check of [`checked_stored_result`] for the in-memory path, which
+/// stores the typed value and never decodes it: whether `value` would come
+/// back from a shared store, so that a type that cannot is found where it
+/// is developed, not in production.
+///
+/// Checked once per type in the process: after a type's first value passes,
+/// the check is one lock-free set lookup (a later value that would fail, as
+/// [`checked_stored_result`] describes, is not caught here; in memory it
+/// still replays).
+///
+/// # Errors
+///
+/// As [`checked_stored_result`].
+pub(crate) fn check_round_trip<T>(value: &T) -> Result<(), WireError>
+where
+    T: Serialize + DeserializeOwned + 'static,
+{
+    let id = TypeId::of::<T>();
+    if ROUND_TRIPPED.load().contains(&id) {
+        return Ok(());
+    }
+    wire::seal_checked(value)?;
+    ROUND_TRIPPED.rcu(|passed| {
+        let mut passed = HashSet::clone(passed);
+        passed.insert(id);
+        passed
+    });
+    Ok(())
+}
+
+/// The record of a key whose function ran but whose result could not be
+/// stored, `cause` saying why (with its sources, cut to 4 KiB): a
+/// [`StoredResult`] a store keeps as it keeps any other, tagged with `T`'s
+/// name, whose envelope holds no value but the cause (the reserved format
+/// version 255). Every later call of the key replays it as
+/// [`Error::Unstorable`] naming the key and the cause, instead of running
+/// the function again; a build that predates it reads an unknown format
+/// version and fails closed.
+pub(crate) fn unstorable_result<T: ?Sized>(
+    fingerprint: Option<Fingerprint>,
+    cause: &(dyn std::error::Error + 'static),
+) -> StoredResult {
+    StoredResult::new(
+        fingerprint,
+        std::any::type_name::<T>(),
+        wire::seal_unstorable(&crate::error::with_causes(cause)),
+    )
+}
 
 /// A value in its versioned envelope, readable by another process, with its
-/// type tag (the Rust type name), so a value of another type is refused
-/// rather than misread.
+/// type tag (the Rust type name of the type that wrote it).
 struct Encoded {
     bytes: Box<[u8]>,
     tag: Box<str>,
+}
+
+impl Encoded {
+    /// The value as a `T`, for `key`'s caller (see [`Record::value`]).
+    fn decode<T: DeserializeOwned>(&self, key: &str) -> Result<T, Error> {
+        let payload = match wire::unseal(&self.bytes) {
+            Ok(payload) => payload,
+            Err(cause @ WireError::Unstorable { .. }) => {
+                return Err(Error::Unstorable {
+                    key: shown(key),
+                    source: Arc::new(cause),
+                });
+            }
+            Err(unreadable) => {
+                tracing::warn!(
+                    key = %shown(key),
+                    error = %unreadable,
+                    "idempotency result in the shared store is unreadable by this build; \
+                     failing closed"
+                );
+                return Err(Error::StoreUnavailable {
+                    key: shown(key),
+                    source: Arc::new(unreadable),
+                });
+            }
+        };
+        // Version 1 names no fields, so a value of another type of the same shape would
+        // read back: the tag decides. Version 2 names them: the tag says which type wrote
+        // it, and a type that moved or was renamed since still reads it.
+        if *self.tag != *std::any::type_name::<T>() && !payload.format.is_self_describing() {
+            return Err(Error::TypeMismatch { key: shown(key) });
+        }
+        payload.decode::<T>().map_err(|e| {
+            tracing::debug!(
+                key = %shown(key),
+                stored_as = %self.tag,
+                asked_for = std::any::type_name::<T>(),
+                error = %crate::error::with_causes(&e),
+                "idempotency result does not decode as the type asked for"
+            );
+            Error::TypeMismatch { key: shown(key) }
+        })
+    }
 }
 
 /// A record's contents: the fingerprint digest beside the value, in one
@@ -58,15 +186,12 @@ struct Stored<V: ?Sized> {
     value: V,
 }
 
-/// `value`'s size bincode-encoded: the measure of a typed value's bytes (its
-/// heap layout is not visible to generic code); its in-memory size if it
-/// cannot be encoded.
+/// `value`'s size encoded as a shared store would keep it: the measure of a
+/// typed value's bytes (its heap layout is not visible to generic code), so
+/// a value weighs the same in memory as in a shared store; its in-memory
+/// size if it cannot be encoded.
 fn encoded_len<T: Serialize>(value: &T) -> usize {
-    let mut size = bincode::enc::write::SizeWriter::default();
-    match bincode::serde::encode_into_writer(value, &mut size, CODEC) {
-        Ok(()) => size.bytes_written,
-        Err(_) => std::mem::size_of::<T>(),
-    }
+    wire::encoded_len(value).unwrap_or(std::mem::size_of::<T>())
 }
 
 fn weight(bytes: usize) -> u32 {
@@ -120,43 +245,41 @@ impl Record {
         std::mem::size_of_val(&*self.0)
     }
 
+    /// The record of a key whose function ran but whose result could not be
+    /// stored: [`unstorable_result`] as a record, for the key's local
+    /// waiters and the in-memory table.
+    pub(crate) fn unstorable<T: ?Sized>(
+        fingerprint: Option<Fingerprint>,
+        cause: &(dyn std::error::Error + 'static),
+    ) -> Self {
+        Self::from_stored(unstorable_result::<T>(fingerprint, cause))
+    }
+
     /// The value as a `T`, for `key`'s caller.
     ///
-    /// Fails with [`Error::TypeMismatch`] if it was stored as another type
-    /// (another type tag, or bytes that do not decode exactly as a `T`:
-    /// bincode is not self-describing, so a type of the same shape reads back
-    /// silently), and with [`Error::StoreUnavailable`] whose source is the
-    /// [`WireError`] if its envelope is unreadable here (another format
-    /// version, no envelope, too large): fail closed, neither misread nor run
-    /// again.
+    /// Fails with [`Error::TypeMismatch`] if it was stored as another type:
+    /// its bytes do not decode as a `T` (version 2, which names fields and
+    /// variants, whatever the type tag: a type renamed or moved to another
+    /// module since still reads its results), or its type tag is not `T`'s
+    /// name (version 1, bincode, which is not self-describing: a type of the
+    /// same shape would read back silently). Fails with
+    /// [`Error::Unstorable`] for the record of a result that could not be
+    /// stored ([`Record::unstorable`]), and with [`Error::StoreUnavailable`]
+    /// whose source is the [`WireError`] if its envelope is unreadable here
+    /// (another format version, no envelope, too large): fail closed,
+    /// neither misread nor run again.
     pub(crate) fn value<T>(&self, key: &str) -> Result<T, Error>
     where
         T: DeserializeOwned + Clone + 'static,
     {
-        let mismatch = || Error::TypeMismatch { key: shown(key) };
         let value: &(dyn Any + Send + Sync) = &self.0.value;
-        if let Some(Encoded { bytes, tag }) = value.downcast_ref::<Encoded>() {
-            if **tag != *std::any::type_name::<T>() {
-                return Err(mismatch());
-            }
-            return match wire::open::<T>(bytes) {
-                Ok(value) => Ok(value),
-                Err(WireError::Codec { .. }) => Err(mismatch()),
-                Err(unreadable) => {
-                    tracing::warn!(
-                        key = %shown(key),
-                        error = %unreadable,
-                        "idempotency result in the shared store is unreadable by this build; \
-                         failing closed"
-                    );
-                    Err(Error::StoreUnavailable {
-                        key: shown(key),
-                        source: Arc::new(unreadable),
-                    })
-                }
-            };
+        if let Some(encoded) = value.downcast_ref::<Encoded>() {
+            return encoded.decode(key);
         }
-        value.downcast_ref::<T>().cloned().ok_or_else(mismatch)
+        value
+            .downcast_ref::<T>()
+            .cloned()
+            .ok_or_else(|| Error::TypeMismatch { key: shown(key) })
     }
 
     fn is_encoded(&self) -> bool {
@@ -322,7 +445,7 @@ mod tests {
     }
 
     #[test]
-    fn encoded_record_round_trips_through_bincode() {
+    fn encoded_record_round_trips_in_version_2() {
         let charge = Charge {
             id: 9,
             note: "paid".into(),
@@ -339,7 +462,7 @@ mod tests {
     #[test]
     fn a_stored_result_in_another_format_version_fails_closed_not_misread() {
         let mut stored = stored_result(None, &7_u64).unwrap();
-        assert_eq!(&stored.value[..3], b"tb\x01", "enveloped, version 1");
+        assert_eq!(&stored.value[..3], b"tb\x02", "enveloped, version 2");
         assert_eq!(
             Record::from_stored(stored.clone())
                 .value::<u64>("k")
@@ -355,7 +478,7 @@ mod tests {
                         source.downcast_ref::<WireError>(),
                         Some(WireError::UnknownVersion {
                             found: 9,
-                            supported: 1
+                            supported: 2
                         })
                     ),
                     "{source:?}"
@@ -376,5 +499,180 @@ mod tests {
             Record::from_stored(cut).value::<String>("k"),
             Err(Error::TypeMismatch { .. })
         ));
+    }
+
+    /// A result as an earlier release stored it: version 1, bincode.
+    fn stored_v1<T: Serialize>(value: &T) -> StoredResult {
+        let mut bytes = b"tb\x01".to_vec();
+        bytes.extend(bincode::serde::encode_to_vec(value, bincode::config::standard()).unwrap());
+        StoredResult::new(None, std::any::type_name::<T>(), bytes)
+    }
+
+    #[test]
+    fn a_result_an_earlier_release_stored_still_replays() {
+        let charge = Charge {
+            id: 3,
+            note: "old".into(),
+        };
+        let record = Record::from_stored(stored_v1(&charge));
+        assert_eq!(record.value::<Charge>("k").unwrap(), charge);
+        // Version 1 names no fields: another tag is refused, not decoded
+        // (these bytes would read back as a `(u64, String)`).
+        assert!(matches!(
+            record.value::<(u64, String)>("k"),
+            Err(Error::TypeMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn a_version_2_result_replays_under_another_type_name_if_it_decodes() {
+        #[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+        struct Moved {
+            note: String,
+            id: u64,
+        }
+        let charge = Charge {
+            id: 9,
+            note: "paid".into(),
+        };
+        let record = Record::from_stored(stored_result(None, &charge).unwrap());
+        assert_eq!(
+            record.value::<Moved>("k").unwrap(),
+            Moved {
+                note: "paid".into(),
+                id: 9
+            }
+        );
+        let e = record.value::<Vec<u64>>("k").unwrap_err();
+        assert!(matches!(e, Error::TypeMismatch { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "key \"k\" holds a result of another type than the one asked for"
+        );
+    }
+
+    #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+    struct Secret {
+        id: u8,
+        #[serde(skip_serializing)]
+        #[allow(dead_code, reason = "skipped when serialized: what the test is about")]
+        secret: String,
+    }
+
+    #[test]
+    fn a_result_that_cannot_come_back_is_refused_before_it_is_stored() {
+        let secret = Secret {
+            id: 1,
+            secret: "s".into(),
+        };
+        // Unchecked, it is stored and never replays.
+        let stored = stored_result(Some([1; 32]), &secret).unwrap();
+        assert!(matches!(
+            Record::from_stored(stored).value::<Secret>("k"),
+            Err(Error::TypeMismatch { .. })
+        ));
+        // Checked, it fails first, naming the type and the cause.
+        let e = checked_stored_result(Some([1; 32]), &secret).unwrap_err();
+        let WireError::RoundTrip { type_name, source } = &e else {
+            panic!("{e:?}");
+        };
+        assert_eq!(*type_name, std::any::type_name::<Secret>());
+        assert_eq!(source.to_string(), "missing field `secret`");
+        let e = check_round_trip(&secret).unwrap_err();
+        assert!(matches!(e, WireError::RoundTrip { .. }), "{e:?}");
+        // A type that passes is stored and checked once per process.
+        let charge = Charge {
+            id: 1,
+            note: "ok".into(),
+        };
+        let stored = checked_stored_result(None, &charge).unwrap();
+        assert_eq!(
+            Record::from_stored(stored).value::<Charge>("k").unwrap(),
+            charge
+        );
+        check_round_trip(&charge).unwrap();
+        assert!(ROUND_TRIPPED.load().contains(&TypeId::of::<Charge>()));
+        assert!(!ROUND_TRIPPED.load().contains(&TypeId::of::<Secret>()));
+    }
+
+    #[tokio::test]
+    async fn an_unstorable_record_round_trips_through_a_store_as_its_error() {
+        use crate::idempotency::{
+            ClaimReply, ClaimRequest, ClaimToken, IdempotencyStore, MemoryIdempotencyStore,
+        };
+        let secret = Secret {
+            id: 1,
+            secret: "s".into(),
+        };
+        let cause = checked_stored_result(Some([4; 32]), &secret).unwrap_err();
+        let stored = unstorable_result::<Secret>(Some([4; 32]), &cause);
+        assert_eq!(stored.type_tag, std::any::type_name::<Secret>());
+        assert_eq!(&stored.value[..3], b"tb\xff");
+        // Kept by a store as any result is.
+        let store = MemoryIdempotencyStore::new();
+        let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(60));
+        let owner = ClaimToken::new();
+        let request = ClaimRequest::new(owner, Some(&[4; 32]), lease, ttl);
+        assert!(matches!(
+            store.claim("k", request).await.unwrap(),
+            ClaimReply::Won { .. }
+        ));
+        assert!(store.complete("k", owner, &stored, ttl).await.unwrap());
+        let request = ClaimRequest::new(ClaimToken::new(), Some(&[4; 32]), lease, ttl);
+        let ClaimReply::Completed(back) = store.claim("k", request).await.unwrap() else {
+            panic!("completed");
+        };
+        assert_eq!(back, stored);
+        let expected = format!(
+            "a value of type {} does not decode from its own encoding: missing field `secret`",
+            std::any::type_name::<Secret>()
+        );
+        for record in [
+            Record::from_stored(back),
+            Record::unstorable::<Secret>(Some([4; 32]), &cause),
+        ] {
+            assert_eq!(record.fingerprint(), Some(&[4; 32]));
+            // Whatever type a retry asks for: the key ran.
+            for e in [
+                record.value::<Secret>("k").unwrap_err(),
+                record.value::<u64>("k").unwrap_err(),
+            ] {
+                let Error::Unstorable { key, source } = &e else {
+                    panic!("{e:?}");
+                };
+                assert_eq!(key, "k");
+                assert_eq!(
+                    e.to_string(),
+                    "idempotency key \"k\" ran, but its result could not be stored"
+                );
+                assert!(
+                    matches!(source.downcast_ref::<WireError>(), Some(WireError::Unstorable { cause }) if *cause == expected),
+                    "{source:?}"
+                );
+                assert_eq!(source.to_string(), expected);
+                assert_eq!(e.key(), Some("k"));
+            }
+        }
+    }
+
+    #[test]
+    fn a_typed_record_weighs_its_version_2_encoding() {
+        let charge = Charge {
+            id: 7,
+            note: "ok".into(),
+        };
+        let sealed = wire::seal(&charge).unwrap();
+        let record = Record::new(None, charge);
+        assert_eq!(record.weight() as usize, sealed.len() - 3);
+        // A flattened struct has no length up front: bincode could not measure it.
+        #[derive(serde::Serialize)]
+        struct Flat {
+            #[serde(flatten)]
+            rest: std::collections::BTreeMap<String, u8>,
+        }
+        let flat = Flat {
+            rest: [("a".to_owned(), 1)].into(),
+        };
+        assert_eq!(Record::new(None, flat).weight(), 4);
     }
 }

@@ -97,7 +97,7 @@ async fn a_holder_that_stops_renewing_is_taken_over_once_and_its_late_completion
         })
         .await;
     assert!(
-        matches!(late, Err(Error::LeaseLost { ref key }) if key == "k"),
+        matches!(late, Err(ref unrecorded) if unrecorded.why == NotRecorded::LeaseLost),
         "{late:?}"
     );
 

@@ -86,9 +86,21 @@ impl Emission {
     }
 
     /// The TAT brought forward to `now` (never before it).
+    ///
+    /// A fraction at or above `per` was written with a larger `per` (another quota, an
+    /// override): less than a microsecond in the units it was written in, it is read as one
+    /// whole microsecond, so a key is never read as more than a microsecond off its TAT, and
+    /// never earlier.
     #[inline]
     pub(crate) fn view(&self, tat: Option<Tat>, now: u64) -> Tat {
         match tat {
+            Some(t) if t.rem >= self.per => self.view(
+                Some(Tat {
+                    us: t.us.saturating_add(1),
+                    rem: 0,
+                }),
+                now,
+            ),
             Some(t) if t.us > now || (t.us == now && t.rem > 0) => t,
             _ => Tat { us: now, rem: 0 },
         }

@@ -63,6 +63,16 @@ impl FixedWindow {
     pub(crate) fn parts(&self) -> (u64, u64) {
         (self.limit, self.window_us)
     }
+
+    /// The window of [`FixedWindow::parts`] `(limit, window_us)`, if those are parameters a
+    /// `FixedWindow` can have.
+    pub(crate) fn from_parts(limit: u64, window_us: u64) -> Option<Self> {
+        let valid = limit >= 1
+            && u32::try_from(limit).is_ok()
+            && window_us >= 1
+            && limit.checked_mul(window_us)? <= strategy::MAX_EXACT;
+        valid.then_some(Self { limit, window_us })
+    }
 }
 
 impl Transition for FixedWindow {

@@ -114,6 +114,20 @@ impl Gcra {
     pub(crate) fn emission(&self) -> &Emission {
         &self.emission
     }
+
+    /// The GCRA whose tier reads `(limit, period_us, per, tolerance)` (see
+    /// `ScriptedStrategy`), if those are parameters a `Gcra` can have.
+    pub(crate) fn from_parts(limit: u64, period_us: u64, per: u64, tolerance: u64) -> Option<Self> {
+        let valid = per >= 1
+            && per <= period_us
+            && limit >= 1
+            && limit.checked_mul(period_us) == Some(tolerance)
+            && tolerance.checked_add(period_us)? <= strategy::MAX_EXACT;
+        valid.then(|| Self {
+            emission: Emission::from_parts(period_us, per, tolerance),
+            burst: limit,
+        })
+    }
 }
 
 impl From<GcraState> for Tat {

@@ -80,6 +80,19 @@ impl LeakyBucket {
     pub(crate) fn emission(&self) -> &Emission {
         &self.emission
     }
+
+    /// The shaper whose tier reads `(limit, period_us, per, tolerance)` (see
+    /// `ScriptedStrategy`), if those are parameters a `LeakyBucket` can have.
+    pub(crate) fn from_parts(limit: u64, period_us: u64, per: u64, tolerance: u64) -> Option<Self> {
+        let valid = per >= 1
+            && per <= period_us
+            && tolerance >= period_us
+            && tolerance / period_us == limit
+            && tolerance.checked_add(period_us)? <= strategy::MAX_EXACT;
+        valid.then(|| Self {
+            emission: Emission::from_parts(period_us, per, tolerance),
+        })
+    }
 }
 
 impl Transition for LeakyBucket {

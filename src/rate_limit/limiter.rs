@@ -2,7 +2,6 @@
 
 use std::borrow::Cow;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -14,11 +13,14 @@ use super::{Decision, Forecast, RateLimitError};
 use crate::clock::{Clock, QuantaClock, TokioClock};
 
 mod asynchronous;
+mod overrides;
 mod shaper;
 mod stats;
 #[cfg(test)]
 mod tests;
 
+pub use self::overrides::DEFAULT_OVERRIDE_REFRESH;
+use self::overrides::Overrides;
 use self::stats::Counters;
 pub use self::stats::LimiterStats;
 
@@ -62,9 +64,7 @@ struct Inner<S, St> {
     store: St,
     namespace: Box<str>,
     clock: LimiterClock,
-    overrides: DashMap<Box<str>, S, ahash::RandomState>,
-    /// Skips the override lookup on the hot path while there are none.
-    has_overrides: AtomicBool,
+    overrides: Overrides<S>,
     /// FIFO gates of keys with `until_ready` callers waiting.
     queues: DashMap<Box<str>, Gate, ahash::RandomState>,
     counters: Counters,
@@ -163,13 +163,15 @@ impl<S: Strategy, St> std::fmt::Debug for Limiter<S, St> {
 }
 
 /// Builds a [`Limiter`]. Defaults: a [`MemoryRateLimitStore`] (bounded to one million keys),
-/// no namespace, a [`TokioClock`].
+/// no namespace, a [`TokioClock`], overrides kept in a shared store read again every
+/// [`DEFAULT_OVERRIDE_REFRESH`] at least.
 #[must_use]
 pub struct LimiterBuilder<S: Strategy, St> {
     strategy: S,
     store: St,
     namespace: Box<str>,
     clock: LimiterClock,
+    override_refresh: Duration,
 }
 
 impl<S: Strategy, St> LimiterBuilder<S, St> {
@@ -180,6 +182,7 @@ impl<S: Strategy, St> LimiterBuilder<S, St> {
             store,
             namespace: self.namespace,
             clock: self.clock,
+            override_refresh: self.override_refresh,
         }
     }
 
@@ -199,6 +202,17 @@ impl<S: Strategy, St> LimiterBuilder<S, St> {
         }
     }
 
+    /// Reads the overrides a store keeps for every instance ([`Limiter::set_override`])
+    /// again at least this often while no notice says they changed (default
+    /// [`DEFAULT_OVERRIDE_REFRESH`], 5 s, clamped to at least 10 ms): the most an override
+    /// whose notice was lost takes to apply on this instance.
+    pub fn with_override_refresh(self, every: Duration) -> Self {
+        Self {
+            override_refresh: every.max(Duration::from_millis(10)),
+            ..self
+        }
+    }
+
     /// The limiter.
     pub fn build(self) -> Limiter<S, St> {
         Limiter {
@@ -207,8 +221,7 @@ impl<S: Strategy, St> LimiterBuilder<S, St> {
                 store: self.store,
                 namespace: self.namespace,
                 clock: self.clock,
-                overrides: DashMap::default(),
-                has_overrides: AtomicBool::new(false),
+                overrides: Overrides::new(self.override_refresh),
                 queues: DashMap::default(),
                 counters: Counters::default(),
                 #[cfg(feature = "runtime")]
@@ -257,6 +270,7 @@ impl<S: Strategy> Limiter<S> {
             store: MemoryRateLimitStore::new(),
             namespace: Box::default(),
             clock: LimiterClock::Tokio(TokioClock::new()),
+            override_refresh: DEFAULT_OVERRIDE_REFRESH,
         }
     }
 }
@@ -384,32 +398,6 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
             local_answers: AsyncRateLimitStore::local_answers(&self.inner.store),
         }
     }
-
-    /// Applies `strategy` instead of the default to `key` (e.g. a higher quota for one
-    /// customer). The key keeps its state, so use a strategy of the same kind. A store that
-    /// answers some denials locally forgets those of `key` (the Redis store: on every
-    /// instance, see `RedisBuilder::with_local_answers`).
-    ///
-    /// # Errors
-    ///
-    /// [`RateLimitError::InvalidKey`] for an empty or over-long key.
-    pub fn set_override(&self, key: &str, strategy: S) -> Result<(), RateLimitError> {
-        RateLimitError::check_key(key)?;
-        self.inner.overrides.insert(Box::from(key), strategy);
-        self.inner.has_overrides.store(true, Ordering::Release);
-        AsyncRateLimitStore::limits_changed(&self.inner.store, &self.store_key(key));
-        Ok(())
-    }
-
-    /// Goes back to the default strategy for `key`; returns the override it had. Local
-    /// answers of `key` are forgotten as by [`Limiter::set_override`].
-    pub fn remove_override(&self, key: &str) -> Option<S> {
-        let removed = self.inner.overrides.remove(key).map(|(_, s)| s);
-        if removed.is_some() {
-            AsyncRateLimitStore::limits_changed(&self.inner.store, &self.store_key(key));
-        }
-        removed
-    }
 }
 
 impl<S: Strategy, St> Limiter<S, St> {
@@ -425,7 +413,8 @@ impl<S: Strategy, St> Limiter<S, St> {
         &self.inner.store
     }
 
-    /// The strategy that applies to `key`: its override, or the default.
+    /// The strategy that applies to `key` on this instance now: its override (this
+    /// instance's own, else one kept in the store as last read), or the default.
     #[must_use]
     pub fn strategy_for(&self, key: &str) -> S {
         self.override_for(key)
@@ -450,10 +439,7 @@ impl<S: Strategy, St> Limiter<S, St> {
 
     #[inline]
     fn override_for(&self, key: &str) -> Option<S> {
-        if !self.inner.has_overrides.load(Ordering::Acquire) {
-            return None;
-        }
-        self.inner.overrides.get(key).map(|s| s.clone())
+        self.inner.overrides.get(key)
     }
 
     /// Counts an error and returns it.
@@ -558,7 +544,7 @@ impl<S: Strategy, St: RateLimitStore<S>> Limiter<S, St> {
         if let Err(err) = RateLimitError::check_key(key) {
             return Err(self.failed(err));
         }
-        if self.inner.has_overrides.load(Ordering::Acquire) {
+        if self.inner.overrides.any() {
             return self.check_overridden(key, cost, now_us);
         }
         self.check_with(&self.inner.strategy, key, cost, now_us)

@@ -11,10 +11,13 @@
 -- operation seeing what an earlier one of the batch wrote to its key (`written`).
 --
 -- A key holds its state: its kinds (one letter per tier; g gcra, l leaky shaper, t token
--- bucket, f fixed window, s sliding window), then each tier's fields (two; three for s) as
--- little-endian doubles, exact since every value is an integer below 2^53. `struct.pack` and
--- `unpack` cost the server a third of what formatting and matching the same fields as text
--- did.
+-- bucket, f fixed window, s sliding window), then each tier's fields (two; three for s), then
+-- its rest time (µs), as little-endian doubles, exact since every value is an integer below
+-- 2^53. `struct.pack` and `unpack` cost the server a third of what formatting and matching
+-- the same fields as text did. The rest time is when the state is at rest under the limits
+-- that wrote it: from then on it reads as no state, whatever limits read it (an override may
+-- read it with others), exactly as the memory store reads it. A state written by 0.2 has no
+-- rest time; its key's expiry stands for it.
 -- An operation's arguments, from ARGV[o]:
 --   op     c check, r reserve, p peek, f forecast, x reset (then only its channel: the script
 --          publishes the key there, for the instances that answer its denials locally)
@@ -98,18 +101,23 @@ local function earliest(k, lim, a, b, c, v1, v2, v3, now, units)
 end
 
 -- One tier: op 'f' returns a forecast (3 values); 'p' a decision (5); 'c'/'r' a decision and,
--- when allowed, the next state, its ttl in ms and the reservation delay in ms (10).
+-- when allowed, the next state, its ttl in ms, the reservation delay in ms and its rest time
+-- in µs (11).
 local function run(op, k, lim, a, b, c, has, s1, s2, s3, now, units)
   -- The state brought forward to now.
   local v1, v2, v3 = now, 0, 0
   if k == 'g' or k == 'l' then
+    -- A fraction written with a larger `per` (an override) is read as a whole microsecond.
+    if has and s2 >= b then s1, s2 = s1 + 1, 0 end
     if has and (s1 > now or (s1 == now and s2 > 0)) then v1, v2 = s1, s2 end
   elseif k == 't' then
     local full = a * b
     if not has then
       v1, v2 = full, now
     elseif now <= s2 then
+      -- Capped at the capacity: a state written with a larger one (an override) holds no more.
       v1, v2 = s1, s2
+      if v1 > full then v1 = full end
     else
       local missing = full - s1
       if missing < 0 then missing = 0 end
@@ -201,7 +209,7 @@ local function run(op, k, lim, a, b, c, has, s1, s2, s3, now, units)
   if r < 0 then r = r + 1000 end
   local ttl = (left - r) / 1000
   if r > 0 then ttl = ttl + 1 end
-  return 1, lim, avail - units, reset, 0, v1, v2, v3, ttl, wait
+  return 1, lim, avail - units, reset, 0, v1, v2, v3, ttl, wait, full_at
 end
 
 -- An operation's arguments from ARGV[o] onwards (op, cost, slack, kinds, then 4 numbers per
@@ -248,18 +256,28 @@ local function store(key, value, px, fresh)
   return true
 end
 
--- The fields of a state `raw` written for `kinds` (see the top), or nil when it holds the
--- state of other kinds, or no state of this library.
+-- The fields of a state `raw` written for `kinds` (see the top) and its rest time (nil for a
+-- state written without one), or nil when it holds the state of other kinds, or no state of
+-- this library.
 local function fields_of(raw, kinds)
   local n = #kinds
   local count = 0
   for t = 1, n do
     if string.sub(kinds, t, t) == 's' then count = count + 3 else count = count + 2 end
   end
-  if #raw ~= n + 8 * count or string.sub(raw, 1, n) ~= kinds then return nil end
-  local values = {struct.unpack('<' .. string.rep('d', count), raw, n + 1)}
+  if string.sub(raw, 1, n) ~= kinds then return nil end
+  local stored = count
+  if #raw == n + 8 * (count + 1) then
+    stored = count + 1
+  elseif #raw ~= n + 8 * count then
+    return nil
+  end
+  local values = {struct.unpack('<' .. string.rep('d', stored), raw, n + 1)}
+  local rest = nil
+  if stored > count then rest = values[stored] end
+  values[stored + 1] = nil
   values[count + 1] = nil
-  return values
+  return values, rest
 end
 
 -- The server's time in µs (`TIME`: seconds and microseconds, exact as a double until 2255), or
@@ -284,7 +302,8 @@ local function decide(key, p, now, raw, out, i)
   if op == 'x' then
     redis.call('DEL', key)
     -- Instances answering this key's denials locally forget them (p[2]: the channel).
-    if p[2] and p[2] ~= '' then redis.call('PUBLISH', p[2], key) end
+    -- pcall: a notice refused (no channel rights) must not fail the script after its write.
+    if p[2] and p[2] ~= '' then redis.pcall('PUBLISH', p[2], key) end
     written[key] = false
     if deferred then deferred[key] = nil end
     out[i] = 4
@@ -298,32 +317,42 @@ local function decide(key, p, now, raw, out, i)
     local lim, a, b, c = p[5], p[6], p[7], p[8]
     local has, s1, s2, s3 = false, 0, 0, 0
     if raw then
-      -- One tier: its kind, then two fields (three for s).
-      if k == 's' then
-        if #raw == 25 and string.sub(raw, 1, 1) == k then
-          has, s1, s2, s3 = true, struct.unpack('<ddd', raw, 2)
+      -- One tier: its kind, then two fields (three for s), then its rest time (but in a
+      -- state written by 0.2).
+      local rest = nil
+      if string.sub(raw, 1, 1) == k then
+        if k == 's' then
+          if #raw == 33 then
+            has, s1, s2, s3, rest = true, struct.unpack('<dddd', raw, 2)
+          elseif #raw == 25 then
+            has, s1, s2, s3 = true, struct.unpack('<ddd', raw, 2)
+          end
+        elseif #raw == 25 then
+          has, s1, s2, rest = true, struct.unpack('<ddd', raw, 2)
+        elseif #raw == 17 then
+          has, s1, s2 = true, struct.unpack('<dd', raw, 2)
         end
-      elseif #raw == 17 and string.sub(raw, 1, 1) == k then
-        has, s1, s2 = true, struct.unpack('<dd', raw, 2)
       end
       if not has then
         out[i] = 5
         return i + 1
       end
+      -- At rest under the limits that wrote it: no state.
+      if rest and rest <= now then has = false end
     end
     if op == 'f' then
       local spend, nxt, full = run(op, k, lim, a, b, c, has, s1, s2, s3, now, units)
       out[i], out[i + 1], out[i + 2], out[i + 3] = 2, spend, nxt, full
       return i + 4
     end
-    local allowed, l, rem, reset, retry, n1, n2, n3, ttl, wait =
+    local allowed, l, rem, reset, retry, n1, n2, n3, ttl, wait, rest =
       run(op, k, lim, a, b, c, has, s1, s2, s3, now, units)
     if allowed == 1 and op ~= 'p' then
       local value
       if k == 's' then
-        value = struct.pack('<c1ddd', k, n1, n2, n3)
+        value = struct.pack('<c1dddd', k, n1, n2, n3, rest)
       else
-        value = struct.pack('<c1dd', k, n1, n2)
+        value = struct.pack('<c1ddd', k, n1, n2, rest)
       end
       if not store(key, value, ttl + slack, not raw) then
         out[i] = 5
@@ -344,12 +373,15 @@ local function decide(key, p, now, raw, out, i)
   -- denials with what the other tiers would report as they stand.
   -- Three fields per tier (a third of 0 for kinds that keep two).
   local fields = {}
+  local has = raw and true or false
   if raw then
-    local values = fields_of(raw, kinds)
+    local values, rest = fields_of(raw, kinds)
     if not values then
       out[i] = 5
       return i + 1
     end
+    -- At rest under the limits that wrote it: no state.
+    if rest and rest <= now then has = false end
     local v = 1
     for t = 1, n do
       fields[#fields + 1], fields[#fields + 2] = values[v], values[v + 1]
@@ -367,7 +399,7 @@ local function decide(key, p, now, raw, out, i)
     local base = 4 * t
     local f = 3 * (t - 1)
     return run(tier_op, string.sub(kinds, t, t), p[base + 1], p[base + 2], p[base + 3], p[base + 4],
-      raw and true or false, fields[f + 1], fields[f + 2], fields[f + 3], now, units)
+      has, fields[f + 1], fields[f + 2], fields[f + 3], now, units)
   end
 
   if op == 'f' then
@@ -403,12 +435,13 @@ local function decide(key, p, now, raw, out, i)
   if op == 'p' then
     for t = 1, n do fold(tier(t, 'p')) end
   else
-    local results, parts, ttl, all = {}, {}, 0, true
+    local results, parts, ttl, rest, all = {}, {}, 0, 0, true
     for t = 1, n do
-      local allowed, l, rem, reset, retry, n1, n2, n3, tl = tier(t, 'c')
+      local allowed, l, rem, reset, retry, n1, n2, n3, tl, _, tr = tier(t, 'c')
       results[t] = {allowed, l, rem, reset, retry}
       if allowed == 1 then
         if tl > ttl then ttl = tl end
+        if tr > rest then rest = tr end
         parts[#parts + 1], parts[#parts + 2] = n1, n2
         if string.sub(kinds, t, t) == 's' then parts[#parts + 1] = n3 end
       else
@@ -424,6 +457,7 @@ local function decide(key, p, now, raw, out, i)
       end
     end
     if all then
+      parts[#parts + 1] = rest
       local value = kinds .. struct.pack('<' .. string.rep('d', #parts), unpack(parts))
       if not store(key, value, ttl + slack, not raw) then
         out[i] = 5

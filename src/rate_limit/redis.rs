@@ -51,12 +51,24 @@
 //! at least the same cost, until `retry_after - 1 ms` after the call was sent (never past
 //! T, whatever the latency). Spending only postpones T, so no other instance can make such an
 //! answer wrong; a reset can, and so can an override (other limits on the same state): a
-//! reset's script publishes its key on `<prefix>:rate-limit` in the same call, an override
-//! set or removed on a limiter publishes it too, and every instance forgets that key's local
-//! answer when the notice arrives. Answers are kept only while the subscription that would
+//! reset's script publishes its key on `<prefix>:rate-limit` in the same call, so does an
+//! override's (and a limiter's override of its own instance, `set_local_override`), and
+//! every instance forgets that key's local answer when the notice arrives. An answer's
+//! retry-after counts down from when the server's reply arrived, never from earlier: it never
+//! says more than the server did. Answers are kept only while the subscription that would
 //! carry such a notice is live and the same one as when the denial was sent, and a denial
 //! whose call was sent before a notice arrived is not kept (the notice may overtake the
 //! reply). See `RedisBuilder::with_local_answers`.
+//!
+//! # Overrides
+//!
+//! `Limiter::set_override` keeps a key's other limits here, for every instance: one hash per
+//! limiter namespace, `{prefix:<namespace>}:o`, a field per key holding the strategy's tiers
+//! as the script reads them, and its expiry on the server's clock for one set for a while.
+//! Setting or removing one is one script, which also publishes the change on the rate-limit
+//! channel; limiters read the namespace's overrides again at their next call after such a
+//! notice, after a subscription replaced one that was lost, and every few seconds (see
+//! `Limiter::set_override` for the bounds).
 //!
 //! # Bit for bit
 //!
@@ -74,7 +86,7 @@
 //! instances with skewed clocks agree; the limiter's clock (the request's `now_us`) is not
 //! used. A fresh key's first check (see above) is stamped with this instance's estimate of
 //! that clock instead, measured with `TIME`: skew between hosts does not shift it, only the
-//! estimate's error (half a round trip plus a minute's drift) does, once per key. Tests pin the script's time with `Redis::pin_time_us` (or `Redis::pin_time`, in ms); while pinned, keys are kept an hour longer than their state lives,
+//! estimate's error (at most half a `TIME` round trip plus 100 ppm of its age, and 5 ms by default, or the check goes to the script: see `RedisBuilder::with_max_clock_error`) does, once per key. Tests pin the script's time with `Redis::pin_time_us` (or `Redis::pin_time`, in ms); while pinned, keys are kept an hour longer than their state lives,
 //! since the server expires them on its own clock.
 //!
 //! # Failures
@@ -88,6 +100,9 @@
 mod batcher;
 mod fresh;
 mod local;
+mod operation;
+mod overrides;
+mod runtime_store;
 mod script;
 #[cfg(test)]
 mod tests;
@@ -97,13 +112,15 @@ use std::sync::OnceLock;
 
 use crate::rate_limit::{
     AsyncRateLimitStore, FixedWindow, Gcra, LeakyBucket, RateLimitError, RateLimitReply,
-    RateLimitRequest, ScriptedStrategy, SlidingWindow, Tiered, TokenBucket,
+    RateLimitRequest, ScriptedStrategy, SlidingWindow, StoredOverride, Tiered, TokenBucket,
 };
 use crate::store::StoreError;
 use crate::store::redis::script::LuaScript;
 use crate::store::redis::{Redis, cached};
 
-use self::script::{Operation, SINGLE, reply_of};
+use self::operation::Operation;
+pub use self::runtime_store::RuntimeStore;
+use self::script::{SINGLE, reply_of};
 
 impl Redis {
     /// Runs `request` as one script call, alone or in a batch.
@@ -131,7 +148,10 @@ impl Redis {
             && batcher.guess.worth_trying(&operation.key)
         {
             operation.learn = true;
-            operation.fresh = fresh::check(&operation.args, self.server_now_us());
+            // No good estimate of the server's clock yet: the script decides on its `TIME`.
+            operation.fresh = self
+                .server_now_us(&operation.key)
+                .and_then(|now| fresh::check(&operation.args, now));
         }
         let reset = (operation.args.op == "x").then(|| operation.key.clone());
         let reply = if self.is_cluster() {
@@ -163,7 +183,10 @@ impl Redis {
         if operation.learn
             && let RateLimitReply::Decision(decision) = reply
         {
-            let left = decision.reset_at_ms.saturating_sub(self.server_now_ms());
+            // Without an estimate of the server's clock: the least.
+            let left = self
+                .server_now_us(&operation.key)
+                .map_or(0, |us| decision.reset_at_ms.saturating_sub(us / 1_000));
             let life = std::time::Duration::from_millis(left).max(fresh::KNOWN_AT_LEAST);
             batcher.guess.seen(&operation.key, life);
         }
@@ -217,6 +240,32 @@ macro_rules! scripted_store_body {
 
         fn limits_changed(&self, key: &str) {
             Redis::limits_changed(self, key);
+        }
+
+        /// `true`: overrides live in Redis, for every instance (see [`Redis`]).
+        fn shares_overrides(&self) -> bool {
+            true
+        }
+
+        fn write_override(
+            &self,
+            namespace: &str,
+            key: &str,
+            strategy: Option<&$strategy>,
+            ttl: Option<std::time::Duration>,
+        ) -> impl Future<Output = Result<(), RateLimitError>> + Send {
+            self.keep_override(namespace, key, strategy, ttl)
+        }
+
+        fn read_overrides(
+            &self,
+            namespace: &str,
+        ) -> impl Future<Output = Result<Vec<StoredOverride<$strategy>>, RateLimitError>> + Send {
+            self.overrides_of(namespace)
+        }
+
+        fn overrides_version(&self) -> u64 {
+            Redis::overrides_version(self)
         }
     };
 }

@@ -88,6 +88,12 @@ pub trait ScriptedStrategy: Strategy + sealed::Sealed {
     /// Appends this strategy's tiers, in order (one for a plain strategy).
     #[doc(hidden)]
     fn push_tiers(&self, out: &mut Vec<TierParams>);
+
+    /// The strategy whose tiers come next in `tiers` (what [`push_tiers`](Self::push_tiers)
+    /// appended), taking them; `None` if they are not tiers of this kind, or not parameters
+    /// such a strategy can have (a store read back what another build or a person wrote).
+    #[doc(hidden)]
+    fn from_tiers(tiers: &mut std::slice::Iter<'_, TierParams>) -> Option<Self>;
 }
 
 fn emission(e: &Emission, shaper: bool, limit: u64) -> TierParams {
@@ -105,12 +111,38 @@ impl ScriptedStrategy for Gcra {
     fn push_tiers(&self, out: &mut Vec<TierParams>) {
         out.push(emission(self.emission(), false, Transition::limit(self)));
     }
+
+    fn from_tiers(tiers: &mut std::slice::Iter<'_, TierParams>) -> Option<Self> {
+        match *tiers.next()? {
+            TierParams::Emission {
+                shaper: false,
+                limit,
+                period_us,
+                per,
+                tolerance,
+            } => Self::from_parts(limit, period_us, per, tolerance),
+            _ => None,
+        }
+    }
 }
 
 impl sealed::Sealed for LeakyBucket {}
 impl ScriptedStrategy for LeakyBucket {
     fn push_tiers(&self, out: &mut Vec<TierParams>) {
         out.push(emission(self.emission(), true, Transition::limit(self)));
+    }
+
+    fn from_tiers(tiers: &mut std::slice::Iter<'_, TierParams>) -> Option<Self> {
+        match *tiers.next()? {
+            TierParams::Emission {
+                shaper: true,
+                limit,
+                period_us,
+                per,
+                tolerance,
+            } => Self::from_parts(limit, period_us, per, tolerance),
+            _ => None,
+        }
     }
 }
 
@@ -124,6 +156,17 @@ impl ScriptedStrategy for TokenBucket {
             refill,
         });
     }
+
+    fn from_tiers(tiers: &mut std::slice::Iter<'_, TierParams>) -> Option<Self> {
+        match *tiers.next()? {
+            TierParams::TokenBucket {
+                capacity,
+                per_us,
+                refill,
+            } => Self::from_parts(capacity, per_us, refill),
+            _ => None,
+        }
+    }
 }
 
 impl sealed::Sealed for FixedWindow {}
@@ -135,6 +178,17 @@ impl ScriptedStrategy for FixedWindow {
             limit,
             window_us,
         });
+    }
+
+    fn from_tiers(tiers: &mut std::slice::Iter<'_, TierParams>) -> Option<Self> {
+        match *tiers.next()? {
+            TierParams::Window {
+                sliding: false,
+                limit,
+                window_us,
+            } => Self::from_parts(limit, window_us),
+            _ => None,
+        }
     }
 }
 
@@ -148,6 +202,17 @@ impl ScriptedStrategy for SlidingWindow {
             window_us,
         });
     }
+
+    fn from_tiers(tiers: &mut std::slice::Iter<'_, TierParams>) -> Option<Self> {
+        match *tiers.next()? {
+            TierParams::Window {
+                sliding: true,
+                limit,
+                window_us,
+            } => Self::from_parts(limit, window_us),
+            _ => None,
+        }
+    }
 }
 
 impl<A: ScriptedStrategy, B: ScriptedStrategy> sealed::Sealed for Tiered<A, B> {}
@@ -158,6 +223,12 @@ impl<A: ScriptedStrategy, B: ScriptedStrategy> ScriptedStrategy for Tiered<A, B>
     fn push_tiers(&self, out: &mut Vec<TierParams>) {
         self.first().push_tiers(out);
         self.second().push_tiers(out);
+    }
+
+    fn from_tiers(tiers: &mut std::slice::Iter<'_, TierParams>) -> Option<Self> {
+        let first = A::from_tiers(tiers)?;
+        let second = B::from_tiers(tiers)?;
+        Some(Self::new(first, second))
     }
 }
 
@@ -199,5 +270,40 @@ mod tests {
         );
         assert_eq!(out[0].horizon_us(), 1_000_002);
         assert_eq!(out[2].horizon_us(), 5_000_000);
+    }
+
+    #[test]
+    fn tiers_read_back_as_the_strategy_they_came_from() {
+        type Three = Tiered<Gcra, Tiered<FixedWindow, TokenBucket>>;
+        let three: Three = Tiered::new(
+            Gcra::new(3, Duration::from_secs(1))
+                .unwrap()
+                .with_burst(NonZeroU32::new(7).unwrap()),
+            Tiered::new(
+                FixedWindow::new(10, Duration::from_secs(60)).unwrap(),
+                TokenBucket::per_second(NonZeroU32::new(5).unwrap(), NonZeroU32::MIN),
+            ),
+        );
+        let mut tiers = Vec::new();
+        three.push_tiers(&mut tiers);
+        assert_eq!(Three::from_tiers(&mut tiers.iter()), Some(three));
+        let shaper =
+            LeakyBucket::new(10, Duration::from_secs(1), Duration::from_millis(150)).unwrap();
+        let mut tiers = Vec::new();
+        shaper.push_tiers(&mut tiers);
+        assert_eq!(LeakyBucket::from_tiers(&mut tiers.iter()), Some(shaper));
+        let window = SlidingWindow::new(2, Duration::from_secs(1)).unwrap();
+        let mut tiers = Vec::new();
+        window.push_tiers(&mut tiers);
+        assert_eq!(SlidingWindow::from_tiers(&mut tiers.iter()), Some(window));
+        // Another kind, too few tiers, or parameters no strategy has: none.
+        assert_eq!(FixedWindow::from_tiers(&mut tiers.iter()), None);
+        assert_eq!(Three::from_tiers(&mut tiers[..0].iter()), None);
+        let bad = [TierParams::TokenBucket {
+            capacity: 5,
+            per_us: 1,
+            refill: 2,
+        }];
+        assert_eq!(TokenBucket::from_tiers(&mut bad.iter()), None);
     }
 }

@@ -185,6 +185,31 @@ pub trait RateLimitStore<S: Strategy>: Send + Sync + 'static {
     }
 }
 
+/// An override as a store that keeps them for every instance gives it back (see
+/// [`AsyncRateLimitStore::read_overrides`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StoredOverride<S> {
+    /// The limiter's key (its namespace aside).
+    pub key: String,
+    /// The strategy that applies to it.
+    pub strategy: S,
+    /// How long it still applies, as the store reads it when it answers; `None` until it is
+    /// removed.
+    pub expires_in: Option<Duration>,
+}
+
+impl<S> StoredOverride<S> {
+    /// An override of `key`, for a store of your own to return.
+    pub fn new(key: impl Into<String>, strategy: S, expires_in: Option<Duration>) -> Self {
+        Self {
+            key: key.into(),
+            strategy,
+            expires_in,
+        }
+    }
+}
+
 /// How long a [`Limiter`](super::Limiter) waits for one call of an [`AsyncRateLimitStore`]
 /// by default (see [`AsyncRateLimitStore::call_timeout`]): 1 s.
 pub const DEFAULT_STORE_CALL_TIMEOUT: Duration = Duration::from_secs(1);
@@ -252,6 +277,58 @@ pub trait AsyncRateLimitStore<S: Strategy>: Send + Sync + 'static {
     /// instance). The default does nothing.
     fn limits_changed(&self, key: &str) {
         let _ = key;
+    }
+
+    /// Whether this store keeps per-key overrides for every limiter that shares it (Redis:
+    /// every instance). A [`Limiter`](super::Limiter) then keeps its overrides there
+    /// ([`write_override`](Self::write_override)) and reads them back
+    /// ([`read_overrides`](Self::read_overrides)); otherwise it keeps them itself. Default
+    /// `false`.
+    fn shares_overrides(&self) -> bool {
+        false
+    }
+
+    /// Keeps `strategy` as the override of `key` for the limiters of `namespace` (removes it
+    /// when `None`), for `ttl` (until removed when `None`), and has every instance forget what
+    /// it answers locally for the key. Only called when
+    /// [`shares_overrides`](Self::shares_overrides); the default keeps nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`RateLimitError::Store`] when the store fails (the override may or may not be kept);
+    /// [`RateLimitError::TooLarge`] for a strategy the store cannot hold exactly.
+    fn write_override(
+        &self,
+        namespace: &str,
+        key: &str,
+        strategy: Option<&S>,
+        ttl: Option<Duration>,
+    ) -> impl Future<Output = Result<(), RateLimitError>> + Send {
+        let _ = (namespace, key, strategy, ttl);
+        std::future::ready(Ok(()))
+    }
+
+    /// Every override kept for the limiters of `namespace` that still applies. Only called
+    /// when [`shares_overrides`](Self::shares_overrides); the default has none.
+    ///
+    /// # Errors
+    ///
+    /// [`RateLimitError::Store`] when the store fails.
+    fn read_overrides(
+        &self,
+        namespace: &str,
+    ) -> impl Future<Output = Result<Vec<StoredOverride<S>>, RateLimitError>> + Send {
+        let _ = namespace;
+        std::future::ready(Ok(Vec::new()))
+    }
+
+    /// A number that changes whenever an override kept in this store may have changed
+    /// elsewhere since it was last read: a notice of a change arrived, or notices may have
+    /// been missed (the subscription that carries them was lost). A limiter reads its
+    /// overrides again when it changes (besides every so often). The default, for a store
+    /// that sends no notices, never changes.
+    fn overrides_version(&self) -> u64 {
+        0
     }
 
     /// The longest a [`Limiter`](super::Limiter) waits for one [`apply_async`](Self::apply_async)

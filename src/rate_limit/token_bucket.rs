@@ -105,6 +105,20 @@ impl TokenBucket {
     pub(crate) fn parts(&self) -> (u64, u64, u64) {
         (self.capacity, self.per_us, self.refill)
     }
+
+    /// The bucket of [`TokenBucket::parts`] `(capacity, per_us, refill)`, if those are
+    /// parameters a `TokenBucket` can have.
+    pub(crate) fn from_parts(capacity: u64, per_us: u64, refill: u64) -> Option<Self> {
+        let valid = capacity >= 1
+            && refill >= 1
+            && refill <= per_us
+            && capacity.checked_mul(per_us)? <= strategy::MAX_EXACT;
+        valid.then_some(Self {
+            capacity,
+            per_us,
+            refill,
+        })
+    }
 }
 
 impl Transition for TokenBucket {
@@ -132,8 +146,12 @@ impl Transition for TokenBucket {
                 level: full,
                 updated_at_us: now,
             },
-            // Time went backwards (or stood still): no refill, keep the later mark.
-            Some(s) if now <= s.updated_at_us => s,
+            // Time went backwards (or stood still): no refill, keep the later mark. Capped at
+            // the capacity: a state written with a larger one (an override) holds no more.
+            Some(s) if now <= s.updated_at_us => TokenBucketState {
+                level: s.level.min(full),
+                ..s
+            },
             Some(s) => {
                 let missing = full.saturating_sub(s.level);
                 let elapsed = now - s.updated_at_us;

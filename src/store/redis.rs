@@ -22,6 +22,8 @@ mod durable;
 mod pubsub;
 pub(crate) mod script;
 mod server_clock;
+#[cfg(any(test, feature = "test-util"))]
+pub use self::server_clock::SteppedClock;
 
 pub(crate) use self::pubsub::{Subscriber, Subscription};
 
@@ -102,6 +104,10 @@ struct OpsCounters {
     link_lost: std::sync::atomic::AtomicBool,
     /// Successes that came after such failures: the client reconnected.
     reconnects: AtomicU64,
+    /// Notices a script wrote its change for but could not publish.
+    notices_lost: AtomicU64,
+    /// Such losses are logged at most once per interval.
+    notices_lost_log: crate::log_every::LogEvery,
 }
 
 /// State each primitive keeps per connection, one value per type: the
@@ -183,11 +189,16 @@ impl Redis {
 /// Besides, the first call that needs notices (an idempotency waiter, a
 /// debounce call, a rate-limit check with local answers on) starts one
 /// pub/sub connection, which carries every broadcast channel in use, to one
-/// seed node (behind Sentinel, the primary), moving to the next node when it
-/// fails, with polling meanwhile. On a cluster, idempotency waiters instead
+/// seed node (behind Sentinel, the primary, followed across failovers),
+/// moving to the next node when it fails, with polling meanwhile. It sends
+/// `PING` every second and is replaced when the answer takes over a second,
+/// so a connection gone silent without FIN or RST is noticed within 2 s
+/// (rate limiting's local answers end then). Every connection has TCP
+/// keepalive and `TCP_USER_TIMEOUT`. On a cluster, idempotency waiters instead
 /// subscribe to their key's shard channel (`SSUBSCRIBE`, Redis 7) over one
 /// more cluster connection, on the node that owns the key's slot,
-/// resubscribed after a failover or a slot move. TLS and ACL credentials
+/// resubscribed after a failover or a slot move; it `PING`s every primary
+/// every second and is replaced the same way. TLS and ACL credentials
 /// apply to every connection, the Sentinels' included.
 ///
 /// | setting | default |
@@ -196,6 +207,7 @@ impl Redis {
 /// | [`with_command_timeout`](RedisBuilder::with_command_timeout) | 500 ms for each call, a client's retry included; also a cluster node's response timeout |
 /// | [`with_breaker`](RedisBuilder::with_breaker) | 5 consecutive failures open it for 10 s |
 /// | [`with_rate_limit_queue`](RedisBuilder::with_rate_limit_queue) | 16,384 rate-limit operations waiting for a batch (single node and Sentinel; four batch calls in flight) |
+/// | [`with_max_clock_error`](RedisBuilder::with_max_clock_error) | 5 ms: the most the estimate of the server's clock may be off for fresh keys' writes to use it |
 ///
 /// # Rate limiting
 ///
@@ -259,9 +271,11 @@ impl std::fmt::Debug for Redis {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub struct RedisStats {
-    /// Commands and script calls sent, including the `TIME` reads that keep
-    /// this instance's estimate of the server's clock (one at connect, then
-    /// at most one a minute while leading windows are opened). A batch of
+    /// Commands and script calls sent for callers, and the `CONFIG GET
+    /// maxmemory-policy` at connect. The background reads that keep this
+    /// instance's estimate of the server's clock (a few `TIME`s per node
+    /// every 10 s while the estimate is used, and on a cluster
+    /// `CLUSTER SLOTS` once a second) are not counted. A batch of
     /// rate-limit operations sent together is one script call, and one
     /// pipeline for its fresh keys' `SET`s.
     pub commands: u64,
@@ -306,6 +320,11 @@ pub struct RedisStats {
     /// (a failover followed); 0 for a node or a cluster (a cluster client
     /// follows the slot map by itself).
     pub failovers: u64,
+    /// Changes a script made whose pub/sub notice the server refused (an ACL user without
+    /// channel rights, `+@all ~*` with no `&*`): the change stands, and whoever waits for it
+    /// learns it by polling (idempotency waiters every 500 ms at most). Logged at warn, at
+    /// most once a minute; grant the user `&*` (or `allchannels`).
+    pub notices_lost: u64,
 }
 
 impl Redis {
@@ -534,6 +553,74 @@ impl Redis {
             script_reloads: ops.script_reloads.load(Ordering::Relaxed),
             reconnects: ops.reconnects.load(Ordering::Relaxed),
             failovers: self.inner.link.failovers(),
+            notices_lost: ops.notices_lost.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The server's `maxmemory-policy` (on a cluster, the first node's answer that is not
+    /// `noeviction`, if any), or `None` where it cannot be read (a managed service that
+    /// refuses `CONFIG`, an ACL user without the right).
+    pub(crate) async fn eviction_policy(&self) -> Option<String> {
+        let cmd = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .clone();
+        let reply: redis::Value = match self.query(&cmd).await {
+            Ok(reply) => reply,
+            Err(error) => {
+                tracing::debug!(%error, "reading the Redis server's maxmemory-policy failed");
+                return None;
+            }
+        };
+        let mut words = Vec::new();
+        flatten_strings(&reply, &mut words);
+        // [name, value] per node: the value after each name.
+        let mut policies = words
+            .windows(2)
+            .filter(|w| w[0].eq_ignore_ascii_case("maxmemory-policy"))
+            .map(|w| w[1].clone());
+        let first = policies.next()?;
+        Some(
+            policies
+                .chain(std::iter::once(first.clone()))
+                .find(|p| p != "noeviction")
+                .unwrap_or(first),
+        )
+    }
+
+    /// Warns at connect when the server may evict keys at `maxmemory`: idempotency claims in
+    /// flight and stored results carry TTLs, so every policy but `noeviction` can drop
+    /// them, and the key then runs again.
+    pub(crate) async fn check_eviction_policy(&self) {
+        if let Some(policy) = self.eviction_policy().await
+            && policy != "noeviction"
+        {
+            tracing::warn!(
+                %policy,
+                "redis maxmemory-policy is not noeviction: at maxmemory the server may evict \
+                 idempotency claims in flight and stored results (their keys then run again) and \
+                 rate-limit states (admitting early); set maxmemory-policy noeviction"
+            );
+        }
+    }
+
+    /// Counts (and logs, at most once a minute) a script's answer 2: its change stands, but
+    /// the server refused its notice.
+    pub(crate) fn notice_sent(&self, answer: i64, key: &str) {
+        if answer != 2 {
+            return;
+        }
+        let ops = &self.inner.ops;
+        let lost = ops.notices_lost.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Some(held_back) = ops.notices_lost_log.due() {
+            tracing::warn!(
+                key,
+                lost,
+                held_back,
+                "redis refused a pub/sub notice (does the ACL user lack channel rights? grant \
+                 &* or allchannels); the change stands, and waiters elsewhere learn it by \
+                 polling"
+            );
         }
     }
 
@@ -696,13 +783,21 @@ impl Redis {
     /// outage the connection that saw it fails its next command whatever the
     /// server's state now (it reconnects meanwhile); that stale failure must
     /// not decide the probe, or every outage keeps the breaker open for a
-    /// second cooldown. Only a server that cannot be reached fails this: any
+    /// second cooldown. That failure may be a refusal or a reconnection
+    /// attempt that timed out while the server was away (one that hung until
+    /// the connect timeout: a host dropping connections, a server not
+    /// accepting yet): a timeout that comes back before `after` is such a
+    /// stale one. Only a server that cannot be reached fails this: any
     /// answer, an error reply included, leaves the decision to the call.
     async fn reach(&self, after: Duration) -> Result<(), StoreError> {
         let cmd = redis::cmd("PING");
         let ping = || send::<redis::Value>(&cmd, self.inner.link.conn());
+        let sent = tokio::time::Instant::now();
         let answered = match self.bounded(after, ping()).await {
             Err(StoreError::Unavailable(_)) => self.bounded(after, ping()).await,
+            Err(StoreError::Timeout { .. }) if sent.elapsed() < after => {
+                self.bounded(after, ping()).await
+            }
             answered => answered,
         };
         match answered {
@@ -721,12 +816,14 @@ impl Redis {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) if e.is_timeout() => Err(StoreError::Timeout { after }),
             Ok(Err(e)) if connection::is_auth_error(&e) => Err(StoreError::Auth(Arc::new(e))),
-            // A primary demoted to replica by a failover: the store cannot
-            // serve this instance until it follows the new primary.
+            // A primary demoted to replica by a failover (the store cannot serve this
+            // instance until it follows the new primary), or a server that cannot serve now:
+            // it answered, and did nothing.
             Ok(Err(e))
-                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly) =>
+                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
+                    || is_not_serving_now(&e) =>
             {
-                Err(StoreError::unavailable(e))
+                Err(StoreError::NotServing(Arc::new(e)))
             }
             Ok(Err(e)) if is_reply_error(&e) => Err(StoreError::Protocol(e.to_string())),
             Ok(Err(e)) => Err(StoreError::unavailable(e)),
@@ -763,13 +860,31 @@ fn is_reply_error(e: &redis::RedisError) -> bool {
 
 /// A server that answers but cannot serve for now: `LOADING` its data after
 /// a restart, `BUSY` running another client's slow script, `MASTERDOWN`,
-/// `NOREPLICAS`, `TRYAGAIN`, `CLUSTERDOWN`. It is unavailable, not refusing:
-/// an owner's completion is tried again rather than refused (a refused
-/// completion frees a key whose function already ran), and the breaker
-/// counts it.
+/// `NOREPLICAS`, `TRYAGAIN`, `CLUSTERDOWN`, `OOM` (at `maxmemory` under
+/// `noeviction`: writes are refused until memory is freed). It is unavailable,
+/// not refusing: the breaker counts it, and a caller with a policy for an
+/// outage applies it.
 fn is_not_serving_now(e: &redis::RedisError) -> bool {
     matches!(e.retry_method(), redis::RetryMethod::WaitAndRetry)
-        || matches!(e.code(), Some("BUSY" | "NOREPLICAS"))
+        || matches!(e.code(), Some("BUSY" | "NOREPLICAS" | "OOM"))
+}
+
+/// Every string in `value`, in order (nested arrays and maps flattened).
+fn flatten_strings(value: &redis::Value, out: &mut Vec<String>) {
+    match value {
+        redis::Value::BulkString(b) => out.push(String::from_utf8_lossy(b).into_owned()),
+        redis::Value::SimpleString(s) => out.push(s.clone()),
+        redis::Value::Array(items) | redis::Value::Set(items) => {
+            items.iter().for_each(|v| flatten_strings(v, out));
+        }
+        redis::Value::Map(pairs) => {
+            for (k, v) in pairs {
+                flatten_strings(k, out);
+                flatten_strings(v, out);
+            }
+        }
+        _ => {}
+    }
 }
 
 /// Sends `cmd` on `conn`.
@@ -800,53 +915,237 @@ where
 }
 
 impl Redis {
-    /// The server's time in ms: pinned by a test, or this instance's
-    /// estimate, which is measured again (in the background) once a minute.
-    pub(crate) fn server_now_ms(&self) -> u64 {
-        if let Some(pinned) = self.pinned_ms() {
-            return pinned;
-        }
-        let wall = server_clock::wall_us();
-        self.resync_clock_when_due(wall);
-        self.inner.clock.at(wall) / 1000
-    }
-
-    /// [`Redis::server_now_ms`] in µs.
-    pub(crate) fn server_now_us(&self) -> u64 {
+    /// The server's time in µs for the stored key `key` (`{prefix:…}…`): pinned by a
+    /// test, or this instance's estimate of the clock of the server that holds `key` (on a
+    /// cluster, its slot's primary; see `server_clock`). `None` while no good estimate
+    /// exists: the caller then writes nothing stamped with it and leaves the time to the
+    /// server's `TIME`.
+    pub(crate) fn server_now_us(&self, key: &str) -> Option<u64> {
         if let Some(pinned) = self.pinned_us_at() {
-            return pinned;
+            return Some(pinned);
         }
-        // One read of the wall clock for both.
-        let wall = server_clock::wall_us();
-        self.resync_clock_when_due(wall);
-        self.inner.clock.at(wall)
+        self.clock_reading(|| server_clock::slot_of(key.as_bytes()))
+            .map(|r| r.now_us)
     }
 
-    /// Measures the server's clock again (in the background) if a minute has passed since
-    /// the last measurement (`wall_us`: this host's wall time now).
-    fn resync_clock_when_due(&self, wall_us: i64) {
-        if self.inner.clock.claim_resync(wall_us)
-            && let Ok(runtime) = tokio::runtime::Handle::try_current()
-        {
-            let redis = self.clone();
-            runtime.spawn(async move {
-                if let Err(error) = redis.sync_clock().await {
-                    tracing::debug!(%error, "reading the Redis server's TIME failed");
+    /// [`Redis::server_now_us`] in ms, for the logical key `key` (stored as
+    /// `{prefix:key}…`).
+    pub(crate) fn server_now_ms_of(&self, key: &str) -> Option<u64> {
+        if let Some(pinned) = self.pinned_ms() {
+            return Some(pinned);
+        }
+        self.clock_reading(|| server_clock::slot_of_logical(&self.inner.prefix, key))
+            .map(|r| r.now_us / 1_000)
+    }
+
+    /// The estimate of the server's clock for the stored key `key` and the most it can be
+    /// off (µs), if a good one exists. For tests of the bound.
+    #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    #[must_use]
+    pub fn clock_estimate(&self, key: &str) -> Option<(u64, u64)> {
+        self.clock_reading(|| server_clock::slot_of(key.as_bytes()))
+            .map(|r| (r.now_us, r.bound_us))
+    }
+
+    /// The estimate for a key of `slot`, starting a measurement if one is due.
+    #[inline]
+    fn clock_reading(&self, slot: impl FnOnce() -> u16) -> Option<server_clock::Reading> {
+        let epoch = self.link_epoch();
+        let (reading, mono) = self.inner.clock.read(slot, epoch.unwrap_or(u64::MAX));
+        self.resync_clock_when_due(mono);
+        reading.filter(|_| epoch.is_some())
+    }
+
+    /// Which connection an estimate was measured on: it changes with every reconnection
+    /// and every Sentinel failover followed, so an estimate of a server since replaced is
+    /// never used. `None` while a command failed on the connection and none succeeded
+    /// since (the server may be another one when it answers again).
+    fn link_epoch(&self) -> Option<u64> {
+        let ops = &self.inner.ops;
+        if ops.link_lost.load(Ordering::Relaxed) {
+            return None;
+        }
+        let reconnects = ops.reconnects.load(Ordering::Relaxed);
+        Some(reconnects.wrapping_add(self.inner.link.failovers().wrapping_shl(32)))
+    }
+
+    /// Measures the server's clock (in the background) if a measurement is due at
+    /// monotonic time `mono_us`: every 10 s, at once after a reconnection, a failover or a
+    /// jump of this host's clocks, and on a cluster a look at the slot map every second.
+    fn resync_clock_when_due(&self, mono_us: u64) {
+        let clock = &self.inner.clock;
+        if !clock.claim_sync(mono_us) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            clock.done(false);
+            return;
+        };
+        // Made before the spawn: a task dropped unpolled frees the next measurement.
+        let mut syncing = ClockSync {
+            redis: self.clone(),
+            ok: false,
+        };
+        runtime.spawn(async move {
+            match syncing.redis.sync_clock().await {
+                Ok(()) => syncing.succeeded(),
+                Err(error) => {
+                    tracing::debug!(%error, "measuring the Redis server's clock failed");
                 }
-            });
-        }
+            }
+        });
     }
 
-    /// Measures the offset between the server's clock and this host's with
-    /// one `TIME`, assuming the server read it halfway through the round
-    /// trip.
+    /// Measures what is due now, in the caller's task (at connect).
+    pub(super) async fn sync_clock_now(&self) {
+        let clock = &self.inner.clock;
+        if !clock.claim_sync(clock.clocks.mono_us()) {
+            return;
+        }
+        let ok = match self.sync_clock().await {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::debug!(%error, "measuring the Redis server's clock failed; trying again later");
+                false
+            }
+        };
+        clock.done(ok);
+    }
+
+    /// Off a cluster, measures the server's clock if due; on one, reads the slot map and
+    /// measures every primary whose estimate is due, all at once.
     async fn sync_clock(&self) -> Result<(), StoreError> {
-        let before = server_clock::wall_us();
-        let (s, us): (i64, i64) = self.query(&redis::cmd("TIME")).await?;
-        let after = server_clock::wall_us();
-        let server = s.saturating_mul(1_000_000).saturating_add(us);
-        self.inner.clock.record(before, server, after);
-        Ok(())
+        let clock = &self.inner.clock;
+        let epoch = self.link_epoch().ok_or_else(|| {
+            StoreError::unavailable(redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "the connection failed and has not answered since",
+            )))
+        })?;
+        if !clock.is_cluster() {
+            let estimate = clock.single();
+            if estimate.needs_measuring(clock.clocks.mono_us(), epoch, clock.max_error_us) {
+                let best = self.measure(None, epoch).await?;
+                estimate.offer(best, clock.clocks.mono_us());
+            }
+            return Ok(());
+        }
+        let reply: redis::Value = self
+            .bounded(
+                self.inner.command_timeout,
+                send(redis::cmd("CLUSTER").arg("SLOTS"), self.inner.link.conn()),
+            )
+            .await?;
+        let old = clock.map();
+        let map = server_clock::SlotMap::from_reply(&reply, old.as_deref())
+            .ok_or_else(|| StoreError::Protocol(format!("CLUSTER SLOTS answered {reply:?}")))?;
+        if clock.install_map(map) {
+            tracing::debug!(
+                "the Redis Cluster's slot map changed: measuring new primaries' clocks"
+            );
+        }
+        let map = clock.map().expect("installed");
+        let mono = clock.clocks.mono_us();
+        let due = map
+            .nodes
+            .iter()
+            .filter(|n| n.estimate.needs_measuring(mono, epoch, clock.max_error_us));
+        let measured = futures_util::future::join_all(due.map(|node| async move {
+            let best = self.measure(Some(node), epoch).await?;
+            node.estimate.offer(best, clock.clocks.mono_us());
+            Ok::<_, StoreError>(())
+        }))
+        .await;
+        measured.into_iter().collect()
+    }
+
+    /// [`server_clock::SAMPLES`] `TIME`s in a row, each between two readings of the
+    /// monotonic clock, on a cluster routed to `node`; the best one within the allowed
+    /// error. Not counted in [`RedisStats::commands`], and outside the breaker (a failed
+    /// measurement only leaves the estimate unused).
+    async fn measure(
+        &self,
+        node: Option<&server_clock::Node>,
+        epoch: u64,
+    ) -> Result<Option<server_clock::Sample>, StoreError> {
+        let clock = &self.inner.clock;
+        let pair = clock.clocks.pair();
+        let mut samples = Vec::with_capacity(server_clock::SAMPLES);
+        for _ in 0..server_clock::SAMPLES {
+            let before = clock.clocks.mono_us();
+            let server = self
+                .bounded(self.inner.command_timeout, self.read_time(node))
+                .await?;
+            let after = clock.clocks.mono_us();
+            samples.push(server_clock::Sample::new(
+                before, server, after, pair, epoch,
+            ));
+        }
+        let (best, rejected) = clock.best(&samples);
+        if rejected > 0 {
+            tracing::debug!(
+                rejected,
+                of = samples.len(),
+                "TIME samples took longer than the allowed clock error allows"
+            );
+        }
+        Ok(best)
+    }
+
+    /// One `TIME` in µs; on a cluster, sent to `node` with `CLUSTER MYID` in the same
+    /// pipeline, and refused if another node answered (the slot map moved).
+    async fn read_time(&self, node: Option<&server_clock::Node>) -> redis::RedisResult<i64> {
+        let time = |v: redis::Value| -> redis::RedisResult<i64> {
+            let (s, us): (i64, i64) = redis::from_redis_value(v)?;
+            Ok(s.saturating_mul(1_000_000).saturating_add(us))
+        };
+        match (self.inner.link.conn(), node) {
+            (Conn::Cluster(mut c), Some(node)) => {
+                use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+                let mut pipe = redis::pipe();
+                pipe.cmd("TIME").cmd("CLUSTER").arg("MYID");
+                let route =
+                    SingleNodeRoutingInfo::SpecificNode(Route::new(node.slot, SlotAddr::Master));
+                let mut replies = c.route_pipeline(pipe, 0, 2, route).await?.into_iter();
+                let (Some(server), Some(id)) = (replies.next(), replies.next()) else {
+                    return Err((
+                        redis::ErrorKind::Client,
+                        "TIME and CLUSTER MYID: short reply",
+                    )
+                        .into());
+                };
+                let id: String = redis::from_redis_value(id)?;
+                if id != node.id {
+                    self.inner.clock.forget_map();
+                    return Err((
+                        redis::ErrorKind::Client,
+                        "TIME answered by another node than the slot map says: reading the map again",
+                    )
+                        .into());
+                }
+                time(server)
+            }
+            (conn, _) => time(send(&redis::cmd("TIME"), conn).await?),
+        }
+    }
+}
+
+/// Frees the next measurement of the server's clock when one ends, however it ends.
+struct ClockSync {
+    redis: Redis,
+    ok: bool,
+}
+
+impl ClockSync {
+    fn succeeded(&mut self) {
+        self.ok = true;
+    }
+}
+
+impl Drop for ClockSync {
+    fn drop(&mut self) {
+        self.redis.inner.clock.done(self.ok);
     }
 }
 
@@ -979,26 +1278,102 @@ pub(crate) async fn each_server_with(
 mod tests {
     use super::*;
 
+    /// The server's `TIME` now, on a cluster from the primary of `key`'s slot.
+    async fn server_time_of(redis: &Redis, key: &str) -> u64 {
+        let cmd = redis::cmd("TIME");
+        let value = match redis.inner.link.conn() {
+            Conn::Cluster(mut c) => {
+                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+                let route =
+                    SingleNodeRoutingInfo::SpecificNode(Route::with_key(key, SlotAddr::Master));
+                c.route_command(cmd, RoutingInfo::SingleNode(route)).await
+            }
+            conn => send::<redis::Value>(&cmd, conn).await,
+        };
+        let (s, us): (u64, u64) =
+            redis::from_redis_value(value.expect("TIME")).expect("two integers");
+        s * 1_000_000 + us
+    }
+
     #[tokio::test]
-    async fn the_server_clock_estimate_is_measured_at_connect_and_corrected_by_a_resync() {
+    async fn every_key_reads_an_estimate_of_its_own_servers_clock_within_its_bound() {
         each_server("server_clock", async |redis: Redis| {
-            let server_ms = async || {
-                let (s, us): (u64, u64) = redis.query(&redis::cmd("TIME")).await.unwrap();
-                s * 1000 + us / 1000
-            };
-            let off = |a: u64, b: u64| a.abs_diff(b);
-            let truth = server_ms().await;
-            assert!(
-                off(redis.server_now_ms(), truth) < 1000,
-                "measured at connect"
-            );
-            // Off by an hour (a stepped clock), then measured again.
-            redis.inner.clock.record(0, 3_600_000_000, 0);
-            assert!(off(redis.server_now_ms(), server_ms().await) > 3_000_000);
-            redis.sync_clock().await.unwrap();
-            assert!(off(redis.server_now_ms(), server_ms().await) < 1000);
+            if let Some(map) = redis.inner.clock.map() {
+                assert_eq!(map.nodes.len(), 3, "one estimate per primary");
+                for node in &map.nodes {
+                    assert!(
+                        node.estimate.sample().is_some(),
+                        "{} measured at connect",
+                        node.id
+                    );
+                }
+            }
+            // Keys on every primary of a cluster.
+            for key in ["{a}", "{b}", "{c}", "{d}", "{e}", "{f}", "{g}"] {
+                // The server reads TIME between the two readings of the estimate, so its
+                // reading lies between the first less its bound and the second plus its bound.
+                let (early, early_bound) = redis.clock_estimate(key).expect("measured");
+                let truth = server_time_of(&redis, key).await;
+                let (late, late_bound) = redis.clock_estimate(key).expect("measured");
+                assert!(
+                    early.saturating_sub(early_bound) <= truth && truth <= late + late_bound,
+                    "{key}: {early} ±{early_bound} .. {late} ±{late_bound}, server {truth}"
+                );
+                assert!(early_bound < 5_000, "within the default allowed error");
+            }
+            // A reconnection: the estimate is not used until measured again.
+            redis.inner.ops.reconnects.fetch_add(1, Ordering::Relaxed);
+            assert_eq!(redis.server_now_us("{a}"), None);
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            while redis.clock_estimate("{a}").is_none() {
+                assert!(tokio::time::Instant::now() < deadline, "measured again");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            // A failed command: none until one succeeds.
+            redis.inner.ops.link_lost.store(true, Ordering::Release);
+            assert_eq!(redis.server_now_us("{a}"), None);
+            redis.ping().await.unwrap();
+            assert_eq!(redis.server_now_us("{a}"), None, "a reconnection since");
         })
         .await;
+    }
+
+    /// A slot map that moved (a failover, resharding) is caught by the node id that answers
+    /// each `TIME`: the map is forgotten, no key of the cluster reads an estimate until it is
+    /// read and measured again, and then every key does.
+    #[tokio::test]
+    async fn a_time_answered_by_another_node_than_the_map_says_makes_the_map_read_again() {
+        let Some(cluster) = harness::RedisCluster::start("clock_stale_map") else {
+            return;
+        };
+        let redis = Redis::cluster(cluster.urls())
+            .connect()
+            .await
+            .expect("connects");
+        let map = redis.inner.clock.map().expect("read at connect");
+        let stale = server_clock::Node {
+            id: "a-node-that-left".to_owned(),
+            slot: map.nodes[0].slot,
+            estimate: Arc::default(),
+        };
+        assert!(
+            redis.read_time(Some(&stale)).await.is_err(),
+            "another node answered"
+        );
+        assert!(redis.inner.clock.map().is_none(), "the map is read again");
+        assert_eq!(redis.server_now_us("{a}"), None);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while ["{a}", "{b}", "{c}", "{d}"]
+            .iter()
+            .any(|k| redis.clock_estimate(k).is_none())
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "read and measured again"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(redis.inner.clock.map().expect("read").nodes.len(), 3);
     }
 
     #[tokio::test]
@@ -1022,7 +1397,11 @@ mod tests {
             breaker: Breaker::new(b.breaker),
             commands: crate::stats::Counter::default(),
             pinned_now: AtomicU64::new(0),
-            clock: server_clock::ServerClock::default(),
+            clock: server_clock::ServerClock::new(
+                server_clock::Clocks::default(),
+                server_clock::DEFAULT_MAX_ERROR,
+                false,
+            ),
             pubsub: pubsub::PubSub::default(),
             slices: Slices::default(),
             rate_limit_queue: None,

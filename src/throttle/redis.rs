@@ -29,9 +29,13 @@ impl Redis {
         token: u64,
     ) -> Result<WindowOpen, StoreError> {
         let px = ms(window);
-        let now = self.server_now_ms();
-        let end = now.saturating_add(px);
-        if self.inner.clock.takes_set_nx_get() {
+        // Without a good estimate of the server's clock, the value carries no end: a loser
+        // asks the key's `PTTL` instead.
+        let now = self.server_now_ms_of(key);
+        if let Some(now) = now
+            && self.inner.clock.takes_set_nx_get()
+        {
+            let end = now.saturating_add(px);
             // The key and the value are written straight into the command's buffer, sized up
             // front: no string of their own, and no buffer grows, per decision.
             let name = WindowKey {
@@ -69,7 +73,10 @@ impl Redis {
             }
         }
         let key = self.key(key, ":t");
-        let value = window_value(end, token);
+        let value = match now {
+            Some(now) => window_value(now.saturating_add(px), token),
+            None => token.to_string(),
+        };
         let mut pipe = redis::pipe();
         pipe.cmd("SET")
             .arg(&key)

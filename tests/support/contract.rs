@@ -48,9 +48,20 @@ pub async fn contract(store: Arc<dyn IdempotencyStore>, ns: &str) {
     // A free key is won; a held one is busy; another fingerprint is a mismatch.
     let (owner, other) = (ClaimToken::new(), ClaimToken::new());
     let k = key("basic");
-    let Ok(ClaimReply::Won { .. }) = store.claim(&k, request(owner, Some(&fp), LEASE)).await else {
+    let Ok(ClaimReply::Won { fence }) = store.claim(&k, request(owner, Some(&fp), LEASE)).await
+    else {
         panic!("a free key is won")
     };
+    // I15: the same claim sent again (its reply was lost, a client re-sent it) is still the
+    // claimant's, with the same fence: it never waits on itself.
+    assert_eq!(
+        store
+            .claim(&k, request(owner, Some(&fp), LEASE))
+            .await
+            .unwrap(),
+        ClaimReply::Won { fence },
+        "a claim re-sent by its own token wins again"
+    );
     match store
         .claim(&k, request(other, Some(&fp), LEASE))
         .await

@@ -103,4 +103,6 @@ pub mod managed;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "redis")]
+pub mod proxy;
+#[cfg(feature = "redis")]
 pub mod redis;

@@ -10,13 +10,18 @@ use serde::de::DeserializeOwned;
 use crate::debounce::Value;
 use crate::error::Error;
 use crate::key::shown;
-use crate::wire;
+use crate::wire::{self, Format};
 
 /// An outcome as it travels between instances: in the versioned envelope
-/// ([`crate::wire`]), the value nested in the payload's format.
+/// ([`crate::wire`]), the value nested in the payload's format (that of the
+/// envelope's version: an instance of an earlier release nests bincode).
 #[derive(serde::Serialize, serde::Deserialize)]
 enum Wire {
-    Value { tag: String, bytes: Vec<u8> },
+    Value {
+        tag: String,
+        #[serde(with = "as_bytes")]
+        bytes: Vec<u8>,
+    },
     Unencodable(String),
     Failed(String),
     Panicked(String),
@@ -65,18 +70,62 @@ pub(super) fn encode_error(error: &Error) -> Vec<u8> {
     seal(&wire)
 }
 
+/// Nested bytes as one byte string (MessagePack `bin`, not an array of
+/// numbers); bincode writes both forms alike, so version 1 reads as before.
+mod as_bytes {
+    use serde::{Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(bytes)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        struct Bytes;
+        impl<'de> serde::de::Visitor<'de> for Bytes {
+            type Value = Vec<u8>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("bytes")
+            }
+
+            fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+                Ok(v.to_vec())
+            }
+
+            fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+                Ok(v)
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Vec<u8>, A::Error> {
+                let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+                while let Some(b) = seq.next_element()? {
+                    out.push(b);
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_byte_buf(Bytes)
+    }
+}
+
 /// Decodes the values of one result type.
 #[derive(Clone, Copy)]
 pub(in crate::debounce) struct Codec {
     pub(super) type_id: TypeId,
     tag: &'static str,
-    decode: fn(&[u8]) -> Option<Value>,
+    decode: fn(Format, &[u8]) -> Option<Value>,
 }
 
 impl Codec {
     pub(in crate::debounce) fn of<T: DeserializeOwned + Send + Sync + 'static>() -> Self {
-        fn decode<T: DeserializeOwned + Send + Sync + 'static>(bytes: &[u8]) -> Option<Value> {
-            wire::decode::<T>(bytes).ok().map(|v| Arc::new(v) as Value)
+        fn decode<T: DeserializeOwned + Send + Sync + 'static>(
+            format: Format,
+            bytes: &[u8],
+        ) -> Option<Value> {
+            format.decode::<T>(bytes).ok().map(|v| Arc::new(v) as Value)
         }
         Self {
             type_id: TypeId::of::<T>(),
@@ -90,10 +139,16 @@ impl Codec {
     /// [`Error::TypeMismatch`]; an envelope this build cannot read (another
     /// format version, say) is a [`Error::StoreUnavailable`] whose source is
     /// the [`WireError`](crate::store::WireError): never misread.
+    ///
+    /// A value tagged with another type name is decoded all the same when
+    /// its format names its fields (version 2: the type moved or was
+    /// renamed between builds), and refused when it does not (version 1).
     pub(super) fn outcome(&self, key: &str, bytes: &[u8]) -> Result<Value, Error> {
         let mismatch = || Error::TypeMismatch { key: shown(key) };
-        let wire = match wire::open::<Wire>(bytes) {
-            Ok(wire) => wire,
+        let unsealed =
+            wire::unseal(bytes).and_then(|payload| Ok((payload.format, payload.decode::<Wire>()?)));
+        let (format, wire) = match unsealed {
+            Ok(opened) => opened,
             Err(wire::WireError::Codec { .. }) => return Err(mismatch()),
             Err(unreadable) => {
                 tracing::warn!(
@@ -108,8 +163,8 @@ impl Codec {
             }
         };
         match wire {
-            Wire::Value { tag, bytes } if tag == self.tag => {
-                (self.decode)(&bytes).ok_or_else(mismatch)
+            Wire::Value { tag, bytes } if tag == self.tag || format.is_self_describing() => {
+                (self.decode)(format, &bytes).ok_or_else(mismatch)
             }
             Wire::Value { .. } => Err(mismatch()),
             Wire::Unencodable(message) => Err(Error::failed(

@@ -23,15 +23,15 @@ fn outcomes_travel_as_values_or_typed_errors() {
         Err(Error::StoreUnavailable { .. })
     ));
     let mut other_version = encode_value(&value);
-    assert_eq!(&other_version[..3], b"tb\x01");
-    other_version[2] = 2;
+    assert_eq!(&other_version[..3], b"tb\x02");
+    other_version[2] = 3;
     match codec.outcome("k", &other_version) {
         Err(Error::StoreUnavailable { key, source }) => {
             assert_eq!(key, "k");
             assert!(
                 matches!(
                     source.downcast_ref::<wire::WireError>(),
-                    Some(wire::WireError::UnknownVersion { found: 2, .. })
+                    Some(wire::WireError::UnknownVersion { found: 3, .. })
                 ),
                 "{source}"
             );
@@ -91,6 +91,66 @@ fn outcomes_travel_as_values_or_typed_errors() {
             assert_eq!(got, reason);
         }
     }
+}
+
+/// The outcome enum as releases that wrote version 1 defined it.
+#[derive(serde::Serialize)]
+#[allow(dead_code, reason = "only the first variant is written")]
+enum WireV1 {
+    Value { tag: String, bytes: Vec<u8> },
+    Unencodable(String),
+    Failed(String),
+}
+
+/// An outcome as an instance of an earlier release publishes it: version 1.
+fn encode_value_v1<T: serde::Serialize>(value: &T) -> Vec<u8> {
+    let config = bincode::config::standard();
+    let wire = WireV1::Value {
+        tag: std::any::type_name::<T>().to_owned(),
+        bytes: bincode::serde::encode_to_vec(value, config).unwrap(),
+    };
+    let mut out = b"tb\x01".to_vec();
+    out.extend(bincode::serde::encode_to_vec(&wire, config).unwrap());
+    out
+}
+
+#[test]
+fn outcomes_of_an_earlier_release_still_decode() {
+    let codec = Codec::of::<Vec<String>>();
+    let value = vec!["a".to_owned(), "é".to_owned()];
+    let decoded = codec
+        .outcome("k", &encode_value_v1(&value))
+        .expect("a value");
+    assert_eq!(decoded.downcast_ref::<Vec<String>>(), Some(&value));
+    // Version 1 names no fields: another type tag is refused before decoding.
+    assert!(matches!(
+        codec.outcome("k", &encode_value_v1(&7_u32)),
+        Err(Error::TypeMismatch { .. })
+    ));
+}
+
+#[test]
+fn results_that_need_a_self_describing_format_travel_between_instances() {
+    #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+    #[serde(tag = "type")]
+    enum Event {
+        Sent {
+            #[serde(flatten)]
+            meta: std::collections::BTreeMap<String, serde_json::Value>,
+        },
+        Skipped,
+    }
+    let value = Event::Sent {
+        meta: [("to".to_owned(), serde_json::json!(["a", 1]))].into(),
+    };
+    let decoded = Codec::of::<Event>()
+        .outcome("k", &encode_value(&value))
+        .expect("a value");
+    assert_eq!(decoded.downcast_ref::<Event>(), Some(&value));
+    // Bytes nest as one byte string, not an array of numbers.
+    // (300 bytes of UTF-8 at or over 0x80: two bytes each as numbers).
+    let sealed = encode_value(&"é".repeat(150));
+    assert!(sealed.len() < 400, "{}", sealed.len());
 }
 
 #[test]

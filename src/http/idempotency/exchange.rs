@@ -108,6 +108,19 @@ impl<S> Pending<S> {
             }
         };
         let fingerprint = request::fingerprint(&parts, &bytes);
+        #[cfg(feature = "postgres")]
+        if config.transactional() {
+            let options = options.into_owned().with_fingerprint_digest(fingerprint);
+            let request =
+                Request::from_parts(parts, RequestBody::buffered_with_trailers(bytes, trailers));
+            return Decided::Run(Box::pin(super::transaction::exchange(
+                config,
+                inner,
+                request,
+                Some(key),
+                options,
+            )));
+        }
         let claim = match backend::look(&config.idempotency, &key, &options, fingerprint) {
             Ok(Some(Looked::Replay(stored))) => {
                 bump(&config.counters.replays);
@@ -203,7 +216,11 @@ fn answer<B, E>(
         return handed;
     }
     Ok(match result {
-        Ok(IdempotencyOutcome::Replay(stored) | IdempotencyOutcome::Fresh(stored)) => {
+        Ok(
+            IdempotencyOutcome::Replay(stored)
+            | IdempotencyOutcome::Fresh(stored)
+            | IdempotencyOutcome::Unrecorded(stored, _),
+        ) => {
             bump(&config.counters.replays);
             replay(&stored)
         }

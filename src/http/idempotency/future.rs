@@ -76,6 +76,15 @@ where
         }
     }
 
+    /// The guarded exchange, already built (a request without a key that still runs in the
+    /// layer's transaction).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(super) fn guarded(exchange: Exchange<ResB, S::Error>) -> Self {
+        Self {
+            kind: Kind::Guarded { exchange },
+        }
+    }
+
     pub(super) fn reading(body: Limited<ReqB>, pending: Pending<S>) -> Self {
         Self {
             kind: Kind::Reading {

@@ -5,15 +5,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use throttlebeam_supervisors::Generation;
 use tokio::time::Instant;
 
-use super::{Ledger, Settled, unavailable};
+use super::{Ledger, Settled};
 use crate::cell::RunCell;
-use crate::error::Error;
+use crate::error::{BoxError, Error};
 use crate::idempotency::options::Fingerprint;
 use crate::idempotency::seam::{ClaimToken, IdempotencyStore, StoredResult};
-use crate::idempotency::store::{Record, stored_result};
+use crate::idempotency::store::{
+    Record, check_round_trip, checked_stored_result, unstorable_result,
+};
+use crate::idempotency::{Fence, NotRecorded};
 use crate::key::{InlineKey, shown};
 use crate::store::{StoreError, store_call};
 
@@ -35,8 +39,9 @@ pub(crate) struct Ticket {
     /// When the claim was made: its lease runs from here.
     pub(super) claimed_at: Instant,
     pub(super) held: bool,
-    /// The fencing counter of the claim won in the shared store, if any.
-    pub(super) fence: Option<u64>,
+    /// The claim's fencing token: the shared store's counter for the claim it won there, or
+    /// the ledger's own without a shared store. Handed to the work ([`Fence::current`]).
+    pub(super) fence: Fence,
     /// A claim of this ticket's went to the shared store and may have
     /// landed there, but no answer came back (its caller left, or the call
     /// failed after it was sent): released there too when the ticket is,
@@ -44,6 +49,10 @@ pub(crate) struct Ticket {
     pub(super) unanswered: bool,
     /// When that claim has certainly lapsed in the shared store.
     pub(super) lapse: Option<Arc<Lapse>>,
+    /// The holder's work ran and its completion began: from here on nothing but the store's
+    /// answer ends the claim, and a dropped completion leaves the shared claim to lapse
+    /// rather than releasing it.
+    pub(super) ran: bool,
 }
 
 /// When a claim in the shared store has certainly lapsed, as its holder can
@@ -80,12 +89,9 @@ impl Lapse {
 }
 
 /// Whether a failed call may still have reached the store (and done its
-/// work there): anything but a refusal made before sending it.
+/// work there): see [`StoreError::may_have_been_applied`].
 pub(super) fn may_have_landed(error: &StoreError) -> bool {
-    !matches!(
-        error,
-        StoreError::BreakerOpen { .. } | StoreError::Config(_) | StoreError::Full { .. }
-    )
+    error.may_have_been_applied()
 }
 
 /// What one renewal came to.
@@ -203,10 +209,37 @@ enum Completion {
     Stored,
     /// Another owner holds the key there.
     Lost,
-    /// The store answered with an error of its own: it will not take it.
-    Refused(StoreError),
-    /// The store did not answer before the claim certainly lapsed there.
-    Lapsed(StoreError),
+    /// The store did not take it before the claim certainly lapsed there: its last error, and
+    /// whether a try may still have landed (sent, and never answered).
+    Lapsed(StoreError, bool),
+}
+
+/// Why a holder's result was not recorded, with the store's last error when one is why.
+#[derive(Debug)]
+pub(crate) struct Unrecorded {
+    pub(crate) why: NotRecorded,
+    pub(crate) cause: Option<BoxError>,
+}
+
+impl Unrecorded {
+    fn new(why: NotRecorded) -> Self {
+        Self { why, cause: None }
+    }
+
+    /// A completion whose task was dropped before it ended (its tokio runtime shut down):
+    /// the shared claim is left to lapse.
+    pub(crate) fn cancelled() -> Self {
+        Self::new(NotRecorded::StoreUnavailable)
+    }
+
+    /// The error a caller holding the value already (a reservation) gets.
+    pub(crate) fn into_error(self, key: &str) -> Error {
+        Error::NotRecorded {
+            key: shown(key),
+            reason: self.why,
+            source: self.cause,
+        }
+    }
 }
 
 /// The longest pause between two tries of a completion.
@@ -224,6 +257,16 @@ impl Ticket {
         let full = self.full.as_str();
         full.get(full.len().saturating_sub(usize::from(self.key_len))..)
             .unwrap_or_default()
+    }
+
+    /// The claim's fencing token.
+    pub(crate) fn fence(&self) -> Fence {
+        self.fence
+    }
+
+    /// Whether [`Ticket::complete`] ends at its first poll (no shared store to wait for).
+    pub(crate) fn completes_at_once(&self) -> bool {
+        self.ledger.shared.is_none()
     }
 
     /// The ledger that holds this ticket's claim.
@@ -293,18 +336,19 @@ impl Ticket {
     /// [`Ticket::complete`] at once, when neither the store nor a shared store makes it wait
     /// (the in-memory table): the result is stored and the claim removed in one step, under
     /// the claim's lock, so a completing claim is never seen. Otherwise the ticket and the
-    /// value come back, for [`Ticket::complete`]. A completion done at once fails as
+    /// value come back, for [`Ticket::complete`]. A completion done at once ends as
     /// [`Ticket::complete`] does.
     #[cfg(feature = "http")]
     pub(crate) fn complete_now<T>(mut self, value: T) -> CompletedNow<T>
     where
-        T: Serialize + Send + Sync + 'static,
+        T: Serialize + DeserializeOwned + Send + Sync + 'static,
     {
         let ledger = &*self.ledger;
         if ledger.shared.is_some() {
             return CompletedNow::Waits(self, value);
         }
-        let record = Record::new(self.fingerprint, value);
+        self.ran = true;
+        let (record, unstorable) = memory_record(self.fingerprint, value);
         let (generation, token) = (self.generation, self.token);
         let mut ended = Ended::NotOurs;
         let mut record = Some(record);
@@ -328,38 +372,43 @@ impl Ticket {
             });
         self.held = false;
         let waiters = removed.and_then(|claim| claim.cell);
-        let outcome = match ended {
+        let why = match ended {
             Ended::Stored(kept) => {
                 if let (Some(cell), Some(record)) = (waiters, kept) {
                     cell.set(Ok(Settled::Done(record)));
                 }
-                return CompletedNow::Done(Ok(()));
+                if let Some(unstorable) = unstorable {
+                    self.unrecorded(unstorable);
+                }
+                return CompletedNow::Done;
             }
-            Ended::NotOurs => {
-                tracing::debug!(key = %shown(self.key()), "idempotency completion rejected: lease lost");
-                return CompletedNow::Done(Err(Error::LeaseLost {
-                    key: shown(self.key()),
-                }));
-            }
-            Ended::Closed => Error::ShutDown {
-                key: shown(self.key()),
-            },
+            Ended::NotOurs => NotRecorded::LeaseLost,
+            Ended::Closed => NotRecorded::ShutDown,
         };
-        // Released: the next caller runs.
+        // Not recorded: the waiters look again (and find the new holder, or the shutdown).
         if let Some(cell) = waiters {
             cell.set(Ok(Settled::Released));
         }
-        CompletedNow::Done(Err(outcome))
+        self.unrecorded(Unrecorded::new(why));
+        CompletedNow::Done
     }
 
     /// Stores `value` as the key's result and wakes the waiters.
     ///
-    /// Fails with [`Error::LeaseLost`] if another caller took the key over
-    /// (nothing is stored), [`Error::ShutDown`] after the runtime shut down
-    /// (nothing is stored, the key is released), and
-    /// [`Error::StoreUnavailable`] if the store refused it (released too) or
-    /// did not answer before the claim certainly lapsed there (not released:
-    /// see [`Ticket::complete_shared`]).
+    /// This is the one place a claim whose work ran ends (see [`Ticket::release`] for work
+    /// that failed): it never frees the key for another run. Recorded, the waiters replay
+    /// the value. Not recorded ([`Unrecorded`]), the local claim ends and its waiters look
+    /// again, while the claim in the shared store holds until it lapses there:
+    ///
+    /// - [`NotRecorded::LeaseLost`]: another holder took the key over (here, or in the
+    ///   shared store);
+    /// - [`NotRecorded::StoreUnavailable`]: the shared store refused every try with an answer
+    ///   that it did nothing (`OOM`, `NOPERM`, `READONLY`) until the claim certainly lapsed
+    ///   there (see [`Ticket::complete_shared`]); [`NotRecorded::Unconfirmed`] when a try may
+    ///   still land (sent, never answered: a timeout, a broken connection);
+    /// - [`NotRecorded::ShutDown`]: the runtime shut down and it has no shared store. With
+    ///   one, a shutdown changes nothing here: the result is stored there, which outlives
+    ///   this runtime.
     ///
     /// A plain function around an `async move` block, not an `async fn`, which would keep
     /// the ticket and the value twice in its future.
@@ -367,11 +416,12 @@ impl Ticket {
     pub(crate) fn complete<T>(
         mut self,
         value: T,
-    ) -> impl Future<Output = Result<(), Error>> + Send + 'static
+    ) -> impl Future<Output = Result<(), Unrecorded>> + Send + 'static
     where
-        T: Serialize + Send + Sync + 'static,
+        T: Serialize + DeserializeOwned + Send + Sync + 'static,
     {
         async move {
+            self.ran = true;
             let ledger = Arc::clone(&self.ledger);
             let (generation, token) = (self.generation, self.token);
             let ours = ledger
@@ -385,64 +435,63 @@ impl Ticket {
                 })
                 .unwrap_or(false);
             if !ours {
-                // Not ours to release either: the slot belongs to the new holder.
+                // Not ours to end either: the slot belongs to the new holder.
                 self.held = false;
-                tracing::debug!(key = %shown(self.key()), "idempotency completion rejected: lease lost");
-                return Err(Error::LeaseLost {
-                    key: shown(self.key()),
-                });
-            }
-            if ledger.is_closed() {
-                self.release_now();
-                return Err(Error::ShutDown {
-                    key: shown(self.key()),
-                });
+                return Err(self.unrecorded(Unrecorded::new(NotRecorded::LeaseLost)));
             }
             let shared_claim = ledger.shared.as_deref().zip(self.lapse.clone());
+            let mut unstorable = None;
             let record = if let Some((shared, lapse)) = shared_claim {
-                let stored = match stored_result(self.fingerprint, &value) {
+                let stored = match checked_stored_result(self.fingerprint, &value) {
                     Ok(stored) => stored,
                     Err(e) => {
-                        self.release_now();
-                        return Err(unavailable(self.key(), Arc::new(e)));
+                        // It ran, and its value would never come back: the key is recorded as
+                        // run with the cause, so retries are told so instead of running again.
+                        let stored = unstorable_result::<T>(self.fingerprint, &e);
+                        unstorable = Some(Unrecorded {
+                            why: NotRecorded::Unstorable,
+                            cause: Some(Arc::new(e)),
+                        });
+                        stored
                     }
                 };
                 // Boxed: this path's future would otherwise size every run's future.
                 match Box::pin(self.complete_shared(shared, &lapse, &stored)).await {
                     Completion::Stored => {}
                     Completion::Lost => {
-                        // Taken over in the shared store: the key is another owner's.
-                        self.drop_local();
-                        tracing::debug!(key = %shown(self.key()), "idempotency completion refused: lease lost");
-                        return Err(Error::LeaseLost {
-                            key: shown(self.key()),
-                        });
+                        return Err(self.end_unrecorded(Unrecorded::new(NotRecorded::LeaseLost)));
                     }
-                    Completion::Refused(e) => {
-                        // The store answered and will not take it: free the key.
-                        self.release_now();
-                        return Err(unavailable(self.key(), Arc::new(e)));
-                    }
-                    Completion::Lapsed(e) => {
-                        // Not released in the store (the function ran: nothing
-                        // may free the key early); the claim lapsed there.
-                        if let Some(cell) = self.drop_local() {
-                            cell.set(Ok(Settled::Released));
-                        }
-                        return Err(unavailable(self.key(), Arc::new(e)));
+                    Completion::Lapsed(e, unsure) => {
+                        let why = if unsure {
+                            NotRecorded::Unconfirmed
+                        } else {
+                            NotRecorded::StoreUnavailable
+                        };
+                        return Err(self.end_unrecorded(Unrecorded {
+                            why,
+                            cause: Some(Arc::new(e)),
+                        }));
                     }
                 }
                 // Local waiters replay the typed value, not the bytes.
-                Record::new(self.fingerprint, value)
+                match unstorable {
+                    None => Record::new(self.fingerprint, value),
+                    Some(_) => Record::from_stored(stored),
+                }
             } else {
-                let record = Record::new(self.fingerprint, value);
+                if ledger.is_closed() {
+                    return Err(self.end_unrecorded(Unrecorded::new(NotRecorded::ShutDown)));
+                }
+                let record;
+                (record, unstorable) = memory_record(self.fingerprint, value);
                 ledger.store.put(&self.full, record.clone(), self.ttl);
+                if ledger.is_closed() {
+                    // Shutdown cleared the table while we were putting: gone with it.
+                    ledger.store.close();
+                    return Err(self.end_unrecorded(Unrecorded::new(NotRecorded::ShutDown)));
+                }
                 record
             };
-            if ledger.is_closed() {
-                // Shutdown cleared the store while we were putting.
-                ledger.store.close();
-            }
             // Removed here, not by the drop.
             self.held = false;
             let removed = ledger
@@ -453,18 +502,48 @@ impl Ticket {
             if let Some(cell) = removed.and_then(|claim| claim.cell) {
                 cell.set(Ok(Settled::Done(record)));
             }
-            Ok(())
+            match unstorable {
+                None => Ok(()),
+                Some(unstorable) => Err(self.unrecorded(unstorable)),
+            }
         }
     }
 
-    /// Stores `stored` in the shared store, trying again while the store
-    /// does not answer, until it is stored or the claim has certainly lapsed
-    /// there (`lapse`): a result that ran must not be lost to an outage
-    /// shorter than the lease, or a retry would run the operation again.
-    /// Each try is a must-try call (never refused by an open breaker) and may
-    /// take what is left until the lapse (at least a renewal period).
-    /// Trying up to the lapse and once past it is safe: the store refuses the
-    /// result if another owner took the key over, and stores it if nobody did.
+    /// Ends the local claim of a run that was not recorded, waking its waiters to look again
+    /// (the claim in the shared store, if any, is left to lapse there: the work ran), and
+    /// says so in the log.
+    fn end_unrecorded(&mut self, unrecorded: Unrecorded) -> Unrecorded {
+        if let Some(cell) = self.drop_local() {
+            cell.set(Ok(Settled::Released));
+        }
+        self.unrecorded(unrecorded)
+    }
+
+    /// Logs why this holder's result was not recorded (at most once per interval per
+    /// ledger, with a count of the others), and hands the reason on.
+    fn unrecorded(&self, unrecorded: Unrecorded) -> Unrecorded {
+        let key = shown(self.key());
+        match unrecorded.why {
+            NotRecorded::ShutDown => {
+                tracing::debug!(key = %key, "idempotency result not recorded: the runtime shut down");
+            }
+            why => self
+                .ledger
+                .logs
+                .unrecorded(&key, why, unrecorded.cause.as_deref()),
+        }
+        unrecorded
+    }
+
+    /// Stores `stored` in the shared store, trying again whatever the store answers short of
+    /// a decision (no answer, an error reply, a script error), until it is stored, refused
+    /// because another owner holds the key, or the claim has certainly lapsed there
+    /// (`lapse`): a result that ran must not be lost to a store that fails for less than the
+    /// lease, nor its key freed, or a retry would run the operation again.
+    /// Each try is a must-try call (never refused by an open breaker) and may take what is
+    /// left until the lapse (at least a renewal period). Trying up to the lapse and once past
+    /// it is safe: the store refuses the result if another owner took the key over, and
+    /// stores it if nobody did.
     async fn complete_shared(
         &self,
         shared: &dyn IdempotencyStore,
@@ -473,6 +552,7 @@ impl Ticket {
     ) -> Completion {
         let mut pause = Duration::from_millis(20);
         let full = self.full.as_str();
+        let mut unsure = false;
         loop {
             let bound = lapse
                 .at()
@@ -482,28 +562,12 @@ impl Ticket {
             let error = match store_call(bound, complete).await {
                 Ok(true) => return Completion::Stored,
                 Ok(false) => return Completion::Lost,
-                // Stored but not yet on enough replicas (durable claims): retried too, so the
-                // result is not lost with its primary.
-                Err(e)
-                    if !(e.is_store_fault()
-                        || matches!(
-                            e,
-                            StoreError::BreakerOpen { .. } | StoreError::NotReplicated { .. }
-                        )) =>
-                {
-                    return Completion::Refused(e);
-                }
                 Err(e) => e,
             };
+            unsure |= may_have_landed(&error);
             let (now, give_up) = (Instant::now(), lapse.at());
             if now >= give_up {
-                tracing::error!(
-                    key = %shown(self.key()),
-                    error = %error,
-                    "idempotency result could not be stored: the shared store did not answer \
-                     before the claim lapsed there; a retry may run the operation again"
-                );
-                return Completion::Lapsed(error);
+                return Completion::Lapsed(error, unsure);
             }
             tracing::debug!(key = %shown(self.key()), %error, "storing idempotency result failed; retrying");
             // The last try goes out when the claim lapses, not a pause past it.
@@ -533,12 +597,12 @@ impl Ticket {
                 .remove_if(self.full.as_bytes(), self.generation, |claim| {
                     claim.token == token
                 });
-        self.fence = None;
         self.lapse = None;
         removed.and_then(|claim| claim.cell)
     }
 
-    /// Gives the key up so the next caller (or a waiting one) runs.
+    /// Gives the key up so the next caller (or a waiting one) runs: for work that failed or
+    /// panicked, or never started. Work that ran ends in [`Ticket::complete`].
     pub(crate) fn release(mut self) {
         self.release_now();
     }
@@ -547,7 +611,9 @@ impl Ticket {
         if !self.held {
             return;
         }
-        let shared = self.fence.is_some() || self.unanswered;
+        // A completion dropped half way (its task's runtime ended): the work ran, so the
+        // shared claim is left to lapse; local waiters look again and find it there.
+        let shared = (self.lapse.is_some() || self.unanswered) && !self.ran;
         let waiters = self.drop_local();
         if shared {
             self.release_shared();
@@ -581,11 +647,31 @@ impl Ticket {
     }
 }
 
+/// The record the in-memory table keeps for `value`: the typed value, or, for a type whose
+/// first value does not read back from its own encoding (a shared store could never replay
+/// it), the record of a run whose result could not be stored, with why.
+fn memory_record<T>(fingerprint: Option<Fingerprint>, value: T) -> (Record, Option<Unrecorded>)
+where
+    T: Serialize + DeserializeOwned + Send + Sync + 'static,
+{
+    match check_round_trip(&value) {
+        Ok(()) => (Record::new(fingerprint, value), None),
+        Err(e) => {
+            let record = Record::unstorable::<T>(fingerprint, &e);
+            let unstorable = Unrecorded {
+                why: NotRecorded::Unstorable,
+                cause: Some(Arc::new(e)),
+            };
+            (record, Some(unstorable))
+        }
+    }
+}
+
 /// What [`Ticket::complete_now`] came to.
 #[cfg(feature = "http")]
 pub(crate) enum CompletedNow<T> {
-    /// Completed (or failed) at once.
-    Done(Result<(), Error>),
+    /// Completed at once, recorded or not (logged).
+    Done,
     /// The store makes it wait: the ticket and the value, for [`Ticket::complete`].
     Waits(Ticket, T),
 }

@@ -18,7 +18,7 @@ use std::time::Duration;
 use dashmap::DashMap;
 use sha2::{Digest, Sha256};
 use tokio::sync::Notify;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::AsyncMessage;
 
 use super::Inner;
 use crate::idempotency::KeyChanged;
@@ -177,9 +177,16 @@ async fn listen(guard: &Listening) {
             let Some(inner) = guard.0.upgrade() else {
                 return;
             };
-            (inner.connections.config.clone(), inner.sql.channel.clone())
+            (
+                (
+                    inner.connections.config.clone(),
+                    inner.connections.tls.clone(),
+                ),
+                inner.sql.channel.clone(),
+            )
         };
-        let connected = tokio::time::timeout(SUBSCRIBE_TIMEOUT, config.connect(NoTls)).await;
+        let (config, tls) = config;
+        let connected = tokio::time::timeout(SUBSCRIBE_TIMEOUT, config.connect(tls)).await;
         match connected {
             Ok(Ok((client, connection))) => {
                 match serve(guard, &client, connection, &channel).await {
@@ -214,7 +221,7 @@ async fn serve(
     client: &tokio_postgres::Client,
     mut connection: tokio_postgres::Connection<
         tokio_postgres::Socket,
-        tokio_postgres::tls::NoTlsStream,
+        <super::tls::Tls as tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>>::Stream,
     >,
     channel: &str,
 ) -> Result<bool, tokio_postgres::Error> {

@@ -28,16 +28,32 @@ pub(super) enum Class {
 
 /// The pool and what guards it.
 pub(super) struct Connections {
-    pool: Pool,
+    pub(super) pool: Pool,
     pub(super) config: tokio_postgres::Config,
+    /// How connections outside the pool (the listener's) connect.
+    pub(super) tls: super::tls::Tls,
     pub(super) timeout: Duration,
     pub(super) breaker: Breaker,
     statements: AtomicU64,
+    pool_waits: AtomicU64,
+    pool_timeouts: AtomicU64,
+}
+
+/// Every connection of the pool stayed busy for as long as a caller could wait.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "all {size} connections of the postgres pool stayed busy for {waited:?} (the command \
+     timeout): raise PostgresBuilder::with_pool_size or the pool's own size"
+)]
+pub(super) struct PoolExhausted {
+    size: usize,
+    waited: Duration,
 }
 
 impl Connections {
     pub(super) fn new(
         config: tokio_postgres::Config,
+        tls: super::tls::Tls,
         size: usize,
         timeout: Duration,
         connect_timeout: Duration,
@@ -45,7 +61,7 @@ impl Connections {
     ) -> Result<Self, StoreError> {
         let manager = Manager::from_config(
             config.clone(),
-            NoTls,
+            tls.clone(),
             ManagerConfig {
                 // A connection whose socket closed is dropped; a healthy one
                 // costs no round trip to hand out.
@@ -59,13 +75,27 @@ impl Connections {
             .recycle_timeout(Some(connect_timeout))
             .build()
             .map_err(|e| StoreError::Config(format!("postgres pool: {e}")))?;
-        Ok(Self {
+        Ok(Self::with_pool(pool, config, tls, timeout, breaker))
+    }
+
+    /// Around a pool made elsewhere (the application's own).
+    pub(super) fn with_pool(
+        pool: Pool,
+        config: tokio_postgres::Config,
+        tls: super::tls::Tls,
+        timeout: Duration,
+        breaker: BreakerConfig,
+    ) -> Self {
+        Self {
             pool,
             config,
+            tls,
             timeout,
             breaker: Breaker::new(breaker),
             statements: AtomicU64::new(0),
-        })
+            pool_waits: AtomicU64::new(0),
+            pool_timeouts: AtomicU64::new(0),
+        }
     }
 
     /// Statements sent so far.
@@ -77,17 +107,48 @@ impl Connections {
         self.statements.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A connection of the pool, waiting at most the command timeout.
+    /// A connection of the pool, waiting at most the command timeout. A wait (no connection
+    /// free when asked) is counted; one that ran out is a [`PoolExhausted`] error naming the
+    /// pool's size.
     pub(super) async fn get(&self) -> Result<Conn, StoreError> {
+        let waited = self.pool.status().available == 0;
+        if waited {
+            self.pool_waits.fetch_add(1, Ordering::Relaxed);
+        }
         let got = crate::store::guard(self.timeout, || self.pool.get()).await;
         match got {
             Ok(Ok(object)) => Ok(Conn {
                 object: Some(object),
                 busy: false,
+                waited,
             }),
+            Ok(Err(deadpool_postgres::PoolError::Timeout(_)))
+            | Err(crate::store::Fault::TimedOut(_))
+                if waited =>
+            {
+                self.pool_timeouts.fetch_add(1, Ordering::Relaxed);
+                Err(StoreError::unavailable(PoolExhausted {
+                    size: self.pool.status().max_size,
+                    waited: self.timeout,
+                }))
+            }
             Ok(Err(e)) => Err(StoreError::unavailable(e)),
             Err(fault) => Err(fault.into()),
         }
+    }
+
+    /// Times a caller found no connection free, and times it waited out the command timeout.
+    pub(super) fn pool_counts(&self) -> (u64, u64) {
+        (
+            self.pool_waits.load(Ordering::Relaxed),
+            self.pool_timeouts.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The pool's size and the connections in it now (open, busy or idle).
+    pub(super) fn pool_size(&self) -> (usize, usize) {
+        let status = self.pool.status();
+        (status.max_size, status.size)
     }
 
     /// One statement returning one row, under the breaker and the timeout.
@@ -158,20 +219,36 @@ impl Connections {
 /// (its caller went away, or timed out) is cancelled on the server and the
 /// connection discarded: a cancel request names the backend, not the
 /// statement, so the connection must not serve anyone afterwards.
-pub(super) struct Conn {
+pub(crate) struct Conn {
     object: Option<Object>,
     busy: bool,
+    /// No connection was free when this one was asked for.
+    pub(super) waited: bool,
 }
 
 impl Conn {
+    /// No connection: what a run leaves behind once it took its connection.
+    pub(crate) fn empty() -> Self {
+        Self {
+            object: None,
+            busy: false,
+            waited: false,
+        }
+    }
+
     fn object(&self) -> &Object {
         self.object
             .as_ref()
             .expect("a connection is held until dropped")
     }
 
+    /// The connection, if this one still has it.
+    pub(crate) fn object_ref(&self) -> Option<&Object> {
+        self.object.as_ref()
+    }
+
     /// The connection, for a transaction.
-    pub(super) fn client(&mut self) -> &mut Object {
+    pub(crate) fn client(&mut self) -> &mut Object {
         self.object
             .as_mut()
             .expect("a connection is held until dropped")
@@ -179,11 +256,11 @@ impl Conn {
 
     /// Marks a statement in flight until [`Conn::idle`]: dropped before
     /// that, the connection is cancelled and discarded.
-    pub(super) fn busy(&mut self) {
+    pub(crate) fn busy(&mut self) {
         self.busy = true;
     }
 
-    pub(super) fn idle(&mut self) {
+    pub(crate) fn idle(&mut self) {
         self.busy = false;
     }
 
@@ -228,7 +305,7 @@ impl Conn {
 
     /// Takes the connection out of the pool for good (it is closed when
     /// dropped): after a failure whose state on the server is unknown.
-    pub(super) fn discard(&mut self) {
+    pub(crate) fn discard(&mut self) {
         if let Some(object) = self.object.take() {
             drop(Object::take(object));
         }
@@ -274,10 +351,11 @@ pub(super) fn store_error(e: tokio_postgres::Error) -> StoreError {
         )),
         // 25006 read_only_sql_transaction: connected to a standby, or a session that writes
         // nothing. The cause is the server's own error, not the driver's ("db error").
-        _ if code == "25006"
-            || matches!(code.get(..2), Some("08" | "40" | "53" | "55" | "57" | "58")) =>
-        {
-            StoreError::Unavailable(Arc::new(db.clone()))
+        // A broken connection: the statement's fate is unknown.
+        _ if code.starts_with("08") => StoreError::Unavailable(Arc::new(db.clone())),
+        // The server answered that it cannot serve now; the statement did nothing.
+        _ if code == "25006" || matches!(code.get(..2), Some("40" | "53" | "55" | "57" | "58")) => {
+            StoreError::NotServing(Arc::new(db.clone()))
         }
         _ => StoreError::Protocol(format!("postgres refused a statement: {db}")),
     }

@@ -94,7 +94,18 @@ pub(super) struct Sql {
     /// The `LISTEN`/`NOTIFY` channel of the table's changes.
     pub(super) channel: String,
     pub(super) migrate: String,
+    /// What undoes `migrate`.
+    pub(super) undo: String,
     pub(super) claim: String,
+    /// A transactional run's first statement: locks its claim's row (if it is still this
+    /// token's), sets the transaction's timeouts, and names the transaction. Inside the run's
+    /// transaction the row is reached by its `ctid` alone (a TID scan), never through an
+    /// index: at SERIALIZABLE an index scan takes a predicate lock on the index page, which
+    /// the completion of a run of another key on that page would conflict with.
+    pub(super) lock: String,
+    /// A transactional run's completion, in its transaction: stores the result if the row is
+    /// still this token's and the transaction is the one that locked it.
+    pub(super) complete_locked: String,
     pub(super) complete: String,
     pub(super) release: String,
     pub(super) renew: String,
@@ -113,10 +124,29 @@ impl Sql {
         };
         Self {
             migrate: migration(&table),
+            undo: undo(&table),
+            lock: format!(
+                "SELECT txid_current(), \
+                        set_config('statement_timeout', $3, true), \
+                        set_config('idle_in_transaction_session_timeout', $3, true) \
+                   FROM {t} WHERE ctid = $4::text::tid AND key = $1 AND token = $2 AND NOT done \
+                    FOR UPDATE"
+            ),
+            complete_locked: format!(
+                "WITH stored AS ( \
+                     UPDATE {t} AS r \
+                        SET done = true, fingerprint = $3, type_tag = $4, value = $5, \
+                            expires_at = clock_timestamp() + $6::bigint * interval '1 millisecond' \
+                      WHERE r.ctid = $9::text::tid AND r.key = $1 AND r.token = $2 AND NOT r.done \
+                        AND txid_current() = $8 \
+                     RETURNING pg_notify($7, encode(sha256(r.key), 'hex')) AS notified \
+                 ) \
+                 SELECT count(*) FROM stored"
+            ),
             claim: format!(
                 "(SELECT done, fingerprint, type_tag, value, \
                         ceil(date_part('epoch', expires_at - clock_timestamp()) * 1000)::bigint AS left_ms, \
-                        NULL::bigint AS fence \
+                        CASE WHEN NOT done AND token = $2 THEN fence END AS fence \
                    FROM {t} WHERE key = $1 AND expires_at > clock_timestamp()) \
                  UNION ALL \
                  (SELECT * FROM {claim_fn}($1, $2, $3, $4, $5)) \
@@ -158,8 +188,8 @@ impl Sql {
     }
 }
 
-/// The migration of `table`: idempotent, serialized by an advisory lock so
-/// that instances starting together do not race on the catalog.
+/// The migration of `table`: idempotent, quiet (no "already exists" notices), serialized by an
+/// advisory lock so that instances starting together do not race on the catalog.
 fn migration(table: &TableName) -> String {
     let t = table.object("");
     let index = format!("\"{}_expires_at\"", table.table);
@@ -168,11 +198,14 @@ fn migration(table: &TableName) -> String {
     let plain = table.plain();
     format!(
         r#"BEGIN;
+SET LOCAL client_min_messages = warning;
 SELECT pg_advisory_xact_lock(hashtextextended('throttlebeam migrate {plain}', 0));
 
 -- One row per key: in flight (done = false) until its lease ends, or
 -- completed (done = true) with its result until its TTL ends. An expired
--- row is free: claims take it over, and the sweeper deletes it.
+-- row is free: claims take it over, and the sweeper deletes it, unless a
+-- transaction holds it locked (a transactional run's claim lives as long
+-- as its transaction).
 CREATE TABLE IF NOT EXISTS {t} (
     key         bytea       PRIMARY KEY,  -- the scoped key
     done        boolean     NOT NULL,     -- completed
@@ -189,39 +222,86 @@ CREATE INDEX IF NOT EXISTS {index} ON {t} (expires_at);
 -- after every earlier claim of its key, however often the key was freed.
 CREATE SEQUENCE IF NOT EXISTS {sequence} AS bigint;
 
--- The write half of a claim, called only when the key is free or expired:
--- wins it (returns its fence) or, after losing a race, returns what the
--- winner left. A claim made for a transactional run does not wait for its
--- commit to be flushed (p_durable = false): the run's own commit flushes it.
+-- The write half of a claim, called only when the key has no live row:
+-- wins it (returns its fence, and in left_ms where its row is: 2 * (block
+-- * 65536 + offset of its ctid), plus 1 when it took an expired row over)
+-- or returns what holds it. A row locked by a transaction is held, however
+-- old its lease: a transactional run holds its claim's row locked while it
+-- lives, and its key is free the moment its connection dies. A claim made
+-- for a transactional run does not wait for its commit to be flushed
+-- (p_durable = false): the run's own commit flushes it.
 CREATE OR REPLACE FUNCTION {claim_fn}(
     p_key bytea, p_token bytea, p_fingerprint bytea, p_lease_ms bigint, p_durable boolean,
     OUT done boolean, OUT fingerprint bytea, OUT type_tag text, OUT value bytea,
     OUT left_ms bigint, OUT fence bigint)
 LANGUAGE plpgsql AS $claim$
 #variable_conflict use_column
+DECLARE
+    held record;
+    at tid;
 BEGIN
     IF NOT p_durable THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
+    -- Never queue behind another claim's write for long: the caller answers busy.
+    PERFORM set_config('lock_timeout', '200ms', true);
     INSERT INTO {t} AS r (key, done, token, fence, fingerprint, expires_at)
     VALUES (p_key, false, p_token, nextval('{sequence}'), p_fingerprint,
             clock_timestamp() + p_lease_ms * interval '1 millisecond')
-    ON CONFLICT (key) DO UPDATE
-        SET done = false, token = excluded.token, fence = excluded.fence,
-            fingerprint = excluded.fingerprint, type_tag = NULL, value = NULL,
-            expires_at = excluded.expires_at
-        WHERE r.expires_at <= clock_timestamp()
-    RETURNING r.fence INTO fence;
-    IF fence IS NULL THEN
-        SELECT r.done, r.fingerprint, r.type_tag, r.value,
-               ceil(date_part('epoch', r.expires_at - clock_timestamp()) * 1000)::bigint
-          INTO done, fingerprint, type_tag, value, left_ms
-          FROM {t} AS r WHERE r.key = p_key;
+    ON CONFLICT (key) DO NOTHING
+    RETURNING r.fence, r.ctid INTO fence, at;
+    IF fence IS NOT NULL THEN
+        left_ms := 2 * (((at::text::point)[0])::bigint * 65536 + ((at::text::point)[1])::bigint);
+        RETURN;
+    END IF;
+    SELECT r.done, r.fingerprint, r.type_tag, r.value, r.expires_at INTO held
+      FROM {t} AS r WHERE r.key = p_key FOR UPDATE SKIP LOCKED;
+    IF FOUND THEN
+        IF held.expires_at <= clock_timestamp() THEN
+            UPDATE {t} AS r
+               SET done = false, token = p_token, fence = nextval('{sequence}'),
+                   fingerprint = p_fingerprint, type_tag = NULL, value = NULL,
+                   expires_at = clock_timestamp() + p_lease_ms * interval '1 millisecond'
+             WHERE r.key = p_key
+            RETURNING r.fence, r.ctid INTO fence, at;
+            left_ms := 2 * (((at::text::point)[0])::bigint * 65536 + ((at::text::point)[1])::bigint) + 1;
+            RETURN;
+        END IF;
+        done := held.done;
+        fingerprint := held.fingerprint;
+        type_tag := held.type_tag;
+        value := held.value;
+        left_ms := ceil(date_part('epoch', held.expires_at - clock_timestamp()) * 1000)::bigint;
+        RETURN;
+    END IF;
+    -- Locked: a live transaction holds the key (or another claim or the
+    -- sweeper has it this instant). In flight, for another second at most.
+    SELECT r.done, r.fingerprint INTO held FROM {t} AS r WHERE r.key = p_key;
+    IF FOUND THEN
+        done := false;
+        fingerprint := CASE WHEN held.done THEN p_fingerprint ELSE held.fingerprint END;
+        left_ms := 1000;
     END IF;
 END
 $claim$;
 COMMIT;
 "#
+    )
+}
+
+/// What undoes [`migration`]: drops the table (every key and result in it), its sequence
+/// and its claim function.
+fn undo(table: &TableName) -> String {
+    let t = table.object("");
+    let sequence = table.object("_fence");
+    let claim_fn = table.object("_claim");
+    format!(
+        "BEGIN;\n\
+         SET LOCAL client_min_messages = warning;\n\
+         DROP FUNCTION IF EXISTS {claim_fn}(bytea, bytea, bytea, bigint, boolean);\n\
+         DROP TABLE IF EXISTS {t};\n\
+         DROP SEQUENCE IF EXISTS {sequence};\n\
+         COMMIT;\n"
     )
 }
 
@@ -240,6 +320,7 @@ mod tests {
     fn the_documented_migration_is_the_one_run() {
         let sql = Sql::new(TableName::parse(DEFAULT_TABLE).unwrap());
         assert_eq!(sql.migrate, include_str!("schema.sql"));
+        assert_eq!(sql.undo, include_str!("undo.sql"));
         assert_eq!(sql.channel, "tb:throttlebeam_idempotency");
     }
 

@@ -91,6 +91,7 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
     ) -> Result<RateLimitReply, RateLimitError> {
         let result = async {
             RateLimitError::check_key(key)?;
+            self.sync_overrides().await;
             let strategy = self.strategy_for(key);
             let op = op(&strategy)?;
             let store_key = self.store_key(key);
@@ -130,6 +131,7 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
         now_us: u64,
     ) -> Result<Decision, RateLimitError> {
         RateLimitError::check_key(key)?;
+        self.sync_overrides().await;
         let strategy = self.strategy_for(key);
         let cost = cost_for(&strategy, key, cost)?;
         let store_key = self.store_key(key);
@@ -154,7 +156,20 @@ impl<S: Strategy, St: AsyncRateLimitStore<S>> Limiter<S, St> {
     ) -> Result<RateLimitReply, RateLimitError> {
         let store = &self.inner.store;
         let key = request.key;
-        match crate::store::guard(store.call_timeout(), || store.apply_async(request)).await {
+        self.guarded(key, || store.apply_async(request)).await
+    }
+
+    /// One call of the store (`call` makes it) through the store guard, as
+    /// [`Limiter::apply_guarded`]; a fault is a [`RateLimitError::Store`] naming `key`.
+    pub(super) async fn guarded<T, F>(
+        &self,
+        key: &str,
+        call: impl FnOnce() -> F,
+    ) -> Result<T, RateLimitError>
+    where
+        F: std::future::Future<Output = Result<T, RateLimitError>>,
+    {
+        match crate::store::guard(self.inner.store.call_timeout(), call).await {
             Ok(reply) => reply,
             Err(fault) => {
                 if matches!(fault, crate::store::Fault::Panicked(_)) {

@@ -48,7 +48,7 @@ fn overrides_and_namespaces_take_the_same_path_as_the_default() {
         .with_clock(crate::clock::ManualClock::new(0))
         .build();
     limiter
-        .set_override("vip", Gcra::per_second(NonZeroU32::new(3).unwrap()))
+        .set_local_override("vip", Gcra::per_second(NonZeroU32::new(3).unwrap()))
         .unwrap();
     let remaining = |key| limiter.check(key).unwrap().remaining;
     assert_eq!((remaining("vip"), remaining("vip")), (2, 1));

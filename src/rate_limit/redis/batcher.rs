@@ -7,9 +7,10 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 
 use tokio::sync::oneshot;
 
-use super::fresh::{self, Fresh, Guess};
+use super::fresh::{self, Guess};
 use super::local::{DEFAULT_LOCAL_ANSWERS, LocalAnswers};
-use super::script::{BATCH, Operation, argument_sets, batch_replies, reply_of};
+use super::operation::{Fresh, Operation};
+use super::script::{BATCH, argument_sets, batch_replies, reply_of};
 use crate::rate_limit::RateLimitReply;
 use crate::store::StoreError;
 use crate::store::redis::script::LuaScript;

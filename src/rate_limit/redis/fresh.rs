@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use throttlebeam_supervisors::{Counters, TtlTable};
 
-use super::script::Args;
+use super::operation::{Args, Fresh};
 use crate::rate_limit::{Decision, RateLimitReply};
 use crate::store::StoreError;
 use crate::store::redis::RedisBuilder;
@@ -34,10 +34,10 @@ impl RedisBuilder {
     ///
     /// A check of a key with no state is always allowed, and the state it leaves depends only
     /// on the time. This instance computes it with the script's own maths at its estimate of
-    /// the server's clock (measured with `TIME` at connect and once a minute: accurate to half
-    /// a round trip plus a minute's drift) and writes it only if the key is still empty; a key
-    /// that holds anything goes on to the script, which decides on the server's `TIME` as for
-    /// every other check. Such a `SET` costs the server a little over half what a check costs
+    /// the server's clock (see `RedisBuilder::with_max_clock_error`: off by at most half a
+    /// `TIME` round trip plus 100 ppm of its age, or not used) and writes it only if the key is
+    /// still empty; a key that holds anything goes on to the script, which decides on the
+    /// server's `TIME` as for every other check. Such a `SET` costs the server a little over half what a check costs
     /// it in a script, and the client less too, so fresh keys (one check per client, per IP,
     /// per window) go about 1.5 times as fast.
     ///
@@ -64,17 +64,6 @@ impl RedisBuilder {
         self.fresh_key_writes = enabled;
         self
     }
-}
-
-/// A check's write if its key has no state: the value and its life, and the reply it makes.
-pub(super) struct Fresh {
-    /// The state, encoded as the script stores it: the kinds, then each tier's fields as
-    /// little-endian doubles.
-    pub(super) value: Vec<u8>,
-    /// Its life in ms (`PX`), the slack included.
-    pub(super) px: u64,
-    /// The decision, if the `SET` takes.
-    pub(super) reply: RateLimitReply,
 }
 
 /// One tier's state after a check of `units` at `now` on no state, as `rate_limit.lua`'s `run`
@@ -125,7 +114,7 @@ pub(super) fn check(args: &Args, now_us: u64) -> Option<Fresh> {
     let now = crate::rate_limit::strategy::clamp(now_us);
     let units = u64::from(args.cost);
     let kinds = args.kinds.as_bytes();
-    let mut value = Vec::with_capacity(kinds.len() * 25);
+    let mut value = Vec::with_capacity(kinds.len() * 25 + 8);
     value.extend_from_slice(kinds);
     let (mut limit, mut remaining, mut full_at) = (u64::MAX, u64::MAX, 0);
     for (t, &kind) in kinds.iter().enumerate() {
@@ -141,6 +130,9 @@ pub(super) fn check(args: &Args, now_us: u64) -> Option<Fresh> {
         remaining = remaining.min(avail - units);
         full_at = full_at.max(full);
     }
+    // Its rest time: when the state is at rest under these limits (see `rate_limit.lua`).
+    #[allow(clippy::cast_precision_loss)]
+    value.extend_from_slice(&(full_at as f64).to_le_bytes());
     let ms_up = |us: u64| us.div_ceil(1_000);
     Some(Fresh {
         value,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use throttlebeam_supervisors::{Counters, Sweep, TtlTable};
 use tokio::time::Instant;
 
-use super::script::{Args, Operation, Ticket};
+use super::operation::{Args, Operation, Ticket};
 use crate::rate_limit::{Decision, RateLimitReply, ShaperReservation};
 use crate::store::redis::{Redis, RedisBuilder, Subscriber, Subscription};
 
@@ -77,6 +77,9 @@ pub(super) struct Denied {
     /// What retry-afters count down to: `retry_after` after the reply arrived, never earlier
     /// than the server's T.
     pub(super) admit_at: Instant,
+    /// When the entry ends (its expiry in the table): `retry_after - 1 ms` after the call was
+    /// sent, before the server's T.
+    pub(super) until: Instant,
     /// The server's figures, when the denial was a check's (a reservation's carries none).
     pub(super) decision: Option<(u64, u64, u64)>,
     /// The subscription live when the denial was sent.
@@ -104,6 +107,8 @@ struct Kept {
     /// Bumped by every invalidation: a denial sent before one is not kept (its notice may
     /// have arrived before its reply).
     epoch: AtomicU64,
+    /// Notices that overrides changed somewhere (see `Redis::overrides_version`).
+    override_notices: AtomicU64,
 }
 
 impl Kept {
@@ -114,9 +119,14 @@ impl Kept {
 }
 
 /// A message on the rate-limit channel names a key (as stored) whose limits changed or
-/// that was reset elsewhere: its denial no longer holds.
+/// that was reset elsewhere: its denial no longer holds. One naming a namespace's overrides
+/// (see `overrides.rs`) says they changed: limiters read them again.
 impl Subscriber for Kept {
     fn message(&self, payload: &[u8]) {
+        if payload.ends_with(super::overrides::SUFFIX.as_bytes()) {
+            self.override_notices.fetch_add(1, Ordering::SeqCst);
+            return;
+        }
         self.forget(&String::from_utf8_lossy(payload));
     }
 }
@@ -127,6 +137,7 @@ impl LocalAnswers {
             kept: Arc::new(Kept {
                 entries: TtlTable::new(Arc::new(Counters::new())),
                 epoch: AtomicU64::new(0),
+                override_notices: AtomicU64::new(0),
             }),
             max_keys,
             answered: crate::stats::Counter::default(),
@@ -154,6 +165,11 @@ impl LocalAnswers {
         self.resets.get().and_then(Subscription::live)
     }
 
+    /// Notices that overrides changed, heard so far.
+    pub(super) fn override_notices(&self) -> u64 {
+        self.kept.override_notices.load(Ordering::SeqCst)
+    }
+
     /// Answers given so far.
     pub(super) fn answered(&self) -> u64 {
         self.answered.get()
@@ -174,6 +190,12 @@ impl LocalAnswers {
     }
 
     /// The local answer to `operation`, if a denial covers it.
+    ///
+    /// The entry is found first and the clock read after: a denial a concurrent
+    /// [`LocalAnswers::remember`] keeps was stamped with a reading taken before it was
+    /// inserted, so a reading taken once it is seen is never earlier, and the countdown never
+    /// says more than the server's own retry-after (a reading taken before the lookup could
+    /// precede the insertion: the answer then said later than the server would).
     pub(super) fn answer(
         &self,
         operation: &Operation,
@@ -182,8 +204,7 @@ impl LocalAnswers {
         let subscription = subscription?;
         let entries = &self.kept.entries;
         let args = &operation.args;
-        let now = Instant::now();
-        let found = entries.read_at(&*operation.key, now, |entry| {
+        let found = entries.read_at(&*operation.key, Instant::now(), |entry| {
             if entry.subscription != subscription {
                 return Err(());
             }
@@ -193,34 +214,38 @@ impl LocalAnswers {
             {
                 return Ok(None);
             }
-            // Rounded up, as the server rounds: waiting it suffices.
-            let left = entry.admit_at.saturating_duration_since(now);
-            let retry_after_ms = u64::try_from(left.as_micros().div_ceil(1_000))
-                .unwrap_or(u64::MAX)
-                .max(1);
-            Ok(match (args.op, entry.decision) {
-                ("c", Some((limit, remaining, reset_at_ms))) => {
-                    Some(RateLimitReply::Decision(Decision {
-                        allowed: false,
-                        limit,
-                        remaining,
-                        reset_at_ms,
-                        retry_after_ms,
-                    }))
-                }
-                ("r", _) => Some(RateLimitReply::Reservation(ShaperReservation::QueueFull {
-                    retry_after_ms,
-                })),
-                _ => None,
-            })
+            Ok(Some((entry.admit_at, entry.until, entry.decision)))
         })?;
-        let Ok(reply) = found else {
+        let Ok(covering) = found else {
             // Kept under a subscription since lost: a notice may have been missed. A newer
             // denial kept meanwhile may go with it, which only costs a round trip.
             entries.remove(&*operation.key);
             return None;
         };
-        let reply = reply?;
+        let (admit_at, until, decision) = covering?;
+        let now = answer_clock();
+        if now >= until {
+            // Ended between the lookup and the reading: the server decides.
+            return None;
+        }
+        // Rounded up, as the server rounds: waiting it suffices.
+        let left = admit_at.saturating_duration_since(now);
+        let retry_after_ms = u64::try_from(left.as_micros().div_ceil(1_000))
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let reply = match (args.op, decision) {
+            ("c", Some((limit, remaining, reset_at_ms))) => RateLimitReply::Decision(Decision {
+                allowed: false,
+                limit,
+                remaining,
+                reset_at_ms,
+                retry_after_ms,
+            }),
+            ("r", _) => {
+                RateLimitReply::Reservation(ShaperReservation::QueueFull { retry_after_ms })
+            }
+            _ => return None,
+        };
         self.answered.incr();
         Some(reply)
     }
@@ -259,7 +284,7 @@ impl LocalAnswers {
             return;
         }
         let admit_at = now + Duration::from_millis(retry_after_ms);
-        let Kept { entries, epoch } = &*self.kept;
+        let Kept { entries, epoch, .. } = &*self.kept;
         // A full table drops the ended denials, then keeps no new one: the server answers it.
         if entries.len() >= self.max_keys && entries.sweep(now) >= self.max_keys {
             return;
@@ -270,6 +295,7 @@ impl LocalAnswers {
             numbers: args.numbers.as_slice().into(),
             cost: args.cost,
             admit_at,
+            until,
             decision,
             subscription,
         };
@@ -298,6 +324,15 @@ impl LocalAnswers {
     pub(super) fn forget(&self, key: &str) {
         self.kept.forget(key);
     }
+}
+
+/// The clock a local answer counts down on, read once its denial is found. Unit tests hook it,
+/// to act right after the reading.
+fn answer_clock() -> Instant {
+    let now = Instant::now();
+    #[cfg(test)]
+    super::tests::clock_hook::run();
+    now
 }
 
 impl Redis {

@@ -1,9 +1,10 @@
 use std::num::NonZeroU32;
 use std::time::Duration;
 
-use super::fresh::{self, Fresh, Guess, PROBE_EVERY};
+use super::fresh::{self, Guess, PROBE_EVERY};
 use super::local::LocalAnswers;
-use super::script::{Args, argument_sets, batch_replies, decode};
+use super::operation::{Args, Fresh};
+use super::script::{argument_sets, batch_replies, decode};
 use super::*;
 use crate::rate_limit::{
     Decision, FixedWindow, Gcra, LeakyBucket, MemoryRateLimitStore, RateLimitOp, RateLimitStore,
@@ -88,18 +89,26 @@ async fn state_is_stored_in_microseconds_and_expires_at_rest() {
         };
         redis.pin_time(1_000);
         apply(&redis, &gcra(), "k", check).await.unwrap();
-        // The theoretical arrival time 1.5 s in µs, no remainder.
-        assert_eq!(decode_state(&stored("k").await, "g"), [1_500_000, 0]);
+        // The theoretical arrival time 1.5 s in µs, no remainder, then the rest time: when
+        // the state is at rest under these limits (for a GCRA, its arrival time).
+        assert_eq!(
+            decode_state(&stored("k").await, "g"),
+            [1_500_000, 0, 1_500_000]
+        );
         apply(&redis, &gcra(), "k", check).await.unwrap();
-        assert_eq!(decode_state(&stored("k").await, "g"), [2_000_000, 0]);
-        // Two tiers in one value, each one's fields (a sliding window keeps three).
+        assert_eq!(
+            decode_state(&stored("k").await, "g"),
+            [2_000_000, 0, 2_000_000]
+        );
+        // Two tiers in one value, each one's fields (a sliding window keeps three), then the
+        // later of their rest times (the sliding window's: two windows on).
         let tiered = Tiered::new(
             gcra(),
             SlidingWindow::new(10, Duration::from_secs(1)).unwrap(),
         );
         apply(&redis, &tiered, "t", check).await.unwrap();
         let state = decode_state(&stored("t").await, "gs");
-        assert_eq!(state, [1_500_000, 0, 1_000_000, 0, 1]);
+        assert_eq!(state, [1_500_000, 0, 1_000_000, 0, 1, 3_000_000]);
 
         // On the server's clock, the key lives until its state is at rest (+1 ms).
         redis.unpin_time();
@@ -117,6 +126,48 @@ async fn state_is_stored_in_microseconds_and_expires_at_rest() {
             .await
             .unwrap();
         assert_eq!(exists, 0);
+    })
+    .await;
+}
+
+/// A state written by 0.2 (its fields and no rest time) is still read, as that release read
+/// it; and a state at rest under the limits that wrote it reads as no state under others.
+#[tokio::test]
+async fn a_state_without_a_rest_time_is_read_and_one_at_rest_is_none() {
+    each_server("rate_limit_state_formats", async |redis: Redis| {
+        let check = RateLimitOp::Check {
+            cost: NonZeroU32::MIN,
+        };
+        let double = |v: u64| (v as f64).to_le_bytes();
+        // A GCRA of 2 per second: its arrival time 2 s, as 0.2 wrote it (no rest time).
+        let mut old = b"g".to_vec();
+        old.extend_from_slice(&double(2_000_000));
+        old.extend_from_slice(&double(0));
+        let _: () = redis
+            .query(redis::cmd("SET").arg(redis.key("old", ":r")).arg(old))
+            .await
+            .unwrap();
+        redis.pin_time(1_000);
+        match apply(&redis, &gcra(), "old", check).await.unwrap() {
+            RateLimitReply::Decision(d) => assert_eq!((d.allowed, d.retry_after_ms), (false, 500)),
+            other => panic!("{other:?}"),
+        }
+        // A fixed window of 1 per ms spends its unit at 0; read a second later by a window of
+        // 1 per minute (which holds the same start), it is at rest: no state.
+        let short = FixedWindow::new(1, Duration::from_millis(1)).unwrap();
+        let long = FixedWindow::new(1, Duration::from_secs(60)).unwrap();
+        redis.pin_time_us(0);
+        apply(&redis, &short, "w", check).await.unwrap();
+        redis.pin_time_us(999);
+        match apply(&redis, &long, "w", check).await.unwrap() {
+            RateLimitReply::Decision(d) => assert!(!d.allowed, "{d:?}"),
+            other => panic!("{other:?}"),
+        }
+        redis.pin_time_us(1_000_000);
+        match apply(&redis, &long, "w", check).await.unwrap() {
+            RateLimitReply::Decision(d) => assert!(d.allowed, "{d:?}"),
+            other => panic!("{other:?}"),
+        }
     })
     .await;
 }
@@ -145,7 +196,10 @@ async fn the_script_reads_the_server_clock_to_the_microsecond() {
             .query(redis::cmd("GET").arg(redis.key("pinned", ":r")))
             .await
             .unwrap();
-        assert_eq!(decode_state(&stored, "g"), [8_600_000_250, 0]);
+        assert_eq!(
+            decode_state(&stored, "g"),
+            [8_600_000_250, 0, 8_600_000_250]
+        );
     })
     .await;
 }
@@ -433,6 +487,89 @@ async fn a_denial_is_kept_only_when_sound_and_answered_until_shortly_before_its_
     let op = sent("c", 1, 2, Some(1));
     local.remember(&op, &denial(30_000), Some(1));
     assert_eq!(local.len(), 1);
+}
+
+/// Lets a unit test act at the moment a local answer reads its clock (see `answer_clock`).
+pub(super) mod clock_hook {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static HOOK: RefCell<Option<Box<dyn FnOnce()>>> = const { RefCell::new(None) };
+    }
+
+    /// Runs `hook` right after a local answer on this thread next reads its clock.
+    pub(in super::super) fn set(hook: impl FnOnce() + 'static) {
+        HOOK.with(|h| *h.borrow_mut() = Some(Box::new(hook)));
+    }
+
+    pub(in super::super) fn run() {
+        if let Some(hook) = HOOK.with(|h| h.borrow_mut().take()) {
+            hook();
+        }
+    }
+}
+
+/// Issue 50 item 5: a check reads the clock for its local answer while another check's
+/// denial (a later one, stamped with a later reading) is kept. The answer still counts down
+/// from a reading taken no earlier than the denial it uses: it never says more than the
+/// server's retry-after (GCRA, emission interval 20 ms: never over 20 ms). Real time: the hook
+/// lets 3 ms pass between the lookup and the reading, and keeps the other denial then.
+#[test]
+fn a_local_answer_never_says_later_than_the_server() {
+    let local: &'static LocalAnswers = Box::leak(Box::new(LocalAnswers::new(16)));
+    let args = || Args {
+        op: "c",
+        cost: 1,
+        slack: 1,
+        kinds: "g".to_owned(),
+        numbers: vec![1, 1_000_000, 50, 1_000_000],
+        channel: String::new(),
+    };
+    let sent = move || {
+        let args = args();
+        let ticket = local.ticket(&args, Some(1));
+        Operation {
+            key: "k".to_owned(),
+            args,
+            ticket,
+            fresh: None,
+            learn: false,
+        }
+    };
+    let denial = RateLimitReply::Decision(Decision {
+        allowed: false,
+        limit: 1,
+        remaining: 0,
+        reset_at_ms: 90_000,
+        retry_after_ms: 20,
+    });
+    for _ in 0..3 {
+        local.forget("k");
+        local.remember(&sent(), &denial, Some(1));
+        // While the next check reads its clock, 3 ms pass and another denial of 20 ms (sent
+        // and answered then) is kept.
+        let other = sent();
+        clock_hook::set(move || {
+            std::thread::sleep(Duration::from_millis(3));
+            let other = Operation {
+                ticket: local.ticket(&other.args, Some(1)),
+                ..other
+            };
+            local.remember(&other, &denial, Some(1));
+        });
+        match local.answer(&sent(), Some(1)) {
+            Some(RateLimitReply::Decision(d)) => {
+                assert!(!d.allowed);
+                assert!(
+                    (1..=20).contains(&d.retry_after_ms),
+                    "a local answer of {} ms where the server says at most 20",
+                    d.retry_after_ms
+                );
+            }
+            None => {}
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
 #[test]

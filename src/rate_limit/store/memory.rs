@@ -22,31 +22,34 @@ const EVICT_FRACTION: usize = 64;
 /// At most one warning about evicting limited keys per this many seconds.
 const WARN_EVERY_SECS: u32 = 60;
 
-/// A key's state with its rest time in whole seconds, so a GCRA entry (key and slot) takes 48
-/// bytes and a request that changes nothing writes nothing. What eviction needs (how much a
-/// key holds back) is read from the state when it runs, not kept up to date on every request.
+/// A key's state with its rest time, so a GCRA entry (key and slot) takes 48 bytes and a
+/// request that changes nothing writes nothing. What eviction needs (how much a key holds
+/// back) is read from the state when it runs, not kept up to date on every request.
 #[derive(Debug, Clone, Copy)]
 struct Slot<S> {
     state: S,
-    /// Epoch second (rounded up) from which `state` is equivalent to no state (at rest).
-    /// Keeping a state up to a second longer is harmless: the strategy treats it as no state.
-    expires_at: u32,
+    /// The epoch µs from which `state` is at rest under the limits that wrote it: from then
+    /// on it reads as no state, whatever limits read it (an override may read it with others;
+    /// the Redis store keeps the same instant in the state it stores, so both agree).
+    rest_us: u64,
 }
 
-/// Microseconds per second.
-const US_PER_SEC: u64 = 1_000_000;
-
-/// The epoch second of `us`, with time standing still at the strategies' ceiling (in 2096,
-/// below `u32::MAX` seconds, so a key's expiry can always lie after now).
+/// `now_us` as the strategies read it: time stands still at their ceiling (in 2096).
 #[inline]
-fn secs(us: u64) -> u32 {
-    u32::try_from(us.min(TIME_CEILING_US) / US_PER_SEC).unwrap_or(u32::MAX)
+fn clamped(now_us: u64) -> u64 {
+    now_us.min(TIME_CEILING_US)
 }
 
-/// `us` as an epoch second, rounded up (saturating: exact below `u64::MAX - 999_999`).
+/// The rest time of a state written at `now_us` that lives `ttl_us`.
 #[inline]
-fn secs_up(us: u64) -> u32 {
-    u32::try_from(us.saturating_add(US_PER_SEC - 1) / US_PER_SEC).unwrap_or(u32::MAX)
+fn rest_at(now_us: u64, ttl_us: u64) -> u64 {
+    clamped(now_us).saturating_add(ttl_us)
+}
+
+/// The slot's state if it is not at rest at `now_us`.
+#[inline]
+fn live<S: Copy>(slot: &Slot<S>, now_us: u64) -> Option<S> {
+    (slot.rest_us > clamped(now_us)).then_some(slot.state)
 }
 
 /// An in-memory [`RateLimitStore`]: a sharded hash map (one short write lock per request),
@@ -64,9 +67,8 @@ fn secs_up(us: u64) -> u32 {
 /// (its next request finds it full), so when a new key arrives and the store holds
 /// `max_keys`, it forgets keys in the order of what that would hand back at that instant,
 /// least first: keys at rest (nothing), then those with the fewest units spent and not yet
-/// back ([`Strategy::spent`]), and among those the one that comes to rest first (to the
-/// second); whether a key is limited at that instant does not matter, only what it holds
-/// back. So a key that spent 9 of 10 outlasts any number of keys that spent 1.
+/// back ([`Strategy::spent`]), and among those the one that comes to rest first; whether a
+/// key is limited at that instant does not matter, only what it holds back. So a key that spent 9 of 10 outlasts any number of keys that spent 1.
 ///
 /// Precisely: one round of eviction reads every key once and forgets every key at rest plus
 /// up to `max(1, max_keys / 64)` others, the ones that hand back least; it never forgets a key
@@ -196,8 +198,8 @@ impl<S> MemoryRateLimitStore<S> {
     /// Drops every entry at rest at `now_us` (epoch µs, expired); returns how many. Gives the map's
     /// retained capacity back once it is mostly empty.
     pub fn sweep(&self, now_us: u64) -> usize {
-        let now = secs(now_us);
-        let removed = self.map.retain(|slot| slot.expires_at > now);
+        let now = clamped(now_us);
+        let removed = self.map.retain(|slot| slot.rest_us > now);
         self.len.fetch_sub(removed, Ordering::Relaxed);
         if removed > 0 && self.map.len().saturating_mul(4) < self.map.capacity() {
             self.map.shrink_to_fit();
@@ -219,27 +221,26 @@ impl<S> MemoryRateLimitStore<S> {
         if self.len() < self.max_keys {
             return;
         }
-        let now = secs(now_us);
+        let now = clamped(now_us);
         let limit = strategy.limit();
         // What forgetting a key hands back, as one number ordered as eviction goes: 0 at
-        // rest, else the units spent (saturated to 32 bits) and then the rest second. With
-        // the units spent, for counting keys forgotten with nothing left.
-        let rank = |slot: &Slot<S>| -> (u64, u64) {
-            if slot.expires_at <= now {
+        // rest, else the units spent and then the rest time. With the units spent, for
+        // counting keys forgotten with nothing left.
+        let rank = |slot: &Slot<S>| -> (u128, u64) {
+            if slot.rest_us <= now {
                 return (0, 0);
             }
             let spent = strategy.spent(Some(slot.state), now_us);
             if spent == 0 {
                 return (0, 0);
             }
-            let units = spent.min(u64::from(u32::MAX));
-            ((units << 32) | u64::from(slot.expires_at), spent)
+            ((u128::from(spent) << 64) | u128::from(slot.rest_us), spent)
         };
         // First pass: the batch's threshold. Keys at rest are forgotten for free; the others
         // hand back capacity, so only as many as the batch still needs, least first.
         let batch = (self.max_keys / EVICT_FRACTION).max(1);
         let mut at_rest = 0;
-        let mut ranks: Vec<u64> = Vec::new();
+        let mut ranks: Vec<u128> = Vec::new();
         self.map.for_each(|slot| match rank(slot) {
             (0, _) => at_rest += 1,
             (r, _) => ranks.push(r),
@@ -282,8 +283,9 @@ impl<S> MemoryRateLimitStore<S> {
             self.limited_evictions
                 .fetch_add(limited as u64, Ordering::Relaxed);
             let last = self.warned_at.load(Ordering::Relaxed);
-            if last == u64::MAX || u64::from(now) >= last + u64::from(WARN_EVERY_SECS) {
-                self.warned_at.store(u64::from(now), Ordering::Relaxed);
+            let second = now / 1_000_000;
+            if last == u64::MAX || second >= last + u64::from(WARN_EVERY_SECS) {
+                self.warned_at.store(second, Ordering::Relaxed);
                 tracing::warn!(
                     evicted = limited,
                     max_keys = self.max_keys,
@@ -300,7 +302,7 @@ fn write<S: Copy>(slot: &mut Slot<S>, now_us: u64, update: StateUpdate<S>) {
     if let StateUpdate::Set { state, ttl_us } = update {
         *slot = Slot {
             state,
-            expires_at: secs_up(now_us.saturating_add(ttl_us)),
+            rest_us: rest_at(now_us, ttl_us),
         };
     }
 }
@@ -322,7 +324,7 @@ impl<S: Copy + Send + Sync + 'static> MemoryRateLimitStore<S> {
                 let slot = match applied.update {
                     StateUpdate::Set { state, ttl_us } => Some(Slot {
                         state,
-                        expires_at: secs_up(now_us.saturating_add(ttl_us)),
+                        rest_us: rest_at(now_us, ttl_us),
                     }),
                     _ => None,
                 };
@@ -347,7 +349,7 @@ fn run_on<S: Copy, St: Strategy<State = S>>(
     request: &RateLimitRequest<'_, St>,
 ) -> Result<RateLimitReply, RateLimitError> {
     let now_us = request.now_us;
-    let current = (slot.expires_at > secs(now_us)).then_some(slot.state);
+    let current = live(slot, now_us);
     let applied = request
         .strategy
         .apply(current, now_us, request.op)
@@ -386,7 +388,7 @@ impl<St: Strategy> RateLimitStore<St> for MemoryRateLimitStore<St::State> {
             key.as_bytes(),
             #[inline(always)]
             |slot| {
-                let current = (slot.expires_at > secs(now_us)).then_some(slot.state);
+                let current = live(slot, now_us);
                 let applied = strategy.check(current, now_us, cost)?;
                 write(slot, now_us, applied.update);
                 Ok(applied.result)

@@ -49,6 +49,10 @@ pub struct RedisBuilder {
     pub(crate) local_answers: Option<usize>,
     /// See `RedisBuilder::with_fresh_key_writes`.
     pub(crate) fresh_key_writes: bool,
+    /// See [`RedisBuilder::with_max_clock_error`].
+    pub(super) max_clock_error: Duration,
+    /// See `RedisBuilder::with_client_clock`.
+    pub(super) clocks: server_clock::Clocks,
 }
 
 impl std::fmt::Debug for RedisBuilder {
@@ -66,7 +70,8 @@ impl std::fmt::Debug for RedisBuilder {
             .field("rate_limit_queue", &self.rate_limit_queue)
             .field("local_answers", &self.local_answers)
             .field("fresh_key_writes", &self.fresh_key_writes)
-            .finish()
+            .field("max_clock_error", &self.max_clock_error)
+            .finish_non_exhaustive()
     }
 }
 
@@ -104,6 +109,8 @@ impl RedisBuilder {
             durable_claims: None,
             local_answers: None,
             fresh_key_writes: true,
+            max_clock_error: server_clock::DEFAULT_MAX_ERROR,
+            clocks: server_clock::Clocks::default(),
         }
     }
 
@@ -134,6 +141,49 @@ impl RedisBuilder {
     /// probe frees the breaker for the next one).
     pub fn with_breaker(mut self, breaker: BreakerConfig) -> Self {
         self.breaker = breaker;
+        self
+    }
+
+    /// The most this instance's estimate of the server's clock may be off for it to be
+    /// used (default 5 ms).
+    ///
+    /// Two writes are stamped with that estimate rather than the server's `TIME`, to save
+    /// a script call: a fresh key's first rate-limit check (see
+    /// [`with_fresh_key_writes`](Self::with_fresh_key_writes)) and a leading throttle
+    /// window's end. The estimate is measured with `TIME` (the best of 5 in a row, every
+    /// 10 s, and at once after a reconnection, a failover or a jump of this host's clocks;
+    /// on a cluster, per primary) on this host's monotonic clock, and its error is at most
+    /// half the best sample's round trip plus 100 ppm of the time since. While that bound
+    /// is over `max_error` (a slow or loaded link, no sample yet), those writes go to the
+    /// server's `TIME` like every other decision: the bound is a guarantee, not a typical
+    /// figure.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), throttlebeam::store::StoreError> {
+    /// use std::time::Duration;
+    /// use throttlebeam::store::Redis;
+    ///
+    /// // Across regions: a 20 ms round trip still stamps fresh keys, within 12 ms.
+    /// let redis = Redis::builder("redis://10.0.0.5:6379")
+    ///     .with_max_clock_error(Duration::from_millis(12))
+    ///     .connect()
+    ///     .await?;
+    /// # drop(redis);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_max_clock_error(mut self, max_error: Duration) -> Self {
+        self.max_clock_error = max_error;
+        self
+    }
+
+    /// Reads this host's clocks through `clock` (feature `test-util`), whose steps a test
+    /// makes: a wall clock stepped, a monotonic clock that stood still.
+    #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    pub fn with_client_clock(mut self, clock: super::SteppedClock) -> Self {
+        self.clocks = server_clock::Clocks::Stepped(clock);
         self
     }
 
@@ -339,7 +389,11 @@ impl RedisBuilder {
                 breaker: Breaker::new(self.breaker),
                 commands: crate::stats::Counter::default(),
                 pinned_now: AtomicU64::new(0),
-                clock: server_clock::ServerClock::default(),
+                clock: server_clock::ServerClock::new(
+                    self.clocks,
+                    self.max_clock_error,
+                    self.topology == Topology::Cluster,
+                ),
                 pubsub: pubsub::PubSub::default(),
                 slices: Slices::default(),
                 rate_limit_queue: self.rate_limit_queue,
@@ -350,10 +404,9 @@ impl RedisBuilder {
             }),
         };
         // Learn the server's clock now; if it does not answer, the first
-        // window opened tries again.
-        if let Err(error) = redis.sync_clock().await {
-            tracing::debug!(%error, "reading the Redis server's TIME failed; trying again later");
-        }
+        // write that would use it tries again (and goes to the server's TIME).
+        redis.sync_clock_now().await;
+        redis.check_eviction_policy().await;
         Ok(redis)
     }
 }

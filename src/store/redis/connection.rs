@@ -325,6 +325,47 @@ fn no_tls_feature(url: &str) -> StoreError {
     ))
 }
 
+/// How long an idle connection waits before TCP keepalive probes start.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(5);
+
+/// The pause between two keepalive probes; three unanswered close the connection.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How long sent data may stay unacknowledged before the kernel closes the
+/// connection (`TCP_USER_TIMEOUT`, Linux).
+const USER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Every connection's TCP settings. A peer gone without FIN or RST (a host
+/// lost, a partition, a NAT or load balancer that dropped the connection) is
+/// noticed by the kernel, which closes the socket, so the connection fails and
+/// is made again rather than hanging for the kernel's default of about 15
+/// minutes of retransmissions: idle, within about 8 s (keepalive probes after
+/// 5 s, every second, 3 unanswered); with a command unacknowledged, within
+/// 10 s (`TCP_USER_TIMEOUT`). A pub/sub connection also proves it is alive
+/// with `PING` (see `pubsub.rs`), which catches what TCP cannot: a peer whose
+/// kernel acknowledges but whose server never answers.
+pub(super) fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    use redis::io::tcp::socket2::TcpKeepalive;
+    let keepalive = TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL);
+    #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
+    let keepalive = keepalive.with_retries(3);
+    let settings = redis::io::tcp::TcpSettings::default().set_keepalive(keepalive);
+    #[cfg(any(target_os = "linux", target_os = "android", target_os = "fuchsia"))]
+    let settings = settings.set_user_timeout(USER_TIMEOUT);
+    settings
+}
+
+/// `client` with [`tcp_settings`] (a client the Sentinels handed over).
+pub(super) fn with_tcp_settings(client: &redis::Client) -> Result<redis::Client, StoreError> {
+    let info = client
+        .get_connection_info()
+        .clone()
+        .set_tcp_settings(tcp_settings());
+    redis::Client::open(info).map_err(|e| StoreError::Config(e.to_string()))
+}
+
 /// `url` as connection details with the builder's credentials applied.
 fn info(url: &str, security: &Security) -> Result<ConnectionInfo, StoreError> {
     // Before parsing: without its TLS support, the `redis` crate refuses a TLS URL with a
@@ -342,7 +383,9 @@ fn info(url: &str, security: &Security) -> Result<ConnectionInfo, StoreError> {
     if let Some(password) = &security.password {
         settings = settings.set_password(password);
     }
-    let info = info.set_redis_settings(settings);
+    let info = info
+        .set_redis_settings(settings)
+        .set_tcp_settings(tcp_settings());
     let tls = is_tls(info.addr());
     if security.wants_tls() && !tls {
         return Err(StoreError::Config(format!(
@@ -412,6 +455,7 @@ fn cluster_builder(
 ) -> Result<ClusterClient, StoreError> {
     #[cfg_attr(not(feature = "redis-tls"), allow(unused_mut))]
     let mut builder = ClusterClientBuilder::new(infos.clone())
+        .tcp_settings(tcp_settings())
         .connection_timeout(connect_timeout)
         .response_timeout(command_timeout)
         .retries(1);
@@ -564,6 +608,14 @@ pub(super) fn is_auth_error(e: &redis::RedisError) -> bool {
         redis::ErrorKind::AuthenticationFailed
             | redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm)
     ) || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
+    {
+        return true;
+    }
+    // A command a script ran that the ACL user may not (a key or channel outside its
+    // patterns): Redis reports it as `ERR The user executing the script can't …`.
+    if e.code() == Some("ERR")
+        && e.detail()
+            .is_some_and(|d| d.starts_with("The user executing the script can't"))
     {
         return true;
     }

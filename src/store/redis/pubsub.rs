@@ -38,6 +38,18 @@ mod sharded;
 /// listener tries the next one.
 const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How often a live subscriber connection proves it is alive: a `PING` (which
+/// a RESP2 subscriber may send; a sharded RESP3 connection pings every
+/// primary it may hold channels on).
+pub(super) const PING_EVERY: Duration = Duration::from_secs(1);
+
+/// How long the answer to that `PING` may take: past it the connection is
+/// taken for dead (a partition that sent no FIN or RST, a NAT or load balancer
+/// that dropped it while idle) and replaced, and its channels are not heard
+/// until the new one is subscribed. A dead subscriber connection goes unnoticed
+/// for at most [`PING_EVERY`] + `PONG_WITHIN`: 2 s.
+pub(super) const PONG_WITHIN: Duration = Duration::from_secs(1);
+
 /// Who hears the messages of a channel.
 pub(crate) trait Subscriber: Send + Sync {
     /// A message on the channel; called on the listener's task, so it must
@@ -431,6 +443,7 @@ async fn listen(guard: Listening) {
                 let live = Live {
                     guard: &guard,
                     number,
+                    url: url.clone(),
                     subscribed: channels.into_iter().collect(),
                 };
                 if live.run(sink, messages).await.is_break() {
@@ -460,22 +473,67 @@ struct Live<'a> {
     guard: &'a Listening,
     /// Its subscription number.
     number: u64,
+    /// The node it is connected to.
+    url: String,
     /// The channels subscribed on it.
     subscribed: HashSet<String>,
 }
 
 impl Live<'_> {
     /// Delivers messages and subscribes the channels registered meanwhile,
-    /// until the connection is lost (`Continue`: reconnect) or the backend
-    /// is dropped (`Break`).
+    /// until the connection is lost or silent, or the primary it is on is no
+    /// longer the one to listen to (`Continue`: reconnect), or the backend is
+    /// dropped (`Break`). Every [`PING_EVERY`] it sends a `PING`, whose answer
+    /// must come within [`PONG_WITHIN`].
     async fn run(
         mut self,
         mut sink: redis::aio::PubSubSink,
         mut messages: redis::aio::PubSubStream,
     ) -> std::ops::ControlFlow<()> {
+        type Pong = std::pin::Pin<
+            Box<
+                dyn Future<
+                        Output = Result<
+                            redis::RedisResult<redis::Value>,
+                            tokio::time::error::Elapsed,
+                        >,
+                    > + Send,
+            >,
+        >;
         let hub = &self.guard.hub;
+        let mut ping =
+            tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
+        ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut pong: Option<Pong> = None;
         loop {
             tokio::select! {
+                _ = ping.tick(), if pong.is_none() => {
+                    if !self.still_the_node() {
+                        return std::ops::ControlFlow::Continue(());
+                    }
+                    let mut sink = sink.clone();
+                    pong = Some(Box::pin(tokio::time::timeout(PONG_WITHIN, async move {
+                        sink.ping::<redis::Value>().await
+                    })));
+                }
+                answered = async { pong.as_mut().expect("polled only while a PING is out").await }, if pong.is_some() => {
+                    pong = None;
+                    match answered {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => {
+                            tracing::debug!(url = %self.url, error = %e, "pub/sub PING failed; reconnecting");
+                            return std::ops::ControlFlow::Continue(());
+                        }
+                        Err(_) => {
+                            tracing::warn!(
+                                url = %self.url,
+                                within = ?PONG_WITHIN,
+                                "the pub/sub connection did not answer PING: taken for dead, reconnecting"
+                            );
+                            return std::ops::ControlFlow::Continue(());
+                        }
+                    }
+                }
                 msg = messages.next() => {
                     let Some(msg) = msg else {
                         return std::ops::ControlFlow::Continue(());
@@ -521,6 +579,25 @@ impl Live<'_> {
                 }
             }
         }
+    }
+}
+
+impl Live<'_> {
+    /// Whether this connection is still on the node to listen to: behind
+    /// Sentinel, the primary the Sentinels name now (followed within a
+    /// [`PING_EVERY`] of a failover the backend followed).
+    fn still_the_node(&self) -> bool {
+        let Some(inner) = self.guard.inner.upgrade() else {
+            return true;
+        };
+        let (url, _) = inner
+            .link
+            .subscriber(inner.pubsub.node.load(Ordering::Relaxed));
+        if url == self.url {
+            return true;
+        }
+        tracing::info!(from = %self.url, to = %url, "the Redis primary moved: pub/sub follows it");
+        false
     }
 }
 

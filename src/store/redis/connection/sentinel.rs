@@ -224,7 +224,7 @@ async fn lookup(
     sentinel: &mut SentinelClient,
     timeout: Duration,
 ) -> Result<redis::Client, StoreError> {
-    tokio::time::timeout(timeout, sentinel.async_get_client())
+    let client = tokio::time::timeout(timeout, sentinel.async_get_client())
         .await
         .map_err(|_| StoreError::Timeout { after: timeout })?
         .map_err(|e| match e.kind() {
@@ -232,5 +232,6 @@ async fn lookup(
                 "the Sentinels know no primary by this master name: {e}"
             )),
             _ => connect_error(e),
-        })
+        })?;
+    with_tcp_settings(&client)
 }

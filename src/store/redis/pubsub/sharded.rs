@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::{Hub, Inner, Redis, SUBSCRIBE_TIMEOUT, claim_listener};
+use super::{Hub, Inner, PING_EVERY, PONG_WITHIN, Redis, SUBSCRIBE_TIMEOUT, claim_listener};
 
 /// How often the sharded listener subscribes again to the channels not
 /// confirmed (a dead node, a slot moved) and drops the ones nobody holds.
@@ -58,16 +58,30 @@ impl Drop for ShardedListening {
 async fn listen_sharded(guard: ShardedListening) {
     let hub = Arc::clone(&guard.hub);
     let mut pause = Duration::from_millis(100);
-    let (mut conn, mut pushes) = loop {
-        let client = {
-            let Some(inner) = guard.inner.upgrade() else {
-                return;
-            };
-            inner.link.sharded()
-        };
-        let Some(client) = client else {
+    loop {
+        let Some((conn, pushes)) = connect(&guard, &mut pause).await else {
             return;
         };
+        if serve(&guard, conn, pushes).await.is_break() {
+            return;
+        }
+        // A silent connection, replaced: nothing on it is heard any more.
+        hub.unheard_all();
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
+type Pushes = tokio::sync::mpsc::UnboundedReceiver<redis::PushInfo>;
+
+/// A new sharded connection, trying again with a growing pause; `None` once
+/// the backend is gone.
+async fn connect(
+    guard: &ShardedListening,
+    pause: &mut Duration,
+) -> Option<(redis::cluster_async::ClusterConnection, Pushes)> {
+    loop {
+        let client = guard.inner.upgrade()?.link.sharded()?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let config = redis::cluster::ClusterConfig::new().set_push_sender(tx);
         match tokio::time::timeout(
@@ -76,7 +90,10 @@ async fn listen_sharded(guard: ShardedListening) {
         )
         .await
         {
-            Ok(Ok(conn)) => break (conn, rx),
+            Ok(Ok(conn)) => {
+                *pause = Duration::from_millis(100);
+                return Some((conn, rx));
+            }
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "sharded pub/sub connection failed; polling meanwhile");
             }
@@ -84,31 +101,68 @@ async fn listen_sharded(guard: ShardedListening) {
                 tracing::debug!(timeout = ?SUBSCRIBE_TIMEOUT, "sharded pub/sub connection timed out; polling meanwhile");
             }
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_secs(5));
-    };
+        tokio::time::sleep(*pause).await;
+        *pause = (*pause * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Serves one sharded connection until the backend is gone (`Break`) or the
+/// connection is silent (`Continue`): every [`PING_EVERY`] each primary is
+/// sent a `PING`, and one that does not answer within [`PONG_WITHIN`] (a
+/// partition without FIN or RST) makes the whole connection replaced, its
+/// channels subscribed again on the new one.
+async fn serve(
+    guard: &ShardedListening,
+    mut conn: redis::cluster_async::ClusterConnection,
+    mut pushes: Pushes,
+) -> std::ops::ControlFlow<()> {
+    use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+    let hub = &guard.hub;
     // Every channel asked for, and the confirmed ones.
     let mut asked: HashSet<String> = HashSet::new();
     let mut confirmed: HashSet<String> = HashSet::new();
     let mut resync = tokio::time::interval(RESYNC);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ping = tokio::time::interval_at(tokio::time::Instant::now() + PING_EVERY, PING_EVERY);
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let mut tick = false;
         tokio::select! {
             push = pushes.recv() => {
-                let Some(push) = push else { return };
+                let Some(push) = push else { return std::ops::ControlFlow::Break(()) };
                 if guard.inner.strong_count() == 0 {
-                    return;
+                    return std::ops::ControlFlow::Break(());
                 }
-                on_push(&hub, push, &mut confirmed);
+                on_push(hub, push, &mut confirmed);
                 continue;
             }
             () = hub.changed.notified() => {}
             _ = resync.tick() => tick = true,
+            _ = ping.tick() => {
+                let routing = RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::AllSucceeded),
+                ));
+                let pinged = conn.route_command(redis::cmd("PING"), routing);
+                match tokio::time::timeout(PONG_WITHIN, pinged).await {
+                    Ok(Ok(_)) => continue,
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "sharded pub/sub PING failed; reconnecting");
+                    }
+                    Err(_) => {
+                        tracing::warn!(
+                            within = ?PONG_WITHIN,
+                            "a node of the sharded pub/sub connection did not answer PING: \
+                             taken for dead, reconnecting"
+                        );
+                    }
+                }
+                return std::ops::ControlFlow::Continue(());
+            }
         }
         // The backend dropped ends this task.
         if guard.inner.strong_count() == 0 {
-            return;
+            return std::ops::ControlFlow::Break(());
         }
         let mut subscribe = Vec::new();
         let mut wanted = HashSet::new();
