@@ -249,17 +249,61 @@ async fn the_sweeper_runs_by_itself_every_interval() {
     store.migrate().await.unwrap();
     let owner = ClaimToken::new();
     let short = Duration::from_millis(50);
-    // A claim starts the sweeper; its lease lapses and nobody takes it over.
+    // A claim starts the sweeper; its result's TTL ends.
     store
-        .claim("lapsed", ClaimRequest::new(owner, None, short, short))
+        .claim("expiring", ClaimRequest::new(owner, None, LEASE, short))
         .await
         .unwrap();
+    let result = StoredResult::new(None, "t", b"v".to_vec());
+    assert!(
+        store
+            .complete("expiring", owner, &result, short)
+            .await
+            .unwrap()
+    );
+    // A claim released, and one lapsed: kept as their keys' fences (a day), free all along.
+    for key in ["released", "lapsed"] {
+        let owner = ClaimToken::new();
+        store
+            .claim(key, ClaimRequest::new(owner, None, short, short))
+            .await
+            .unwrap();
+        if key == "released" {
+            assert!(store.release(key, owner).await.unwrap());
+        }
+    }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while store.stats().swept == 0 {
         assert!(tokio::time::Instant::now() < deadline, "never swept");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(store.stats().swept, 1);
+    // Two more sweeps at least, past both claims' leases.
+    let swept_at = store.stats().statements;
+    while store.stats().statements < swept_at + 2 {
+        assert!(tokio::time::Instant::now() < deadline, "the sweeper stopped");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(store.stats().swept, 1, "only the expired result");
+    let kept: i64 = schema
+        .client()
+        .await
+        .query_one(
+            &format!("SELECT count(*) FROM {} WHERE NOT done", schema.table()),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kept, 2, "claims without a result stay as fences");
+    for key in ["released", "lapsed"] {
+        assert!(matches!(
+            store
+                .claim(key, ClaimRequest::new(ClaimToken::new(), None, LEASE, LEASE))
+                .await
+                .unwrap(),
+            ClaimReply::Won { .. }
+        ));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

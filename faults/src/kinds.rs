@@ -61,6 +61,10 @@ pub(crate) const KINDS: &[(&str, &str)] = &[
         "instance processes SIGSTOPped past their lease (documented exception)",
     ),
     (
+        "pg-instance-pause",
+        "instance processes SIGSTOPped past their lease, idempotency on PostgreSQL",
+    ),
+    (
         "pg-terminate",
         "PostgreSQL: the store's sessions terminated",
     ),
@@ -552,7 +556,7 @@ pub(crate) fn build(name: &str, seed: u64, ms: u64) -> Option<Setup> {
             });
             redis_setup(RedisSetup::Node, 1, 3, g.finish())
         }
-        "instance-pause" => {
+        "instance-pause" | "pg-instance-pause" => {
             let (local, procs) = (1, 3);
             let mut g = Gen::new(seed, name, local, procs);
             let p = Once {
@@ -585,7 +589,15 @@ pub(crate) fn build(name: &str, seed: u64, ms: u64) -> Option<Setup> {
                 g.call(t + 200 + LEASE + 500, other, op);
                 t += ms + g.rng.range(800, 2_000);
             }
-            redis_setup(RedisSetup::Node, local, procs, g.finish())
+            if name == "pg-instance-pause" {
+                Setup {
+                    postgres: true,
+                    idem_on_postgres: true,
+                    ..redis_setup(RedisSetup::None, local, procs, g.finish())
+                }
+            } else {
+                redis_setup(RedisSetup::Node, local, procs, g.finish())
+            }
         }
         "pg-terminate" | "pg-read-only" | "pg-lock" | "pg-partition" => {
             let mut g = Gen::new(seed, name, 2, 1);

@@ -150,7 +150,7 @@
 //! |---|---|
 //! | claim | a `SELECT` of the live row; only when the key is free or expired, the `<table>_claim` function (`INSERT … ON CONFLICT DO UPDATE … WHERE expired`), in the same statement |
 //! | complete | `INSERT … ON CONFLICT DO UPDATE … WHERE` the owner's token, and `NOTIFY` |
-//! | release | `DELETE … WHERE` the owner's token and still in flight, and `NOTIFY` |
+//! | release | `UPDATE … SET expires_at = now … WHERE` the owner's token and still in flight (the row stays, free, as the key's fence), and `NOTIFY` |
 //! | renew | `UPDATE … SET expires_at … WHERE` the owner's token |
 //!
 //! A replay or a duplicate finding the key busy reads one row and writes
@@ -159,7 +159,11 @@
 //! claim takes the next value of the `<table>_fence` sequence: a claim's
 //! fencing counter is larger than every earlier claim's of its key. Tokens
 //! are [`ClaimToken`]s, unique across processes; complete, release and
-//! renew compare them, so an owner that was taken over is refused.
+//! renew compare them, so an owner that was taken over is refused. A
+//! released claim's row stays (free, holding the releasing claim's token), and
+//! so does a lapsed one's, for a day after its lease ended: an owner paused
+//! past its lease whose key was taken over and released since finds another
+//! token and is refused, rather than storing a result for a key that ran again.
 //!
 //! # Wake-ups
 //!
@@ -173,7 +177,8 @@
 //! # Expiry
 //!
 //! Expired rows are never replayed: every read compares the expiry with the
-//! server's clock. A task deletes them every
+//! server's clock. A task deletes them (a claim's row without a result a day
+//! after its lease ended, see above) every
 //! [`PostgresBuilder::with_sweep_interval`] (default 60 s) in batches of
 //! [`PostgresBuilder::with_sweep_batch`] rows (default 1,000), each batch a
 //! statement of its own that skips rows another statement holds, at most

@@ -642,10 +642,14 @@ impl IdempotencyStore for MemoryIdempotencyStore {
                     (Update::Keep, Completion::Repeated)
                 }
                 Some((held, _)) if held.held_by(token) => (store(), Completion::Stored),
-                Some((_, left)) if !left.is_zero() => (Update::Keep, Completion::Refused),
-                // Nobody holds it: the record lapsed or vanished, so this
-                // owner's result is still the only one.
-                _ => (store(), Completion::Stored),
+                // Another claim holds the key, or held it last (its lease lapsed, or it was
+                // released): this owner's claim was taken over, and the key may have run
+                // again since; its late result is fenced off.
+                Some(_) => (Update::Keep, Completion::Refused),
+                // No record: this owner's claim lapsed and was dropped, and nobody claimed
+                // the key since (a claim would have left its record), so this owner's result
+                // is still the only one.
+                None => (store(), Completion::Stored),
             }
         });
         // The table evicted past the budget (expired results first) as it stored.
@@ -666,7 +670,12 @@ impl IdempotencyStore for MemoryIdempotencyStore {
             self.inner
                 .table
                 .update_at(Arc::from(key), Instant::now(), |held| match held {
-                    Some((held, _)) if held.held_by(token) => (Update::Remove, true),
+                    // Free at once, but kept (lapsed, with this token) until swept or
+                    // dropped at the cap: the fence against a late completion of an
+                    // earlier claim of the key.
+                    Some((held, _)) if held.held_by(token) => {
+                        (Update::Set(held.clone(), Duration::ZERO), true)
+                    }
                     _ => (Update::Keep, false),
                 });
         if released {

@@ -245,6 +245,41 @@ pub async fn contract(store: Arc<dyn IdempotencyStore>, ns: &str) {
             .unwrap()
     );
 
+    // An owner paused past its lease (I16, the harness's `instance-pause`): its key was taken
+    // over, and the taker's run failed, which released the key. The owner's late completion
+    // is still refused (the key may run again: its result is not the key's), and the next
+    // claim wins with a larger fence.
+    let k = key("paused");
+    let paused = ClaimToken::new();
+    let Ok(ClaimReply::Won { fence: first }) =
+        store.claim(&k, request(paused, None, short)).await
+    else {
+        panic!("won")
+    };
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    let taker = ClaimToken::new();
+    let Ok(ClaimReply::Won { fence: second }) = store.claim(&k, request(taker, None, LEASE)).await
+    else {
+        panic!("the lapsed key is taken over")
+    };
+    assert!(second > first);
+    assert!(store.release(&k, taker).await.unwrap(), "the taker failed");
+    assert!(
+        !store
+            .complete(&k, paused, &result(None, 6), TTL)
+            .await
+            .unwrap(),
+        "a paused owner's late completion after a takeover and a release is refused"
+    );
+    assert!(!store.renew(&k, paused, LEASE).await.unwrap());
+    let next = ClaimToken::new();
+    let Ok(ClaimReply::Won { fence: third }) = store.claim(&k, request(next, None, LEASE)).await
+    else {
+        panic!("a released key is won again, the late completion notwithstanding")
+    };
+    assert!(third > second);
+    assert!(store.complete(&k, next, &result(None, 7), TTL).await.unwrap());
+
     // Renewing keeps a claim alive past its first lease. The lease is long
     // enough that a renewal sent a third of it late on a busy machine still
     // finds the claim; four renewals take it past the first lease.

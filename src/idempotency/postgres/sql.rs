@@ -13,6 +13,11 @@ const MAX_TABLE: usize = 48;
 /// The longest schema name PostgreSQL keeps whole.
 const MAX_SCHEMA: usize = 63;
 
+/// How long the sweeper keeps the row of a claim that ended without a result (released, or
+/// lapsed): the fence against a late completion of an earlier claim of its key, as long as
+/// the Redis store keeps a key's last claim with the default TTL.
+pub(super) const FENCE_RETENTION: &str = "24 hours";
+
 /// The longest channel name PostgreSQL accepts.
 const MAX_CHANNEL: usize = 63;
 
@@ -166,9 +171,15 @@ impl Sql {
                      OR EXISTS (SELECT 1 FROM {t} WHERE key = $1 AND done AND token = $2 AND value = $5 \
                                                    AND expires_at > clock_timestamp())"
             ),
+            // The row stays, free (its lease ended now), with the releasing claim's token: a
+            // late completion of an earlier claim of the key (an owner paused past its lease,
+            // whose key was taken over and released since) finds another token and is
+            // refused, as it would be had the key not been released. A claim takes it over;
+            // the sweeper deletes it a day later (see `sweep`).
             release: format!(
                 "WITH gone AS ( \
-                     DELETE FROM {t} WHERE key = $1 AND token = $2 AND NOT done \
+                     UPDATE {t} SET expires_at = clock_timestamp() \
+                      WHERE key = $1 AND token = $2 AND NOT done \
                      RETURNING pg_notify($3, encode(sha256(key), 'hex')) AS notified \
                  ) \
                  SELECT count(*) FROM gone"
@@ -177,9 +188,14 @@ impl Sql {
                 "UPDATE {t} SET expires_at = clock_timestamp() + $3::bigint * interval '1 millisecond' \
                   WHERE key = $1 AND token = $2 AND NOT done"
             ),
+            // A completed row goes once its TTL ends. A claim's row (released, or lapsed with
+            // its owner gone or paused) is kept for `FENCE_RETENTION` after its lease ended:
+            // while it is there, a late completion of an earlier claim finds a later claim's
+            // token and is refused, and the late completion of the last claim finds its own.
             sweep: format!(
                 "DELETE FROM {t} WHERE key = ANY (ARRAY( \
                      SELECT key FROM {t} WHERE expires_at <= clock_timestamp() \
+                        AND (done OR expires_at <= clock_timestamp() - interval '{FENCE_RETENTION}') \
                       ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))"
             ),
             channel,
