@@ -75,7 +75,11 @@ async fn a_lapsed_lease_still_holds_for_its_owner_until_another_claims() {
     advance(2 * SEC).await;
     assert!(!store.release("k", other).await.unwrap());
     assert!(store.release("k", owner).await.unwrap());
-    assert_eq!(store.len(), 1, "kept, free, as the key's fence, until swept");
+    assert_eq!(
+        store.len(),
+        1,
+        "kept, free, as the key's fence, until swept"
+    );
     assert_eq!(store.sweep(), 0);
     // Lapsed after a new claim: the owner still completes it, and then
     // nobody else does.

@@ -280,7 +280,10 @@ async fn the_sweeper_runs_by_itself_every_interval() {
     // Two more sweeps at least, past both claims' leases.
     let swept_at = store.stats().statements;
     while store.stats().statements < swept_at + 2 {
-        assert!(tokio::time::Instant::now() < deadline, "the sweeper stopped");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the sweeper stopped"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(store.stats().swept, 1, "only the expired result");
@@ -298,7 +301,10 @@ async fn the_sweeper_runs_by_itself_every_interval() {
     for key in ["released", "lapsed"] {
         assert!(matches!(
             store
-                .claim(key, ClaimRequest::new(ClaimToken::new(), None, LEASE, LEASE))
+                .claim(
+                    key,
+                    ClaimRequest::new(ClaimToken::new(), None, LEASE, LEASE)
+                )
                 .await
                 .unwrap(),
             ClaimReply::Won { .. }

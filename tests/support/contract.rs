@@ -251,8 +251,7 @@ pub async fn contract(store: Arc<dyn IdempotencyStore>, ns: &str) {
     // claim wins with a larger fence.
     let k = key("paused");
     let paused = ClaimToken::new();
-    let Ok(ClaimReply::Won { fence: first }) =
-        store.claim(&k, request(paused, None, short)).await
+    let Ok(ClaimReply::Won { fence: first }) = store.claim(&k, request(paused, None, short)).await
     else {
         panic!("won")
     };
@@ -278,7 +277,12 @@ pub async fn contract(store: Arc<dyn IdempotencyStore>, ns: &str) {
         panic!("a released key is won again, the late completion notwithstanding")
     };
     assert!(third > second);
-    assert!(store.complete(&k, next, &result(None, 7), TTL).await.unwrap());
+    assert!(
+        store
+            .complete(&k, next, &result(None, 7), TTL)
+            .await
+            .unwrap()
+    );
 
     // Renewing keeps a claim alive past its first lease. The lease is long
     // enough that a renewal sent a third of it late on a busy machine still
