@@ -4,9 +4,11 @@ SELECT pg_advisory_xact_lock(hashtextextended('throttlebeam migrate throttlebeam
 
 -- One row per key: in flight (done = false) until its lease ends, or
 -- completed (done = true) with its result until its TTL ends. An expired
--- row is free: claims take it over, and the sweeper deletes it, unless a
--- transaction holds it locked (a transactional run's claim lives as long
--- as its transaction).
+-- row is free: claims take it over, unless a transaction holds it locked (a
+-- transactional run's claim lives as long as its transaction). A release
+-- ends its lease now. The sweeper deletes a completed row once expired, and
+-- a claim's a day later: until then a late completion of an earlier claim
+-- of the key finds a later token, and is refused.
 CREATE TABLE IF NOT EXISTS "throttlebeam_idempotency" (
     key         bytea       PRIMARY KEY,  -- the scoped key
     done        boolean     NOT NULL,     -- completed
