@@ -335,9 +335,8 @@ pub(crate) enum Acquired {
     Owner(Owner),
 }
 
-/// Where a claim that found its key in flight was sent: its counter.
-fn count(inner: &Inner, counter: &std::sync::atomic::AtomicU64) {
-    let _ = inner;
+/// Counts one more of what `counter` counts.
+fn count(counter: &std::sync::atomic::AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
 
@@ -365,7 +364,6 @@ pub(crate) async fn acquire(
             .saturating_duration_since(Instant::now())
             .min(options.lease())
             .max(Duration::from_millis(1));
-        let waited_from = Instant::now();
         let looked = crate::store::store_call(bound, || {
             inner.claim_for_run(&full, token, fingerprint.as_ref(), grace)
         })
@@ -374,11 +372,10 @@ pub(crate) async fn acquire(
         let lease_left = match looked {
             Look::Won(conn, place, took_over) => {
                 if conn.waited {
-                    count(inner, &counters.pool_waits);
+                    count(&counters.pool_waits);
                 }
-                let _ = waited_from;
                 if took_over {
-                    count(inner, &counters.takeovers);
+                    count(&counters.takeovers);
                 }
                 return Ok(Acquired::Owner(Owner {
                     inner: Arc::clone(inner),
@@ -397,20 +394,20 @@ pub(crate) async fn acquire(
             Look::Replay(result) => {
                 let record = Record::from_stored(result);
                 if record.fingerprint() != fingerprint.as_ref() {
-                    count(inner, &counters.fingerprint_mismatches);
+                    count(&counters.fingerprint_mismatches);
                     return Err(Error::FingerprintMismatch { key: shown(key) });
                 }
-                count(inner, &counters.replays);
+                count(&counters.replays);
                 return Ok(Acquired::Replay(record));
             }
             Look::Mismatch => {
-                count(inner, &counters.fingerprint_mismatches);
+                count(&counters.fingerprint_mismatches);
                 return Err(Error::FingerprintMismatch { key: shown(key) });
             }
             Look::Busy(lease_left) => lease_left,
         };
         if options.in_flight() == InFlight::Reject {
-            count(inner, &counters.in_flight);
+            count(&counters.in_flight);
             return Err(Error::InFlight {
                 key: shown(key),
                 retry_after: lease_left.clamp(Duration::from_millis(1), Duration::from_secs(1)),
@@ -418,7 +415,7 @@ pub(crate) async fn acquire(
         }
         let now = Instant::now();
         if now >= deadline {
-            count(inner, &counters.in_flight);
+            count(&counters.in_flight);
             return Err(Error::Timeout {
                 key: shown(key),
                 after: options.wait_timeout(),
@@ -459,7 +456,7 @@ impl Owner {
         Ok(match row {
             Some(row) => {
                 self.txid = Some(row.try_get(0)?);
-                count(&self.inner, &self.inner.runs.fresh);
+                count(&self.inner.runs.fresh);
                 Locked::Yes
             }
             None => {
@@ -514,13 +511,13 @@ impl Owner {
     /// The key's claim ended with the transaction's commit: nothing to release.
     pub(crate) fn committed(&mut self) {
         self.held = false;
-        count(&self.inner, &self.inner.runs.committed);
+        count(&self.inner.runs.committed);
     }
 
     /// Frees the key (through the pool) so a retry runs at once; if that fails, its grace
     /// lapses. Counts a rollback.
     pub(crate) async fn release(&mut self) {
-        count(&self.inner, &self.inner.runs.rolled_back);
+        count(&self.inner.runs.rolled_back);
         if !std::mem::replace(&mut self.held, false) {
             return;
         }
