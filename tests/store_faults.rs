@@ -456,7 +456,7 @@ async fn i_a_failed_renewal_is_retried_before_the_next_period() {
     store.set("renew", Fault::Pass);
     tokio::time::sleep(Duration::from_millis(700)).await;
     // At 3.2 s, past the claim's first lease (3 s): only the retried
-    // renewal at 2.55 s kept it.
+    // renewal at 2.63 s kept it.
     let outcome = b
         .idempotency()
         .run_with("job:1", options, counted(&runs, 2))
@@ -465,6 +465,45 @@ async fn i_a_failed_renewal_is_retried_before_the_next_period() {
     assert_eq!(outcome, IdempotencyOutcome::Replay(1));
     assert_eq!(owner.await.unwrap().unwrap(), IdempotencyOutcome::Fresh(1));
     assert_eq!(runs.get(), 1);
+}
+
+/// An outage that begins just before the first renewal leaves the owner two thirds of a
+/// lease: its retries close in on the lease's end rather than backing off to a period, so a
+/// store back 1.65 s into a 2 s lease still hears from it in time (found by the fault
+/// harness: `--seed 12 --only redis-kill`, a 941 ms kill from 0.64 s into a run's lease).
+#[tokio::test(start_paused = true)]
+async fn i_renewal_retries_close_in_on_the_end_of_the_lease() {
+    let store = Faulty::default().with("renew", Fault::Fail);
+    let (a, b) = (runtime_on(&store).await, runtime_on(&store).await);
+    // Renewals every 667 ms; with retries backed off to a period, the tries after the first
+    // renewal failed would be at 0.72, 0.82, 1.02, 1.42 and 2.08 s: past the lease.
+    let options = IdempotencyOptions::new()
+        .with_lease(Duration::from_secs(2))
+        .with_wait_timeout(Duration::from_secs(10));
+    let runs = Runs::default();
+    let owner = tokio::spawn({
+        let (a, runs, options) = (a.clone(), runs.clone(), options.clone());
+        async move {
+            let slow = move || async move {
+                runs.hit();
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                Ok::<_, std::io::Error>(1u32)
+            };
+            a.idempotency().run_with("job:1", options, slow).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(1_650)).await;
+    store.set("renew", Fault::Pass);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // At 2.05 s, past the claim's first lease: a duplicate elsewhere finds it held.
+    let outcome = b
+        .idempotency()
+        .run_with("job:1", options, counted(&runs, 2))
+        .await
+        .unwrap();
+    assert_eq!(outcome, IdempotencyOutcome::Replay(1));
+    assert_eq!(owner.await.unwrap().unwrap(), IdempotencyOutcome::Fresh(1));
+    assert_eq!(runs.get(), 1, "never taken over");
 }
 
 /// Warn-level log lines, captured.

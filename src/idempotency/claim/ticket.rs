@@ -177,21 +177,31 @@ impl Renewer {
 
     /// Renews one period after the claim, then a period after each renewal,
     /// until the claim is no longer this holder's. A renewal that failed is
-    /// tried again sooner (from 50 ms, doubling up to the period), so a store
-    /// back from an outage hears from a live owner before its lease lapses.
+    /// tried again sooner (from 50 ms, doubling up to the period, but never
+    /// more than a third of what may be left of the lease), so a store back
+    /// from an outage hears from a live owner before its lease lapses: an
+    /// outage that began just before a renewal leaves the owner two thirds
+    /// of a lease, and a retry backed off to a period would waste one of them.
     pub(crate) async fn keep_renewing(&self) {
         let period = self.period();
         let first_retry = RENEW_RETRY.min(period);
         let (mut due, mut retry) = (self.start + period, first_retry);
+        // The earliest the claim may lapse in the store: a lease after the last renewal that
+        // took was sent (the claim itself was made after `start`).
+        let mut held_until = self.start + self.lease;
         loop {
             tokio::time::sleep_until(due).await;
+            let sent = Instant::now();
             match self.renew().await {
                 Renewal::Renewed => {
                     due = Instant::now() + period;
                     retry = first_retry;
+                    held_until = sent + self.lease;
                 }
                 Renewal::Failed => {
-                    due = Instant::now() + retry;
+                    let now = Instant::now();
+                    let left = held_until.saturating_duration_since(now);
+                    due = now + retry.min(left / 3).max(first_retry);
                     retry = (retry * 2).min(period);
                 }
                 Renewal::Over => return,
