@@ -46,7 +46,8 @@ fn record_key(key: &str) -> String {
 
 /// Durable claims on one primary with one replica: a claim and a completion are on the
 /// replica when acknowledged; with the replica away a claim is refused as `StoreUnavailable`
-/// (nothing runs, the key is released) and a completion is retried until the replica is back.
+/// (nothing runs, the key is released), a completion is retried until the replica is back, and
+/// a duplicate elsewhere is handed the result only once the replica has it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_claims_wait_for_the_replica_refuse_claims_without_it_and_retry_completions() {
     let test = "durable_claims_wait_for_the_replica_refuse_claims_without_it_and_retry_completions";
@@ -139,8 +140,31 @@ async fn durable_claims_wait_for_the_replica_refuse_claims_without_it_and_retry_
     started_rx.await.expect("the function starts");
     replica.freeze();
     go.notify_one();
-    let away = Duration::from_millis(1500);
-    tokio::time::sleep(away).await;
+    // The result is on the primary, not on the replica: a failover now would take it back.
+    let on_primary = async {
+        while primary.cli(&["HGET", &record_key("pay:3"), "s"]).as_deref() != Some("c") {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), on_primary)
+        .await
+        .expect("the completion reaches the primary");
+    // So a duplicate on another instance is not handed it: it is refused, having run nothing.
+    let elsewhere = instance(
+        Redis::builder(primary.url())
+            .with_command_timeout(Duration::from_secs(2))
+            .with_durable_claims(1, wait)
+            .connect()
+            .await
+            .expect("connects"),
+    )
+    .await;
+    let early = elsewhere
+        .idempotency()
+        .run_with("pay:3", options.clone(), run(8))
+        .await;
+    assert!(early.as_ref().is_err_and(not_replicated), "{early:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "the duplicate ran nothing");
     assert!(!call.is_finished(), "the completion waits for the replica");
     replica.thaw();
     let outcome = tokio::time::timeout(Duration::from_secs(20), call)
@@ -155,8 +179,20 @@ async fn durable_claims_wait_for_the_replica_refuse_claims_without_it_and_retry_
         Some("c"),
         "the completion is on the replica"
     );
-    let replay = rt.idempotency().run_with("pay:3", options, run(9)).await;
+    let replay = rt
+        .idempotency()
+        .run_with("pay:3", options.clone(), run(9))
+        .await;
     assert_eq!(replay.unwrap(), IdempotencyOutcome::Replay(3));
+    let replay = elsewhere
+        .idempotency()
+        .run_with("pay:3", options, run(9))
+        .await;
+    assert_eq!(
+        replay.unwrap(),
+        IdempotencyOutcome::Replay(3),
+        "replicated: replayed"
+    );
     assert_eq!(redis.stats().breaker.opened, 0, "no breaker fault");
 }
 

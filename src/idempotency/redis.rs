@@ -66,7 +66,16 @@ if rec[1] then
     return {'won', rec[6]}
   end
   if (rec[2] or '') ~= ARGV[2] then return {'mismatch'} end
-  if rec[1] == 'c' then return {'replay', rec[3] or '', rec[4] or ''} end
+  if rec[1] == 'c' then
+    -- Durable claims: a write of this call's own (the record's expiry, unchanged), so that
+    -- the `WAIT` after it covers the completion before it in the replication stream, written
+    -- by another client: a result is replayed only once the replicas have it.
+    if ARGV[5] == '1' then
+      local left = redis.call('PTTL', KEYS[1])
+      if left > 0 then redis.call('PEXPIRE', KEYS[1], left) end
+    end
+    return {'replay', rec[3] or '', rec[4] or ''}
+  end
   return {'busy', redis.call('PTTL', KEYS[1])}
 end
 -- Monotonic across a failover (see the module docs): never below the server's clock in µs.
@@ -208,10 +217,13 @@ impl Redis {
             .arg(&request.token.to_bytes()[..])
             .arg(fingerprint_arg(request.fingerprint))
             .arg(px(request.lease))
-            .arg(px(request.ttl.max(request.lease)));
-        // Durable claims: only a won claim wrote anything to wait for.
-        let won = |reply: &Vec<Value>| bytes(reply.first()) == b"won";
-        let reply: Vec<Value> = self.invoke_replicated(&call, won).await?;
+            .arg(px(request.ttl.max(request.lease)))
+            .arg(if self.durable_claims() { "1" } else { "0" });
+        // Durable claims: a won claim wrote its claim, and a replay touched the result (see
+        // the script), so that neither is answered before the replicas have it: a failover
+        // then never takes back a claim won or a result handed to a caller.
+        let wrote = |reply: &Vec<Value>| matches!(&bytes(reply.first())[..], b"won" | b"replay");
+        let reply: Vec<Value> = self.invoke_replicated(&call, wrote).await?;
         let kind = bytes(reply.first());
         match kind.as_slice() {
             b"won" => Ok(ClaimReply::Won {

@@ -62,7 +62,10 @@ impl RedisBuilder {
     /// gets [`Error::StoreUnavailable`](crate::Error::StoreUnavailable) whose source is
     /// [`StoreError::NotReplicated`], and nothing runs (idempotency fails closed). A
     /// completion not replicated in time is retried like a completion the store did not
-    /// answer, until it is replicated or the claim has lapsed.
+    /// answer, until it is replicated or the claim has lapsed. A replay is answered only once
+    /// the replicas have the result too (the claim that finds it touches its expiry and waits),
+    /// so a caller is never handed a result that a failover then takes back; one not
+    /// replicated in time is refused the same way, having run nothing.
     ///
     /// Claims and completions then go on a connection of their own, with a circuit breaker
     /// of its own (the same settings): `WAIT` holds up every command behind it on its
@@ -134,6 +137,11 @@ impl RedisBuilder {
 }
 
 impl Redis {
+    /// Whether durable claims are on ([`RedisBuilder::with_durable_claims`]).
+    pub(crate) fn durable_claims(&self) -> bool {
+        self.inner.durable.is_some()
+    }
+
     /// Calls a script (see [`Redis::invoke`]); with durable claims on, pipelined with `WAIT`
     /// on the durable connection, and refused with [`StoreError::NotReplicated`] if `wrote`
     /// says the reply made a write that too few replicas acknowledged in time.
