@@ -80,13 +80,11 @@ struct Config {
     transactions: Option<transaction::Transactions>,
 }
 
+#[cfg(feature = "postgres")]
 impl Config {
     /// Whether guarded requests run in a transaction of the layer's.
     fn transactional(&self) -> bool {
-        #[cfg(feature = "postgres")]
-        return self.transactions.is_some();
-        #[cfg(not(feature = "postgres"))]
-        false
+        self.transactions.is_some()
     }
 }
 
