@@ -232,9 +232,11 @@ use serde::Serialize;
 
 #[cfg(feature = "http")]
 pub(crate) use self::open::{Begun, Ended, Open};
+#[cfg(feature = "http")]
 pub(crate) use self::pool::Conn;
 use self::pool::{Class, Connections};
 use self::sql::{Sql, TableName};
+#[cfg(feature = "http")]
 pub(crate) use self::transaction::{
     Acquired, CommitFailed, Locked, Owner, TransactionFailed, acquire, lost_at_lock, unavailable,
 };
