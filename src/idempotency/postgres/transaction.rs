@@ -29,7 +29,6 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use serde::Serialize;
@@ -43,6 +42,7 @@ use super::pool::{Class, Conn, store_error};
 use super::{Inner, PostgresStore, millis, notify, protocol};
 use crate::error::check_key;
 use crate::error::{BoxError, Error};
+use crate::idempotency::claim::Tally;
 use crate::idempotency::full_key::with_full_key;
 use crate::idempotency::options::Fingerprint;
 use crate::idempotency::store::{Record, checked_stored_result};
@@ -335,11 +335,6 @@ pub(crate) enum Acquired {
     Owner(Owner),
 }
 
-/// Counts one more of what `counter` counts.
-fn count(counter: &std::sync::atomic::AtomicU64) {
-    counter.fetch_add(1, Ordering::Relaxed);
-}
-
 /// Looks at `key` (scoped: `full`) until its committed result replays, this caller holds it
 /// (a claim won on a connection the run keeps), or the wait ends: the claim, wait and wake-up
 /// loop of a transactional run, on the table's one claim statement and its `NOTIFY`s.
@@ -372,10 +367,10 @@ pub(crate) async fn acquire(
         let lease_left = match looked {
             Look::Won(conn, place, took_over) => {
                 if conn.waited {
-                    count(&counters.pool_waits);
+                    Tally::bump(&counters.pool_waits);
                 }
                 if took_over {
-                    count(&counters.takeovers);
+                    Tally::bump(&counters.takeovers);
                 }
                 return Ok(Acquired::Owner(Owner {
                     inner: Arc::clone(inner),
@@ -394,20 +389,20 @@ pub(crate) async fn acquire(
             Look::Replay(result) => {
                 let record = Record::from_stored(result);
                 if record.fingerprint() != fingerprint.as_ref() {
-                    count(&counters.fingerprint_mismatches);
+                    Tally::bump(&counters.fingerprint_mismatches);
                     return Err(Error::FingerprintMismatch { key: shown(key) });
                 }
-                count(&counters.replays);
+                Tally::bump(&counters.replays);
                 return Ok(Acquired::Replay(record));
             }
             Look::Mismatch => {
-                count(&counters.fingerprint_mismatches);
+                Tally::bump(&counters.fingerprint_mismatches);
                 return Err(Error::FingerprintMismatch { key: shown(key) });
             }
             Look::Busy(lease_left) => lease_left,
         };
         if options.in_flight() == InFlight::Reject {
-            count(&counters.in_flight);
+            Tally::bump(&counters.in_flight);
             return Err(Error::InFlight {
                 key: shown(key),
                 retry_after: lease_left.clamp(Duration::from_millis(1), Duration::from_secs(1)),
@@ -415,7 +410,7 @@ pub(crate) async fn acquire(
         }
         let now = Instant::now();
         if now >= deadline {
-            count(&counters.in_flight);
+            Tally::bump(&counters.in_flight);
             return Err(Error::Timeout {
                 key: shown(key),
                 after: options.wait_timeout(),
@@ -456,7 +451,7 @@ impl Owner {
         Ok(match row {
             Some(row) => {
                 self.txid = Some(row.try_get(0)?);
-                count(&self.inner.runs.fresh);
+                Tally::bump(&self.inner.runs.fresh);
                 Locked::Yes
             }
             None => {
@@ -511,13 +506,13 @@ impl Owner {
     /// The key's claim ended with the transaction's commit: nothing to release.
     pub(crate) fn committed(&mut self) {
         self.held = false;
-        count(&self.inner.runs.committed);
+        Tally::bump(&self.inner.runs.committed);
     }
 
     /// Frees the key (through the pool) so a retry runs at once; if that fails, its grace
     /// lapses. Counts a rollback.
     pub(crate) async fn release(&mut self) {
-        count(&self.inner.runs.rolled_back);
+        Tally::bump(&self.inner.runs.rolled_back);
         if !std::mem::replace(&mut self.held, false) {
             return;
         }
