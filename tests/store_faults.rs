@@ -423,6 +423,24 @@ async fn i_an_owner_gives_up_storing_only_when_its_claim_has_certainly_lapsed() 
     }
 }
 
+/// The owner of `job:1` on `a`, its function running for `runs_for` (returns 1).
+fn slow_owner(
+    a: &Runtime,
+    runs: &Runs,
+    options: &IdempotencyOptions,
+    runs_for: Duration,
+) -> tokio::task::JoinHandle<Result<IdempotencyOutcome<u32>, Error>> {
+    let (a, runs, options) = (a.clone(), runs.clone(), options.clone());
+    tokio::spawn(async move {
+        let slow = move || async move {
+            runs.hit();
+            tokio::time::sleep(runs_for).await;
+            Ok::<_, std::io::Error>(1u32)
+        };
+        a.idempotency().run_with("job:1", options, slow).await
+    })
+}
+
 /// A renewal the store failed is tried again sooner than the next period,
 /// so a store back from an outage hears from the live owner before its
 /// lease lapses; a duplicate elsewhere never takes the key over.
@@ -435,17 +453,7 @@ async fn i_a_failed_renewal_is_retried_before_the_next_period() {
         .with_lease(Duration::from_secs(3))
         .with_wait_timeout(Duration::from_secs(10));
     let runs = Runs::default();
-    let owner = tokio::spawn({
-        let (a, runs, options) = (a.clone(), runs.clone(), options.clone());
-        async move {
-            let slow = move || async move {
-                runs.hit();
-                tokio::time::sleep(Duration::from_secs(4)).await;
-                Ok::<_, std::io::Error>(1u32)
-            };
-            a.idempotency().run_with("job:1", options, slow).await
-        }
-    });
+    let owner = slow_owner(&a, &runs, &options, Duration::from_secs(4));
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     // The period's two renewals (at 1 s and 2 s) and the retries between.
     assert!(
@@ -481,17 +489,7 @@ async fn i_renewal_retries_close_in_on_the_end_of_the_lease() {
         .with_lease(Duration::from_secs(2))
         .with_wait_timeout(Duration::from_secs(10));
     let runs = Runs::default();
-    let owner = tokio::spawn({
-        let (a, runs, options) = (a.clone(), runs.clone(), options.clone());
-        async move {
-            let slow = move || async move {
-                runs.hit();
-                tokio::time::sleep(Duration::from_secs(3)).await;
-                Ok::<_, std::io::Error>(1u32)
-            };
-            a.idempotency().run_with("job:1", options, slow).await
-        }
-    });
+    let owner = slow_owner(&a, &runs, &options, Duration::from_secs(3));
     tokio::time::sleep(Duration::from_millis(1_650)).await;
     store.set("renew", Fault::Pass);
     tokio::time::sleep(Duration::from_millis(400)).await;
